@@ -1,0 +1,35 @@
+"""condcomp: conditional computation over attention heads.
+
+Heads are experts that each input (or token) may use or skip: a budget policy says how many, a router says
+which, an executor computes only those. See docs/concepts.md.
+"""
+
+from condcomp import executors, integrations, policies, routers  # noqa: F401  (fill the registries)
+from condcomp.adapters import AttentionAdapter, register_adapter
+from condcomp.api import apply_, aux_loss, head_usage, remove_, routed_modules, set_progress
+from condcomp.attention import HeadAttention
+from condcomp.config import CondCompConfig
+from condcomp.executors.auto import get_executor
+from condcomp.plans import budget_k, full_plan, plan_from_active, plan_top_k, top_k_mask
+from condcomp.protocols import BudgetPolicy, Executor, Router
+from condcomp.registry import (
+    list_executors,
+    list_policies,
+    list_routers,
+    register_executor,
+    register_policy,
+    register_router,
+)
+from condcomp.routed import RoutedAttention
+from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "CondCompConfig",
+    "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "RoutedAttention", "Router",
+    "apply_", "aux_loss", "budget_k", "full_plan", "get_executor", "head_usage", "list_executors",
+    "list_policies", "list_routers", "plan_from_active", "plan_top_k", "register_adapter",
+    "register_executor", "register_policy", "register_router", "remove_", "routed_modules", "set_progress",
+    "top_k_mask",
+]

@@ -1,0 +1,171 @@
+"""Model-level entry points: apply_ / remove_, set_progress, aux_loss, head_usage."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
+from condcomp.config import CondCompConfig
+from condcomp.registry import POLICIES, ROUTERS
+from condcomp.routed import RoutedAttention
+from condcomp.types import HeadUsage
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    if pattern.startswith("."):
+        return name.endswith(pattern)
+    return name == pattern
+
+
+def _layer_facts(adapter: Any) -> dict[str, int]:
+    L = adapter.layout
+    return {"d_model": L.d_model, "num_heads": L.num_heads, "num_kv_heads": L.num_kv_heads, "head_dim": L.head_dim}
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module") -> RoutedAttention:
+    """One supported attention module -> RoutedAttention (components built from ``config``)."""
+    adapter_cls = find_adapter(module)
+    if adapter_cls is None:
+        raise TypeError(f"{name} ({type(module).__qualname__}) is not a supported attention module; "
+                        f"supported: {', '.join(supported_classes())}")
+    reason = adapter_cls.unsupported_reason(module)
+    if reason is not None:
+        raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): {reason}")
+    adapter = adapter_cls(module)
+    facts = _layer_facts(adapter)
+    device = _module_device(module)
+    if policy is None:
+        policy = POLICIES.build(*config.policy, facts=facts)
+    router = ROUTERS.build(*config.router, facts=facts)
+    for component in (policy, router):
+        if isinstance(component, nn.Module):
+            component.to(device)  # routing stays float32 whatever the model's dtype (decisions need the range)
+    return RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
+
+
+def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
+    """Wrap the attention modules of ``model`` in place; returns the wrapped module names.
+
+    >>> import condcomp
+    >>> layer = nn.TransformerEncoderLayer(32, 4, batch_first=True)
+    >>> condcomp.apply_(layer, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random"))
+    ['self_attn']
+    """
+    config = config or CondCompConfig()
+    load_integrations_for(model)
+    if isinstance(model, RoutedAttention) or any(isinstance(m, RoutedAttention) for m in model.modules()):
+        raise ValueError("model already contains RoutedAttention modules; call condcomp.remove_(model) first")
+    candidates: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(c + ".") or c == "" for c in candidates):
+            continue  # inside a module already chosen: one wrapped module per attention layer
+        if find_adapter(module) is not None:
+            candidates.append(name)
+    targets, excludes = config.target_modules, config.exclude_modules
+    if targets is not None:
+        for pattern in targets:
+            hits = [n for n, _ in model.named_modules() if _matches(n, pattern)]
+            unsupported = [n for n in hits if n not in candidates]
+            if unsupported:
+                kinds = {n: type(model.get_submodule(n)).__qualname__ for n in unsupported}
+                raise ValueError(f"target {pattern!r} matches modules that are not supported attention modules: "
+                                 f"{kinds}; supported classes: {', '.join(supported_classes())}")
+    chosen = [n for n in candidates
+              if (targets is None or any(_matches(n, p) for p in targets))
+              and not (excludes and any(_matches(n, p) for p in excludes))]
+    if not chosen:
+        seen = sorted({f"{n or '<root>'} ({type(m).__qualname__})" for n, m in model.named_modules()
+                       if "attention" in type(m).__name__.lower() or "attn" in n.split(".")[-1].lower()})
+        raise ValueError("apply_ matched no attention module. Attention-like modules in the model: "
+                         f"{seen or 'none'}; supported classes: {', '.join(supported_classes())}; "
+                         f"target_modules={targets}, exclude_modules={excludes}")
+    for adapter_cls in {find_adapter(model.get_submodule(n)) for n in chosen}:
+        assert adapter_cls is not None
+        adapter_cls.prepare(model)
+    shared = None
+    if config.share_policy:
+        first = model.get_submodule(chosen[0])
+        adapter_cls = find_adapter(first)
+        assert adapter_cls is not None
+        shared = POLICIES.build(*config.policy, facts=_layer_facts(adapter_cls(first)))
+    for name in chosen:
+        module = model.get_submodule(name)
+        routed = wrap_module(module, config, shared, name)
+        if name == "":
+            raise ValueError("the model itself is an attention module: use condcomp.RoutedAttention.wrap(model, cfg)")
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, routed)
+    return chosen
+
+
+def routed_modules(model: nn.Module) -> dict[str, RoutedAttention]:
+    """Every RoutedAttention in ``model`` by module name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, RoutedAttention)}
+
+
+def remove_(model: nn.Module) -> list[str]:
+    """Put every original attention module back (with any parameter the wrapper received since)."""
+    found = routed_modules(model)
+    if not found:
+        raise ValueError("remove_: the model contains no RoutedAttention (was condcomp.apply_ called on it?)")
+    for name, routed in found.items():
+        base = routed.base
+        for pname, p in routed.named_parameters(recurse=False):
+            if pname in base._parameters and base._parameters[pname] is not p:
+                base._parameters[pname] = p
+        for cname, child in routed.named_children():
+            if cname in base._modules and base._modules[cname] is not child:
+                base._modules[cname] = child
+        base.train(routed.training)
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, base)
+    for adapter_cls in {type(r.adapter) for r in found.values()}:
+        adapter_cls.restore(model)
+    return list(found)
+
+
+def set_progress(model: nn.Module, progress: float) -> None:
+    """Step every schedule (temperature, noise, entropy coefficient) to training progress in [0, 1]."""
+    if not 0.0 <= float(progress) <= 1.0:
+        raise ValueError(f"progress must be in [0, 1], got {progress}")
+    seen: set[int] = set()
+    for routed in routed_modules(model).values():
+        for component in (routed.condcomp_policy, routed.condcomp_router):
+            step = getattr(component, "set_progress", None)
+            if id(component) not in seen and callable(step):
+                seen.add(id(component))
+                step(float(progress))
+
+
+def aux_loss(model: nn.Module) -> Tensor:
+    """Sum of the last forward's (already weighted) auxiliary losses; a zero tensor when there are none."""
+    total: Tensor | None = None
+    for routed in routed_modules(model).values():
+        for value in routed.aux_losses().values():
+            total = value if total is None else total + value
+    if total is None:
+        p = next(model.parameters(), None)
+        return torch.zeros((), device=p.device if p is not None else None)
+    return total
+
+
+def head_usage(model: nn.Module) -> dict[str, HeadUsage]:
+    """Per wrapped layer: ``HeadUsage(s_mean, k_frac, flop_frac)`` of the last forward."""
+    out = {}
+    for name, routed in routed_modules(model).items():
+        usage = routed.head_usage()
+        if usage is not None:
+            out[name] = usage
+    return out

@@ -1,0 +1,91 @@
+"""CondCompConfig: which policy, router and executor, and which modules to wrap. Validated; JSON round-trip."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Union
+
+from condcomp.registry import EXECUTORS, POLICIES, ROUTERS
+
+ComponentSpec = Union[str, tuple[str, dict[str, Any]], list[Any]]
+
+
+def normalize_spec(spec: Any, role: str) -> tuple[str, dict[str, Any]]:
+    """``"key"`` or ``("key", {kwargs})`` (or a JSON list of the same) -> ``("key", kwargs)``."""
+    if isinstance(spec, str):
+        return spec.lower(), {}
+    if isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], dict):
+        return spec[0].lower(), dict(spec[1])
+    raise TypeError(f"{role} must be a key like 'fixed' or a pair like ('fixed', {{'fraction': 0.5}}), got {spec!r}")
+
+
+def _patterns(value: Any, name: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(f"{name} must be None, a string or a list of strings, got {value!r}")
+
+
+@dataclass
+class CondCompConfig:
+    """What to wrap and how.
+
+    - ``policy``: budget policy key or ``(key, kwargs)``: ``"full"``, ``("fixed", {"fraction": 0.5})``, ...
+    - ``router``: router key or ``(key, kwargs)``.
+    - ``executor``: ``"reference" | "masked" | "gathered" | "auto"``.
+    - ``target_modules`` / ``exclude_modules``: None (every supported attention module) or patterns: an exact
+      module name, ``".suffix"`` (name ends with it) or ``"re:<regex>"`` (full match).
+    - ``share_policy``: one budget policy for all wrapped layers (one budget per example for the whole model).
+    - ``check_inputs``: reject NaN/inf inputs with a clear error instead of letting them propagate.
+
+    >>> cfg = CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random", executor="masked")
+    >>> CondCompConfig.from_dict(cfg.to_dict()) == cfg
+    True
+    """
+
+    policy: Any = "full"
+    router: Any = "topk"
+    executor: str = "auto"
+    target_modules: Any = None
+    exclude_modules: Any = None
+    share_policy: bool = False
+    check_inputs: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.policy = normalize_spec(self.policy, "policy")
+        self.router = normalize_spec(self.router, "router")
+        POLICIES.check_kwargs(*self.policy)
+        ROUTERS.check_kwargs(*self.router)
+        if not isinstance(self.executor, str):
+            raise TypeError(f"executor must be a string key, got {self.executor!r}")
+        self.executor = self.executor.lower()
+        if self.executor != "auto":
+            EXECUTORS.get(self.executor)
+        self.target_modules = _patterns(self.target_modules, "target_modules")
+        self.exclude_modules = _patterns(self.exclude_modules, "exclude_modules")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["policy"] = [self.policy[0], self.policy[1]]
+        d["router"] = [self.router[0], self.router[1]]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CondCompConfig:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"unknown CondCompConfig fields {unknown}; valid: {sorted(cls.__dataclass_fields__)}")
+        return cls(**known)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CondCompConfig:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,91 @@
+"""Attention masks and rotary embeddings in the one form every executor consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from condcomp.types import AttentionInputs
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """What an executor passes to its attention kernel.
+
+    ``mask`` is None (no masking, or plain causal with ``is_causal``), a bool ``(B|1, H|1, T, S)`` tensor
+    (True = may attend) or an additive float tensor of that shape. Query rows with no allowed key are
+    ``dead`` ``(B|1, H|1, T)``: their mask row is opened (so softmax stays finite) and executors zero their
+    output afterwards, which is why an all-padding row yields zeros rather than NaN.
+    """
+
+    mask: Tensor | None
+    is_causal: bool
+    dead: Tensor | None
+
+    def for_rows(self, rows: Tensor, heads: Tensor) -> AttentionMask:
+        """The mask of the (example, head) pairs ``rows (P,)``, ``heads (P,)``, as ``(P, 1, T, S)``."""
+        if self.mask is None:
+            return self
+        m = self.mask
+        b = rows if m.shape[0] > 1 else torch.zeros_like(rows)
+        h = heads if m.shape[1] > 1 else torch.zeros_like(heads)
+        dead = None
+        if self.dead is not None:
+            db = rows if self.dead.shape[0] > 1 else torch.zeros_like(rows)
+            dh = heads if self.dead.shape[1] > 1 else torch.zeros_like(heads)
+            dead = self.dead[db, dh].unsqueeze(1)  # (P, 1, T)
+        return AttentionMask(m[b, h].unsqueeze(1), self.is_causal, dead)
+
+
+def causal_allowed(T: int, S: int, device: torch.device) -> Tensor:
+    """Bottom-right aligned causal mask ``(T, S)``: query i sees keys ``j <= i + S - T`` (KV-cache decoding)."""
+    i = torch.arange(T, device=device).unsqueeze(1)
+    j = torch.arange(S, device=device).unsqueeze(0)
+    return j <= i + (S - T)
+
+
+def build_attention_mask(inputs: AttentionInputs, causal: bool, dtype: torch.dtype) -> AttentionMask:
+    """Combine key padding, causal structure and an additive bias into one :class:`AttentionMask`."""
+    x = inputs.x
+    T, S, device = x.shape[1], inputs.num_keys, x.device
+    if inputs.key_mask is None and inputs.attn_bias is None:
+        if not causal or T == S:
+            return AttentionMask(None, causal, None)
+    allowed: Tensor | None = None
+    if inputs.key_mask is not None:
+        allowed = inputs.key_mask[:, None, None, :].bool()  # (B, 1, 1, S)
+    if causal:
+        c = causal_allowed(T, S, device)[None, None]  # (1, 1, T, S)
+        allowed = c if allowed is None else allowed & c
+    if inputs.attn_bias is None:
+        assert allowed is not None
+        allowed = allowed.expand(allowed.shape[0], 1, T, S)
+        dead = ~allowed.any(-1)  # (B|1, 1, T); no branch on it: that would sync the device every layer
+        return AttentionMask(allowed | dead.unsqueeze(-1), False, dead)
+    bias = inputs.attn_bias.to(dtype)
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    bias = bias.expand(bias.shape[0], bias.shape[1], T, S)
+    dead = torch.isneginf(bias).all(-1)  # (B|1, H|1, T)
+    return AttentionMask(bias.masked_fill(dead.unsqueeze(-1), 0.0), False, dead)
+
+
+def dead_rows(mask: AttentionMask, B: int, T: int) -> Tensor | None:
+    """``(B, T)`` True where a query row has no allowed key in any head (its output is exactly zero)."""
+    if mask.dead is None:
+        return None
+    return mask.dead.all(1).expand(B, T)
+
+
+def rotate_half(t: Tensor) -> Tensor:
+    a, b = t.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rotary(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half rotary embedding of ``t (N, h, T, Dh)`` with ``cos``/``sin`` ``(N, T, Dh)``."""
+    return t * cos.unsqueeze(1) + rotate_half(t) * sin.unsqueeze(1)

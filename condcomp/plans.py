@@ -1,0 +1,136 @@
+"""The budget rule and the constructors of HeadPlan that every router shares."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from condcomp.types import HeadPlan
+
+Rounding = Literal["floor", "ceil", "round"]
+GateMode = Literal["binary", "weighted", "renormalized"]
+
+# s * H computed in float can land a hair off an integer (0.3 * 10 = 3.0000000000000004); the budget rule
+# must not turn that into an extra or a missing head.
+_ROUNDING_SLACK = 1e-6
+
+
+def budget_k(s: Tensor, num_heads: int, k_min: int = 1, rounding: Rounding = "floor") -> Tensor:
+    """The decided budget rule: ``k = clamp(floor(s * H), k_min, H)`` (int64, same shape as ``s``).
+
+    >>> budget_k(torch.tensor([0.085, 0.5, 1.0]), 8).tolist()
+    [1, 4, 8]
+    >>> budget_k(torch.tensor([0.0]), 8, k_min=0).tolist()
+    [0]
+    """
+    if not 0 <= k_min <= num_heads:
+        raise ValueError(f"k_min must be in [0, num_heads={num_heads}], got {k_min}")
+    raw = s.detach().float() * num_heads
+    if rounding == "floor":
+        k = torch.floor(raw + _ROUNDING_SLACK)
+    elif rounding == "ceil":
+        k = torch.ceil(raw - _ROUNDING_SLACK)
+    elif rounding == "round":
+        k = torch.round(raw)
+    else:
+        raise ValueError(f"rounding must be 'floor', 'ceil' or 'round', got {rounding!r}")
+    return k.clamp(k_min, num_heads).long()
+
+
+def plan_from_active(
+    active: Tensor,
+    gates: Tensor | None = None,
+    aux_losses: dict[str, Tensor] | None = None,
+) -> HeadPlan:
+    """A HeadPlan from a bool selection ``(B, H)`` (sequence) or ``(B, T, H)`` (token) and optional gates.
+
+    Gates of inactive heads are forced to zero with no gradient, so every executor, whether it computes an
+    inactive head or skips it, gives the same outputs and gradients.
+
+    >>> p = plan_from_active(torch.tensor([[True, False, True]]))
+    >>> p.counts.tolist(), p.order.tolist()
+    ([2], [[0, 2, 1]])
+    """
+    if active.dtype != torch.bool:
+        raise TypeError(f"active must be a bool tensor, got {active.dtype}")
+    if active.dim() not in (2, 3):
+        raise ValueError(f"active must be (B, H) or (B, T, H), got shape {tuple(active.shape)}")
+    H = active.shape[-1]
+    if gates is None:
+        gates = active.float()
+    elif gates.shape != active.shape:
+        raise ValueError(f"gates {tuple(gates.shape)} and active {tuple(active.shape)} must have the same shape")
+    gates = gates.masked_fill(~active, 0.0)
+    heads = torch.arange(H, device=active.device)
+    order = torch.argsort((~active).long() * H + heads, dim=-1)  # active heads first, each group ascending
+    return HeadPlan(
+        granularity="sequence" if active.dim() == 2 else "token",
+        gates=gates,
+        active=active,
+        counts=active.sum(-1),
+        order=order,
+        aux_losses=dict(aux_losses or {}),
+    )
+
+
+def top_k_mask(scores: Tensor, k: Tensor | int) -> Tensor:
+    """Bool mask of the ``k`` highest scores along the last dim; ``k`` may vary per row (ties: lower index)."""
+    H = scores.shape[-1]
+    if isinstance(k, int):
+        k = torch.full(scores.shape[:-1], k, device=scores.device, dtype=torch.long)
+    if k.shape != scores.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} must match the score rows {tuple(scores.shape[:-1])}")
+    ranks = torch.argsort(torch.argsort(scores.detach(), dim=-1, descending=True, stable=True), dim=-1)
+    return ranks < k.clamp(0, H).unsqueeze(-1)
+
+
+def plan_top_k(
+    scores: Tensor,
+    k: Tensor | int,
+    gates: GateMode = "binary",
+    straight_through: bool = False,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    aux_losses: dict[str, Tensor] | None = None,
+) -> HeadPlan:
+    """Keep the ``k`` best-scoring heads of each row.
+
+    ``scores``: ``(B, H)`` for one head set per example or ``(B, T, H)`` per token; ``k``: int or ``(B,)`` /
+    ``(B, T)``. ``gates``: ``"binary"`` (1 for selected heads), ``"weighted"`` (the softmax probability of
+    ``scores / temperature``) or ``"renormalized"`` (that probability renormalised over the selected heads and
+    scaled by their count, so uniform scores give gates of 1). ``straight_through`` makes binary gates carry
+    the softmax's gradient (value 1, gradient of the probability). ``mask (B, T)`` (token scores only): padding
+    tokens get no heads.
+
+    >>> p = plan_top_k(torch.tensor([[0.1, 3.0, 2.0, -1.0]]), 2)
+    >>> p.active.tolist()
+    [[False, True, True, False]]
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    active = top_k_mask(scores, k)
+    if mask is not None:
+        if scores.dim() != 3:
+            raise ValueError("mask applies to per-token scores (B, T, H) only")
+        active = active & mask.bool().unsqueeze(-1)
+    probs = torch.softmax(scores.float() / temperature, dim=-1)
+    if gates == "binary":
+        g = active.float()
+        if straight_through:
+            g = g + probs - probs.detach()
+    elif gates == "weighted":
+        g = probs
+    elif gates == "renormalized":
+        kept = probs.masked_fill(~active, 0.0)
+        g = kept / kept.sum(-1, keepdim=True).clamp_min(1e-9) * active.sum(-1, keepdim=True)
+    else:
+        raise ValueError(f"gates must be 'binary', 'weighted' or 'renormalized', got {gates!r}")
+    return plan_from_active(active, g, aux_losses)
+
+
+def full_plan(batch: int, num_heads: int, device: torch.device, tokens: int | None = None) -> HeadPlan:
+    """Every head active with gate 1: the plan that must reproduce the unwrapped module."""
+    shape = (batch, num_heads) if tokens is None else (batch, tokens, num_heads)
+    return plan_from_active(torch.ones(shape, dtype=torch.bool, device=device))

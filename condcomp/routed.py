@@ -1,0 +1,174 @@
+"""RoutedAttention: an attention module plus a budget policy, a router and an executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from condcomp.adapters import AttentionAdapter
+from condcomp.executors.auto import resolve_executor
+from condcomp.flops import flop_fraction, routing_flops
+from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadPlan, HeadUsage
+
+
+@dataclass(frozen=True)
+class LastForward:
+    """What the last forward decided, detached; turned into numbers only when someone asks (no device sync)."""
+
+    s: Tensor  # (B,) or (B, T)
+    plan: HeadPlan
+    mask: Tensor | None  # (B, T)
+    T: int
+    S: int
+
+
+class RoutedAttention(nn.Module):
+    """A wrapped attention module whose heads are chosen per input (or per token).
+
+    It holds the original module's parameters, buffers and children under their original names (so
+    ``state_dict`` keys, optimisers and ``from_pretrained`` keep working), answers the original call
+    signature, and adds ``condcomp_policy`` and ``condcomp_router``. ``condcomp.remove_`` puts the original
+    module back.
+
+    >>> import condcomp
+    >>> layer = condcomp.HeadAttention(32, 4)
+    >>> routed = condcomp.RoutedAttention.wrap(layer, condcomp.CondCompConfig(policy="full", router="random"))
+    >>> routed(torch.randn(2, 5, 32)).shape
+    torch.Size([2, 5, 32])
+    """
+
+    def __init__(self, base: nn.Module, adapter: AttentionAdapter, policy: Any, router: Any,
+                 executor: str = "auto", check_inputs: bool = False) -> None:
+        super().__init__()
+        for name, p in base.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in base.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in base._non_persistent_buffers_set)
+        for name, child in base.named_children():
+            self.add_module(name, child)
+        self.adapter = adapter
+        self.condcomp_policy = policy
+        self.condcomp_router = router
+        self.executor = executor
+        self.check_inputs = check_inputs
+        self.last: LastForward | None = None
+        for attr, value in adapter.attribute_overrides().items():
+            object.__setattr__(self, attr, value)
+        # Set last, and deliberately not as a submodule (its parts are registered above): before this line the
+        # attribute fallback below is off, so registration cannot mistake the original's attributes for ours.
+        object.__setattr__(self, "_base", base)
+        self.train(base.training)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            # Code around the module reads its configuration (num_heads, batch_first, head_dim, ...).
+            base = self.__dict__.get("_base")
+            if base is None or name.startswith("__"):
+                raise
+            return getattr(base, name)
+
+    @classmethod
+    def wrap(cls, module: nn.Module, config: Any = None, policy: Any = None) -> RoutedAttention:
+        """Wrap one supported attention module (``policy`` lets several layers share one)."""
+        from condcomp.api import wrap_module
+        from condcomp.config import CondCompConfig
+
+        return wrap_module(module, config or CondCompConfig(), policy)
+
+    @property
+    def base(self) -> nn.Module:
+        """The original module (its parameters are the ones this module trains)."""
+        return self._base  # type: ignore[no-any-return]
+
+    @property
+    def layout(self):  # noqa: ANN201 - HeadLayout
+        return self.adapter.layout
+
+    def weights(self) -> AttentionWeights:
+        return self.adapter.weights(self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.adapter.forward(self, *args, **kwargs)
+
+    def attend(self, inputs: AttentionInputs) -> Tensor:
+        """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``."""
+        self._validate(inputs)
+        weights = self.weights()
+        budget: Budget = self.condcomp_policy(inputs.x, inputs.mask)
+        plan: HeadPlan = self.condcomp_router(inputs.x, inputs.mask, budget, weights)
+        self._validate_plan(plan, inputs)
+        plan = plan.with_aux(budget.aux_losses)
+        executor = resolve_executor(self.executor, weights, inputs, plan)
+        y = executor(weights, inputs, plan)
+        self.last = LastForward(budget.s.detach(), _detached(plan), inputs.mask, inputs.x.shape[1], inputs.num_keys)
+        return y
+
+    def head_usage(self) -> HeadUsage | None:
+        """``HeadUsage`` of the last forward, or None before the first one."""
+        last = self.last
+        if last is None:
+            return None
+        s, plan, mask = last.s.float(), last.plan, last.mask
+        H = plan.num_heads
+        counts = plan.counts.float() / H
+        if plan.granularity == "token" and mask is not None:
+            m = mask.bool()
+            k_frac = float(counts[m].mean()) if bool(m.any()) else 0.0
+        else:
+            k_frac = float(counts.mean()) if counts.numel() else 0.0
+        if s.dim() == 2 and mask is not None and bool(mask.any()):
+            s_mean = float(s[mask.bool()].mean())
+        else:
+            s_mean = float(s.mean()) if s.numel() else 0.0
+        extra = routing_flops(self.condcomp_policy, last.T) + routing_flops(self.condcomp_router, last.T)
+        return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra))
+
+    def aux_losses(self) -> dict[str, Tensor]:
+        return {} if self.last is None else self.last.plan.aux_losses
+
+    def set_progress(self, progress: float) -> None:
+        for component in (self.condcomp_policy, self.condcomp_router):
+            step = getattr(component, "set_progress", None)
+            if callable(step):
+                step(progress)
+
+    def _validate(self, inputs: AttentionInputs) -> None:
+        x, L = inputs.x, self.layout
+        if x.dim() != 3:
+            raise ValueError(f"{type(self.base).__name__}: expected input of shape (B, T, D={L.d_model}), "
+                             f"got {tuple(x.shape)}")
+        if x.shape[-1] != L.d_model:
+            raise ValueError(f"{type(self.base).__name__}: input width {x.shape[-1]} does not match the "
+                             f"layer's d_model={L.d_model}")
+        if not x.is_floating_point():
+            raise TypeError(f"attention input must be floating point, got {x.dtype}")
+        B, T = x.shape[:2]
+        if inputs.mask is not None and tuple(inputs.mask.shape) != (B, T):
+            raise ValueError(f"padding mask must be (B, T) = {(B, T)}, got {tuple(inputs.mask.shape)}")
+        S = inputs.num_keys
+        if inputs.key_mask is not None and tuple(inputs.key_mask.shape) != (B, S):
+            raise ValueError(f"key padding mask must be (B, S) = {(B, S)}, got {tuple(inputs.key_mask.shape)}")
+        if self.check_inputs and not bool(torch.isfinite(x).all()):
+            bad = (~torch.isfinite(x)).flatten(1).any(1).nonzero().flatten().tolist()
+            raise ValueError(f"non-finite values (NaN or inf) in the attention input of examples {bad}; "
+                             "check_inputs=True rejects them (set it False to let them propagate)")
+
+    def _validate_plan(self, plan: HeadPlan, inputs: AttentionInputs) -> None:
+        B, T = inputs.x.shape[:2]
+        H = self.layout.num_heads
+        want = (B, H) if plan.granularity == "sequence" else (B, T, H)
+        if tuple(plan.gates.shape) != want:
+            raise ValueError(f"router {type(self.condcomp_router).__name__} returned a {plan.granularity} plan "
+                             f"with gates {tuple(plan.gates.shape)}; expected {want}")
+
+    def extra_repr(self) -> str:
+        return f"base={type(self.base).__name__}, executor={self.executor!r}"
+
+
+def _detached(plan: HeadPlan) -> HeadPlan:
+    return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {})

@@ -1,0 +1,181 @@
+"""The carriers passed between roles: Budget, HeadPlan, HeadUsage, AttentionWeights, AttentionInputs.
+
+Shape letters: B batch, T query tokens, S key tokens, D model width, H query heads, Hkv key/value heads,
+Dh head width, k active heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Granularity = Literal["sequence", "token"]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many heads each row may use: the fraction ``s`` and the integer ``k``.
+
+    ``s`` and ``k`` are ``(B,)`` for a per-example budget or ``(B, T)`` for a per-token budget.
+    ``aux_losses`` holds already-weighted auxiliary losses (for example the budget hinge).
+
+    >>> b = Budget(s=torch.tensor([0.5]), k=torch.tensor([4]))
+    >>> b.granularity
+    'sequence'
+    """
+
+    s: Tensor
+    k: Tensor
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def granularity(self) -> Granularity:
+        return "sequence" if self.k.dim() == 1 else "token"
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which heads each row computes and with what gate; the only thing an executor obeys.
+
+    - ``gates``: ``(B, H)`` for granularity ``"sequence"`` or ``(B, T, H)`` for ``"token"``. A head's output is
+      multiplied by its gate; gates of inactive heads are zero and carry no gradient.
+    - ``active``: bool, same shape as ``gates``: the heads that are computed.
+    - ``counts``: ``(B,)`` or ``(B, T)`` int64, active heads per row.
+    - ``order``: same shape as ``gates``, int64: head indices with the active ones first (ascending), so
+      ``order[..., :counts]`` are the selected heads; the gathered executor packs from it.
+    - ``aux_losses``: already-weighted auxiliary losses of the router (and policy) for ``aux_loss``.
+
+    Build one with :func:`condcomp.plan_from_active` or :func:`condcomp.plan_top_k`.
+    """
+
+    granularity: Granularity
+    gates: Tensor
+    active: Tensor
+    counts: Tensor
+    order: Tensor
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.gates.shape[-1])
+
+    def with_aux(self, extra: dict[str, Tensor]) -> HeadPlan:
+        """A copy with more auxiliary losses (keys of ``extra`` win)."""
+        return HeadPlan(self.granularity, self.gates, self.active, self.counts, self.order,
+                        {**self.aux_losses, **extra})
+
+
+@dataclass(frozen=True)
+class HeadUsage:
+    """Statistics of one layer's last forward, kept apart on purpose (see docs/concepts.md).
+
+    ``s_mean``: predicted budget fraction; ``k_frac``: realised fraction of heads computed; ``flop_frac``:
+    analytic FLOPs of the plan (routing included) relative to dense attention.
+    """
+
+    s_mean: float
+    k_frac: float
+    flop_frac: float
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Static shape facts of one attention module."""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    causal: bool = False
+    dropout_p: float = 0.0
+    kdim: int | None = None  # width of the key input when it differs from d_model (cross-attention)
+    vdim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_kv_heads < 1 or self.head_dim < 1:
+            raise ValueError(f"heads and head width must be positive, got {self}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """Per-call views of an attention module's parameters, in the canonical per-head layout.
+
+    Weights are ``nn.Linear``-style ``(out, in)`` matrices: ``q_weight (H*Dh, D)``, ``k_weight (Hkv*Dh, Dk)``,
+    ``v_weight (Hkv*Dh, Dv)``, ``o_weight (D, H*Dh)``. Head ``h`` owns rows ``h*Dh:(h+1)*Dh`` of q, columns
+    ``h*Dh:(h+1)*Dh`` of o, and uses key/value head ``h // (H // Hkv)``. They are views of the wrapped module's
+    own parameters (slices of a fused projection are fine), never copies.
+    """
+
+    layout: HeadLayout
+    q_weight: Tensor
+    k_weight: Tensor
+    v_weight: Tensor
+    o_weight: Tensor
+    q_bias: Tensor | None = None
+    k_bias: Tensor | None = None
+    v_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+
+    def project_queries(self, x: Tensor, rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """All heads' queries ``(B, T, H, Dh)`` for routers that score heads by their queries."""
+        q = torch.nn.functional.linear(x, self.q_weight, self.q_bias)
+        q = q.unflatten(-1, (self.layout.num_heads, self.layout.head_dim))  # (B, T, H, Dh)
+        if rotary is not None:
+            from condcomp.masks import apply_rotary
+
+            q = apply_rotary(q.transpose(1, 2), *rotary).transpose(1, 2)
+        return q
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """One attention call in canonical form.
+
+    - ``x``: query input ``(B, T, D)``; ``key``/``value``: ``(B, S, Dk)``/``(B, S, Dv)`` for cross-attention,
+      ``None`` for self-attention.
+    - ``mask``: ``(B, T)`` bool, True = real query token (what policies pool over and routers route).
+    - ``key_mask``: ``(B, S)`` bool, True = a key that may be attended to.
+    - ``attn_bias``: additive float mask broadcastable to ``(B, H, T, S)`` (``-inf`` forbids), or None.
+    - ``rotary``: ``(cos, sin)`` each ``(B, T, Dh)`` for rotate-half rotary embeddings (query and key positions
+      are the same tokens; self-attention only), or None.
+    - ``key_states``/``value_states``: precomputed ``(B, Hkv, S, Dh)`` keys/values (a decoder's KV cache); when
+      given, executors skip the key/value projections.
+    - ``dropout_p``: attention-probability dropout for this call (0 outside training).
+    """
+
+    x: Tensor
+    key: Tensor | None = None
+    value: Tensor | None = None
+    mask: Tensor | None = None
+    key_mask: Tensor | None = None
+    attn_bias: Tensor | None = None
+    rotary: tuple[Tensor, Tensor] | None = None
+    key_states: Tensor | None = None
+    value_states: Tensor | None = None
+    dropout_p: float = 0.0
+
+    @property
+    def key_input(self) -> Tensor:
+        return self.x if self.key is None else self.key
+
+    @property
+    def value_input(self) -> Tensor:
+        if self.value is not None:
+            return self.value
+        return self.key_input
+
+    @property
+    def num_keys(self) -> int:
+        if self.key_states is not None:
+            return int(self.key_states.shape[2])
+        return int(self.key_input.shape[1])

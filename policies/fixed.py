@@ -1,0 +1,44 @@
+"""The ``fixed`` policy: a static fraction of heads for every input (fixed top-k routing)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from condcomp.plans import Rounding, budget_k
+from condcomp.registry import register_policy
+from condcomp.types import Budget
+
+
+@register_policy("fixed")
+class FixedPolicy(nn.Module):
+    """``s = fraction`` for every example; ``k = clamp(floor(s * H), k_min, H)`` (``rounding`` may be ``"ceil"``).
+
+    ``per_token=True`` gives the same budget to every token (for token routers).
+
+    >>> FixedPolicy(num_heads=8, fraction=0.3)(torch.randn(2, 3, 16), None).k.tolist()
+    [2, 2]
+    """
+
+    def __init__(self, num_heads: int, fraction: float = 0.5, k_min: int = 1, rounding: Rounding = "floor",
+                 per_token: bool = False) -> None:
+        super().__init__()
+        self.validate_options(fraction=fraction, k_min=k_min, rounding=rounding)
+        if k_min > num_heads:
+            raise ValueError(f"fixed policy: k_min={k_min} exceeds the layer's {num_heads} heads")
+        self.num_heads, self.fraction, self.k_min, self.rounding = num_heads, fraction, k_min, rounding
+        self.per_token = per_token
+
+    @staticmethod
+    def validate_options(fraction: float = 0.5, k_min: int = 1, rounding: str = "floor", **_: object) -> None:
+        if not 0.0 <= float(fraction) <= 1.0:
+            raise ValueError(f"fixed policy: fraction must be in [0, 1], got {fraction}")
+        if k_min < 0:
+            raise ValueError(f"fixed policy: k_min must be >= 0, got {k_min}")
+        if rounding not in ("floor", "ceil", "round"):
+            raise ValueError(f"fixed policy: rounding must be 'floor', 'ceil' or 'round', got {rounding!r}")
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
+        shape = x.shape[:2] if self.per_token else x.shape[:1]
+        s = torch.full(shape, float(self.fraction), device=x.device)
+        return Budget(s=s, k=budget_k(s, self.num_heads, self.k_min, self.rounding))  # type: ignore[arg-type]
