@@ -56,7 +56,7 @@ class AttentionAdapter:
     def restore(model: nn.Module) -> None:
         """Undo ``prepare`` (called by ``remove_``)."""
 
-    def weights(self, owner: nn.Module) -> AttentionWeights:
+    def weights(self, owner: Any) -> AttentionWeights:
         raise NotImplementedError
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> Any:

@@ -47,8 +47,8 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
     facts = _layer_facts(adapter)
     device = _module_device(module)
     if policy is None:
-        policy = POLICIES.build(*config.policy, facts=facts)
-    router = ROUTERS.build(*config.router, facts=facts)
+        policy = POLICIES.build(config.policy[0], config.policy[1], facts)
+    router = ROUTERS.build(config.router[0], config.router[1], facts)
     for component in (policy, router):
         if isinstance(component, nn.Module):
             component.to(device)  # routing stays float32 whatever the model's dtype (decisions need the range)
@@ -99,7 +99,7 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
         first = model.get_submodule(chosen[0])
         adapter_cls = find_adapter(first)
         assert adapter_cls is not None
-        shared = POLICIES.build(*config.policy, facts=_layer_facts(adapter_cls(first)))
+        shared = POLICIES.build(config.policy[0], config.policy[1], _layer_facts(adapter_cls(first)))
     for name in chosen:
         module = model.get_submodule(name)
         routed = wrap_module(module, config, shared, name)

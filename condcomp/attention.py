@@ -74,7 +74,7 @@ class HeadAttention(nn.Module):
         return y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)
 
 
-def linear_weights(owner: nn.Module, layout: HeadLayout) -> AttentionWeights:
+def linear_weights(owner: Any, layout: HeadLayout) -> AttentionWeights:
     """Canonical weights of a module with ``q_proj``/``k_proj``/``v_proj``/``o_proj`` linear children."""
     q, k, v, o = owner.q_proj, owner.k_proj, owner.v_proj, owner.o_proj
     return AttentionWeights(layout, q.weight, k.weight, v.weight, o.weight, q.bias, k.bias, v.bias, o.bias)
@@ -102,7 +102,7 @@ class HeadAttentionAdapter(AttentionAdapter):
         assert isinstance(module, HeadAttention)
         self.layout = module.layout
 
-    def weights(self, owner: nn.Module) -> AttentionWeights:
+    def weights(self, owner: Any) -> AttentionWeights:
         return linear_weights(owner, self.layout)
 
     def forward(self, routed: RoutedAttention, x: Tensor, mask: Tensor | None = None, *args: Any,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from condcomp.registry import EXECUTORS, POLICIES, ROUTERS
 
-ComponentSpec = Union[str, tuple[str, dict[str, Any]], list[Any]]
+ComponentSpec = str | tuple[str, dict[str, Any]] | list[Any]
 
 
 def normalize_spec(spec: Any, role: str) -> tuple[str, dict[str, Any]]:

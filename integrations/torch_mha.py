@@ -66,16 +66,15 @@ class TorchMultiheadAttentionAdapter(AttentionAdapter):
         for m in model.modules():
             if isinstance(m, nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False):
                 m.use_nested_tensor = False
-                m._condcomp_disabled_nested = True  # type: ignore[assignment]
+                m.__dict__["_condcomp_disabled_nested"] = True
 
     @staticmethod
     def restore(model: nn.Module) -> None:
         for m in model.modules():
-            if getattr(m, "_condcomp_disabled_nested", False):
+            if m.__dict__.pop("_condcomp_disabled_nested", False):
                 m.use_nested_tensor = True
-                del m._condcomp_disabled_nested
 
-    def weights(self, owner: nn.Module) -> AttentionWeights:
+    def weights(self, owner: Any) -> AttentionWeights:
         D = self.layout.d_model
         if self.fused:
             w = owner.in_proj_weight
