@@ -71,7 +71,7 @@ class TorchMultiheadAttentionAdapter(AttentionAdapter):
     @staticmethod
     def restore(model: nn.Module) -> None:
         for m in model.modules():
-            if m.__dict__.pop("_condcomp_disabled_nested", False):
+            if isinstance(m, nn.TransformerEncoder) and m.__dict__.pop("_condcomp_disabled_nested", False):
                 m.use_nested_tensor = True
 
     def weights(self, owner: Any) -> AttentionWeights:
