@@ -106,6 +106,7 @@ class RoutedAttention(nn.Module):
         executor = resolve_executor(self.executor, weights, inputs, plan)
         y = executor(weights, inputs, plan)
         self.last = LastForward(budget.s.detach(), _detached(plan), inputs.mask, inputs.x.shape[1], inputs.num_keys)
+        self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
         return y
 
     def head_usage(self) -> HeadUsage | None:
@@ -129,7 +130,8 @@ class RoutedAttention(nn.Module):
         return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra))
 
     def aux_losses(self) -> dict[str, Tensor]:
-        return {} if self.last is None else self.last.plan.aux_losses
+        """The last forward's (weighted) auxiliary losses, with their autograd graph."""
+        return self.__dict__.get("_last_aux", {})
 
     def set_progress(self, progress: float) -> None:
         for component in (self.condcomp_policy, self.condcomp_router):
