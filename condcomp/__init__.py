@@ -8,6 +8,7 @@ from condcomp import executors, integrations, policies, routers  # noqa: F401  (
 from condcomp.adapters import AttentionAdapter, register_adapter
 from condcomp.api import apply_, aux_loss, head_usage, remove_, routed_modules, set_progress
 from condcomp.attention import HeadAttention
+from condcomp.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_config, save_checkpoint
 from condcomp.config import CondCompConfig
 from condcomp.executors.auto import get_executor
 from condcomp.plans import budget_k, full_plan, plan_from_active, plan_top_k, top_k_mask
@@ -26,7 +27,8 @@ from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "CondCompConfig",
+    "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "CheckpointError",
+    "CondCompConfig", "load_checkpoint", "read_checkpoint_config", "save_checkpoint",
     "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "RoutedAttention", "Router",
     "apply_", "aux_loss", "budget_k", "full_plan", "get_executor", "head_usage", "list_executors",
     "list_policies", "list_routers", "plan_from_active", "plan_top_k", "register_adapter",
