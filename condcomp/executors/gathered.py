@@ -1,0 +1,233 @@
+"""The gathered-sparse executor: only the selected (example, head) or (token, head) pairs are computed.
+
+Sequence plans (one head set per example, variable ``k``) are bucketed by ``(k, k_kv)``: the number of active
+query heads and of key/value heads they use. Inside a bucket every example has the same shape of work, so the
+selected heads' weight slices are gathered per example and the block runs as batched matmuls (``torch.bmm``)
+and one SDPA call over ``(n, k, T, Dh)``; the output projection sums over the selected heads inside its matmul
+and each example's output row lands in place (examples belong to exactly one bucket: no scatter-add). There is
+no padding at all: the only overhead over a k-head block is gathering ``4 * k * Dh * D`` weights and the input
+rows per example, and one ``index_select`` to put the buckets back in batch order.
+
+Token plans (MoH) are in :mod:`condcomp.executors.gathered_token`.
+
+Sizing the buckets needs one host synchronisation per call (a ``bincount`` read back); nothing else syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from condcomp.executors.base import add_output_bias, zero_dead_rows
+from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, dead_rows
+from condcomp.registry import register_executor
+from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class GatherSizes:
+    """Host-side sizes of one call's packed work (the single device -> host read of the gathered path).
+
+    ``buckets``: sequence plans, ``(k, k_kv, n_examples)`` in the order the examples are sorted by.
+    ``rows_per_head``: token plans, the most tokens of one example that selected each head ``(H,)``.
+    ``work_fraction``: share of the dense block's (query row, head) work the gathered path will compute.
+    """
+
+    granularity: str
+    buckets: tuple[tuple[int, int, int], ...] = ()
+    rows_per_head: tuple[int, ...] = ()
+    work_fraction: float = 1.0
+
+
+def kv_active(plan_active: Tensor, num_kv_heads: int) -> Tensor:
+    """``(..., Hkv)`` bool: key/value heads that some active query head uses."""
+    H = plan_active.shape[-1]
+    return plan_active.unflatten(-1, (num_kv_heads, H // num_kv_heads)).any(-1)
+
+
+def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> GatherSizes:
+    """Read back the sizes that shape the packed tensors (one host synchronisation)."""
+    L = weights.layout
+    H, Hkv = L.num_heads, L.num_kv_heads
+    if plan.granularity == "sequence":
+        counts = plan.counts.long()  # (B,)
+        kvc = kv_active(plan.active, Hkv).sum(-1) if L.group_size > 1 else counts  # (B,)
+        hist = torch.bincount(counts * (Hkv + 1) + kvc, minlength=(H + 1) * (Hkv + 1)).tolist()
+        buckets = tuple((key // (Hkv + 1), key % (Hkv + 1), n) for key, n in enumerate(hist) if n)
+        B = plan.gates.shape[0]
+        work = sum(k * n for k, _, n in buckets) / max(B * H, 1)
+        return GatherSizes("sequence", buckets=buckets, work_fraction=work)
+    T = plan.gates.shape[1]
+    rows = plan.active.sum(1).amax(0).tolist() if plan.gates.shape[0] else [0] * H  # (H,)
+    return GatherSizes("token", rows_per_head=tuple(rows), work_fraction=sum(rows) / max(H * T, 1))
+
+
+def _per_head(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """An ``(n_heads * Dh, D)`` projection as ``(n_heads, Dh, D)``."""
+    return w.view(n_heads, head_dim, w.shape[-1])
+
+
+def _project(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """``x (n, T, D) @ w (n, F, D)^T (+ b (n, F))`` -> ``(n, T, F)``."""
+    if b is None:
+        return torch.bmm(x, w.transpose(1, 2))
+    return torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
+
+
+def _bucket_mask(mask: AttentionMask, idx: Tensor | None, heads: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The attention mask ``(n|1, k|1, T, S)`` and dead rows ``(n|1, k|1, T)`` of a bucket's examples."""
+
+    def rows(t: Tensor) -> Tensor:
+        if t.shape[0] > 1 and idx is not None:
+            t = t.index_select(0, idx)
+        if t.shape[1] > 1:  # per-head mask: pick the selected heads of each example
+            b = torch.arange(t.shape[0], device=t.device).unsqueeze(1)  # (n, 1)
+            t = t[b, heads]
+        return t
+
+    m = None if mask.mask is None else rows(mask.mask)
+    dead = None if mask.dead is None else rows(mask.dead)
+    return m, dead
+
+
+def _sequence_bucket(
+    w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
+    idx: Tensor | None, k: int, kkv: int,
+) -> Tensor:
+    """Output ``(n, T, D)`` of the examples ``idx`` (None = the whole batch) that each use ``k`` heads."""
+    L = w.layout
+    H, Hkv, Dh, G = L.num_heads, L.num_kv_heads, L.head_dim, L.group_size
+
+    def pick(t: Tensor) -> Tensor:
+        return t if idx is None else t.index_select(0, idx)
+
+    heads = pick(plan.order)[:, :k]  # (n, k) selected heads, ascending
+    gates = pick(plan.gates).gather(1, heads)  # (n, k)
+    x = pick(inputs.x)  # (n, T, D)
+    n, T, _ = x.shape
+    fused = inputs.key is None and inputs.value is None and inputs.key_states is None and G == 1
+    if fused:  # self-attention without GQA: one (n, T, 3kDh) matmul, as nn.MultiheadAttention fuses QKV
+        w3 = torch.stack([_per_head(t, H, Dh) for t in (w.q_weight, w.k_weight, w.v_weight)], 1)  # (H, 3, Dh, D)
+        b3 = None
+        if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
+            b3 = torch.stack([t.view(H, Dh) for t in (w.q_bias, w.k_bias, w.v_bias)], 1)  # (H, 3, Dh)
+        bias = None if b3 is None else b3[heads].reshape(n, k * 3 * Dh)
+        qkv = _project(x, w3[heads].reshape(n, k * 3 * Dh, -1), bias)  # (n, T, k*3*Dh)
+        q, kk, v = qkv.view(n, T, k, 3, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # each (n, k, T, Dh)
+    else:
+        q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh)[heads].reshape(n, k * Dh)
+        q = _project(x, _per_head(w.q_weight, H, Dh)[heads].reshape(n, k * Dh, -1), q_bias)
+        q = q.view(n, T, k, Dh).transpose(1, 2)  # (n, k, T, Dh)
+        kv_heads = heads if G == 1 else pick(torch.argsort((~kv_active(plan.active, Hkv)).byte(), dim=1, stable=True))
+        kv_heads = kv_heads[:, :kkv]  # (n, kkv) the key/value heads this bucket needs, ascending
+        if inputs.key_states is not None and inputs.value_states is not None:
+            b = torch.arange(n, device=x.device).unsqueeze(1)
+            kk, v = pick(inputs.key_states)[b, kv_heads], pick(inputs.value_states)[b, kv_heads]  # (n, kkv, S, Dh)
+        else:
+            kk, v = (
+                _project(pick(src), _per_head(wt, Hkv, Dh)[kv_heads].reshape(n, kkv * Dh, -1),
+                         None if bt is None else bt.view(Hkv, Dh)[kv_heads].reshape(n, kkv * Dh))
+                .view(n, -1, kkv, Dh).transpose(1, 2)  # (n, kkv, S, Dh)
+                for src, wt, bt in ((inputs.key_input, w.k_weight, w.k_bias),
+                                    (inputs.value_input, w.v_weight, w.v_bias))
+            )
+    if inputs.rotary is not None:
+        cos, sin = (pick(t) for t in inputs.rotary)  # (n, T, Dh)
+        q = apply_rotary(q, cos, sin)
+        if inputs.key_states is None:
+            kk = apply_rotary(kk, cos, sin)
+    if not fused and G > 1:  # each query head reads its key/value head's slot among the kkv computed ones
+        slot = (torch.cumsum(kv_active(plan.active, Hkv).long(), 1) - 1)  # (B, Hkv)
+        slot = pick(slot).gather(1, torch.div(heads, G, rounding_mode="floor"))  # (n, k)
+        ix = slot[:, :, None, None].expand(n, k, kk.shape[2], Dh)
+        kk, v = kk.gather(1, ix), v.gather(1, ix)  # (n, k, S, Dh)
+    attn_mask, dead = _bucket_mask(mask, idx, heads)
+    out = F.scaled_dot_product_attention(
+        q, kk, v, attn_mask=attn_mask, dropout_p=inputs.dropout_p, is_causal=mask.is_causal, scale=L.scale
+    )  # (n, k, T, Dh)
+    if dead is not None:
+        out = out.masked_fill(dead.unsqueeze(-1), 0.0)
+    out = out * gates.to(out.dtype)[:, :, None, None]
+    out = out.transpose(1, 2).reshape(n, T, k * Dh)  # (n, T, k*Dh)
+    wo = w.o_weight.view(-1, H, Dh).permute(1, 2, 0)  # (H, Dh, D)
+    return torch.bmm(out, wo[heads].reshape(n, k * Dh, -1))  # (n, T, D)
+
+
+def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, sizes: GatherSizes) -> Tensor:
+    """``(B, T, D)`` for a sequence plan: each bucket of equal ``(k, k_kv)`` runs as one batched block."""
+    x = inputs.x
+    B, T, _ = x.shape
+    D = w.o_weight.shape[0]
+    mask = build_attention_mask(inputs, w.layout.causal, x.dtype)
+    Hkv = w.layout.num_kv_heads
+    if len(sizes.buckets) == 1 and sizes.buckets[0][0] > 0:  # one shape of work: no gather of examples at all
+        k, kkv, _ = sizes.buckets[0]
+        y = _sequence_bucket(w, inputs, plan, mask, None, k, kkv)
+    else:
+        key = plan.counts.long() * (Hkv + 1)
+        key = key + (kv_active(plan.active, Hkv).sum(-1) if w.layout.group_size > 1 else plan.counts.long())
+        perm = torch.argsort(key, stable=True)  # (B,) examples sorted by bucket
+        parts, start = [], 0
+        for k, kkv, n in sizes.buckets:
+            idx = perm[start:start + n]
+            start += n
+            if k == 0:  # no head: the attention output is exactly zero (no bias either)
+                parts.append(x.new_zeros(n, T, D))
+            else:
+                parts.append(_sequence_bucket(w, inputs, plan, mask, idx, k, kkv))
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(B, device=perm.device)
+        y = torch.cat(parts).index_select(0, inverse) if parts else x.new_zeros(B, T, D)  # (B, T, D)
+    y = add_output_bias(y, w, plan)
+    return zero_dead_rows(y, dead_rows(mask, B, T))
+
+
+@register_executor("gathered")
+class GatheredExecutor:
+    """Computes only the selected heads: the work scales with the number of (row, head) pairs chosen.
+
+    Sequence plans run as batched matmuls per bucket of equal head count (no padding); token plans gather
+    each head's selected tokens (padding bounded by the spread of per-example counts). Same semantics as the
+    ``reference`` executor: outputs and gradients agree with it. One host synchronisation per call for sizing.
+
+    >>> import torch, condcomp
+    >>> from condcomp.executors import get_executor
+    >>> get_executor("gathered").name
+    'gathered'
+    """
+
+    name = "gathered"
+    granularities = ("sequence", "token")
+
+    def supports(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> str | None:
+        if plan.granularity not in self.granularities:
+            return f"granularity {plan.granularity!r} is not one of {self.granularities}"
+        if inputs.x.dtype not in _FLOAT_DTYPES:
+            return f"dtype {inputs.x.dtype} is not a floating dtype it supports ({_FLOAT_DTYPES})"
+        if weights.q_weight.dtype != inputs.x.dtype:
+            return (f"weights are {weights.q_weight.dtype} but the input is {inputs.x.dtype}; cast the model "
+                    "or the input so they match")
+        return None
+
+    def sizes(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> GatherSizes:
+        """The packed sizes of this call (one host synchronisation); pass them to :meth:`run` to reuse them."""
+        return gather_sizes(weights, inputs, plan)
+
+    def run(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
+            sizes: GatherSizes | None = None) -> Tensor:
+        """``(B, T, D)``; ``sizes`` from :meth:`sizes` when the caller already read them back."""
+        if sizes is None:
+            sizes = gather_sizes(weights, inputs, plan)
+        if plan.granularity == "sequence":
+            return sequence_gathered(weights, inputs, plan, sizes)
+        from condcomp.executors.gathered_token import token_gathered
+
+        return token_gathered(weights, inputs, plan, sizes)
+
+    def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
+        return self.run(weights, inputs, plan)

@@ -1,0 +1,187 @@
+"""The gathered executor against the per-head reference on the situations its packing has to get right.
+
+The registry-driven suite (test_core_executors.py) already compares it on the common cases; these add the
+paths specific to packing: several (k, k_kv) buckets at once, one bucket covering the batch, every example at
+k = 0, token plans whose shared heads run densely next to gathered routed heads, token plans with causal masks,
+rotary, GQA, per-head additive biases and a KV cache, and half-precision dtypes.
+
+Tolerances (atol, rtol) per dtype: float64 (1e-10, 1e-9): only the summation order differs; float32 (2e-5, 1e-4);
+bfloat16 and float16 (3e-2, 3e-2) on outputs, ten times looser on gradients (conftest.TOLERANCES plus float16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOLERANCES, leaf_plan, make_layout, make_weights, rotary_tables, run_and_grads, weight_leaves
+from torch import Tensor
+
+from condcomp.executors.auto import get_executor
+from condcomp.executors.gathered import gather_sizes
+from condcomp.executors.gathered_token import DENSE_HEAD_ROWS
+from condcomp.plans import top_k_mask
+from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
+
+TOL = {**TOLERANCES, torch.float16: (3e-2, 3e-2)}
+
+
+def check(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, leaves: dict[str, Tensor]) -> Tensor:
+    """Assert gathered == reference on outputs and on the gradients of every leaf; returns gathered's output."""
+    dtype = inputs.x.dtype
+    atol, rtol = TOL[dtype]
+    probe = torch.randn(inputs.x.shape[0], inputs.x.shape[1], w.layout.d_model, dtype=torch.float64).to(dtype)
+    gathered = get_executor("gathered")
+    assert gathered.supports(w, inputs, plan) is None
+    y_ref, g_ref = run_and_grads(get_executor("reference"), w, inputs, plan, leaves, probe)
+    y, g = run_and_grads(gathered, w, inputs, plan, leaves, probe)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=atol, rtol=rtol)
+    for name in leaves:
+        torch.testing.assert_close(g[name].float(), g_ref[name].float(), atol=atol * 10, rtol=rtol * 10,
+                                   msg=lambda m, n=name: f"grad of {n}: {m}")
+    return y
+
+
+def setup(B: int = 6, T: int = 7, H: int = 8, Hkv: int | None = None, Dh: int = 4, D: int = 24,
+          causal: bool = False, dtype: torch.dtype = torch.float64) -> tuple[AttentionWeights, Tensor, dict]:
+    w = make_weights(make_layout(H=H, Hkv=Hkv, Dh=Dh, D=D, causal=causal), dtype)
+    x = torch.randn(B, T, D, dtype=torch.float64).to(dtype).requires_grad_()
+    return w, x, {"x": x, **weight_leaves(w)}
+
+
+def seq_active(ks: list[int], H: int) -> Tensor:
+    return top_k_mask(torch.rand(len(ks), H), torch.tensor(ks))
+
+
+def moh_active(B: int, T: int, H: int, shared: int, top: int, mask: Tensor | None = None) -> Tensor:
+    """MoH-style: the first ``shared`` heads always, plus the top ``top`` of the others per token."""
+    routed = top_k_mask(torch.rand(B, T, H - shared), top)
+    active = torch.cat([torch.ones(B, T, shared, dtype=torch.bool), routed], -1)
+    return active if mask is None else active & mask.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("Hkv", [8, 4, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequence_many_buckets(Hkv: int, causal: bool) -> None:
+    """Variable k (0, 1, 3, 3, 5, H) and, with GQA, variable key/value head counts: several buckets in one call."""
+    w, x, leaves = setup(Hkv=Hkv, causal=causal)
+    mask = torch.ones(6, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[4, :2] = False
+    plan, gates = leaf_plan(seq_active([0, 1, 3, 3, 5, 8], 8))
+    sizes = gather_sizes(w, AttentionInputs(x=x), plan)
+    assert sum(n for _, _, n in sizes.buckets) == 6 and len(sizes.buckets) >= 5
+    y = check(w, AttentionInputs(x=x, mask=mask, key_mask=mask), plan, {**leaves, "gates": gates})
+    assert torch.equal(y[0], torch.zeros_like(y[0]))  # k = 0: exactly zero, no output bias
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 8])
+def test_sequence_one_bucket(k: int) -> None:
+    """Every example with the same k: the whole batch runs as one block without gathering examples."""
+    w, x, leaves = setup()
+    plan, gates = leaf_plan(seq_active([k] * 6, 8))
+    assert len(gather_sizes(w, AttentionInputs(x=x), plan).buckets) == 1
+    y = check(w, AttentionInputs(x=x), plan, {**leaves, "gates": gates})
+    if k == 0:
+        assert torch.equal(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("Hkv", [8, 2])
+def test_sequence_rotary_kv_cache_and_bias(Hkv: int) -> None:
+    """Rotary tables indexed per example, a KV cache (bottom-right causal) and a per-head additive bias."""
+    w, x, leaves = setup(Hkv=Hkv, causal=True)
+    B, T, S = 6, 7, 10
+    ks_ = torch.randn(B, Hkv, S, 4, dtype=torch.float64).requires_grad_()
+    vs_ = torch.randn(B, Hkv, S, 4, dtype=torch.float64).requires_grad_()
+    bias = torch.randn(B, 8, T, S, dtype=torch.float64)
+    bias[2, :, 3] = float("-inf")  # a dead query row in every head
+    bias = bias.requires_grad_()
+    plan, gates = leaf_plan(seq_active([2, 0, 8, 1, 2, 5], 8))
+    inputs = AttentionInputs(x=x, key_states=ks_, value_states=vs_, attn_bias=bias,
+                             rotary=rotary_tables(B, T, 4, torch.float64))
+    y = check(w, inputs, plan, {**leaves, "gates": gates, "key_states": ks_, "value_states": vs_, "attn_bias": bias})
+    assert torch.equal(y[2, 3], torch.zeros_like(y[2, 3]))
+    x2, leaves2 = x, {**leaves, "gates": gates}
+    check(w, AttentionInputs(x=x2, rotary=rotary_tables(B, T, 4, torch.float64)), plan, leaves2)
+
+
+@pytest.mark.parametrize("Hkv", [8, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_token_moh_shared_dense_and_routed(Hkv: int, causal: bool) -> None:
+    """2 shared heads (run densely) + top-2 of 6 routed heads (gathered), with padding and rotary."""
+    B, T = 5, 9
+    w, x, leaves = setup(B=B, T=T, Hkv=Hkv, causal=causal)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 6:] = False
+    mask[3] = False  # an all-padding example: exactly zero output
+    plan, gates = leaf_plan(moh_active(B, T, 8, 2, 2, mask))
+    rows = gather_sizes(w, AttentionInputs(x=x), plan).rows_per_head
+    assert rows[0] == T and all(r < DENSE_HEAD_ROWS * T for r in rows[2:])  # both paths are exercised
+    inputs = AttentionInputs(x=x, mask=mask, key_mask=mask, rotary=rotary_tables(B, T, 4, torch.float64))
+    y = check(w, inputs, plan, {**leaves, "gates": gates})
+    assert torch.equal(y[3], torch.zeros_like(y[3]))
+
+
+def test_token_kv_cache_bias_and_unused_heads() -> None:
+    """Token plan with a KV cache, a per-head additive bias, and heads no token chose (their K/V skipped)."""
+    B, T, S = 4, 6, 9
+    w, x, leaves = setup(B=B, T=T, Hkv=4, causal=True)
+    active = top_k_mask(torch.rand(B, T, 8), torch.randint(0, 4, (B, T)))
+    active[..., 6:] = False  # heads 6, 7 (key/value head 3) unused by every token
+    ks_ = torch.randn(B, 4, S, 4, dtype=torch.float64).requires_grad_()
+    vs_ = torch.randn(B, 4, S, 4, dtype=torch.float64).requires_grad_()
+    bias = torch.randn(1, 8, T, S, dtype=torch.float64).requires_grad_()
+    plan, gates = leaf_plan(active)
+    inputs = AttentionInputs(x=x, key_states=ks_, value_states=vs_, attn_bias=bias)
+    check(w, inputs, plan, {**leaves, "gates": gates, "key_states": ks_, "value_states": vs_, "attn_bias": bias})
+
+
+def test_token_cross_attention() -> None:
+    B, T, S = 3, 5, 8
+    w = make_weights(make_layout(H=4, Hkv=2, Dh=4, D=16, kdim=12, vdim=10))
+    x = torch.randn(B, T, 16, dtype=torch.float64).requires_grad_()
+    key = torch.randn(B, S, 12, dtype=torch.float64).requires_grad_()
+    value = torch.randn(B, S, 10, dtype=torch.float64).requires_grad_()
+    key_mask = torch.ones(B, S, dtype=torch.bool)
+    key_mask[1, 5:] = False
+    plan, gates = leaf_plan(top_k_mask(torch.rand(B, T, 4), 2))
+    leaves = {"x": x, "key": key, "value": value, "gates": gates, **weight_leaves(w)}
+    check(w, AttentionInputs(x=x, key=key, value=value, key_mask=key_mask), plan, leaves)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("granularity", ["sequence", "token"])
+def test_low_precision(dtype: torch.dtype, granularity: str) -> None:
+    B, T = 4, 16
+    w, x, leaves = setup(B=B, T=T, Dh=8, D=32, dtype=dtype, causal=True)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[2, 10:] = False
+    active = seq_active([2, 4, 1, 8], 8) if granularity == "sequence" else moh_active(B, T, 8, 2, 2, mask)
+    plan, gates = leaf_plan(active, dtype)
+    check(w, AttentionInputs(x=x, mask=mask, key_mask=mask), plan, {**leaves, "gates": gates})
+
+
+@pytest.mark.parametrize("granularity", ["sequence", "token"])
+def test_dropout_is_applied_and_differentiable(granularity: str) -> None:
+    """Dropout draws its own mask (no reference to equal), so: p=0 matches, p>0 changes outputs, grads finite."""
+    w, x, leaves = setup(B=4, T=8)
+    active = seq_active([2, 3, 8, 1], 8) if granularity == "sequence" else moh_active(4, 8, 8, 2, 2)
+    plan, _ = leaf_plan(active)
+    ex = get_executor("gathered")
+    y0 = ex(w, AttentionInputs(x=x), plan)
+    torch.testing.assert_close(y0, get_executor("reference")(w, AttentionInputs(x=x), plan))
+    y = ex(w, AttentionInputs(x=x, dropout_p=0.5), plan)
+    assert not torch.allclose(y, y0)
+    grads = torch.autograd.grad(y.sum(), [x, w.q_weight])
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_supports_names_the_problem() -> None:
+    w, x, _ = setup(dtype=torch.float32)
+    plan, _ = leaf_plan(seq_active([1] * 6, 8))
+    ex = get_executor("gathered")
+    reason = ex.supports(w, AttentionInputs(x=x.detach().double()), plan)
+    assert reason is not None and "float32" in reason and "float64" in reason
+    reason = ex.supports(w, AttentionInputs(x=x.detach().long()), plan)
+    assert reason is not None and "dtype" in reason
+
