@@ -1,0 +1,116 @@
+"""Saving and restoring a condcomp-wrapped transformers model beside its ``save_pretrained`` weights.
+
+The directory ``save_pretrained`` writes stays a plain transformers checkpoint that any code can load (the
+routing parameters are left out of ``model.safetensors``); condcomp adds two files beside it:
+
+- ``condcomp_config.json``: the :class:`~condcomp.CondCompConfig` (policy, router, executor, targets);
+- ``condcomp_routing.safetensors``: the routing parameters and buffers (``...condcomp_policy.*``,
+  ``...condcomp_router.*``), each distinct tensor once (a shared policy is stored under its first name).
+
+:func:`from_pretrained` is the one-call restore: load the weights, wrap with the saved config, load the routing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from condcomp.api import apply_, routed_modules
+from condcomp.config import CondCompConfig
+
+CONFIG_FILE = "condcomp_config.json"
+ROUTING_FILE = "condcomp_routing.safetensors"
+_MARKERS = ("condcomp_policy.", "condcomp_router.")
+
+
+def _is_routing(key: str) -> bool:
+    return any(m in key for m in _MARKERS)
+
+
+def routing_state(model: nn.Module) -> dict[str, Tensor]:
+    """The routing tensors of a wrapped model, each distinct tensor once (first name wins), detached on CPU."""
+    out: dict[str, Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for key, t in model.state_dict(keep_vars=False).items():
+        if not _is_routing(key):
+            continue
+        ident = (t.data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and ident in seen:
+            continue
+        seen.add(ident)
+        out[key] = t.detach().to("cpu").contiguous()
+    return out
+
+
+def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: CondCompConfig) -> Path:
+    """Write ``condcomp_config.json`` and ``condcomp_routing.safetensors`` for a wrapped ``model``."""
+    from safetensors.torch import save_file
+
+    if not routed_modules(model):
+        raise ValueError("save_condcomp: the model has no RoutedAttention; call condcomp.apply_(model, cfg) first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(routing_state(model), str(directory / ROUTING_FILE), metadata={"format": "condcomp-routing"})
+    (directory / CONFIG_FILE).write_text(config.to_json())
+    return directory
+
+
+def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[str]:
+    """Wrap an unwrapped ``model`` with the config saved in ``directory`` and load its routing parameters.
+
+    Returns the wrapped module names. Raises if the files are missing or the routing tensors do not match the
+    wrapped model (names or shapes), leaving the model unwrapped.
+    """
+    from safetensors.torch import load_file
+
+    from condcomp.api import remove_
+
+    directory = Path(directory)
+    cfg_path, routing_path = directory / CONFIG_FILE, directory / ROUTING_FILE
+    for path in (cfg_path, routing_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: was the model saved with "
+                                    "condcomp.integrations.hf_checkpoint.save_pretrained / save_condcomp?")
+    config = CondCompConfig.from_json(cfg_path.read_text())
+    saved = load_file(str(routing_path))
+    names = apply_(model, config)
+    try:
+        expected = routing_state(model)
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
+        bad = sorted(k for k in set(saved) & set(expected) if saved[k].shape != expected[k].shape)
+        if missing or unexpected or bad:
+            raise ValueError(f"{routing_path} does not match the wrapped model: missing {missing}, "
+                             f"unexpected {unexpected}, shape mismatch {bad}")
+        model.load_state_dict(saved, strict=False)
+    except BaseException:
+        remove_(model)
+        raise
+    return names
+
+
+def save_pretrained(model: Any, directory: str | os.PathLike[str], config: CondCompConfig, **kwargs: Any) -> Path:
+    """``model.save_pretrained(directory)`` without the routing tensors, plus :func:`save_condcomp`.
+
+    >>> save_pretrained(model, "out/", cfg)  # doctest: +SKIP
+    >>> model2 = from_pretrained(BertModel, "out/")  # doctest: +SKIP
+    """
+    state = {k: v for k, v in model.state_dict().items() if not _is_routing(k)}
+    model.save_pretrained(str(directory), state_dict=state, **kwargs)
+    return save_condcomp(model, directory, config)
+
+
+def from_pretrained(model_cls: Any, directory: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Load ``model_cls.from_pretrained(directory, **kwargs)`` and re-apply the condcomp config saved beside it."""
+    model = model_cls.from_pretrained(str(directory), **kwargs)
+    load_condcomp(model, directory)
+    return model
+
+
+def saved_config(directory: str | os.PathLike[str]) -> CondCompConfig:
+    """The :class:`~condcomp.CondCompConfig` stored in ``directory``."""
+    return CondCompConfig.from_dict(json.loads((Path(directory) / CONFIG_FILE).read_text()))
