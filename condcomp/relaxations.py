@@ -1,0 +1,61 @@
+"""Differentiable stand-ins for hard top-k selection, and the pooling and entropy the routers share.
+
+The hard rule keeps head ``h`` iff its 1-based rank ``rho_h`` (by score) satisfies ``rho_h <= k``. Its soft
+counterpart replaces the rank by a soft rank and the step by a sigmoid, so the task loss reaches both the
+scores (through the soft ranks) and the budget ``s`` (through the threshold).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
+    """Mean of ``x (B, T, D)`` over real tokens (``mask (B, T)`` True = real) -> ``(B, D)``.
+
+    A row with no real token pools to zeros instead of NaN.
+    """
+    if mask is None:
+        return x.mean(1)
+    w = mask.to(x.dtype).unsqueeze(-1)  # (B, T, 1)
+    return (x * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
+def soft_ranks(logits: Tensor) -> Tensor:
+    """1-based soft ranks along the last dim: ``rho_h = 1 + sum_{j != h} sigmoid(logits_j - logits_h)``.
+
+    Equals the hard rank when the logits are far apart; tends to ``(H + 1) / 2`` for every head when they are
+    close (a high temperature), which is what makes early training explore.
+
+    >>> soft_ranks(torch.tensor([[100.0, 0.0, -100.0]])).round().tolist()
+    [[1.0, 2.0, 3.0]]
+    """
+    diff = logits.unsqueeze(-2) - logits.unsqueeze(-1)  # (..., H, H): [h, j] = logits_j - logits_h
+    return 0.5 + torch.sigmoid(diff).sum(-1)  # the j == h term contributes sigmoid(0) = 0.5
+
+
+def soft_threshold(s: Tensor, k: Tensor, num_heads: int) -> Tensor:
+    """The continuous budget ``b = k + frac(s * H)`` that the soft mask compares ranks with.
+
+    ``b`` lies in ``[k, k + 1)`` whatever rounding or ``k_min`` clamp produced ``k``, so the soft mask's 1/2
+    crossing always falls between the last kept and the first dropped head, and ``b`` is continuous in ``s``
+    where ``k = floor(s * H)`` steps up. Its gradient with respect to ``s`` is ``H``.
+    """
+    sh = s.float() * num_heads
+    return k.float() + (sh - torch.floor(sh).detach())
+
+
+def soft_topk_mask(logits: Tensor, threshold: Tensor, tau: float) -> Tensor:
+    """``m_h = sigmoid((b - rho_h) / tau)`` with soft ranks ``rho`` of ``logits (..., H)`` and ``b (...)``."""
+    rho = soft_ranks(logits)
+    return torch.sigmoid((threshold.unsqueeze(-1) - rho) / tau)
+
+
+def entropy(probs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Mean Shannon entropy (nats) of the distributions along the last dim; rows where ``mask`` is False skipped."""
+    h = -(probs * torch.log(probs.clamp_min(1e-12))).sum(-1)  # (B,) or (B, T)
+    if mask is None:
+        return h.mean()
+    m = mask.to(h.dtype)
+    return (h * m).sum() / m.sum().clamp_min(1.0)

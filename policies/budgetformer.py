@@ -1,0 +1,120 @@
+"""BudgetFormer's budget predictor f_theta: pooled input -> 2-layer MLP -> sigmoid -> s, and the budget hinge."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from condcomp.plans import Rounding, budget_k
+from condcomp.registry import register_policy
+from condcomp.relaxations import masked_mean
+from condcomp.types import Budget
+
+
+def budget_hinge(s: Tensor, s_min: float, s_max: float, mask: Tensor | None = None) -> Tensor:
+    """Mean quadratic hinge ``relu(s_min - s)^2 + relu(s - s_max)^2`` (zero inside [s_min, s_max]).
+
+    ``s`` is ``(B,)`` or ``(B, T)``; with ``mask (B, T)`` only real tokens count (per-token budgets).
+
+    >>> float(budget_hinge(torch.tensor([0.5, 0.95, 0.0]), 0.1, 0.9))  # (0 + 0.05**2 + 0.1**2) / 3
+    0.004166...
+    """
+    s = s.float()
+    per_row = torch.relu(s_min - s) ** 2 + torch.relu(s - s_max) ** 2
+    if mask is None or s.dim() == 1:
+        return per_row.mean()
+    m = mask.to(per_row.dtype)
+    return (per_row * m).sum() / m.sum().clamp_min(1.0)
+
+
+def validate_budget_options(owner: str, s_min: float, s_max: float, init_s: float, budget_weight: float,
+                            k_min: int, rounding: str, hidden: int | None) -> None:
+    """Shared checks of the BudgetFormer policies' options (clear errors at config time)."""
+    if not (0.0 <= s_min <= 1.0 and 0.0 <= s_max <= 1.0):
+        raise ValueError(f"{owner}: s_min and s_max must lie in [0, 1], got s_min={s_min}, s_max={s_max}")
+    if s_min > s_max:
+        raise ValueError(f"{owner}: s_min={s_min} is greater than s_max={s_max}; the budget interval is empty")
+    if not 0.0 < init_s < 1.0:
+        raise ValueError(f"{owner}: init_s must be strictly inside (0, 1) (it is a sigmoid output), got {init_s}")
+    if budget_weight < 0:
+        raise ValueError(f"{owner}: budget_weight must be >= 0, got {budget_weight}")
+    if k_min < 0:
+        raise ValueError(f"{owner}: k_min must be >= 0, got {k_min}")
+    if rounding not in ("floor", "ceil", "round"):
+        raise ValueError(f"{owner}: rounding must be 'floor', 'ceil' or 'round', got {rounding!r}")
+    if hidden is not None and hidden < 1:
+        raise ValueError(f"{owner}: hidden must be a positive width or None (d_model // 4, at least 16), got {hidden}")
+
+
+class BudgetMLP(nn.Module):
+    """``Linear(D, hidden) -> GELU -> Linear(hidden, 1) -> sigmoid``, float32, initialised to output ``init_s``.
+
+    The last layer's weights start small (x0.1) and its bias at ``logit(init_s)``: every input starts near
+    ``init_s`` (no early collapse to 0 or 1 heads) while every parameter still receives a gradient.
+    """
+
+    def __init__(self, d_model: int, hidden: int, init_s: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
+        with torch.no_grad():
+            self.fc2.weight.mul_(0.1)
+            self.fc2.bias.fill_(math.log(init_s / (1.0 - init_s)))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return torch.sigmoid(self.fc2(nn.functional.gelu(self.fc1(h.float())))).squeeze(-1)
+
+    def flops(self, rows: int) -> float:
+        """Multiply-add FLOPs of ``rows`` MLP evaluations."""
+        D, hidden = self.fc1.in_features, self.fc1.out_features
+        return 2.0 * rows * (D * hidden + hidden)
+
+
+@register_policy("budgetformer")
+class BudgetFormerPolicy(nn.Module):
+    """f_theta: masked mean-pool over real tokens, 2-layer MLP, sigmoid -> ``s (B,)``; ``k = budget_k(s, H)``.
+
+    Returns ``aux_losses["budget"] = budget_weight * mean(relu(s_min - s)^2 + relu(s - s_max)^2)``. ``s`` keeps
+    its graph so a router (``topk``) can pass the task loss back to f_theta; the hinge is not its only signal.
+    One instance may serve every layer (``CondCompConfig(share_policy=True)``): it is stateless between calls.
+
+    Options: ``s_min``/``s_max`` (0.1, 0.9: the paper's interval), ``budget_weight`` (1.0), ``hidden`` (MLP
+    width, default ``max(16, d_model // 4)``), ``init_s`` (0.6: a little above the middle so early training
+    starts with most heads, as a dense model would), ``k_min`` (1), ``rounding`` ("floor").
+
+    >>> p = BudgetFormerPolicy(d_model=16, num_heads=8)
+    >>> b = p(torch.randn(2, 5, 16), None)
+    >>> b.s.shape, b.k.tolist()
+    (torch.Size([2]), [4, 4])
+    """
+
+    def __init__(self, d_model: int, num_heads: int, s_min: float = 0.1, s_max: float = 0.9,
+                 budget_weight: float = 1.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,
+                 rounding: Rounding = "floor") -> None:
+        super().__init__()
+        self.validate_options(s_min=s_min, s_max=s_max, budget_weight=budget_weight, hidden=hidden, init_s=init_s,
+                              k_min=k_min, rounding=rounding)
+        if k_min > num_heads:
+            raise ValueError(f"budgetformer policy: k_min={k_min} exceeds the layer's {num_heads} heads")
+        self.num_heads, self.s_min, self.s_max = num_heads, float(s_min), float(s_max)
+        self.budget_weight, self.k_min, self.rounding = float(budget_weight), k_min, rounding
+        self.mlp = BudgetMLP(d_model, hidden or max(16, d_model // 4), init_s)
+
+    @staticmethod
+    def validate_options(s_min: float = 0.1, s_max: float = 0.9, budget_weight: float = 1.0,
+                         hidden: int | None = None, init_s: float = 0.6, k_min: int = 1, rounding: str = "floor",
+                         **_: Any) -> None:
+        validate_budget_options("budgetformer policy", s_min, s_max, init_s, budget_weight, k_min, rounding, hidden)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
+        s = self.mlp(masked_mean(x.float(), mask))  # (B,)
+        k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
+        hinge = self.budget_weight * budget_hinge(s, self.s_min, self.s_max)
+        return Budget(s=s, k=k, aux_losses={"budget": hinge})
+
+    def routing_flops(self, T: int) -> float:
+        """Per example: the pooling adds plus one MLP evaluation."""
+        return float(T * self.mlp.fc1.in_features) + self.mlp.flops(1)

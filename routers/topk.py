@@ -1,0 +1,145 @@
+"""BudgetFormer's head scorer g_phi: noisy, tempered softmax over heads; soft in training, hard top-k at inference."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from condcomp.plans import plan_from_active, plan_top_k, top_k_mask
+from condcomp.registry import register_router
+from condcomp.relaxations import entropy, masked_mean, soft_threshold, soft_topk_mask
+from condcomp.schedules import ScheduleSpec, make_schedule, schedule_range
+from condcomp.types import AttentionWeights, Budget, HeadPlan
+
+TrainMode = Literal["straight_through", "soft_topk", "budget_scaled"]
+TRAIN_MODES = ("straight_through", "soft_topk", "budget_scaled")
+GATE_MODES = ("binary", "weighted", "renormalized")
+
+DEFAULT_TEMPERATURE: dict[str, Any] = {"kind": "exponential", "start": 2.0, "end": 0.5}
+DEFAULT_NOISE: dict[str, Any] = {"kind": "linear", "start": 1.0, "end": 0.0}
+DEFAULT_ENTROPY_BETA: dict[str, Any] = {"kind": "linear", "start": -0.01, "end": 0.01}
+
+
+@register_router("topk")
+class TopKRouter(nn.Module):
+    """g_phi: scores ``z = W pool(x)`` (one linear layer, or a 2-layer MLP with ``hidden``), one per head.
+
+    Training (``self.training``): ``z~ = z + sigma(t) * N(0, 1)``, ``p = softmax(z~ / tau(t))``, every head is
+    computed and the gates stay differentiable in the budget ``s`` and the scores, by ``train_mode``:
+
+    - ``"straight_through"`` (default): forward value = the hard top-k mask (exactly what inference computes),
+      gradient = that of the soft mask ``m_h = sigmoid((b - rho_h) / tau_mask)``, with ``rho_h`` the soft rank
+      of head h under ``z~ / tau`` and ``b = k + frac(s H)`` (see ``relaxations.soft_threshold``).
+    - ``"soft_topk"``: the gates are ``m_h`` themselves (smooth, but training sees partial heads).
+    - ``"budget_scaled"``: gates ``s * H * p_h`` (total gate mass = the budget; no top-k until inference).
+
+    ``gates`` (``"binary"`` | ``"weighted"`` | ``"renormalized"``) multiplies that mask by nothing, by ``p_h``, or
+    by ``p_h`` renormalised over the kept heads times their count. Evaluation: no noise, hard top-k of ``z``
+    with ``budget.k`` heads, the same gate mode (``p`` from ``softmax(z / tau(t))``); deterministic. The
+    entropy term ``aux_losses["entropy"] = beta(t) * mean H(p)`` rewards exploration while ``beta < 0`` and
+    specialisation once ``beta > 0``. With a per-token budget ``(B, T)`` each token is scored on its own.
+    Schedules are specs for :func:`condcomp.schedules.make_schedule`, stepped by ``set_progress``.
+
+    >>> r = TopKRouter(d_model=16, num_heads=4).eval()
+    >>> budget = Budget(s=torch.tensor([0.5, 1.0]), k=torch.tensor([2, 4]))
+    >>> r(torch.randn(2, 3, 16), None, budget, None).counts.tolist()
+    [2, 4]
+    """
+
+    granularity = "sequence"
+
+    def __init__(self, d_model: int, num_heads: int, hidden: int | None = None,
+                 temperature: ScheduleSpec = DEFAULT_TEMPERATURE, noise_std: ScheduleSpec = DEFAULT_NOISE,
+                 entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA, train_mode: TrainMode = "straight_through",
+                 mask_temperature: float = 0.25, gates: str = "binary") -> None:
+        super().__init__()
+        self.validate_options(hidden=hidden, temperature=temperature, noise_std=noise_std, entropy_beta=entropy_beta,
+                              train_mode=train_mode, mask_temperature=mask_temperature, gates=gates)
+        self.d_model, self.num_heads = d_model, num_heads
+        self.temperature = make_schedule(temperature, "temperature")
+        self.noise_std = make_schedule(noise_std, "noise_std")
+        self.entropy_beta = make_schedule(entropy_beta, "entropy_beta")
+        self.train_mode, self.mask_temperature, self.gates = train_mode, float(mask_temperature), gates
+        if hidden is None:
+            self.scorer: nn.Module = nn.Linear(d_model, num_heads)
+        else:
+            self.scorer = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, num_heads))
+        self.progress = 0.0
+        self._token_level = False
+
+    @staticmethod
+    def validate_options(hidden: int | None = None, temperature: ScheduleSpec = DEFAULT_TEMPERATURE,
+                         noise_std: ScheduleSpec = DEFAULT_NOISE, entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA,
+                         train_mode: str = "straight_through", mask_temperature: float = 0.25, gates: str = "binary",
+                         **_: Any) -> None:
+        if hidden is not None and hidden < 1:
+            raise ValueError(f"topk router: hidden must be a positive width or None (linear scorer), got {hidden}")
+        low, _high = schedule_range(make_schedule(temperature, "temperature"))
+        if low <= 0:
+            raise ValueError(f"topk router: the temperature must stay positive over training, got {temperature!r} "
+                             f"(minimum {low})")
+        low, _high = schedule_range(make_schedule(noise_std, "noise_std"))
+        if low < 0:
+            raise ValueError(f"topk router: noise_std must stay >= 0 over training, got {noise_std!r}")
+        make_schedule(entropy_beta, "entropy_beta")
+        if train_mode not in TRAIN_MODES:
+            raise ValueError(f"topk router: train_mode must be one of {TRAIN_MODES}, got {train_mode!r}")
+        if mask_temperature <= 0:
+            raise ValueError(f"topk router: mask_temperature must be positive, got {mask_temperature}")
+        if gates not in GATE_MODES:
+            raise ValueError(f"topk router: gates must be one of {GATE_MODES}, got {gates!r}")
+
+    def set_progress(self, progress: float) -> None:
+        """Move the temperature, noise and entropy schedules to training progress ``p`` in [0, 1]."""
+        if not 0.0 <= float(progress) <= 1.0:
+            raise ValueError(f"progress must be in [0, 1], got {progress}")
+        self.progress = float(progress)
+
+    def forward(self, x: Tensor, mask: Tensor | None, budget: Budget, attn: AttentionWeights | None) -> HeadPlan:
+        token_level = budget.k.dim() == 2
+        self._token_level = token_level
+        xf = x.float()
+        z = self.scorer(xf if token_level else masked_mean(xf, mask))  # (B, T, H) or (B, H)
+        tau = self.temperature(self.progress)
+        rows = mask.bool() if (token_level and mask is not None) else None  # real tokens (B, T)
+        if self.training:
+            sigma = self.noise_std(self.progress)
+            if sigma > 0:
+                z = z + sigma * torch.randn_like(z)
+        logits = z / tau
+        probs = torch.softmax(logits, dim=-1)
+        aux = {"entropy": self.entropy_beta(self.progress) * entropy(probs, rows)}
+        if not self.training:
+            return plan_top_k(z, budget.k, gates=self.gates, temperature=tau, mask=rows,  # type: ignore[arg-type]
+                              aux_losses=aux)
+        gates = self._training_gates(logits, probs, budget)
+        active = torch.ones_like(gates, dtype=torch.bool)
+        if rows is not None:
+            active = active & rows.unsqueeze(-1)
+        return plan_from_active(active, gates, aux)
+
+    def _training_gates(self, logits: Tensor, probs: Tensor, budget: Budget) -> Tensor:
+        H = self.num_heads
+        k = budget.k.to(logits.device)
+        if self.train_mode == "budget_scaled":
+            return budget.s.float().unsqueeze(-1) * H * probs
+        hard = top_k_mask(logits, k).float()
+        soft = soft_topk_mask(logits, soft_threshold(budget.s, k, H), self.mask_temperature)
+        mask = hard + soft - soft.detach() if self.train_mode == "straight_through" else soft
+        # A row at full budget has no choice to make: exact ones keep training identical to the dense model.
+        mask = torch.where((k >= H).unsqueeze(-1), torch.ones_like(mask), mask)
+        if self.gates == "binary":
+            return mask
+        weighted = mask * probs
+        if self.gates == "weighted":
+            return weighted
+        return weighted / weighted.sum(-1, keepdim=True).clamp_min(1e-9) * mask.sum(-1, keepdim=True)
+
+    def routing_flops(self, T: int) -> float:
+        """Per example: pooling plus one scorer evaluation (or one per token for per-token budgets)."""
+        params = sum(p.numel() for p in self.scorer.parameters())
+        if self._token_level:
+            return 2.0 * T * params
+        return float(T * self.d_model) + 2.0 * params
