@@ -1,0 +1,230 @@
+"""The lighter transformers route: a ``"condcomp"`` attention function in ``AttentionInterface``, no module swap.
+
+transformers 5 lets a model call any registered attention function on its already-projected ``q``/``k``/``v``.
+This route registers one that routes heads and computes only the selected (example, head) pairs, and attaches
+the policy and router to each attention module as a ``condcomp_core`` child (so the routing parameters live in
+the model's ``state_dict``, under ``...condcomp_core.condcomp_policy.*``).
+
+What it saves, compared with the module swap (``condcomp.apply_``):
+
+- only the attention core (``QK^T``, softmax, ``AV``) of skipped heads, and only for sequence plans; the
+  q/k/v and output projections stay dense (the function receives all heads' projections). Token plans run the
+  core densely and gate it (no saving; use the module swap and the gathered executor).
+- the output projection's bias is added for every row, even one with no active head (module swap: only rows
+  with at least one active head).
+
+The mask function registered beside it is transformers' ``sdpa_mask`` (4-D bool masks).
+
+>>> cfg = CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk")
+>>> names = apply_interface_(model, cfg)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
+from condcomp.api import _matches
+from condcomp.config import CondCompConfig
+from condcomp.registry import POLICIES, ROUTERS
+from condcomp.routed import LastForward, RoutedAttention, _detached
+from condcomp.types import HeadPlan, HeadUsage
+
+from .hf import BertStyleAttentionAdapter, ProjectionAttentionAdapter, _mask_parts
+
+ATTN_NAME = "condcomp"
+
+
+class CoreRouting(nn.Module):
+    """Policy + router attached to one attention module for the AttentionInterface route."""
+
+    def __init__(self, policy: Any, router: Any, adapter: Any, owner: nn.Module) -> None:
+        super().__init__()
+        self.condcomp_policy = policy
+        self.condcomp_router = router
+        self.adapter = adapter
+        object.__setattr__(self, "_owner", owner)  # not a submodule: it is our parent's parent (no cycle)
+        self._x: Tensor | None = None
+        self.last: LastForward | None = None
+        self.aux: dict[str, Tensor] = {}
+        self.hook: Any = None
+
+    @property
+    def layout(self) -> Any:
+        return self.adapter.layout
+
+    def capture(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._x = args[0] if args else kwargs["hidden_states"]
+
+    def head_usage(self) -> HeadUsage | None:
+        # Same fields as RoutedAttention, same arithmetic: reuse it rather than copy it.
+        return RoutedAttention.head_usage(self)  # type: ignore[arg-type]
+
+
+def _core_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, plan: HeadPlan,
+                    scale: float | None, dropout: float, is_causal: bool) -> Tensor:
+    """Gated attention of the plan's heads, ``(B, T, H, Dh)``; sequence plans compute only the active pairs."""
+    B, H, T, Dh = query.shape
+    group = H // key.shape[1]
+    if plan.granularity == "sequence":
+        rows, heads = plan.active.nonzero(as_tuple=True)  # (P,) each
+        m = None
+        if mask is not None:
+            m = mask[rows if mask.shape[0] > 1 else torch.zeros_like(rows),
+                     heads if mask.shape[1] > 1 else torch.zeros_like(heads)].unsqueeze(1)  # (P, 1, T, S)
+        sel = F.scaled_dot_product_attention(
+            query[rows, heads].unsqueeze(1), key[rows, heads // group].unsqueeze(1),
+            value[rows, heads // group].unsqueeze(1), attn_mask=m, dropout_p=dropout, is_causal=is_causal,
+            scale=scale,
+        ).squeeze(1)  # (P, T, Dh)
+        gates = plan.gates[rows, heads].to(sel.dtype)[:, None, None]
+        out = query.new_zeros(B, H, T, Dh).index_put((rows, heads), sel * gates)
+    else:
+        k = key.repeat_interleave(group, dim=1) if group > 1 else key
+        v = value.repeat_interleave(group, dim=1) if group > 1 else value
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                             scale=scale)  # (B, H, T, Dh)
+        out = out * plan.gates.transpose(1, 2).unsqueeze(-1).to(out.dtype)
+    return out.transpose(1, 2).contiguous()  # (B, T, H, Dh)
+
+
+def condcomp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
+    """The function registered as ``attn_implementation="condcomp"`` (modules without routing run plain SDPA)."""
+    routing = module._modules.get("condcomp_core")
+    if not isinstance(routing, CoreRouting):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)  # type: ignore[no-any-return]
+    x, routing._x = routing._x, None
+    if x is None:
+        raise RuntimeError("condcomp_attention: the attention module's input was not captured (was the module "
+                           "called through its forward?)")
+    B, H, T, _ = query.shape
+    S = key.shape[2]
+    query_mask, key_mask, _ = _mask_parts(attention_mask, B, T, S, not getattr(routing.adapter, "cross", False))
+    mask = attention_mask if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4 else None
+    if mask is None and key_mask is not None:
+        mask = key_mask[:, None, None, :]  # (B, 1, 1, S)
+    is_causal = bool(T > 1 and mask is None and getattr(module, "is_causal", False))
+    weights = routing.adapter.weights(routing._owner)
+    with torch.autocast(x.device.type, enabled=False):
+        budget = routing.condcomp_policy(x, query_mask)
+        plan = routing.condcomp_router(x, query_mask, budget, weights).with_aux(budget.aux_losses)
+    out = _core_attention(query, key, value, mask, plan, scaling, dropout if module.training else 0.0, is_causal)
+    routing.aux = plan.aux_losses
+    routing.last = LastForward(budget.s.detach(), _detached(plan), query_mask, T, S)
+    return out, None
+
+
+def register() -> None:
+    """Register ``"condcomp"`` in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, condcomp_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def _set_impl(model: nn.Module, name: str) -> None:
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+def apply_interface_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
+    """Attach routing to the supported attention modules of a transformers model and switch it to the
+    ``"condcomp"`` attention function; returns the attention module names. Undo with :func:`remove_interface_`."""
+    config = config or CondCompConfig()
+    register()
+    load_integrations_for(model)
+    if cores(model):
+        raise ValueError("model already routed through the AttentionInterface; call remove_interface_ first")
+    chosen = []
+    for name, module in model.named_modules():
+        adapter_cls = find_adapter(module)
+        if adapter_cls not in (BertStyleAttentionAdapter, ProjectionAttentionAdapter):
+            continue
+        if config.target_modules is not None and not any(_matches(name, p) for p in config.target_modules):
+            continue
+        if config.exclude_modules and any(_matches(name, p) for p in config.exclude_modules):
+            continue
+        reason = adapter_cls.unsupported_reason(module)  # type: ignore[union-attr]
+        if reason is not None:
+            raise ValueError(f"cannot route {name} ({type(module).__qualname__}): {reason}")
+        chosen.append((name, module, adapter_cls(module)))  # type: ignore[misc]
+    if not chosen:
+        raise ValueError("apply_interface_ matched no transformers attention module; supported classes: "
+                         f"{', '.join(supported_classes())}; target_modules={config.target_modules}")
+    shared = None
+    for _name, module, adapter in chosen:
+        L = adapter.layout
+        facts = {"d_model": L.d_model, "num_heads": L.num_heads, "num_kv_heads": L.num_kv_heads,
+                 "head_dim": L.head_dim}
+        policy = shared or POLICIES.build(config.policy[0], config.policy[1], facts)
+        if config.share_policy:
+            shared = policy
+        router = ROUTERS.build(config.router[0], config.router[1], facts)
+        device = next(module.parameters()).device
+        routing = CoreRouting(policy, router, adapter, module).to(device)
+        core = module.self if isinstance(adapter, BertStyleAttentionAdapter) else module
+        core.add_module("condcomp_core", routing)
+        routing.hook = core.register_forward_pre_hook(routing.capture, with_kwargs=True)
+    previous = {getattr(getattr(m, "config", None), "_attn_implementation", None) for m in model.modules()} - {None}
+    model.__dict__["_condcomp_previous_attn"] = previous.pop() if len(previous) == 1 else "sdpa"
+    _set_impl(model, ATTN_NAME)
+    return [n for n, _, _ in chosen]
+
+
+def cores(model: nn.Module) -> dict[str, CoreRouting]:
+    """Every attached :class:`CoreRouting` by module name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, CoreRouting)}
+
+
+def remove_interface_(model: nn.Module) -> list[str]:
+    """Detach the routing and restore the model's previous attention implementation."""
+    found = cores(model)
+    if not found:
+        raise ValueError("remove_interface_: the model has no condcomp_core (was apply_interface_ called?)")
+    for name, routing in found.items():
+        routing.hook.remove()
+        parent = model.get_submodule(name.rpartition(".")[0])
+        del parent._modules["condcomp_core"]
+    _set_impl(model, model.__dict__.pop("_condcomp_previous_attn", "sdpa"))
+    return list(found)
+
+
+def interface_head_usage(model: nn.Module) -> dict[str, HeadUsage]:
+    """``HeadUsage`` of each routed attention module's last forward (like ``condcomp.head_usage``)."""
+    out = {}
+    for name, routing in cores(model).items():
+        usage = routing.head_usage()
+        if usage is not None:
+            out[name] = usage
+    return out
+
+
+def interface_aux_loss(model: nn.Module) -> Tensor:
+    """Sum of the last forward's auxiliary losses (like ``condcomp.aux_loss``)."""
+    total = torch.zeros((), device=next(model.parameters()).device)
+    for routing in cores(model).values():
+        for value in routing.aux.values():
+            total = total + value
+    return total
+
+
+def interface_set_progress(model: nn.Module, progress: float) -> None:
+    """Step every routing schedule to training progress in [0, 1] (like ``condcomp.set_progress``)."""
+    seen: set[int] = set()
+    for routing in cores(model).values():
+        for component in (routing.condcomp_policy, routing.condcomp_router):
+            step = getattr(component, "set_progress", None)
+            if callable(step) and id(component) not in seen:
+                seen.add(id(component))
+                step(float(progress))
