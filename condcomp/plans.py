@@ -27,7 +27,8 @@ def budget_k(s: Tensor, num_heads: int, k_min: int = 1, rounding: Rounding = "fl
     """
     if not 0 <= k_min <= num_heads:
         raise ValueError(f"k_min must be in [0, num_heads={num_heads}], got {k_min}")
-    raw = s.detach().float() * num_heads
+    # A NaN budget (non-finite input) would reach .long(), whose result is platform-defined; it means k_min.
+    raw = torch.nan_to_num(s.detach().float(), nan=0.0) * num_heads
     if rounding == "floor":
         k = torch.floor(raw + _ROUNDING_SLACK)
     elif rounding == "ceil":

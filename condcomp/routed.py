@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from condcomp.adapters import AttentionAdapter
 from condcomp.executors.auto import resolve_executor
 from condcomp.flops import flop_fraction, routing_flops
-from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadPlan, HeadUsage
+from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,11 @@ class RoutedAttention(nn.Module):
         """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``."""
         self._validate(inputs)
         weights = self.weights()
-        budget: Budget = self.condcomp_policy(inputs.x, inputs.mask)
-        plan: HeadPlan = self.condcomp_router(inputs.x, inputs.mask, budget, weights)
+        # Routing decisions (budgets, softmax, top-k) stay in float32 under autocast: a bf16 s or score can move
+        # floor(s * H) or flip a top-k tie. Components cast their inputs to float32 themselves.
+        with torch.autocast(inputs.x.device.type, enabled=False):
+            budget: Budget = self.condcomp_policy(inputs.x, inputs.mask)
+            plan: HeadPlan = self.condcomp_router(inputs.x, inputs.mask, budget, weights)
         self._validate_plan(plan, inputs)
         plan = plan.with_aux(budget.aux_losses)
         executor = resolve_executor(self.executor, weights, inputs, plan)
@@ -155,6 +158,7 @@ class RoutedAttention(nn.Module):
         S = inputs.num_keys
         if inputs.key_mask is not None and tuple(inputs.key_mask.shape) != (B, S):
             raise ValueError(f"key padding mask must be (B, S) = {(B, S)}, got {tuple(inputs.key_mask.shape)}")
+        _check_context(inputs, L, B, T, S)
         if self.check_inputs and not bool(torch.isfinite(x).all()):
             bad = (~torch.isfinite(x)).flatten(1).any(1).nonzero().flatten().tolist()
             raise ValueError(f"non-finite values (NaN or inf) in the attention input of examples {bad}; "
@@ -174,3 +178,33 @@ class RoutedAttention(nn.Module):
 
 def _detached(plan: HeadPlan) -> HeadPlan:
     return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {})
+
+
+def _check_context(inputs: AttentionInputs, L: HeadLayout, B: int, T: int, S: int) -> None:
+    """Keys, values, bias and rotary tables of the wrong shape fail here, named, not deep inside a matmul."""
+    if inputs.key_states is not None or inputs.value_states is not None:
+        want_kv: tuple[int, ...] = (B, L.num_kv_heads, S, L.head_dim)
+        for name, t in (("key_states", inputs.key_states), ("value_states", inputs.value_states)):
+            if t is None or tuple(t.shape) != want_kv:
+                got = None if t is None else tuple(t.shape)
+                raise ValueError(f"{name} must be (B, Hkv, S, Dh) = {want_kv} (both or neither), got {got}")
+    else:
+        Dk, Dv = L.kdim or L.d_model, L.vdim or L.kdim or L.d_model
+        key, value = inputs.key_input, inputs.value_input
+        if key.dim() != 3 or key.shape[0] != B or key.shape[2] != Dk:
+            raise ValueError(f"key input must be (B={B}, S, Dk={Dk}), got {tuple(key.shape)}")
+        if tuple(value.shape) != (B, S, Dv):
+            raise ValueError(f"value input must be (B, S, Dv) = {(B, S, Dv)} (as many tokens as the keys), "
+                             f"got {tuple(value.shape)}")
+    want = (B, L.num_heads, T, S)
+    bias = inputs.attn_bias
+    if bias is not None:
+        try:
+            fits = bias.dim() <= 4 and torch.broadcast_shapes(bias.shape, want) == want
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"attn_bias {tuple(bias.shape)} does not broadcast to (B, H, T, S) = {want}")
+    for t in inputs.rotary or ():
+        if t.dim() != 3 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (T, L.head_dim):
+            raise ValueError(f"rotary cos/sin must be (B, T, Dh) = {(B, T, L.head_dim)}, got {tuple(t.shape)}")
