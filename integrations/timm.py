@@ -1,0 +1,86 @@
+"""timm's ``Attention`` (``timm.layers.Attention``: the self-attention of VisionTransformer, DeiT, ...).
+
+Layout: one fused ``qkv`` Linear (rows ``[q; k; v]``, head ``h`` owning rows ``h*Dh:(h+1)*Dh`` of each third),
+``proj`` Linear, ``attn_drop``/``proj_drop``. ``fused_attn`` only chooses timm's kernel (SDPA or the explicit
+softmax); both compute the same attention, which the executor now computes instead, so the wrapped module gives
+the same result whichever way ``fused_attn`` is set (tests cover both). Refused with the reason: ``qk_norm``,
+``scale_norm`` and ``gated`` attention (extra per-head operations the executors do not apply).
+
+Importing this module imports timm (``import condcomp`` does not).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from timm.layers import Attention as TimmAttention
+from torch import Tensor, nn
+
+from condcomp.adapters import AttentionAdapter, register_adapter
+from condcomp.masks import causal_allowed
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+
+if TYPE_CHECKING:
+    from condcomp.routed import RoutedAttention
+
+
+@register_adapter
+class TimmAttentionAdapter(AttentionAdapter):
+    """``timm.layers.Attention``: ``forward(x, attn_mask=None, is_causal=False) -> (B, N, dim_out)``.
+
+    ``attn_mask`` follows SDPA: bool (True = may attend) or additive float, broadcastable to ``(B, H, N, N)``.
+    """
+
+    module_types = (TimmAttention,)
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> str | None:
+        for attr in ("q_norm", "k_norm", "norm"):
+            if not isinstance(getattr(module, attr, nn.Identity()), nn.Identity):
+                return (f"{attr} is a {type(getattr(module, attr)).__name__} (qk_norm / scale_norm); condcomp's "
+                        "executors do not apply per-head normalisation")
+        if getattr(module, "gate", None) is not None:
+            return "gated=True multiplies the attention output by a learned gate; not supported"
+        if not isinstance(getattr(module, "qkv", None), nn.Linear) or not isinstance(getattr(module, "proj", None),
+                                                                                     nn.Linear):
+            return "expected fused qkv and proj nn.Linear layers"
+        return None
+
+    def __init__(self, module: Any) -> None:
+        H, Dh = int(module.num_heads), int(module.head_dim)
+        self.layout = HeadLayout(d_model=module.qkv.in_features, num_heads=H, num_kv_heads=H, head_dim=Dh,
+                                 scale=float(module.scale), dropout_p=float(module.attn_drop.p))
+        self.attn_dim = H * Dh
+
+    def weights(self, owner: Any) -> AttentionWeights:
+        A = self.attn_dim
+        w, b = owner.qkv.weight, owner.qkv.bias
+        qb, kb, vb = (None, None, None) if b is None else (b[:A], b[A:2 * A], b[2 * A:])
+        return AttentionWeights(self.layout, w[:A], w[A:2 * A], w[2 * A:], owner.proj.weight, qb, kb, vb,
+                                owner.proj.bias)
+
+    def forward(self, routed: RoutedAttention, x: Tensor, attn_mask: Tensor | None = None,
+                is_causal: bool = False) -> Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"timm Attention input must be (B, N, C), got {tuple(x.shape)}")
+        B, N, _ = x.shape
+        bias = query_mask = None
+        if is_causal:  # as in timm: is_causal wins over attn_mask
+            bias = torch.zeros(N, N, dtype=x.dtype, device=x.device).masked_fill(
+                ~causal_allowed(N, N, x.device), float("-inf"))[None, None]
+        elif attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                allowed = attn_mask
+                bias = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill(~attn_mask,
+                                                                                               float("-inf"))
+            else:
+                allowed = ~torch.isneginf(attn_mask)
+                bias = attn_mask
+            while allowed.dim() < 4:
+                allowed = allowed.unsqueeze(0)
+            # A patch that no query may attend is padding (NaFlex): the policy pools over the others.
+            query_mask = allowed.any(dim=1).any(dim=1).expand(B, N)  # (B, N)
+        inputs = AttentionInputs(x=x, mask=query_mask, attn_bias=bias,
+                                 dropout_p=self.layout.dropout_p if routed.training else 0.0)
+        return routed.proj_drop(routed.attend(inputs))  # (B, N, dim_out)
