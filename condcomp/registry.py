@@ -38,7 +38,8 @@ class Registry(Generic[T]):
     def get(self, name: str) -> Any:
         key = name.lower()
         if key not in self._entries:
-            raise KeyError(f"unknown {self.role} {name!r}; registered {self.role}s: {', '.join(self.names())}")
+            plural = "policies" if self.role == "policy" else f"{self.role}s"
+            raise KeyError(f"unknown {self.role} {name!r}; registered {plural}: {', '.join(self.names())}")
         return self._entries[key]
 
     def check_kwargs(self, name: str, kwargs: dict[str, Any]) -> None:

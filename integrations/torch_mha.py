@@ -94,14 +94,16 @@ class TorchMultiheadAttentionAdapter(AttentionAdapter):
                           stacklevel=3)
             self._warned = True
         self_attention = key is query and value is query
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError("nn.MultiheadAttention query, key and value must all be (T, D) or all 3-D "
+                             f"({'(B, T, D)' if self.batch_first else '(T, B, D)'}), got {tuple(query.shape)}, "
+                             f"{tuple(key.shape)}, {tuple(value.shape)}")
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (t.unsqueeze(0) for t in (query, key, value))
             key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
         elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        if query.dim() != 3:
-            raise ValueError(f"nn.MultiheadAttention input must be (T, D) or 3-D, got {tuple(query.shape)}")
         B, T = query.shape[:2]
         S = key.shape[1]
         key_mask = bias = None
@@ -113,6 +115,10 @@ class TorchMultiheadAttentionAdapter(AttentionAdapter):
             else:
                 bias = key_padding_mask.to(query.dtype)[:, None, None, :]  # (B, 1, 1, S)
         if attn_mask is not None:
+            H = self.layout.num_heads
+            if tuple(attn_mask.shape) not in ((T, S), (B * H, T, S)):
+                raise ValueError(f"attn_mask must be (T, S) = {(T, S)} or (B*H, T, S) = {(B * H, T, S)}, "
+                                 f"got {tuple(attn_mask.shape)}")
             m = _additive(attn_mask, query.dtype)
             m = m[None, None] if m.dim() == 2 else m.view(B, self.layout.num_heads, T, S)
             bias = m if bias is None else bias + m
