@@ -85,8 +85,9 @@ def test_seeded_training_reproduces_exactly(executor: str) -> None:
 @pytest.mark.slow
 def test_eval_is_bit_identical_across_processes() -> None:
     here = {e: digest(e) for e in EXECUTORS}
-    code = ("import sys; sys.path.insert(0, %r); import test_hardening_determinism as t; "
-            "print({e: t.digest(e) for e in t.EXECUTORS})" % str(ROOT / "tests"))
+    tests = str(ROOT / "tests")
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_hardening_determinism as t; "
+            "print({e: t.digest(e) for e in t.EXECUTORS})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(here)
