@@ -120,7 +120,7 @@ def plan_top_k(
     if gates == "binary":
         g = active.float()
         if straight_through:
-            g = g + probs - probs.detach()
+            g = g + (probs - probs.detach())  # parenthesised: the value stays exactly 0/1
     elif gates == "weighted":
         g = probs
     elif gates == "renormalized":

@@ -36,14 +36,14 @@ def soft_ranks(logits: Tensor) -> Tensor:
 
 
 def soft_threshold(s: Tensor, k: Tensor, num_heads: int) -> Tensor:
-    """The continuous budget ``b = k + frac(s * H)`` that the soft mask compares ranks with.
+    """The threshold ``b`` the soft mask compares soft ranks with: value ``k + 1/2``, gradient ``H`` w.r.t. ``s``.
 
-    ``b`` lies in ``[k, k + 1)`` whatever rounding or ``k_min`` clamp produced ``k``, so the soft mask's 1/2
-    crossing always falls between the last kept and the first dropped head, and ``b`` is continuous in ``s``
-    where ``k = floor(s * H)`` steps up. Its gradient with respect to ``s`` is ``H``.
+    The value puts the mask's 1/2 crossing halfway between the last kept (rank ``k``) and the first dropped
+    (rank ``k + 1``) head, whatever rounding or ``k_min`` clamp produced ``k``; the gradient is that of
+    ``s * H`` (straight through the floor of the budget rule), so the task loss can move ``s``.
     """
     sh = s.float() * num_heads
-    return k.float() + (sh - torch.floor(sh).detach())
+    return k.float() + 0.5 + (sh - sh.detach())
 
 
 def soft_topk_mask(logits: Tensor, threshold: Tensor, tau: float) -> Tensor:

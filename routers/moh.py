@@ -154,7 +154,7 @@ class MoHRouter(nn.Module):
                 soft = soft_topk_mask(logits, b, self.mask_temperature)
                 full = (budget.k if budget.k.dim() == 2 else budget.k.unsqueeze(1)) >= self.num_heads  # (B, T)
                 soft = soft.masked_fill(full.unsqueeze(-1) | ~rows.unsqueeze(-1), 0.0)
-                routed = routed + soft - soft.detach()
+                routed = routed + (soft - soft.detach())
             parts_gate.append(routed)
             parts_sel.append(sel)
             aux["load_balance"] = self.load_balance * load_balance_loss(probs, sel, rows)
@@ -165,7 +165,7 @@ class MoHRouter(nn.Module):
         active = rows.unsqueeze(-1).expand(B, T, self.num_heads) if learned else selected
         if self.gates == "binary":
             hard = selected.float()
-            gates = hard + gates - gates.detach() if self.training else hard
+            gates = hard + (gates - gates.detach()) if self.training else hard
         return plan_from_active(active, gates, aux)
 
     def routing_flops(self, T: int) -> float:

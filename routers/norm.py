@@ -63,7 +63,7 @@ class QueryNormRouter(nn.Module):
         if self.training and self.straight_through:
             probs = torch.softmax(scores, dim=-1)
             surrogate = torch.cat([torch.zeros_like(shared, dtype=probs.dtype), probs], dim=-1)
-            gates = gates + surrogate - surrogate.detach()
+            gates = gates + (surrogate - surrogate.detach())
         return plan_from_active(active, gates)
 
     def routing_flops(self, T: int) -> float:

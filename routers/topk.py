@@ -31,7 +31,7 @@ class TopKRouter(nn.Module):
 
     - ``"straight_through"`` (default): forward value = the hard top-k mask (exactly what inference computes),
       gradient = that of the soft mask ``m_h = sigmoid((b - rho_h) / tau_mask)``, with ``rho_h`` the soft rank
-      of head h under ``z~ / tau`` and ``b = k + frac(s H)`` (see ``relaxations.soft_threshold``).
+      of head h under ``z~ / tau`` and ``b = k + 1/2`` carrying the gradient of ``s H`` (``soft_threshold``).
     - ``"soft_topk"``: the gates are ``m_h`` themselves (smooth, but training sees partial heads).
     - ``"budget_scaled"``: gates ``s * H * p_h`` (total gate mass = the budget; no top-k until inference).
 
@@ -127,7 +127,7 @@ class TopKRouter(nn.Module):
             return budget.s.float().unsqueeze(-1) * H * probs
         hard = top_k_mask(logits, k).float()
         soft = soft_topk_mask(logits, soft_threshold(budget.s, k, H), self.mask_temperature)
-        mask = hard + soft - soft.detach() if self.train_mode == "straight_through" else soft
+        mask = hard + (soft - soft.detach()) if self.train_mode == "straight_through" else soft
         # A row at full budget has no choice to make: exact ones keep training identical to the dense model.
         mask = torch.where((k >= H).unsqueeze(-1), torch.ones_like(mask), mask)
         if self.gates == "binary":

@@ -1,0 +1,162 @@
+"""BudgetFormer's policy + topk router: eval = deterministic hard top-k, training = differentiable in s and scores,
+parity at full budget, per-token budgets, and clear errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from condcomp.routers.topk import TRAIN_MODES, TopKRouter
+from torch import nn
+
+import condcomp
+from condcomp.types import Budget
+
+D, H = 16, 8
+
+
+def stack(cfg: condcomp.CondCompConfig, layers: int = 2) -> nn.Sequential:
+    model = nn.Sequential(*[condcomp.HeadAttention(D, H) for _ in range(layers)])
+    condcomp.apply_(model, cfg)
+    return model
+
+
+def run(model: nn.Module, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    for layer in model:
+        x = layer(x, mask=mask)
+    return x
+
+
+def test_eval_is_deterministic_hard_top_k_of_the_clean_scores() -> None:
+    router = TopKRouter(d_model=D, num_heads=H, noise_std=5.0, gates="weighted").eval()
+    router.set_progress(0.5)
+    x = torch.randn(4, 6, D)
+    budget = Budget(s=torch.tensor([0.1, 0.3, 0.6, 1.0]), k=torch.tensor([1, 2, 4, 8]))
+    a, b = router(x, None, budget, None), router(x, None, budget, None)
+    assert torch.equal(a.gates, b.gates) and torch.equal(a.active, b.active)
+    z = x.mean(1) @ router.scorer.weight.detach().T + router.scorer.bias.detach()  # (B, H), no noise
+    tau = 2.0 * 0.25**0.5  # default temperature: exponential 2 -> 0.5
+    for row, k in enumerate([1, 2, 4, 8]):
+        top = set(torch.topk(z[row], k).indices.tolist())
+        assert set(a.active[row].nonzero().flatten().tolist()) == top
+        probs = torch.softmax(z[row] / tau, -1)
+        for h in range(H):
+            assert a.gates[row, h].item() == pytest.approx(float(probs[h]) if h in top else 0.0, rel=1e-5)
+
+
+def test_training_draws_noise_eval_does_not() -> None:
+    router = TopKRouter(d_model=D, num_heads=H, noise_std=1.0)
+    x = torch.randn(4, 6, D)
+    budget = Budget(s=torch.full((4,), 0.5), k=torch.full((4,), 4))
+    e1 = router(x, None, budget, None).aux_losses["entropy"]
+    e2 = router(x, None, budget, None).aux_losses["entropy"]
+    assert not torch.equal(e1, e2)
+
+
+@pytest.mark.parametrize("gates", ["binary", "weighted", "renormalized"])
+def test_full_budget_eval_selects_every_head_and_binary_reproduces_the_layer(gates: str) -> None:
+    layer = condcomp.HeadAttention(D, H).double()
+    x = torch.randn(3, 5, D, dtype=torch.float64)
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False], [True] * 5])
+    want = layer(x, mask=mask)
+    routed = condcomp.RoutedAttention.wrap(layer, condcomp.CondCompConfig("full", ("topk", {"gates": gates})))
+    routed.eval()
+    got = routed(x, mask)
+    plan = routed.last.plan  # type: ignore[union-attr]
+    assert plan.active.all()
+    if gates == "binary":
+        assert torch.equal(plan.gates, torch.ones_like(plan.gates))
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    routed.train()  # full budget in training: no choice to make, exact ones too
+    routed(x, mask)
+    if gates == "binary":
+        assert torch.equal(routed.last.plan.gates, torch.ones(3, H, dtype=torch.float32))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("train_mode", TRAIN_MODES)
+def test_task_loss_alone_reaches_f_theta_and_g_phi(train_mode: str) -> None:
+    # Hinge weight 0 and entropy beta 0: any gradient in the policy or router comes from the task loss.
+    cfg = condcomp.CondCompConfig(policy=("budgetformer", {"budget_weight": 0.0}),
+                                  router=("topk", {"train_mode": train_mode, "entropy_beta": 0.0}), executor="masked")
+    model = stack(cfg).train()
+    x = torch.randn(4, 6, D)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[2, 4:] = False
+    task = run(model, x, mask).square().mean()
+    assert float(condcomp.aux_loss(model).detach()) == 0.0
+    task.backward()
+    for name, routed in condcomp.routed_modules(model).items():
+        for role, comp in (("f_theta", routed.condcomp_policy), ("g_phi", routed.condcomp_router)):
+            for pname, p in comp.named_parameters():
+                assert p.grad is not None and float(p.grad.abs().sum()) > 0, f"{name} {role}.{pname}: no task gradient"
+
+
+def test_straight_through_forward_value_is_the_hard_top_k() -> None:
+    router = TopKRouter(d_model=D, num_heads=H)  # training mode, default straight-through
+    x = torch.randn(5, 6, D)
+    s = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.99], requires_grad=True)
+    k = condcomp.budget_k(s, H)
+    plan = router(x, None, Budget(s=s, k=k), None)
+    assert plan.active.all()  # training computes every head...
+    assert set(plan.gates.detach().unique().tolist()) <= {0.0, 1.0}  # ...but the value is 0/1
+    assert torch.equal((plan.gates.detach() > 0).sum(-1), k)
+    (plan.gates * torch.randn(5, H)).sum().backward()
+    assert s.grad is not None and float(s.grad.abs().sum()) > 0
+
+
+def test_soft_topk_and_budget_scaled_gates() -> None:
+    x = torch.randn(3, 6, D)
+    s = torch.tensor([0.25, 0.5, 0.75])
+    budget = Budget(s=s, k=condcomp.budget_k(s, H))
+    soft = TopKRouter(d_model=D, num_heads=H, train_mode="soft_topk", noise_std=0.0)(x, None, budget, None)
+    assert bool(((soft.gates > 0) & (soft.gates < 1)).all())
+    scaled_router = TopKRouter(d_model=D, num_heads=H, train_mode="budget_scaled", noise_std=0.0)
+    scaled = scaled_router(x, None, budget, None)
+    # gate mass = s * H: the budget in heads
+    torch.testing.assert_close(scaled.gates.sum(-1), s * H)
+
+
+def test_per_token_budget_routes_each_token_and_skips_padding() -> None:
+    cfg = condcomp.CondCompConfig(policy="budgetformer_token", router="topk", executor="masked")
+    model = stack(cfg, layers=1).eval()
+    x = torch.randn(2, 5, D)
+    mask = torch.tensor([[True, True, True, False, False], [True] * 5])
+    run(model, x, mask)
+    routed = next(iter(condcomp.routed_modules(model).values()))
+    plan = routed.last.plan  # type: ignore[union-attr]
+    assert plan.granularity == "token" and plan.gates.shape == (2, 5, H)
+    assert int(plan.counts[0, 3:].sum()) == 0 and bool((plan.counts[mask] >= 1).all())
+    usage = condcomp.head_usage(model)
+    assert 0.0 < next(iter(usage.values())).k_frac <= 1.0
+
+
+def test_shared_policy_serves_every_layer_and_gets_gradient_from_each() -> None:
+    cfg = condcomp.CondCompConfig(policy=("budgetformer", {"budget_weight": 0.0}),
+                                  router=("topk", {"entropy_beta": 0.0}), share_policy=True, executor="masked")
+    model = stack(cfg, layers=3).train()
+    policies = {id(r.condcomp_policy) for r in condcomp.routed_modules(model).values()}
+    assert len(policies) == 1
+    run(model, torch.randn(2, 4, D)).sum().backward()
+    policy = next(iter(condcomp.routed_modules(model).values())).condcomp_policy
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in policy.parameters())
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"temperature": -1.0}, "temperature must stay positive"),
+    ({"temperature": {"kind": "linear", "start": 1.0, "end": -0.5}}, "temperature must stay positive"),
+    ({"noise_std": -0.1}, "noise_std"),
+    ({"train_mode": "gumbel"}, "train_mode"),
+    ({"gates": "soft"}, "gates"),
+    ({"mask_temperature": 0.0}, "mask_temperature"),
+    ({"entropy_beta": {"kind": "exponential", "start": -0.01, "end": 0.01}}, "same sign"),
+])
+def test_bad_topk_options_are_rejected_at_config_time(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        condcomp.CondCompConfig(policy="budgetformer", router=("topk", options))
+
+
+def test_config_round_trips_with_schedules() -> None:
+    cfg = condcomp.CondCompConfig(policy=("budgetformer", {"s_min": 0.2, "s_max": 0.8}),
+                                  router=("topk", {"temperature": {"kind": "cosine", "start": 3.0, "end": 0.3}}))
+    assert condcomp.CondCompConfig.from_json(cfg.to_json()) == cfg
