@@ -249,4 +249,56 @@ def test_gradcheck_float64(executor_name: str, granularity: str) -> None:
     plan0 = condcomp.plan_from_active(active, gates0)
     if ex.supports(w, AttentionInputs(x=x0, mask=mask, key_mask=mask), plan0) is not None:
         pytest.fail(f"{executor_name} rejects a tiny float64 {granularity} plan")
-    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-5)
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+def _formula(w: AttentionWeights, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, gates: Tensor) -> Tensor:
+    """sum_h g_h softmax(q_h k_h^T * scale | allowed) v_h W_O^h + b_O; q (B,T,H,Dh), k/v (B,S,H,Dh)."""
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * w.layout.scale
+    a = torch.einsum("bhts,bshd->bthd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+    wo = w.o_weight.reshape(w.layout.d_model, w.layout.num_heads, w.layout.head_dim)
+    return torch.einsum("bthd,ehd->bte", a * gates[:, None, :, None], wo) + w.o_bias
+
+
+def _rotate(t: Tensor, angles: Tensor) -> Tensor:
+    """Rotary embedding as a complex rotation of the pairs (j, j + Dh/2): t (B, T, H, Dh), angles (T, Dh/2)."""
+    half = t.shape[-1] // 2
+    z = torch.complex(t[..., :half], t[..., half:]) * torch.polar(torch.ones_like(angles), angles)[:, None]
+    return torch.cat((z.real, z.imag), -1)
+
+
+@pytest.mark.parametrize("situation", ["cross", "rotary", "kv_cache"])
+def test_reference_matches_the_formula_with_context(situation: str) -> None:
+    """Cross-attention, rotary embeddings and a KV cache, each transcribed independently of condcomp's helpers."""
+    B, T, H, Dh, D = 2, 4, 2, 4, 8
+    causal = situation == "kv_cache"
+    kdim, vdim = (6, 5) if situation == "cross" else (None, None)
+    w = make_weights(make_layout(H=H, Dh=Dh, D=D, causal=causal, kdim=kdim, vdim=vdim))
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    q = (x @ w.q_weight.T + w.q_bias).reshape(B, T, H, Dh)
+    plan, _ = leaf_plan(torch.tensor([[True, True], [False, True]]))
+    if situation == "cross":
+        S = 5
+        key, value = torch.randn(B, S, 6, dtype=torch.float64), torch.randn(B, S, 5, dtype=torch.float64)
+        key_mask = torch.tensor([[True] * 5, [True, True, False, True, False]])
+        k = (key @ w.k_weight.T + w.k_bias).reshape(B, S, H, Dh)
+        v = (value @ w.v_weight.T + w.v_bias).reshape(B, S, H, Dh)
+        allowed = key_mask[:, None, None, :].expand(B, H, T, S)
+        inputs = AttentionInputs(x=x, key=key, value=value, key_mask=key_mask)
+    elif situation == "rotary":
+        S = T
+        angles = torch.arange(T, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(Dh // 2) / (Dh // 2))
+        k = _rotate((x @ w.k_weight.T + w.k_bias).reshape(B, S, H, Dh), angles)
+        v = (x @ w.v_weight.T + w.v_bias).reshape(B, S, H, Dh)
+        q = _rotate(q, angles)
+        allowed = torch.ones(B, H, T, S, dtype=torch.bool)
+        inputs = AttentionInputs(x=x, rotary=rotary_tables(B, T, Dh, torch.float64))
+    else:
+        S = 7  # 3 cached positions, then the T = 4 new queries at absolute positions 3..6
+        k, v = torch.randn(B, S, H, Dh, dtype=torch.float64), torch.randn(B, S, H, Dh, dtype=torch.float64)
+        position = torch.arange(T)[:, None] + (S - T)
+        allowed = (torch.arange(S)[None, :] <= position).expand(B, H, T, S)
+        inputs = AttentionInputs(x=x, key_states=k.transpose(1, 2), value_states=v.transpose(1, 2))
+    want = _formula(w, q, k, v, allowed, plan.gates)
+    got = get_executor("reference")(w, inputs, plan)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)

@@ -4,6 +4,7 @@ executor, exact ``remove_``, fused fast paths that must not bypass routing, shar
 from __future__ import annotations
 
 import copy
+import io
 import warnings
 from typing import Any
 
@@ -255,3 +256,53 @@ def test_optimizer_step_through_the_wrapper_trains_the_original() -> None:
     torch.testing.assert_close(original.out_proj.weight, reference.self_attn.out_proj.weight, atol=1e-12, rtol=0)
     condcomp.remove_(layer)
     assert layer.self_attn is original
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_decoder_layer_self_and_cross_attention_parity(batch_first: bool) -> None:
+    """Both attention modules of nn.TransformerDecoderLayer: causal self-attention and padded cross-attention."""
+    layer = nn.TransformerDecoderLayer(D, H, dim_feedforward=32, dropout=0.0, batch_first=batch_first).double()
+    tgt, _ = padded_batch(batch_first)
+    memory = torch.randn(3, 7, D, dtype=torch.float64)
+    memory = memory if batch_first else memory.transpose(0, 1)
+    memory_pad = torch.zeros(3, 7, dtype=torch.bool)
+    memory_pad[1, 5:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=torch.float64)
+    kw = dict(tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=memory_pad)
+    want = layer(tgt, memory, **kw)
+    for executor in EXECUTORS:
+        assert condcomp.apply_(layer, full_cfg(executor)) == ["self_attn", "multihead_attn"]
+        torch.testing.assert_close(layer(tgt, memory, **kw), want, atol=1e-10, rtol=1e-9)
+        condcomp.remove_(layer)
+    assert torch.equal(layer(tgt, memory, **kw), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_wrapped_model_survives_deepcopy_pickle_checkpoints_and_dtype_conversion() -> None:
+    torch.manual_seed(1)
+    plain = encoder_layer(True, False)
+    layer = encoder_layer(True, False)
+    condcomp.apply_(layer, full_cfg())
+    layer.load_state_dict(plain.state_dict())  # a checkpoint of the unwrapped model loads by the same names
+    x, pad = padded_batch(True)
+    want = plain(x, src_key_padding_mask=pad)
+    torch.testing.assert_close(layer(x, src_key_padding_mask=pad), want, atol=1e-10, rtol=1e-9)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
+        routed = twin.self_attn
+        assert routed.in_proj_weight is routed.base.in_proj_weight  # still views, not copies, in the twin
+        torch.testing.assert_close(twin(x, src_key_padding_mask=pad), want, atol=1e-10, rtol=1e-9)
+        condcomp.remove_(twin)
+        torch.testing.assert_close(twin(x, src_key_padding_mask=pad), want, atol=1e-10, rtol=1e-9)
+    # with parameter replacement on conversion, .float() swaps the wrapper's parameters: remove_ hands them back
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        layer.float()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    original = layer.self_attn.base
+    condcomp.remove_(layer)
+    assert layer.self_attn is original and original.in_proj_weight.dtype == torch.float32
+    torch.testing.assert_close(layer(x.float(), src_key_padding_mask=pad), want.float(), atol=1e-5, rtol=1e-4)
