@@ -1,0 +1,167 @@
+"""``condcomp bench compile``: eager vs ``torch.compile`` for a routed model, per executor.
+
+A residual stack of :class:`~condcomp.HeadAttention` layers is routed with ``condcomp.apply_`` (``fixed``
+budget s, ``topk`` router, eval mode) and run with every registered executor, plus the unrouted dense stack.
+For each: whether ``fullgraph=True`` capture succeeds, the graphs and graph breaks ``torch._dynamo.explain``
+reports (with the first break reasons), the first-call compile time, the largest difference from eager, and
+the median forward time eager vs compiled (inductor), interleaved repetition by repetition because the
+machine may be shared. Writes ``metrics.json`` and ``table.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+SHAPE = (16, 256, 512, 8, 2)  # B, T, D, H, layers: the CPU shape of docs/performance.md
+QUICK_SHAPE = (4, 32, 64, 8, 1)
+
+
+class Stack(nn.Module):
+    """Residual attention layers with a padding mask (the shape of an encoder without its MLPs)."""
+
+    def __init__(self, D: int, H: int, layers: int) -> None:
+        super().__init__()
+        from condcomp.attention import HeadAttention
+
+        self.layers = nn.ModuleList([HeadAttention(D, H) for _ in range(layers)])
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = x + layer(x, mask)
+        return x
+
+
+def build(executor: str | None, D: int, H: int, layers: int, s: float, seed: int = 0) -> nn.Module:
+    """The stack routed with ``executor`` (None: the dense, unwrapped stack)."""
+    import condcomp
+
+    torch.manual_seed(seed)
+    model = Stack(D, H, layers)
+    if executor is not None:
+        cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": s}), router="topk", executor=executor)
+        condcomp.apply_(model, cfg)
+    return model.eval()
+
+
+def explain(model: nn.Module, x: Tensor, mask: Tensor) -> dict[str, Any]:
+    """Graph count, graph breaks and their first reasons (deduplicated) as dynamo sees them."""
+    torch._dynamo.reset()
+    e = torch._dynamo.explain(model)(x, mask)
+    reasons: list[str] = []
+    for b in e.break_reasons:
+        where = b.user_stack[-1] if b.user_stack else None
+        line = b.reason.strip().splitlines()[0][:160]
+        text = f"{line} at {Path(where.filename).name}:{where.lineno}" if where is not None else line
+        if text not in reasons:
+            reasons.append(text)
+    return {"graphs": e.graph_count, "graph_breaks": e.graph_break_count, "break_reasons": reasons[:5]}
+
+
+def fullgraph_ok(model: nn.Module, x: Tensor, mask: Tensor) -> tuple[bool, str]:
+    """Whether ``torch.compile(fullgraph=True)`` captures the model (eager backend: no codegen cost)."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, fullgraph=True, backend="eager")(x, mask)
+        return True, ""
+    except Exception as e:  # dynamo raises Unsupported / UserError subclasses; report, never hide
+        return False, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+
+
+def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():  # interleaved: a noisy neighbour slows every variant alike
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
+        executors: list[str] | None = None) -> list[dict[str, Any]]:
+    """One record per executor (and ``dense``); see the module docstring."""
+    import condcomp
+
+    torch.set_num_threads(threads)
+    B, T, D, H, layers = QUICK_SHAPE if quick else SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, D, generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, T - T // 4:] = torch.rand(B, 1, generator=gen) < 0.5  # half the examples end in padding
+    records = []
+    for name in ["dense", *(executors or condcomp.list_executors())]:
+        model = build(None if name == "dense" else name, D, H, layers, s)
+        record: dict[str, Any] = {"executor": name, "B": B, "T": T, "D": D, "H": H, "layers": layers, "s": s,
+                                  "threads": threads, "reps": reps}
+        record["fullgraph"], record["fullgraph_error"] = fullgraph_ok(model, x, mask)
+        record.update(explain(model, x, mask))
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        with torch.no_grad():
+            want = model(x, mask)
+            t0 = time.perf_counter()
+            got = compiled(x, mask)
+            record["compile_s"] = time.perf_counter() - t0
+            record["max_abs_diff"] = float((got - want).abs().max())
+            for _ in range(2):
+                model(x, mask)
+                compiled(x, mask)
+            med = _median_times({"eager": lambda m=model: m(x, mask), "compiled": lambda c=compiled: c(x, mask)}, reps)
+        record["eager_ms"], record["compiled_ms"] = med["eager"] * 1e3, med["compiled"] * 1e3
+        record["speedup"] = med["eager"] / med["compiled"]
+        records.append(record)
+        print(f"  {name:10s} fullgraph={record['fullgraph']!s:5s} graphs={record['graphs']} "
+              f"breaks={record['graph_breaks']} eager={record['eager_ms']:.2f} ms "
+              f"compiled={record['compiled_ms']:.2f} ms x{record['speedup']:.2f}", flush=True)
+    return records
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """Markdown table of the records (medians; speedup = eager / compiled)."""
+    r0 = records[0]
+    lines = [f"B={r0['B']} T={r0['T']} D={r0['D']} H={r0['H']} layers={r0['layers']} s={r0['s']}, forward, eval, "
+             f"{r0['threads']} threads, median of {r0['reps']}", "",
+             "| executor | fullgraph=True | graphs | breaks | compile (s) | eager (ms) | compiled (ms) | speedup "
+             "| max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['executor']} | {'yes' if r['fullgraph'] else 'no'} | {r['graphs']} | "
+                     f"{r['graph_breaks']} | {r['compile_s']:.1f} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} | "
+                     f"{r['speedup']:.2f} | {r['max_abs_diff']:.1e} |")
+    reasons = [(r["executor"], reason) for r in records for reason in r["break_reasons"]]
+    if reasons:
+        lines += ["", "Graph breaks:"] + [f"- {e}: {why}" for e, why in reasons]
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = run(quick=args.quick, reps=args.reps, threads=args.threads, s=args.s, executors=args.executors)
+    (out / "metrics.json").write_text(json.dumps({"benchmark": "compile", "torch": torch.__version__,
+                                                   "records": records}, indent=1))
+    text = table(records)
+    (out / "table.md").write_text(text)
+    print(text)
+    print(f"wrote {out / 'metrics.json'} and {out / 'table.md'}")
+    return 0
+
+
+def add_bench_commands(bench_subparsers: Any) -> None:
+    """Register ``condcomp bench compile``."""
+    p = bench_subparsers.add_parser("compile", help="eager vs torch.compile per executor (graph breaks, speedup)")
+    p.add_argument("--out", required=True, help="directory for metrics.json and table.md")
+    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE} (smoke test)")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median reported)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--s", type=float, default=0.25, help="head budget fraction of the fixed policy")
+    p.add_argument("--executors", nargs="*", default=None, help="subset of executors (default: every registered)")
+    p.set_defaults(func=main)
