@@ -76,6 +76,10 @@ def fullgraph_ok(model: nn.Module, x: Tensor, mask: Tensor) -> tuple[bool, str]:
         return False, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
 
 
+def _bind(fn: Callable[..., Tensor], x: Tensor, mask: Tensor) -> Callable[[], Tensor]:
+    return lambda: fn(x, mask)
+
+
 def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
@@ -115,7 +119,8 @@ def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
             for _ in range(2):
                 model(x, mask)
                 compiled(x, mask)
-            med = _median_times({"eager": lambda m=model: m(x, mask), "compiled": lambda c=compiled: c(x, mask)}, reps)
+            fns = {"eager": _bind(model, x, mask), "compiled": _bind(compiled, x, mask)}
+            med = _median_times(fns, reps)
         record["eager_ms"], record["compiled_ms"] = med["eager"] * 1e3, med["compiled"] * 1e3
         record["speedup"] = med["eager"] / med["compiled"]
         records.append(record)
