@@ -18,7 +18,7 @@ TRAIN_MODES = ("straight_through", "soft_topk", "budget_scaled")
 GATE_MODES = ("binary", "weighted", "renormalized")
 
 DEFAULT_TEMPERATURE: dict[str, Any] = {"kind": "exponential", "start": 2.0, "end": 0.5}
-DEFAULT_NOISE: dict[str, Any] = {"kind": "linear", "start": 1.0, "end": 0.0}
+DEFAULT_NOISE: dict[str, Any] = {"kind": "linear", "start": 0.5, "end": 0.0}
 DEFAULT_ENTROPY_BETA: dict[str, Any] = {"kind": "linear", "start": -0.01, "end": 0.01}
 
 
