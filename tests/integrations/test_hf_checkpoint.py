@@ -1,0 +1,71 @@
+"""A wrapped transformers model round-trips through save_pretrained / from_pretrained with its routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from integration_helpers import state_equal
+from test_hf_adapters import batch, build, output
+
+import condcomp
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
+
+from condcomp.integrations.hf_checkpoint import (  # noqa: E402
+    CONFIG_FILE,
+    ROUTING_FILE,
+    from_pretrained,
+    load_condcomp,
+    save_pretrained,
+)
+
+
+def _perturb_routing_(model: torch.nn.Module) -> None:
+    # fresh routing parameters come from the global generator: make the saved ones differ from any fresh draw
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "condcomp_" in name:
+                p.add_(torch.randn_like(p))
+
+
+@pytest.mark.parametrize("arch,share", [("bert", False), ("llama", True)])
+def test_round_trip_restores_outputs_routing_and_keys(arch: str, share: bool, tmp_path: Path) -> None:
+    model = build(arch)
+    cfg = condcomp.CondCompConfig(policy=("budgetformer", {"s_min": 0.2, "s_max": 0.8}), router="topk",
+                                  share_policy=share)
+    condcomp.apply_(model, cfg)
+    _perturb_routing_(model)
+    inputs = batch(arch)
+    want = output(model, inputs)
+    save_pretrained(model, tmp_path, cfg)
+    assert (tmp_path / CONFIG_FILE).is_file() and (tmp_path / ROUTING_FILE).is_file()
+
+    torch.manual_seed(123)  # a different fresh draw: only the file can make the outputs equal
+    loaded = from_pretrained(type(model), tmp_path, torch_dtype=torch.float64).eval()
+    assert condcomp.routed_modules(loaded)
+    # equal up to float64 rounding (loaded tensors may differ in memory layout); other heads would differ by O(1)
+    torch.testing.assert_close(output(loaded, inputs), want, atol=1e-12, rtol=1e-12)
+    assert state_equal(loaded.state_dict(), model.state_dict())
+
+    # the weights directory stays a plain transformers checkpoint: loads without condcomp, no stray keys
+    plain, info = type(model).from_pretrained(str(tmp_path), torch_dtype=torch.float64, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    condcomp.remove_(model)
+    assert state_equal(plain.state_dict(), model.state_dict())
+
+
+def test_routing_that_does_not_fit_is_refused_and_leaves_the_model_unwrapped(tmp_path: Path) -> None:
+    model = build("bert")
+    cfg = condcomp.CondCompConfig(policy=("budgetformer", {}), router="topk")
+    condcomp.apply_(model, cfg)
+    save_pretrained(model, tmp_path, cfg)
+    t = transformers
+    other = t.BertModel(t.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=37, vocab_size=100))
+    with pytest.raises(ValueError, match="does not match"):
+        load_condcomp(other, tmp_path)
+    assert not condcomp.routed_modules(other)
+    with pytest.raises(FileNotFoundError, match=CONFIG_FILE):
+        load_condcomp(other, tmp_path / "missing")

@@ -1,0 +1,77 @@
+"""transformers AttentionInterface route: routing without a module swap, against the unwrapped model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from integration_helpers import kept_heads, state_equal
+from test_hf_adapters import batch, build, output, real_rows, reference_with_heads
+
+import condcomp
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
+
+from condcomp.integrations.hf_interface import (  # noqa: E402
+    apply_interface_,
+    interface_aux_loss,
+    interface_head_usage,
+    remove_interface_,
+)
+
+ARCHS = ["bert", "vit", "llama", "mistral"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_budget_parity_and_remove(arch: str) -> None:
+    model = build(arch)
+    inputs = batch(arch)
+    want = output(model, inputs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = apply_interface_(model, condcomp.CondCompConfig(policy="full", router="random"))
+    assert names and model.config._attn_implementation == "condcomp"
+    rows = real_rows(arch, inputs)
+    torch.testing.assert_close(output(model, inputs)[rows], want[rows], atol=1e-10, rtol=1e-9)
+    usage = interface_head_usage(model)
+    assert len(usage) == len(names) and all(u.k_frac == 1.0 for u in usage.values())
+    remove_interface_(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(output(model, inputs), want) and state_equal(model.state_dict(), before)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_partial_budget_equals_unwrapped_model_without_the_skipped_heads(arch: str, prefer_router: str) -> None:
+    model = build(arch)
+    inputs = batch(arch)
+    names = apply_interface_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
+                                                            router=prefer_router))
+    got = output(model, inputs)
+    assert all(u.k_frac == 0.5 for u in interface_head_usage(model).values())
+    remove_interface_(model)
+    want = output(reference_with_heads(model, names, kept_heads(4, 0.5)), inputs)
+    rows = real_rows(arch, inputs)
+    torch.testing.assert_close(got[rows], want[rows], atol=1e-10, rtol=1e-9)
+
+
+def test_generation_through_the_cache(prefer_router: str) -> None:
+    model = build("llama")
+    ids = torch.randint(2, 100, (2, 5), generator=torch.Generator().manual_seed(4))
+    names = apply_interface_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
+                                                            router=prefer_router))
+    got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    remove_interface_(model)
+    ref = reference_with_heads(model, names, kept_heads(4, 0.5))
+    assert torch.equal(got, ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5,
+                                         do_sample=False))
+
+
+def test_learned_routing_lives_in_the_state_dict_and_trains() -> None:
+    model = build("bert").train()
+    apply_interface_(model, condcomp.CondCompConfig(policy=("budgetformer", {}), router="topk"))
+    keys = [k for k in model.state_dict() if "condcomp_core" in k]
+    assert keys and all(".attention.self.condcomp_core.condcomp_" in k for k in keys)
+    loss = output(model, batch("bert")).square().mean() + interface_aux_loss(model)
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "condcomp_policy" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    with pytest.raises(ValueError, match="already"):
+        apply_interface_(model, condcomp.CondCompConfig(policy="full", router="random"))
