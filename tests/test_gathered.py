@@ -16,6 +16,7 @@ import torch
 from conftest import TOLERANCES, leaf_plan, make_layout, make_weights, rotary_tables, run_and_grads, weight_leaves
 from torch import Tensor
 
+from condcomp.executors import gathered as gathered_module
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import gather_sizes
 from condcomp.executors.gathered_token import DENSE_HEAD_ROWS
@@ -60,10 +61,14 @@ def moh_active(B: int, T: int, H: int, shared: int, top: int, mask: Tensor | Non
     return active if mask is None else active & mask.unsqueeze(-1)
 
 
-@pytest.mark.parametrize("Hkv", [8, 4, 2])
+@pytest.mark.parametrize(("Hkv", "pack"), [(8, True), (8, False), (4, False), (2, False)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sequence_many_buckets(Hkv: int, causal: bool) -> None:
-    """Variable k (0, 1, 3, 3, 5, H) and, with GQA, variable key/value head counts: several buckets in one call."""
+def test_sequence_many_buckets(Hkv: int, pack: bool, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Variable k (0, 1, 3, 3, 5, H) and, with GQA, variable key/value head counts: several buckets in one call.
+
+    Without GQA the fused layout runs as packed pairs (``pack``) or, forced, as one block per bucket.
+    """
+    monkeypatch.setattr(gathered_module, "PACK_PAIRS", pack)
     w, x, leaves = setup(Hkv=Hkv, causal=causal)
     mask = torch.ones(6, 7, dtype=torch.bool)
     mask[1, 5:] = False

@@ -1,14 +1,28 @@
-"""Executor lookup and ``executor="auto"``: the fastest registered executor that can run the call."""
+"""Executor lookup and ``executor="auto"``: the fastest registered executor that can run the call.
+
+``auto`` walks ``AUTO_PREFERENCE`` and keeps the executors whose ``supports()`` accepts the call (the error lists
+every rejection and its reason when none does). Between ``gathered`` and ``masked`` it decides from the plan:
+the gathered path reads back its packed sizes once per call anyway, and from them ``auto`` knows the share of the
+dense (query row, head) work the plan keeps. At or above ``DENSE_WORK_FRACTION`` of it (for example every head
+active, as in training under soft gates) there is nothing worth skipping and ``masked`` (= dense attention, one
+fused SDPA call) is faster; below it ``gathered`` runs with the sizes already read, so ``auto`` costs no extra
+host synchronisation. The threshold comes from ``condcomp bench attention`` (docs/performance.md).
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from torch import Tensor
 
 from condcomp.registry import EXECUTORS
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 # Preference of "auto", fastest first where it can run (docs/performance.md has the measurements).
 AUTO_PREFERENCE = ("gathered", "masked", "reference")
+
+# Kept share of the dense work at or above which "auto" runs "masked" instead of "gathered" (per granularity).
+DENSE_WORK_FRACTION = {"sequence": 0.75, "token": 0.6}
 
 _INSTANCES: dict[str, Any] = {}
 
@@ -21,8 +35,32 @@ def get_executor(name: str) -> Any:
     return _INSTANCES[key]
 
 
+class _Sized:
+    """The gathered executor bound to the sizes ``auto`` already read back (no second host sync)."""
+
+    def __init__(self, executor: Any, sizes: Any) -> None:
+        self.executor, self.sizes, self.name = executor, sizes, executor.name
+
+    def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
+        return self.executor.run(weights, inputs, plan, self.sizes)
+
+
+def prefer_dense(work_fraction: float, granularity: str) -> bool:
+    """Whether a plan keeping ``work_fraction`` of the dense work should run densely (``masked``)."""
+    return work_fraction >= DENSE_WORK_FRACTION.get(granularity, 1.0)
+
+
 def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
-    """The executor to run this call; raises with every rejection and its reason when none can."""
+    """The executor to run this call; raises with every rejection and its reason when none can.
+
+    >>> import torch, condcomp
+    >>> from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+    >>> L = HeadLayout(d_model=8, num_heads=2, num_kv_heads=2, head_dim=4, scale=0.5)
+    >>> w = AttentionWeights(L, torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8))
+    >>> full = condcomp.full_plan(1, 2, torch.device("cpu"))
+    >>> resolve_executor("auto", w, AttentionInputs(x=torch.randn(1, 3, 8)), full).name
+    'masked'
+    """
     if name != "auto":
         executor = get_executor(name)
         reason = executor.supports(weights, inputs, plan)
@@ -32,10 +70,21 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
     rejections = []
     candidates = [n for n in AUTO_PREFERENCE if n in EXECUTORS.names()]
     candidates += [n for n in EXECUTORS.names() if n not in candidates]
+    usable = []
     for candidate in candidates:
         executor = get_executor(candidate)
         reason = executor.supports(weights, inputs, plan)
         if reason is None:
-            return executor
-        rejections.append(f"{candidate}: {reason}")
-    raise RuntimeError("no executor can run this call:\n  " + "\n  ".join(rejections))
+            usable.append(executor)
+        else:
+            rejections.append(f"{candidate}: {reason}")
+    if not usable:
+        raise RuntimeError("no executor can run this call:\n  " + "\n  ".join(rejections))
+    first = usable[0]
+    if first.name == "gathered" and hasattr(first, "sizes"):
+        sizes = first.sizes(weights, inputs, plan)  # the one host read the gathered path needs anyway
+        dense = next((e for e in usable if e.name == "masked"), None)
+        if dense is not None and prefer_dense(sizes.work_fraction, plan.granularity):
+            return dense
+        return _Sized(first, sizes)
+    return first

@@ -21,10 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.executors.base import add_output_bias, zero_dead_rows
+from condcomp.executors.base import zero_dead_rows
+from condcomp.executors.gathered_pairs import sequence_pairs
 from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, dead_rows
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
+
+# Variable-k sequence plans in the fused layout run as packed pairs (few kernels) rather than one block per k
+# bucket (docs/performance.md has the comparison); False forces the buckets.
+PACK_PAIRS = True
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -95,29 +100,35 @@ def _bucket_mask(mask: AttentionMask, idx: Tensor | None, heads: Tensor) -> tupl
     return m, dead
 
 
+def _stacked(w: AttentionWeights) -> tuple[Tensor, Tensor | None]:
+    """Per-head fused projection ``(H, 3 * Dh, D)`` (q, k, v rows of each head together) and its bias."""
+    H, Dh = w.layout.num_heads, w.layout.head_dim
+    w3 = torch.stack([_per_head(t, H, Dh) for t in (w.q_weight, w.k_weight, w.v_weight)], 1)  # (H, 3, Dh, D)
+    b3 = None
+    if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
+        b3 = torch.stack([t.view(H, Dh) for t in (w.q_bias, w.k_bias, w.v_bias)], 1).view(H, 3 * Dh)
+    return w3.view(H, 3 * Dh, -1), b3
+
+
 def _sequence_bucket(
     w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
-    idx: Tensor | None, k: int, kkv: int,
+    idx: Tensor | None, k: int, kkv: int, fused_w: tuple[Tensor, Tensor | None] | None,
 ) -> Tensor:
-    """Output ``(n, T, D)`` of the examples ``idx`` (None = the whole batch) that each use ``k`` heads."""
+    """Output ``(n, T, D)`` (output bias included) of the examples ``idx`` (None = all) that use ``k`` heads."""
     L = w.layout
     H, Hkv, Dh, G = L.num_heads, L.num_kv_heads, L.head_dim, L.group_size
 
     def pick(t: Tensor) -> Tensor:
-        return t if idx is None else t.index_select(0, idx)
+        return t if idx is None else t[idx]  # advanced indexing: one parallel copy (index_select is per row)
 
     heads = pick(plan.order)[:, :k]  # (n, k) selected heads, ascending
     gates = pick(plan.gates).gather(1, heads)  # (n, k)
     x = pick(inputs.x)  # (n, T, D)
     n, T, _ = x.shape
-    fused = inputs.key is None and inputs.value is None and inputs.key_states is None and G == 1
-    if fused:  # self-attention without GQA: one (n, T, 3kDh) matmul, as nn.MultiheadAttention fuses QKV
-        w3 = torch.stack([_per_head(t, H, Dh) for t in (w.q_weight, w.k_weight, w.v_weight)], 1)  # (H, 3, Dh, D)
-        b3 = None
-        if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
-            b3 = torch.stack([t.view(H, Dh) for t in (w.q_bias, w.k_bias, w.v_bias)], 1)  # (H, 3, Dh)
-        bias = None if b3 is None else b3[heads].reshape(n, k * 3 * Dh)
-        qkv = _project(x, w3[heads].reshape(n, k * 3 * Dh, -1), bias)  # (n, T, k*3*Dh)
+    if fused_w is not None:  # self-attention without GQA: one (n, T, 3kDh) matmul, as nn.MultiheadAttention does
+        w3, b3 = fused_w
+        bias = None if b3 is None else b3[heads].view(n, k * 3 * Dh)
+        qkv = _project(x, w3[heads].view(n, k * 3 * Dh, -1), bias)  # (n, T, k*3*Dh)
         q, kk, v = qkv.view(n, T, k, 3, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # each (n, k, T, Dh)
     else:
         q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh)[heads].reshape(n, k * Dh)
@@ -141,7 +152,7 @@ def _sequence_bucket(
         q = apply_rotary(q, cos, sin)
         if inputs.key_states is None:
             kk = apply_rotary(kk, cos, sin)
-    if not fused and G > 1:  # each query head reads its key/value head's slot among the kkv computed ones
+    if fused_w is None and G > 1:  # each query head reads its key/value head's slot among the kkv computed ones
         slot = (torch.cumsum(kv_active(plan.active, Hkv).long(), 1) - 1)  # (B, Hkv)
         slot = pick(slot).gather(1, torch.div(heads, G, rounding_mode="floor"))  # (n, k)
         ix = slot[:, :, None, None].expand(n, k, kk.shape[2], Dh)
@@ -154,8 +165,10 @@ def _sequence_bucket(
         out = out.masked_fill(dead.unsqueeze(-1), 0.0)
     out = out * gates.to(out.dtype)[:, :, None, None]
     out = out.transpose(1, 2).reshape(n, T, k * Dh)  # (n, T, k*Dh)
-    wo = w.o_weight.view(-1, H, Dh).permute(1, 2, 0)  # (H, Dh, D)
-    return torch.bmm(out, wo[heads].reshape(n, k * Dh, -1))  # (n, T, D)
+    wo = w.o_weight.view(-1, H, Dh).permute(1, 2, 0)[heads].reshape(n, k * Dh, -1)  # (n, k*Dh, D)
+    if w.o_bias is None:
+        return torch.bmm(out, wo)  # (n, T, D)
+    return torch.baddbmm(w.o_bias.expand(n, 1, -1), out, wo)  # every row of a k > 0 bucket gets the bias
 
 
 def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, sizes: GatherSizes) -> Tensor:
@@ -163,27 +176,31 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
     x = inputs.x
     B, T, _ = x.shape
     D = w.o_weight.shape[0]
-    mask = build_attention_mask(inputs, w.layout.causal, x.dtype)
-    Hkv = w.layout.num_kv_heads
+    L = w.layout
+    mask = build_attention_mask(inputs, L.causal, x.dtype)
+    fused = inputs.key is None and inputs.value is None and inputs.key_states is None and L.group_size == 1
+    fused_w = _stacked(w) if fused else None
+    Hkv = L.num_kv_heads
+    pairs = sum(k * n for k, _, n in sizes.buckets)
     if len(sizes.buckets) == 1 and sizes.buckets[0][0] > 0:  # one shape of work: no gather of examples at all
         k, kkv, _ = sizes.buckets[0]
-        y = _sequence_bucket(w, inputs, plan, mask, None, k, kkv)
+        y = _sequence_bucket(w, inputs, plan, mask, None, k, kkv, fused_w)
+    elif fused and pairs > 0 and PACK_PAIRS:  # variable k: one packed block instead of one block per bucket
+        return sequence_pairs(w, inputs, plan, mask, pairs)
     else:
         key = plan.counts.long() * (Hkv + 1)
-        key = key + (kv_active(plan.active, Hkv).sum(-1) if w.layout.group_size > 1 else plan.counts.long())
+        key = key + (kv_active(plan.active, Hkv).sum(-1) if L.group_size > 1 else plan.counts.long())
         perm = torch.argsort(key, stable=True)  # (B,) examples sorted by bucket
-        parts, start = [], 0
+        y = x.new_zeros(B, T, D) if sizes.buckets and sizes.buckets[0][0] == 0 else x.new_empty(B, T, D)
+        start = 0
         for k, kkv, n in sizes.buckets:
             idx = perm[start:start + n]
             start += n
-            if k == 0:  # no head: the attention output is exactly zero (no bias either)
-                parts.append(x.new_zeros(n, T, D))
-            else:
-                parts.append(_sequence_bucket(w, inputs, plan, mask, idx, k, kkv))
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(B, device=perm.device)
-        y = torch.cat(parts).index_select(0, inverse) if parts else x.new_zeros(B, T, D)  # (B, T, D)
-    y = add_output_bias(y, w, plan)
+            if k > 0:  # rows of k = 0 examples stay exactly zero (no bias either)
+                part = _sequence_bucket(w, inputs, plan, mask, idx, k, kkv, fused_w)  # autocast: maybe bf16
+                y.index_copy_(0, idx, part.to(y.dtype))
+        if not y.requires_grad and plan.gates.requires_grad:  # every k = 0: zero output, still in the graph
+            y = y + plan.gates.sum().mul(0).to(y.dtype)
     return zero_dead_rows(y, dead_rows(mask, B, T))
 
 

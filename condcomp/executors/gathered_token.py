@@ -2,10 +2,11 @@
 
 Keys and values are computed for every key/value head that some token of the batch chose (a later token may
 pick any head, so the whole sequence's keys are needed). Heads that (nearly) every token chose, such as MoH's
-shared heads, run densely as one block. Each other head ``h`` packs, per example, the tokens that chose it into
-``(B, L_h, D)``, where ``L_h`` is the largest such count over the batch; the padding is bounded by
-``B * L_h - sum_b count_b(h)`` rows per head (the spread of per-example counts; its slots point at tokens whose
-gate is zero, so they add exact zeros). The head's output rows are scattered back with ``index_add_``.
+shared heads, run densely as one block. The other ("routed") heads run together as one packed block: for each
+routed head and example, the tokens that chose it are gathered into ``L`` slots, ``L`` being the largest such
+count over heads and examples, so the padding is ``n_routed * B * L - (selected pairs)`` rows (the spread of
+per-(example, head) counts; for MoH's load-balanced routing a few percent). Padded slots point at tokens whose
+gate is zero, so they add exact zeros. Outputs are summed back into their tokens with one ``index_add_``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from torch import Tensor
 
 from condcomp.executors.base import add_output_bias, zero_dead_rows
 from condcomp.executors.gathered import GatherSizes
-from condcomp.masks import apply_rotary, build_attention_mask, causal_allowed, dead_rows
+from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, causal_allowed, dead_rows, rotate_half
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 # A head chosen by at least this share of the (padded) query rows runs densely over all tokens: gathering
-# would save less than it costs (measured on CPU, docs/performance.md).
+# would save less than it costs (docs/performance.md).
 DENSE_HEAD_ROWS = 0.8
 
 
@@ -29,16 +30,89 @@ def _rows(w: Tensor, heads: list[int], Dh: int) -> Tensor:
     return torch.cat([w[h * Dh:(h + 1) * Dh] for h in heads]) if heads else w[:0]
 
 
-def _project_kv(w: AttentionWeights, inputs: AttentionInputs, kv_heads: list[int]) -> tuple[Tensor, Tensor]:
-    """Keys and values ``(B, len(kv_heads), S, Dh)`` of the listed key/value heads only."""
-    if inputs.key_states is not None and inputs.value_states is not None:
-        return inputs.key_states[:, kv_heads], inputs.value_states[:, kv_heads]
-    Dh, n = w.layout.head_dim, len(kv_heads)
-    out = []
-    for src, wt, bt in ((inputs.key_input, w.k_weight, w.k_bias), (inputs.value_input, w.v_weight, w.v_bias)):
-        t = F.linear(src, _rows(wt, kv_heads, Dh), None if bt is None else _rows(bt, kv_heads, Dh))
-        out.append(t.unflatten(-1, (n, Dh)).transpose(1, 2))  # (B, n, S, Dh)
-    return out[0], out[1]
+def _project(w: AttentionWeights, inputs: AttentionInputs, q_heads: list[int],
+             kv_heads: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries ``(B, len(q_heads), T, Dh)`` and keys/values ``(B, len(kv_heads), S, Dh)`` of the listed heads."""
+    Dh = w.layout.head_dim
+    x = inputs.x
+    nq, nkv = len(q_heads), len(kv_heads)
+
+    def bias(b: Tensor | None, heads: list[int]) -> Tensor | None:
+        return None if b is None else _rows(b, heads, Dh)
+
+    def heads_first(t: Tensor, n: int) -> Tensor:
+        return t.unflatten(-1, (n, Dh)).transpose(1, 2)  # (B, n, T|S, Dh)
+
+    cached = inputs.key_states is not None and inputs.value_states is not None
+    if inputs.key is None and inputs.value is None and not cached:  # self-attention: one fused projection
+        parts = ((w.q_weight, w.q_bias, q_heads), (w.k_weight, w.k_bias, kv_heads), (w.v_weight, w.v_bias, kv_heads))
+        wt = torch.cat([_rows(wp, heads, Dh) for wp, _, heads in parts])
+        fused_b = None
+        if any(b is not None for _, b, _ in parts):  # a missing bias (e.g. no key bias) is a zero block
+            fused_b = torch.cat([x.new_zeros(len(heads) * Dh) if b is None else _rows(b, heads, Dh)
+                                 for _, b, heads in parts])
+        out = F.linear(x, wt, fused_b)
+        q, k, v = out.split([nq * Dh, nkv * Dh, nkv * Dh], -1)
+        return heads_first(q, nq), heads_first(k, nkv), heads_first(v, nkv)
+    q = heads_first(F.linear(x, _rows(w.q_weight, q_heads, Dh), bias(w.q_bias, q_heads)), nq)
+    if cached:
+        assert inputs.key_states is not None and inputs.value_states is not None
+        return q, inputs.key_states[:, kv_heads], inputs.value_states[:, kv_heads]
+    k = F.linear(inputs.key_input, _rows(w.k_weight, kv_heads, Dh), bias(w.k_bias, kv_heads))
+    v = F.linear(inputs.value_input, _rows(w.v_weight, kv_heads, Dh), bias(w.v_bias, kv_heads))
+    return q, heads_first(k, nkv), heads_first(v, nkv)
+
+
+def _take(t: Tensor, ix: list[int]) -> Tensor:
+    """``t[:, ix]``, as a view when ``ix`` is a contiguous ascending range."""
+    if ix and ix == list(range(ix[0], ix[0] + len(ix))):
+        return t[:, ix[0]:ix[0] + len(ix)]
+    return t[:, ix]
+
+
+def _heads_of(t: Tensor, heads: list[int]) -> Tensor:
+    """Dim 1 of a mask-like ``(B|1, H|1, ...)`` tensor restricted to ``heads`` (kept at 1 when broadcast)."""
+    return t if t.shape[1] == 1 else _take(t, heads)
+
+
+def _routed(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask, routed: list[int],
+            slots: int, keys: Tensor, values: Tensor, y: Tensor) -> None:
+    """Add the packed routed heads' output into ``y (B, T, D)`` in place."""
+    x = inputs.x
+    B, T, D_in = x.shape
+    H, Dh, nR = w.layout.num_heads, w.layout.head_dim, len(routed)
+    D, S = w.o_weight.shape[0], keys.shape[2]
+    R = torch.tensor(routed, device=x.device)
+    # (nR, B, L): per routed head and example, the tokens that chose it first (ascending), then gate-0 padding.
+    pos = torch.argsort((~plan.active[:, :, R]).permute(2, 0, 1).byte(), dim=-1, stable=True)[..., :slots]
+    flat = (pos + (torch.arange(B, device=x.device) * T)[None, :, None]).reshape(-1)  # (nR*B*L,) rows of (B*T)
+    xr = x.reshape(B * T, D_in).index_select(0, flat).view(nR, B * slots, D_in)
+    wq = w.q_weight.view(H, Dh, D_in)[R]  # (nR, Dh, D_in)
+    if w.q_bias is None:
+        q = torch.bmm(xr, wq.transpose(1, 2))
+    else:
+        q = torch.baddbmm(w.q_bias.view(H, 1, Dh)[R], xr, wq.transpose(1, 2))  # (nR, B*L, Dh)
+    q = q.view(nR, B, slots, Dh).transpose(0, 1)  # (B, nR, L, Dh)
+    if inputs.rotary is not None:
+        cos, sin = (t.reshape(B * T, Dh).index_select(0, flat).view(nR, B, slots, Dh).transpose(0, 1)
+                    for t in inputs.rotary)
+        q = q * cos + rotate_half(q) * sin
+    pos_b = pos.transpose(0, 1)  # (B, nR, L)
+    attn_mask: Tensor | None = None
+    if mask.mask is not None:
+        m = _heads_of(mask.mask, routed).expand(B, nR, T, S)
+        attn_mask = m.gather(2, pos_b.unsqueeze(-1).expand(B, nR, slots, S))  # (B, nR, L, S)
+    elif mask.is_causal:
+        attn_mask = causal_allowed(T, S, x.device)[pos_b]  # (B, nR, L, S)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=inputs.dropout_p,
+                                         scale=w.layout.scale)  # (B, nR, L, Dh)
+    if mask.dead is not None:
+        out = out.masked_fill(_heads_of(mask.dead, routed).expand(B, nR, T).gather(2, pos_b).unsqueeze(-1), 0.0)
+    gates = plan.gates[:, :, R].transpose(1, 2).gather(2, pos_b)  # (B, nR, L)
+    out = (out * gates.unsqueeze(-1).to(out.dtype)).transpose(0, 1).reshape(nR, B * slots, Dh)
+    wo = w.o_weight.view(D, H, Dh).permute(1, 2, 0)[R]  # (nR, Dh, D)
+    src = torch.bmm(out, wo).view(-1, D)  # (nR*B*L, D)
+    y.view(B * T, D).index_add_(0, flat, src.to(y.dtype))
 
 
 def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, sizes: GatherSizes) -> Tensor:
@@ -54,57 +128,28 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     routed = [h for h in range(H) if 0 < rows[h] < DENSE_HEAD_ROWS * T]
     kv_heads = sorted({h // G for h in dense + routed})
     slot = {g: i for i, g in enumerate(kv_heads)}
-    keys, values = _project_kv(w, inputs, kv_heads)  # (B, nkv, S, Dh)
-    if inputs.rotary is not None and inputs.key_states is None:
-        keys = apply_rotary(keys, *inputs.rotary)
-
-    def head_mask(m: Tensor, h: int) -> Tensor:
-        return m[:, h if m.shape[1] > 1 else 0]  # (B|1, T, S) or (B|1, T)
-
+    q, keys, values = _project(w, inputs, dense, kv_heads)  # (B, nd, T, Dh), (B, nkv, S, Dh)
+    if inputs.rotary is not None:
+        q = apply_rotary(q, *inputs.rotary)
+        if inputs.key_states is None:
+            keys = apply_rotary(keys, *inputs.rotary)
     y = x.new_zeros(B, T, D)
     if dense:  # (B, nd, T, Dh) for the heads most tokens chose, as one dense block
-        q = F.linear(x, _rows(w.q_weight, dense, Dh), None if w.q_bias is None else _rows(w.q_bias, dense, Dh))
-        q = q.unflatten(-1, (len(dense), Dh)).transpose(1, 2)
-        if inputs.rotary is not None:
-            q = apply_rotary(q, *inputs.rotary)
         kv_ix = [slot[h // G] for h in dense]
-        m = mask.mask
-        if m is not None and m.shape[1] > 1:
-            m = m[:, dense]
-        out = F.scaled_dot_product_attention(q, keys[:, kv_ix], values[:, kv_ix], attn_mask=m,
-                                             dropout_p=inputs.dropout_p, is_causal=mask.is_causal, scale=L.scale)
+        kd, vd = _take(keys, kv_ix), _take(values, kv_ix)
+        m = None if mask.mask is None else _heads_of(mask.mask, dense)
+        out = F.scaled_dot_product_attention(q, kd, vd, attn_mask=m, dropout_p=inputs.dropout_p,
+                                             is_causal=mask.is_causal, scale=L.scale)
         if mask.dead is not None:
-            dd = mask.dead if mask.dead.shape[1] == 1 else mask.dead[:, dense]
-            out = out.masked_fill(dd.unsqueeze(-1), 0.0)
+            out = out.masked_fill(_heads_of(mask.dead, dense).unsqueeze(-1), 0.0)
         out = out * plan.gates[:, :, dense].transpose(1, 2).unsqueeze(-1).to(out.dtype)  # (B, nd, T, Dh)
-        y = F.linear(out.transpose(1, 2).reshape(B, T, -1), torch.cat([w.o_weight[:, h * Dh:(h + 1) * Dh]
-                                                                       for h in dense], 1))
-    flat = y.view(B * T, D)
-    base = (torch.arange(B, device=x.device) * T).unsqueeze(1)  # (B, 1)
-    for h in routed:
-        Lh = rows[h]
-        # The Lh tokens of each example that chose h first (ascending), then unchosen ones as gate-0 padding.
-        pos = torch.argsort((~plan.active[:, :, h]).byte(), dim=1, stable=True)[:, :Lh]  # (B, Lh)
-        xh = x.gather(1, pos.unsqueeze(-1).expand(B, Lh, x.shape[-1]))  # (B, Lh, D)
-        q = F.linear(xh, w.q_weight[h * Dh:(h + 1) * Dh], None if w.q_bias is None else w.q_bias[h * Dh:(h + 1) * Dh])
-        q = q.unsqueeze(1)  # (B, 1, Lh, Dh)
-        if inputs.rotary is not None:
-            cos, sin = (t.gather(1, pos.unsqueeze(-1).expand(B, Lh, Dh)) for t in inputs.rotary)
-            q = apply_rotary(q, cos, sin)
-        if mask.mask is not None:
-            m = head_mask(mask.mask, h).expand(B, T, -1)
-            attn_mask: Tensor | None = m.gather(1, pos.unsqueeze(-1).expand(B, Lh, m.shape[-1])).unsqueeze(1)
-        elif mask.is_causal:
-            attn_mask = causal_allowed(T, keys.shape[2], x.device)[pos].unsqueeze(1)  # (B, 1, Lh, S)
-        else:
-            attn_mask = None
-        g = slot[h // G]
-        out = F.scaled_dot_product_attention(q, keys[:, g:g + 1], values[:, g:g + 1], attn_mask=attn_mask,
-                                             dropout_p=inputs.dropout_p, scale=L.scale).squeeze(1)  # (B, Lh, Dh)
-        if mask.dead is not None:
-            out = out.masked_fill(head_mask(mask.dead, h).expand(B, T).gather(1, pos).unsqueeze(-1), 0.0)
-        out = out * plan.gates[:, :, h].gather(1, pos).unsqueeze(-1).to(out.dtype)
-        src = F.linear(out, w.o_weight[:, h * Dh:(h + 1) * Dh])  # (B, Lh, D)
-        flat.index_add_(0, (pos + base).reshape(-1), src.reshape(B * Lh, D))
+        wo = torch.cat([w.o_weight[:, h * Dh:(h + 1) * Dh] for h in dense], 1)
+        y = F.linear(out.transpose(1, 2).reshape(B, T, -1), wo).to(x.dtype)
+    if routed:
+        kv_ix = [slot[h // G] for h in routed]
+        kr, vr = _take(keys, kv_ix), _take(values, kv_ix)
+        _routed(w, inputs, plan, mask, routed, max(rows[h] for h in routed), kr, vr, y)
+    if not y.requires_grad and plan.gates.requires_grad:  # no head anywhere: zero output, still in the graph
+        y = y + plan.gates.sum().mul(0).to(y.dtype)
     y = add_output_bias(y, w, plan)
     return zero_dead_rows(y, dead_rows(mask, B, T))

@@ -1,0 +1,62 @@
+"""The gathered executor's packed-pairs path for sequence plans whose examples use different numbers of heads.
+
+Every selected (example, head) pair is one batch entry: its input rows, its head's fused q/k/v weight slice and
+its output-projection slice are gathered, the block runs as one ``baddbmm``, one SDPA call over ``(P, 1, T, Dh)``
+and one ``bmm``, and the pair outputs are summed into their examples with one ``scatter_add_``. The number of
+kernels is the same whatever the spread of k (bucketing by k repeats the whole block per bucket, which costs a
+scheduling round per kernel on a loaded CPU); the price is ``P * T * D`` extra memory traffic for the gathered
+inputs and the per-pair outputs, with no padding (P is the exact number of selected pairs).
+Used for self-attention without GQA or a KV cache (the fused layout); other sequence calls use the buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from condcomp.executors.base import zero_dead_rows
+from condcomp.masks import AttentionMask, apply_rotary, dead_rows
+from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
+
+
+def sequence_pairs(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
+                   pairs: int) -> Tensor:
+    """``(B, T, D)`` of a sequence plan with ``pairs`` selected (example, head) pairs in total."""
+    x = inputs.x
+    B, T, D_in = x.shape
+    L = w.layout
+    H, Dh = L.num_heads, L.head_dim
+    D = w.o_weight.shape[0]
+    # Pair ids b * H + h of the active pairs, ascending, without a second host read (pairs is known).
+    pid = torch.argsort((~plan.active.reshape(-1)).byte(), stable=True)[:pairs]  # (P,)
+    b_idx = torch.div(pid, H, rounding_mode="floor")
+    h_idx = pid - b_idx * H
+    xp = x[b_idx]  # (P, T, D_in)
+    # Rows of head h in cat([Wq, Wk, Wv]) viewed as (3H, Dh * D_in): blocks h, H + h, 2H + h (small memcpy slices).
+    rows = torch.stack([h_idx, h_idx + H, h_idx + 2 * H], 1).reshape(-1)  # (3P,)
+    wqkv = torch.cat([w.q_weight, w.k_weight, w.v_weight]).view(3 * H, Dh * D_in)
+    wp = wqkv.index_select(0, rows).view(pairs, 3 * Dh, D_in)  # (P, 3Dh, D_in)
+    if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
+        bqkv = torch.cat([w.q_bias, w.k_bias, w.v_bias]).view(3 * H, Dh)
+        qkv = torch.baddbmm(bqkv.index_select(0, rows).view(pairs, 1, 3 * Dh), xp, wp.transpose(1, 2))
+    else:
+        qkv = torch.bmm(xp, wp.transpose(1, 2))  # (P, T, 3Dh)
+    q, k, v = qkv.view(pairs, T, 3, Dh).permute(2, 0, 1, 3).unsqueeze(2).unbind(0)  # each (P, 1, T, Dh)
+    if inputs.rotary is not None:
+        cos, sin = (t[b_idx] for t in inputs.rotary)  # (P, T, Dh)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    m = mask.for_rows(b_idx, h_idx)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m.mask, dropout_p=inputs.dropout_p,
+                                         is_causal=m.is_causal, scale=L.scale)  # (P, 1, T, Dh)
+    if m.dead is not None:
+        out = out.masked_fill(m.dead.unsqueeze(-1), 0.0)
+    out = out.view(pairs, T, Dh) * plan.gates[b_idx, h_idx].to(out.dtype)[:, None, None]
+    wo = w.o_weight.view(D, H, Dh).permute(1, 2, 0).reshape(H, Dh * D)  # (H, Dh*D): head h's output rows
+    yp = torch.bmm(out, wo.index_select(0, h_idx).view(pairs, Dh, D))  # (P, T, D)
+    if w.o_bias is not None:  # the bias only on examples with at least one head
+        y = (w.o_bias.to(x.dtype) * (plan.counts > 0).to(x.dtype)[:, None, None]).expand(B, T, D).contiguous()
+    else:
+        y = x.new_zeros(B, T, D)
+    y = y.scatter_add_(0, b_idx[:, None, None].expand(pairs, T, D), yp.to(y.dtype))  # (B, T, D)
+    return zero_dead_rows(y, dead_rows(mask, B, T))

@@ -1,0 +1,70 @@
+"""``executor="auto"`` (dense where nothing is worth skipping, gathered otherwise) and the attention benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import leaf_plan, make_layout, make_weights
+from test_gathered import moh_active, seq_active
+
+import condcomp
+from condcomp.bench_attention import add_arguments, main
+from condcomp.executors import auto
+from condcomp.executors.auto import get_executor, resolve_executor
+from condcomp.registry import register_executor
+from condcomp.types import AttentionInputs
+
+
+def test_auto_runs_dense_at_full_budget_and_gathered_below() -> None:
+    w = make_weights(make_layout(H=8, Dh=4, D=32))
+    x = torch.randn(4, 6, 32, dtype=torch.float64)
+    full = condcomp.full_plan(4, 8, x.device)
+    assert resolve_executor("auto", w, AttentionInputs(x=x), full).name == "masked"
+    sparse, _ = leaf_plan(seq_active([1, 2, 3, 2], 8))
+    chosen = resolve_executor("auto", w, AttentionInputs(x=x), sparse)
+    assert chosen.name == "gathered"
+    want = get_executor("reference")(w, AttentionInputs(x=x), sparse)
+    torch.testing.assert_close(chosen(w, AttentionInputs(x=x), sparse), want, atol=1e-10, rtol=1e-9)
+    token, _ = leaf_plan(moh_active(4, 6, 8, 1, 1))
+    assert resolve_executor("auto", w, AttentionInputs(x=x), token).name == "gathered"
+    assert auto.prefer_dense(1.0, "token") and not auto.prefer_dense(0.25, "sequence")
+
+
+def test_auto_skips_executors_that_reject_and_lists_reasons(restore_registries: None) -> None:
+    w = make_weights(make_layout(H=4, Dh=4, D=16), torch.float32)
+    x = torch.randn(2, 3, 16, dtype=torch.float64)  # dtype mismatch: gathered names it and declines
+    plan, _ = leaf_plan(seq_active([1, 2], 4))
+    assert resolve_executor("auto", w, AttentionInputs(x=x), plan).name == "masked"
+
+    @register_executor("never")
+    class Never:
+        name = "never"
+        granularities = ("sequence",)
+
+        def supports(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            return "never runs anything"
+
+        def __call__(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            raise AssertionError
+
+    with pytest.raises(RuntimeError, match="never runs anything"):
+        resolve_executor("never", w, AttentionInputs(x=x), plan)
+
+
+def test_bench_attention_quick_writes_metrics(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--quick", "--reps", "1", "--passes", "both", "--out", str(tmp_path)])
+    assert main(args) == 0
+    records = json.loads((tmp_path / "metrics.json").read_text())
+    variants = {r["variant"] for r in records}
+    assert variants == {"dense", "oracle", "masked", "gathered"}
+    assert {r["pass"] for r in records} == {"fwd", "fwd+bwd"}
+    assert {r["granularity"] for r in records} == {"sequence", "token"}
+    for r in records:
+        assert set(r["shape"]) == {"B", "T", "D", "H"} and r["ms"] > 0
+    assert "gathered/oracle" in (tmp_path / "table.md").read_text()
