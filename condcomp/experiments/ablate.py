@@ -1,0 +1,145 @@
+"""The ablation on one dataset: trained methods, and inference-time controls on the learned BudgetFormer model.
+
+Trained: standard, BudgetFormer, fixed top-k at given fractions and at BudgetFormer's realised mean head count,
+MoH. Controls on the trained BudgetFormer model (no retraining): forced to each fixed fraction, random heads at
+its own learned budget, all heads. A finished run (its ``metrics.json`` present) is reused, so an interrupted
+ablation restarts where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from condcomp.experiments.methods import swapped
+from condcomp.experiments.metrics import inference_executor, restore_executor, set_executor
+from condcomp.experiments.model import EncoderClassifier, ModelConfig
+from condcomp.experiments.runconfig import Prepared, RunConfig, prepare
+from condcomp.experiments.runner import finish, run_single, write_json
+from condcomp.experiments.train import build_model
+
+
+class Study:
+    """Runs methods on one prepared dataset under ``out/<name>/`` and collects their metrics rows."""
+
+    def __init__(self, cfg: RunConfig, out: Path, prep: Prepared | None = None, tokenizer: Any = None,
+                 reuse: bool = True) -> None:
+        self.cfg, self.out, self.reuse = cfg, out, reuse
+        t0 = time.perf_counter()
+        self.prep, self.tokenizer = (prep, tokenizer) if prep is not None else prepare(cfg)
+        self.prepare_seconds = time.perf_counter() - t0
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.models: dict[str, EncoderClassifier] = {}
+        self.swaps: dict[str, tuple[str, dict[str, Any]]] = {}
+
+    def train(self, name: str, method: str, options: dict[str, Any] | None = None,
+              keep: bool = True) -> dict[str, Any]:
+        """Train ``method`` as run ``name`` (or reuse its finished metrics and checkpoint)."""
+        cfg = RunConfig.from_dict({**self.cfg.to_dict(), "method": method, "method_options": options or {}})
+        d = self.out / name
+        if self.reuse and (d / "metrics.json").is_file() and (d / "checkpoint" / "condcomp.json").is_file():
+            row = json.loads((d / "metrics.json").read_text())
+            if keep:
+                from condcomp.checkpoint import load_checkpoint
+
+                model = build_model(ModelConfig.from_dict(row["model"]), cfg)
+                load_checkpoint(d / "checkpoint", model)
+                self.models[name] = model.eval()
+        else:
+            resume = self.reuse and (d / "checkpoint" / "condcomp.json").is_file()
+            row, model = run_single(cfg, d, resume=resume, prep=self.prep, tokenizer=self.tokenizer, name=name)
+            if keep:
+                self.models[name] = model
+        self.rows[name] = row
+        return row
+
+    def control(self, name: str, base: str, policy: str | None = None, fraction: float = 0.5,
+                router: str | None = None) -> dict[str, Any]:
+        """Evaluate trained model ``base`` with its policy and/or router swapped (see ``methods.swapped``)."""
+        model = self.models[base]
+        d = self.out / name
+        cfg = RunConfig.from_dict({**self.rows[base]["config"]})
+        with swapped(model, policy=policy, fraction=fraction, router=router):
+            row = finish(model, self.prep, cfg, d, name)
+        self.swaps[name] = (base, {"policy": policy, "fraction": fraction, "router": router})
+        row.update({"control_of": base, "swap": self.swaps[name]})
+        write_json(d / "metrics.json", row)
+        self.rows[name] = row
+        return row
+
+
+    def paired_timing(self, reps: int) -> None:
+        """Re-time every arm round-robin (one call each per round) so that all arms see the same machine load;
+        medians replace the per-run latencies (a shared machine's load drifts over minutes)."""
+        arms = [n for n in self.rows if n in self.models or n in self.swaps]
+        for bs in (1, 64):
+            ids, mask, seg, _ = next(self.prep.test.batches(min(bs, len(self.prep.test))))
+            times: dict[str, list[float]] = {n: [] for n in arms}
+            with torch.no_grad():
+                for rep in range(reps + 2):
+                    for n in arms:
+                        base, swap = self.swaps.get(n, (n, {}))
+                        model = self.models[base]
+                        previous = set_executor(model, inference_executor())
+                        with swapped(model, **swap):
+                            t0 = time.perf_counter()
+                            model(ids, mask, seg)
+                            dt = time.perf_counter() - t0
+                        restore_executor(model, previous)
+                        if rep >= 2:  # two warm-up rounds
+                            times[n].append(dt)
+            for n in arms:
+                self.rows[n][f"latency_b{bs}"] = statistics.median(times[n])
+                self.rows[n]["latency_paired"] = True
+
+
+def matched_fraction(k_frac: float, num_heads: int) -> float:
+    """The fixed fraction with the smallest head count >= a realised mean (ceil: fixed top-k never gets fewer
+    heads than the learned budget used on average, so "learned beats fixed" is not an artefact of rounding)."""
+    return max(1, math.ceil(k_frac * num_heads - 1e-6)) / num_heads
+
+
+def run_ablation(cfg: RunConfig, out: Path, fractions: tuple[float, ...] = (0.25, 0.5),
+                 moh: dict[str, Any] | None = None) -> dict[str, Any]:
+    """All arms of the ablation on ``cfg.dataset``; writes ``out/metrics.json`` and returns it."""
+    t0 = time.perf_counter()
+    study = Study(cfg, out)
+    study.train("standard", "standard")
+    bf = study.train("budgetformer", "budgetformer", cfg.method_options if cfg.method == "budgetformer" else None)
+    H = int(bf["model"]["num_heads"])
+    matched = matched_fraction(bf["k_frac"], H)
+    for f in sorted(set(fractions) | {matched}):
+        study.train(f"fixed_{f:g}", "fixed", {"fraction": f})
+    study.train("moh", "moh", moh)
+    for f in sorted(set(fractions) | {matched}):
+        study.control(f"budgetformer_forced_{f:g}", "budgetformer", policy="fixed", fraction=f)
+    study.control("budgetformer_random_heads", "budgetformer", router="random")
+    study.control("budgetformer_all_heads", "budgetformer", policy="full")
+    study.paired_timing(cfg.latency_reps)
+    result = collect(study, matched)
+    result["wall_seconds"] = time.perf_counter() - t0
+    write_json(out / "metrics.json", result)
+    return result
+
+
+def collect(study: Study, matched: float) -> dict[str, Any]:
+    """The ablation summary: one row per arm (speedups vs standard), the matched fraction, data notes."""
+    std = study.rows["standard"]
+    rows = {}
+    for name, r in study.rows.items():
+        rows[name] = {k: r.get(k) for k in ("accuracy", "s_mean", "k_frac", "flop_frac", "latency_b1", "latency_b64",
+                                            "peak_mem_b64", "executor", "by_tag", "layers", "wall_seconds",
+                                            "control_of", "latency_paired", "flops")}
+        rows[name]["train_seconds"] = (r.get("train") or {}).get("seconds")
+        for bs in (1, 64):
+            a, b = std.get(f"latency_b{bs}"), r.get(f"latency_b{bs}")
+            rows[name][f"speedup_b{bs}"] = a / b if a and b else None
+    return {"kind": "ablation", "dataset": study.cfg.dataset, "data": study.prep.notes, "matched_fraction": matched,
+            "config": study.cfg.to_dict(), "model": std["model"], "environment": std["environment"],
+            "prepare_seconds": study.prepare_seconds, "rows": rows}

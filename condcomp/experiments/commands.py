@@ -1,0 +1,160 @@
+"""``condcomp demo | train | eval | ablate | report`` (contributed to condcomp/cli.py through ``add_commands``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from condcomp.experiments.runconfig import RunConfig
+
+# RunConfig fields exposed as flags: (type, help). Lists take several values; dicts are JSON strings.
+_HELP = {
+    "dataset": "ag_news | dbpedia_14 | imdb | snli | yelp | synthetic | files | hf:<name>",
+    "data_dir": "folder of the staged datasets (default ../shared/data, then $CONDCOMP_DATA_DIR)",
+    "method": "standard | budgetformer | fixed | moh | random",
+    "method_options": 'JSON kwargs of the method, e.g. \'{"fraction": 0.25}\' or \'{"s_min": 0.1, "s_max": 0.5}\'',
+    "tokenizer": "bert (bert-base-uncased WordPiece, offline) | trained (WordPiece fitted on the train split)",
+    "preset": "tiny | small | paper (shape; --d-model etc. override)",
+    "max_train": "subsample the training rows (seeded)", "max_test": "subsample the test rows (seeded)",
+    "budget_cost": "extra loss budget_cost * mean(s): a price on heads (0 = the paper's objective)",
+    "threads": "torch threads (1 is far faster when the machine is shared)",
+    "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
+    "carbon_country": "ISO-3 country code: measure gCO2 with codecarbon's offline tracker (extra 'carbon')",
+}
+
+
+def _add_run_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    p.add_argument("--config", type=Path, help="JSON file of run settings (flags given explicitly win)")
+    for f in fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": _HELP.get(f.name)}
+        if f.type in ("bool",):
+            kw["action"] = "store_true"
+        elif f.name in ("train_file", "test_file"):
+            kw["nargs"] = "+"
+        elif f.name == "method_options":
+            kw["type"] = json.loads
+        elif "int" in str(f.type):
+            kw["type"] = int
+        elif "float" in str(f.type):
+            kw["type"] = float
+        p.add_argument(flag, **kw)
+    if defaults:
+        p.set_defaults(**{f"_default_{k}": v for k, v in defaults.items()})
+
+
+def run_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults < ``base`` < ``--config`` file < explicit flags."""
+    d: dict[str, Any] = dict(base or {})
+    if getattr(args, "config", None):
+        if not args.config.is_file():
+            raise FileNotFoundError(f"--config: {args.config} does not exist")
+        try:
+            d.update(json.loads(args.config.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--config {args.config}: not valid JSON ({err})") from None
+    for f in fields(RunConfig):
+        v = getattr(args, f.name, None)
+        if v is not None and v is not False:
+            d[f.name] = v
+    return RunConfig.from_dict(d)
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from condcomp.experiments.demo import run_demo
+
+    _threads(args.threads)
+    run_demo(args.out, seed=args.seed, quick=args.quick)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from condcomp.experiments.report import markdown_table, rows_of
+    from condcomp.experiments.runner import run_single
+
+    cfg = run_config(args)
+    _threads(cfg.threads)
+    metrics, _ = run_single(cfg, args.out, resume=args.resume)
+    print(markdown_table(rows_of(metrics, cfg.method)))
+    print(f"wrote {args.out / 'metrics.json'} and the checkpoint {args.out / 'checkpoint'}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from condcomp.experiments.report import markdown_table, rows_of
+    from condcomp.experiments.runner import eval_checkpoint
+
+    overrides = {k: v for k, v in (("data_dir", args.data_dir), ("max_test", args.max_test),
+                                   ("threads", args.threads)) if v is not None}
+    _threads(args.threads)
+    metrics = eval_checkpoint(args.checkpoint, args.out, overrides)
+    print(markdown_table(rows_of(metrics, metrics["method"])))
+    print(f"wrote {args.out / 'metrics.json'}")
+    return 0
+
+
+def _cmd_ablate(args: argparse.Namespace) -> int:
+    from condcomp.experiments.ablate import run_ablation
+    from condcomp.experiments.report import markdown_table
+
+    cfg = run_config(args)
+    _threads(cfg.threads)
+    result = run_ablation(cfg, args.out, tuple(args.fractions), json.loads(args.moh) if args.moh else None)
+    print(markdown_table(result["rows"]))
+    print(f"wrote {args.out / 'metrics.json'} ({result['wall_seconds']:.0f} s)")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from condcomp.experiments.report import render
+
+    print(render(args.metrics, args.out, plots=not args.no_plots))
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register demo, train, eval, ablate and report on the ``condcomp`` parser."""
+    p = sub.add_parser("demo", help="standard vs BudgetFormer vs fixed top-k vs MoH on the embedded synthetic task")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke version (tiny model, few examples)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy shared machine)")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("train", help="train one method on one dataset; metrics.json + checkpoint in --out")
+    _add_run_flags(p)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint (model, optimiser, step)")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint on its run's test split; metrics.json in --out")
+    p.add_argument("checkpoint", type=Path, help="a checkpoint folder written by train/ablate")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--max-test", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("ablate", help="all arms of the budget vs fixed top-k ablation on one dataset")
+    _add_run_flags(p)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5],
+                   help="fixed fractions, trained and forced at inference (default 0.25 0.5)")
+    p.add_argument("--moh", default=None, help='JSON options of the MoH arm, e.g. \'{"shared_heads": 2, "top_k": 2}\'')
+    p.set_defaults(func=_cmd_ablate)
+
+    p = sub.add_parser("report", help="markdown table (+ plots) from metrics.json files or run folders")
+    p.add_argument("metrics", type=Path, nargs="+")
+    p.add_argument("--out", type=Path, default=None, help="write report.md and plots here")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=_cmd_report)

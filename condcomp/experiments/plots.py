@@ -1,0 +1,79 @@
+"""PNG plots (matplotlib, imported lazily; ``pip install 'condcomp[report]'``). Missing matplotlib: a warning."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install 'condcomp[report]')", file=sys.stderr)
+        return None
+    return plt
+
+
+def plot_budget_by_difficulty(s: list[float], groups: list[str], path: Path, title: str = "") -> bool:
+    """Histogram of the predicted budget s per difficulty group."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for g in sorted(set(groups)):
+        vals = [v for v, t in zip(s, groups) if t == g]
+        ax.hist(vals, bins=30, range=(0, 1), alpha=0.6, label=f"{g} (n={len(vals)}, mean {sum(vals) / len(vals):.3f})")
+    ax.set_xlabel("predicted budget s (mean over layers)")
+    ax.set_ylabel("examples")
+    ax.set_title(title or "budget by difficulty")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_layer_usage(rows: dict[str, dict[str, Any]], path: Path) -> bool:
+    """Realised head fraction per layer, one group of bars per run."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    runs = [n for n, r in rows.items() if r.get("layers")]
+    layers = sorted({ly for n in runs for ly in rows[n]["layers"]})
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    width = 0.8 / max(1, len(runs))
+    for i, n in enumerate(runs):
+        vals = [rows[n]["layers"].get(ly, {}).get("k_frac", 0.0) for ly in layers]
+        ax.bar([j + i * width for j in range(len(layers))], vals, width, label=n)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], [ly.split(".attn")[0] for ly in layers])
+    ax.set_ylabel("realised heads (k/H)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_accuracy_vs_heads(rows: dict[str, dict[str, Any]], path: Path) -> bool:
+    """Accuracy against realised head fraction, one point per run."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for n, r in rows.items():
+        if r.get("accuracy") is None or r.get("k_frac") is None:
+            continue
+        ax.scatter(r["k_frac"], r["accuracy"])
+        ax.annotate(n, (r["k_frac"], r["accuracy"]), fontsize=6)
+    ax.set_xlabel("realised heads (k/H)")
+    ax.set_ylabel("accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
