@@ -57,7 +57,7 @@ def _param_names(module: nn.Module) -> set[str]:
 # Masks: transformers hands attention modules a 4-D bool (sdpa) or additive float (eager) mask, a 2-D padding
 # mask (flash attention) or None. The derived forms are cached for the last mask seen, because every layer of a
 # forward receives the same tensor and the reduction below is O(B*T*S).
-_LAST_MASK: list[Any] = [None, None]
+_LAST_MASK: list[Any] = [None]  # one (mask, key, parts) tuple, replaced whole (safe if threads share the model)
 
 
 def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tuple[Tensor | None, Tensor | None,
@@ -65,8 +65,9 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tupl
     """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask."""
     if mask is None:
         return None, None, None
-    if _LAST_MASK[0] is mask and _LAST_MASK[1][3] == (T, S, self_attention):
-        return _LAST_MASK[1][:3]  # type: ignore[no-any-return]
+    cached = _LAST_MASK[0]
+    if cached is not None and cached[0] is mask and cached[1] == (T, S, self_attention):
+        return cached[2]  # type: ignore[no-any-return]
     if not isinstance(mask, Tensor):
         raise TypeError(f"condcomp received an attention mask of type {type(mask).__name__} (flex attention's "
                         "BlockMask?); load or set the model with attn_implementation='sdpa' or 'eager'")
@@ -88,7 +89,7 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tupl
         parts = (query_mask, None, bias)
     else:
         raise ValueError(f"attention mask must be 2-D (B, S) or 4-D (B, 1, T, S), got shape {tuple(mask.shape)}")
-    _LAST_MASK[0], _LAST_MASK[1] = mask, (*parts, (T, S, self_attention))
+    _LAST_MASK[0] = (mask, (T, S, self_attention), parts)
     return parts  # type: ignore[return-value]
 
 
