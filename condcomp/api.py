@@ -28,6 +28,12 @@ def _layer_facts(adapter: Any) -> dict[str, int]:
     return {"d_model": L.d_model, "num_heads": L.num_heads, "num_kv_heads": L.num_kv_heads, "head_dim": L.head_dim}
 
 
+def _head_count(module: nn.Module) -> int:
+    adapter_cls = find_adapter(module)
+    assert adapter_cls is not None
+    return adapter_cls(module).layout.num_heads
+
+
 def _module_device(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
@@ -91,20 +97,34 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
         raise ValueError("apply_ matched no attention module. Attention-like modules in the model: "
                          f"{seen or 'none'}; supported classes: {', '.join(supported_classes())}; "
                          f"target_modules={targets}, exclude_modules={excludes}")
-    for adapter_cls in {find_adapter(model.get_submodule(n)) for n in chosen}:
+    if config.share_policy:
+        # A shared budget's k is computed for one head count; another count would silently get the wrong k.
+        heads = {n: _head_count(model.get_submodule(n)) for n in chosen}
+        if len(set(heads.values())) > 1:
+            raise ValueError(f"share_policy=True needs the same number of heads in every wrapped layer, got {heads}; "
+                             "share it among layers of one size (target_modules) or set share_policy=False")
+    if "" in chosen:
+        raise ValueError("the model itself is an attention module: use condcomp.RoutedAttention.wrap(model, cfg)")
+    adapter_classes = {find_adapter(model.get_submodule(n)) for n in chosen}
+    for adapter_cls in adapter_classes:
         assert adapter_cls is not None
         adapter_cls.prepare(model)
-    shared = None
-    if config.share_policy:
-        first = model.get_submodule(chosen[0])
-        adapter_cls = find_adapter(first)
-        assert adapter_cls is not None
-        shared = POLICIES.build(config.policy[0], config.policy[1], _layer_facts(adapter_cls(first)))
-    for name in chosen:
-        module = model.get_submodule(name)
-        routed = wrap_module(module, config, shared, name)
-        if name == "":
-            raise ValueError("the model itself is an attention module: use condcomp.RoutedAttention.wrap(model, cfg)")
+    try:
+        # Every wrapper is built before the first swap: a module that cannot be wrapped (an unsupported option,
+        # a bad component option) leaves the model exactly as it was, not half converted.
+        shared = None
+        if config.share_policy:
+            first = model.get_submodule(chosen[0])
+            adapter_cls = find_adapter(first)
+            assert adapter_cls is not None
+            shared = POLICIES.build(config.policy[0], config.policy[1], _layer_facts(adapter_cls(first)))
+        built = {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
+    except Exception:
+        for adapter_cls in adapter_classes:
+            assert adapter_cls is not None
+            adapter_cls.restore(model)
+        raise
+    for name, routed in built.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, routed)
     return chosen

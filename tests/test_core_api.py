@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import rotary_tables
+from core_helpers import rotary_tables
 from torch import Tensor, nn
 
 import condcomp

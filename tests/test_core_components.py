@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_layout, make_weights
+from core_helpers import make_layout, make_weights
 from torch import Tensor, nn
 
 import condcomp

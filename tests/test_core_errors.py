@@ -164,3 +164,30 @@ def test_check_inputs_rejects_non_finite_values() -> None:
     x[1, 2, 3] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite values \(NaN or inf\) in the attention input of examples \[1\]"):
         r(x)
+
+
+def test_shared_policy_across_layers_of_different_head_counts() -> None:
+    model = nn.Module()
+    model.a = condcomp.HeadAttention(16, 4)
+    model.b = condcomp.HeadAttention(16, 8)
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random", share_policy=True)
+    with pytest.raises(ValueError, match=r"share_policy=True needs the same number of heads.*'a': 4, 'b': 8"):
+        condcomp.apply_(model, cfg)
+    assert not condcomp.routed_modules(model)  # nothing was half-applied
+
+
+def test_the_model_itself_being_an_attention_module() -> None:
+    with pytest.raises(ValueError, match=r"the model itself is an attention module: use condcomp.RoutedAttention.wrap"):
+        condcomp.apply_(nn.MultiheadAttention(16, 4), condcomp.CondCompConfig(policy="full", router="random"))
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor")
+def test_a_module_that_cannot_be_wrapped_leaves_the_model_untouched() -> None:
+    """The second layer has an unsupported option: the first must not stay wrapped, nested tensors stay on."""
+    layers = [nn.TransformerEncoderLayer(16, 4, 32, batch_first=True) for _ in range(2)]
+    encoder = nn.TransformerEncoder(layers[0], num_layers=2, enable_nested_tensor=True)
+    assert encoder.use_nested_tensor
+    encoder.layers[1].self_attn = nn.MultiheadAttention(16, 4, add_bias_kv=True, batch_first=True)
+    with pytest.raises(ValueError, match=r"cannot wrap layers.1.self_attn \(MultiheadAttention\): add_bias_kv"):
+        condcomp.apply_(encoder, condcomp.CondCompConfig(policy="full", router="random"))
+    assert not condcomp.routed_modules(encoder) and encoder.use_nested_tensor

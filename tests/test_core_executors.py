@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
-from conftest import (
+from core_helpers import (
     TOLERANCES,
     leaf_plan,
     make_layout,

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TOLERANCES, leaf_plan, make_layout, make_weights, random_active, run_and_grads, weight_leaves
+from core_helpers import TOLERANCES, leaf_plan, make_layout, make_weights, random_active, run_and_grads, weight_leaves
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

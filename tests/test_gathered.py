@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TOLERANCES, leaf_plan, make_layout, make_weights, rotary_tables, run_and_grads, weight_leaves
+from core_helpers import TOLERANCES, leaf_plan, make_layout, make_weights, rotary_tables, run_and_grads, weight_leaves
 from torch import Tensor
 
 from condcomp.executors import gathered as gathered_module

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import leaf_plan, make_layout, make_weights
+from core_helpers import leaf_plan, make_layout, make_weights
 from test_gathered import moh_active, seq_active
 
 import condcomp

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_layout, make_weights
+from core_helpers import make_layout, make_weights
 from hardening_common import TinyNet
 from hypothesis import given, settings
 from hypothesis import strategies as st

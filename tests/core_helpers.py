@@ -1,0 +1,81 @@
+"""Builders shared by the core tests (and any test that compares executors): random layouts, weights, inputs and
+plans. A uniquely named module rather than conftest.py: with several conftest.py files in the tree, ``from conftest
+import`` resolves to whichever was loaded first."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from condcomp.plans import plan_from_active, top_k_mask
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
+
+# Tolerances of "executor X equals the reference", per dtype: (atol, rtol). float64 is the exactness check
+# (only summation order differs); float32 and bfloat16 check that nothing dtype-specific breaks.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (2e-5, 1e-4),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+def make_layout(H: int = 4, Hkv: int | None = None, Dh: int = 4, D: int = 16, causal: bool = False,
+                kdim: int | None = None, vdim: int | None = None) -> HeadLayout:
+    return HeadLayout(d_model=D, num_heads=H, num_kv_heads=Hkv or H, head_dim=Dh, scale=Dh**-0.5, causal=causal,
+                      kdim=kdim, vdim=vdim)
+
+
+def make_weights(layout: HeadLayout, dtype: torch.dtype = torch.float64, bias: bool = True) -> AttentionWeights:
+    """Random weights as leaf tensors that require grad (so their gradients can be compared)."""
+    L = layout
+    Dk, Dv = L.kdim or L.d_model, L.vdim or L.kdim or L.d_model
+
+    def leaf(*shape: int) -> Tensor:
+        return (torch.randn(*shape, dtype=torch.float64) * shape[-1] ** -0.5).to(dtype).requires_grad_()
+
+    H, Hkv, Dh, D = L.num_heads, L.num_kv_heads, L.head_dim, L.d_model
+    w = AttentionWeights(L, leaf(H * Dh, D), leaf(Hkv * Dh, Dk), leaf(Hkv * Dh, Dv), leaf(D, H * Dh))
+    if bias:
+        w = replace(w, q_bias=leaf(H * Dh), k_bias=leaf(Hkv * Dh), v_bias=leaf(Hkv * Dh), o_bias=leaf(D))
+    return w
+
+
+def weight_leaves(w: AttentionWeights) -> dict[str, Tensor]:
+    names = ("q_weight", "k_weight", "v_weight", "o_weight", "q_bias", "k_bias", "v_bias", "o_bias")
+    return {n: getattr(w, n) for n in names if getattr(w, n) is not None}
+
+
+def random_active(shape: tuple[int, ...], ks: Tensor | None = None) -> Tensor:
+    """Bool selection of shape ``(..., H)`` keeping ``ks`` (default: uniform in [0, H]) random heads per row."""
+    H = shape[-1]
+    if ks is None:
+        ks = torch.randint(0, H + 1, shape[:-1])
+    return top_k_mask(torch.rand(shape), ks)
+
+
+def leaf_plan(active: Tensor, dtype: torch.dtype = torch.float64) -> tuple[HeadPlan, Tensor]:
+    """A plan with random positive gates drawn as a leaf tensor (returned too, to read its gradient)."""
+    gates = (torch.rand(active.shape, dtype=torch.float64) + 0.5).to(dtype).requires_grad_()
+    return plan_from_active(active, gates), gates
+
+
+def rotary_tables(B: int, T: int, Dh: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Rotate-half rotary ``(cos, sin)`` each ``(B, T, Dh)`` with standard inverse frequencies."""
+    inv = 1.0 / (10000 ** (torch.arange(0, Dh, 2, dtype=torch.float64) / Dh))
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]  # (T, Dh/2)
+    angles = torch.cat((angles, angles), -1).expand(B, T, Dh)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def run_and_grads(executor: object, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
+                  leaves: dict[str, Tensor], probe: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Output of ``executor`` and the gradients of ``(y * probe).sum()`` with respect to ``leaves``."""
+    y = executor(weights, inputs, plan)  # type: ignore[operator]
+    grads = torch.autograd.grad((y * probe).sum(), list(leaves.values()), allow_unused=True,
+                                retain_graph=True)
+    out = {}
+    for (name, leaf), g in zip(leaves.items(), grads):
+        out[name] = torch.zeros_like(leaf) if g is None else g
+    return y.detach(), out
