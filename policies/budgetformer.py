@@ -81,7 +81,8 @@ class BudgetFormerPolicy(nn.Module):
     its graph so a router (``topk``) can pass the task loss back to f_theta; the hinge is not its only signal.
     One instance may serve every layer (``CondCompConfig(share_policy=True)``): it is stateless between calls.
 
-    Options: ``s_min``/``s_max`` (0.1, 0.9: the paper's interval), ``budget_weight`` (1.0), ``hidden`` (MLP
+    Options: ``s_min``/``s_max`` (0.1, 0.9: the paper's interval), ``budget_weight`` (10: holds s close to the
+    interval against the task's pull towards more heads; see docs/methods.md), ``hidden`` (MLP
     width, default ``max(16, d_model // 4)``), ``init_s`` (0.6: a little above the middle so early training
     starts with most heads, as a dense model would), ``k_min`` (1), ``rounding`` ("floor").
 
@@ -92,7 +93,7 @@ class BudgetFormerPolicy(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, s_min: float = 0.1, s_max: float = 0.9,
-                 budget_weight: float = 1.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,
+                 budget_weight: float = 10.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,
                  rounding: Rounding = "floor") -> None:
         super().__init__()
         self.validate_options(s_min=s_min, s_max=s_max, budget_weight=budget_weight, hidden=hidden, init_s=init_s,
@@ -104,7 +105,7 @@ class BudgetFormerPolicy(nn.Module):
         self.mlp = BudgetMLP(d_model, hidden or max(16, d_model // 4), init_s)
 
     @staticmethod
-    def validate_options(s_min: float = 0.1, s_max: float = 0.9, budget_weight: float = 1.0,
+    def validate_options(s_min: float = 0.1, s_max: float = 0.9, budget_weight: float = 10.0,
                          hidden: int | None = None, init_s: float = 0.6, k_min: int = 1, rounding: str = "floor",
                          **_: Any) -> None:
         validate_budget_options("budgetformer policy", s_min, s_max, init_s, budget_weight, k_min, rounding, hidden)

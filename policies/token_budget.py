@@ -28,7 +28,7 @@ class TokenBudgetPolicy(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, s_min: float = 0.1, s_max: float = 0.9,
-                 budget_weight: float = 1.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,
+                 budget_weight: float = 10.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,
                  rounding: Rounding = "floor") -> None:
         super().__init__()
         self.validate_options(s_min=s_min, s_max=s_max, budget_weight=budget_weight, hidden=hidden, init_s=init_s,
@@ -40,7 +40,7 @@ class TokenBudgetPolicy(nn.Module):
         self.mlp = BudgetMLP(d_model, hidden or max(16, d_model // 4), init_s)
 
     @staticmethod
-    def validate_options(s_min: float = 0.1, s_max: float = 0.9, budget_weight: float = 1.0,
+    def validate_options(s_min: float = 0.1, s_max: float = 0.9, budget_weight: float = 10.0,
                          hidden: int | None = None, init_s: float = 0.6, k_min: int = 1, rounding: str = "floor",
                          **_: Any) -> None:
         validate_budget_options("budgetformer_token policy", s_min, s_max, init_s, budget_weight, k_min, rounding,
