@@ -11,7 +11,9 @@ head for the same number of steps:
 
 It reports test accuracy, heads used (realised k/H on the test set, and BudgetFormer's predicted s) and measured
 latency: median training step time and median inference time per test batch, each also as a ratio to dense.
-The dense run is bounded by ``--time-budget / 3`` seconds; the others run exactly as many steps as it did.
+The methods train in lockstep (one step of each in turn, on the same batch) until ``--time-budget`` seconds or
+``--max-steps``, and are evaluated the same way, so the step counts are equal and a busy shared CPU slows all
+methods alike.
 
     HF_HUB_OFFLINE=1 nice python examples/continue_tune_minilm.py --time-budget 600 --out runs/minilm
 """
@@ -83,70 +85,88 @@ def batches(enc: dict[str, Tensor], labels: Tensor, size: int, shuffle: bool, se
     return out
 
 
-def run(method: str, args: argparse.Namespace, data: dict[str, Any], max_steps: int, time_limit: float | None
-        ) -> dict[str, Any]:
-    from transformers import BertModel
+class Run:
+    """One method's model, optimiser and measurements."""
 
-    torch.manual_seed(args.seed)
-    encoder = BertModel.from_pretrained(str(minilm_dir()), attn_implementation="sdpa")
-    cfg = METHODS[method]
-    if cfg is not None:
-        condcomp.apply_(encoder, cfg)
-    model = Classifier(encoder, 4)
-    routing = [p for n, p in model.named_parameters() if "condcomp_" in n]
-    head = list(model.head.parameters())
-    rest = [p for n, p in model.named_parameters() if "condcomp_" not in n and not n.startswith("head.")]
-    opt = torch.optim.AdamW([{"params": rest, "lr": args.lr}, {"params": head + routing, "lr": args.head_lr}])
-    loss_fn = nn.CrossEntropyLoss()
-    step_times: list[float] = []
-    model.train()
-    start = time.perf_counter()
-    epoch = 0
-    while len(step_times) < max_steps:
+    def __init__(self, method: str, args: argparse.Namespace) -> None:
+        from transformers import BertModel
+
+        torch.manual_seed(args.seed)  # same head initialisation and routing draws for every method
+        encoder = BertModel.from_pretrained(str(minilm_dir()), attn_implementation="sdpa")
+        self.method, self.cfg = method, METHODS[method]
+        if self.cfg is not None:
+            condcomp.apply_(encoder, self.cfg)
+        self.model = Classifier(encoder, 4)
+        named = list(self.model.named_parameters())
+        fast = [p for n, p in named if "condcomp_" in n or n.startswith("head.")]
+        rest = [p for n, p in named if not ("condcomp_" in n or n.startswith("head."))]
+        self.opt = torch.optim.AdamW([{"params": rest, "lr": args.lr}, {"params": fast, "lr": args.head_lr}])
+        self.step_times: list[float] = []
+        self.infer_times: list[float] = []
+        self.correct = 0
+        self.k_fracs: list[float] = []
+        self.s_means: list[float] = []
+
+    def train_step(self, ids: Tensor, mask: Tensor, y: Tensor, progress: float) -> None:
+        self.model.train()
+        t0 = time.perf_counter()
+        if self.cfg is not None:
+            condcomp.set_progress(self.model, progress)
+        loss = nn.functional.cross_entropy(self.model(ids, mask), y)
+        if self.cfg is not None:
+            loss = loss + condcomp.aux_loss(self.model)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.step_times.append(time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def eval_batch(self, ids: Tensor, mask: Tensor, y: Tensor) -> None:
+        self.model.eval()
+        t0 = time.perf_counter()
+        logits = self.model(ids, mask)
+        self.infer_times.append(time.perf_counter() - t0)
+        self.correct += int((logits.argmax(-1) == y).sum())
+        if self.cfg is not None:
+            usage = condcomp.head_usage(self.model).values()
+            self.k_fracs.append(statistics.fmean(u.k_frac for u in usage))
+            self.s_means.append(statistics.fmean(u.s_mean for u in usage))
+
+    def result(self, test_examples: int) -> dict[str, Any]:
+        return {
+            "method": self.method, "config": None if self.cfg is None else self.cfg.to_dict(),
+            "steps": len(self.step_times), "train_seconds": round(sum(self.step_times), 2),
+            "median_step_s": statistics.median(self.step_times),
+            "median_infer_batch_s": statistics.median(self.infer_times),
+            "accuracy": self.correct / test_examples, "test_examples": test_examples,
+            "k_frac": statistics.fmean(self.k_fracs) if self.k_fracs else 1.0,
+            "s_mean": statistics.fmean(self.s_means) if self.s_means else 1.0,
+        }
+
+
+def train_and_evaluate(runs: list[Run], args: argparse.Namespace, data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Lockstep: every step (and every test batch) is taken by each method in turn, so load changes on a shared
+    machine hit all methods alike and the step counts are equal by construction."""
+    start, step, epoch = time.perf_counter(), 0, 0
+    while step < args.max_steps and time.perf_counter() - start < args.time_budget:
         for ids, mask, y in batches(data["train"], data["train_y"], args.batch_size, True, args.seed + epoch):
-            if len(step_times) >= max_steps or (time_limit is not None and time.perf_counter() - start > time_limit):
+            if step >= args.max_steps or time.perf_counter() - start >= args.time_budget:
                 break
-            t0 = time.perf_counter()
-            condcomp.set_progress(model, len(step_times) / max(max_steps - 1, 1)) if cfg is not None else None
-            loss = loss_fn(model(ids, mask), y)
-            if cfg is not None:
-                loss = loss + condcomp.aux_loss(model)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step_times.append(time.perf_counter() - t0)
-        else:
-            epoch += 1
-            continue
-        break
-    train_seconds = time.perf_counter() - start
-    model.eval()
-    correct, infer_times, k_fracs, s_means = 0, [], [], []
-    with torch.inference_mode():
-        for ids, mask, y in batches(data["test"], data["test_y"], args.eval_batch_size, False, 0):
-            t0 = time.perf_counter()
-            logits = model(ids, mask)
-            infer_times.append(time.perf_counter() - t0)
-            correct += int((logits.argmax(-1) == y).sum())
-            if cfg is not None:
-                usage = condcomp.head_usage(model).values()
-                k_fracs.append(statistics.fmean(u.k_frac for u in usage))
-                s_means.append(statistics.fmean(u.s_mean for u in usage))
-    return {
-        "method": method, "config": None if cfg is None else cfg.to_dict(), "steps": len(step_times),
-        "train_seconds": round(train_seconds, 2), "median_step_s": statistics.median(step_times),
-        "median_infer_batch_s": statistics.median(infer_times),
-        "accuracy": correct / len(data["test_y"]), "test_examples": len(data["test_y"]),
-        "k_frac": statistics.fmean(k_fracs) if k_fracs else 1.0, "s_mean": statistics.fmean(s_means) if s_means
-        else 1.0,
-    }
+            for run in runs:
+                run.train_step(ids, mask, y, step / max(args.max_steps - 1, 1))
+            step += 1
+        epoch += 1
+    for ids, mask, y in batches(data["test"], data["test_y"], args.eval_batch_size, False, 0):
+        for run in runs:
+            run.eval_batch(ids, mask, y)
+    return [run.result(len(data["test_y"])) for run in runs]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", default="../shared/data", help="folder holding ag_news/{train,test}.jsonl.gz")
     p.add_argument("--time-budget", type=float, default=360.0,
-                   help="seconds of training in all (the dense run gets a third; the others the same steps)")
+                   help="seconds of training in all (all methods together, in lockstep)")
     p.add_argument("--max-steps", type=int, default=400, help="upper bound on training steps per run")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--eval-batch-size", type=int, default=64)
@@ -175,12 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
         p.error(f"unknown methods {unknown}; valid: {sorted(METHODS)}")
-    results, steps = [], args.max_steps
-    for i, method in enumerate(methods):
-        limit = args.time_budget / len(methods) if i == 0 else None
-        r = run(method, args, data, steps, limit)
-        steps = r["steps"]  # later runs: exactly as many steps as the first
-        results.append(r)
+    results = train_and_evaluate([Run(m, args) for m in methods], args, data)
+    for r in results:
         print(json.dumps(r), flush=True)
     base = results[0]
     print(f"\n{'method':<14}{'steps':>6}{'acc':>8}{'k/H':>7}{'s':>7}{'step s':>9}{'x':>6}{'infer s':>9}{'x':>6}")
