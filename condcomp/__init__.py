@@ -22,6 +22,7 @@ from condcomp.registry import (
     register_router,
 )
 from condcomp.routed import RoutedAttention
+from condcomp.schedules import make_schedule
 from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 
 __version__ = "0.1.0"
@@ -31,7 +32,7 @@ __all__ = [
     "CondCompConfig", "load_checkpoint", "read_checkpoint_config", "save_checkpoint",
     "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "RoutedAttention", "Router",
     "apply_", "aux_loss", "budget_k", "full_plan", "get_executor", "head_usage", "list_executors",
-    "list_policies", "list_routers", "plan_from_active", "plan_top_k", "register_adapter",
+    "list_policies", "list_routers", "make_schedule", "plan_from_active", "plan_top_k", "register_adapter",
     "register_executor", "register_policy", "register_router", "remove_", "routed_modules", "set_progress",
     "top_k_mask",
 ]

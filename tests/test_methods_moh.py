@@ -173,3 +173,15 @@ def test_too_many_heads_fail_when_the_layer_is_known() -> None:
     cfg = condcomp.CondCompConfig("full", ("moh", {"shared_heads": 3, "top_k": 6}))
     with pytest.raises(ValueError, match=r"shared_heads \+ top_k = 3 \+ 6 exceeds the layer's 8 heads"):
         condcomp.apply_(nn.Sequential(condcomp.HeadAttention(16, 8)), cfg)
+
+
+def test_k_may_differ_per_layer_by_wrapping_layers_one_by_one() -> None:
+    model = nn.Sequential(condcomp.HeadAttention(16, 8), condcomp.HeadAttention(16, 8))
+    for i, K in enumerate((1, 4)):
+        cfg = condcomp.CondCompConfig("full", ("moh", {"shared_heads": 2, "top_k": K}), executor="masked")
+        model[i] = condcomp.RoutedAttention.wrap(model[i], cfg)
+    model.eval()
+    model(torch.randn(2, 3, 16))
+    usage = condcomp.head_usage(model)
+    assert usage["0"].k_frac == pytest.approx(3 / 8) and usage["1"].k_frac == pytest.approx(6 / 8)
+    assert set(condcomp.remove_(model)) == {"0", "1"}
