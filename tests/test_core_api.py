@@ -216,3 +216,14 @@ def test_wrapper_falls_back_to_the_original_attributes() -> None:
     routed = net.blocks[0].attn
     assert routed.q_proj is routed.base.q_proj and routed.layout.num_heads == 4
     assert "base=HeadAttention" in repr(routed)
+
+
+@pytest.mark.parametrize("executor", condcomp.list_executors())
+def test_attention_dropout_only_in_training(executor: str) -> None:
+    net = Net(dropout=0.5)
+    condcomp.apply_(net, condcomp.CondCompConfig(policy="full", router="random", executor=executor))
+    x = torch.randn(2, 6, 16)
+    net.eval()
+    assert torch.equal(net(x), net(x))  # eval: no dropout, no other randomness in executors
+    net.train()
+    assert not torch.allclose(net(x), net(x))
