@@ -234,3 +234,27 @@ def test_lookalike_class_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPa
         condcomp.apply_(qwen3, condcomp.CondCompConfig(policy="full", router="random"))
     with pytest.raises(ValueError, match="family"):
         hf.register_transformers_attention(Qwen3Attention, "gpt")
+
+
+def test_bert_decoder_self_and_cross_attention_cache(prefer_router: str) -> None:
+    # transformers' own generate() fails for BertLMHeadModel with encoder states (DynamicCache has no is_updated),
+    # so the cache is driven by hand: a 4-token prefix, then 2 more tokens reusing self- and cross-attention K/V.
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    model = build("bert_decoder")
+    g = torch.Generator().manual_seed(5)
+    ids, enc = torch.randint(2, 100, (2, 6), generator=g), torch.randn(2, 5, 32, generator=g, dtype=torch.float64)
+
+    def cached_logits(m: nn.Module) -> Tensor:
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        first = m(input_ids=ids[:, :4], encoder_hidden_states=enc, cache=cache, use_cache=True).logits
+        return torch.cat([first, m(input_ids=ids[:, 4:], encoder_hidden_states=enc, cache=cache,
+                                   use_cache=True).logits], 1)
+
+    names = condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=prefer_router))
+    assert any(n.endswith("crossattention") for n in names)
+    got = cached_logits(model)
+    condcomp.remove_(model)
+    ref = reference_with_heads(model, names, kept_heads(4, 0.5))
+    torch.testing.assert_close(got, cached_logits(ref), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got, ref(input_ids=ids, encoder_hidden_states=enc).logits, atol=ATOL, rtol=RTOL)
