@@ -160,3 +160,15 @@ def test_config_round_trips_with_schedules() -> None:
     cfg = condcomp.CondCompConfig(policy=("budgetformer", {"s_min": 0.2, "s_max": 0.8}),
                                   router=("topk", {"temperature": {"kind": "cosine", "start": 3.0, "end": 0.3}}))
     assert condcomp.CondCompConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_methods_md_snippets_run() -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "methods.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert len(blocks) >= 2, "docs/methods.md lost its examples"
+    namespace: dict[str, object] = {"__name__": "docs_methods"}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"docs/methods.md[{i}]", "exec"), namespace)  # noqa: S102 - our own docs
