@@ -106,15 +106,20 @@ def matched_fraction(k_frac: float, num_heads: int) -> float:
 
 
 def run_ablation(cfg: RunConfig, out: Path, fractions: tuple[float, ...] = (0.25, 0.5),
-                 moh: dict[str, Any] | None = None) -> dict[str, Any]:
-    """All arms of the ablation on ``cfg.dataset``; writes ``out/metrics.json`` and returns it."""
+                 moh: dict[str, Any] | None = None, train_fractions: tuple[float, ...] | None = None) -> dict[str, Any]:
+    """All arms of the ablation on ``cfg.dataset``; writes ``out/metrics.json`` and returns it.
+
+    ``fractions``: fixed budgets the learned model is forced to at inference; ``train_fractions`` (default: the
+    same): fixed budgets trained as such. The fraction matched to BudgetFormer's realised mean is always both.
+    """
     t0 = time.perf_counter()
     study = Study(cfg, out)
     study.train("standard", "standard")
     bf = study.train("budgetformer", "budgetformer", cfg.method_options if cfg.method == "budgetformer" else None)
     H = int(bf["model"]["num_heads"])
     matched = matched_fraction(bf["k_frac"], H)
-    for f in sorted(set(fractions) | {matched}):
+    trained = fractions if train_fractions is None else train_fractions
+    for f in sorted(set(trained) | {matched}):
         study.train(f"fixed_{f:g}", "fixed", {"fraction": f})
     study.train("moh", "moh", moh)
     for f in sorted(set(fractions) | {matched}):

@@ -109,7 +109,8 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
 
     cfg = run_config(args)
     _threads(cfg.threads)
-    result = run_ablation(cfg, args.out, tuple(args.fractions), json.loads(args.moh) if args.moh else None)
+    trained = tuple(args.train_fractions) if args.train_fractions is not None else None
+    result = run_ablation(cfg, args.out, tuple(args.fractions), json.loads(args.moh) if args.moh else None, trained)
     print(markdown_table(result["rows"]))
     print(f"wrote {args.out / 'metrics.json'} ({result['wall_seconds']:.0f} s)")
     return 0
@@ -149,7 +150,9 @@ def add_commands(sub: Any) -> None:
     _add_run_flags(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5],
-                   help="fixed fractions, trained and forced at inference (default 0.25 0.5)")
+                   help="fixed fractions the learned model is forced to at inference (default 0.25 0.5)")
+    p.add_argument("--train-fractions", type=float, nargs="*", default=None,
+                   help="fixed fractions trained as such (default: --fractions); BudgetFormer's matched one always")
     p.add_argument("--moh", default=None, help='JSON options of the MoH arm, e.g. \'{"shared_heads": 2, "top_k": 2}\'')
     p.set_defaults(func=_cmd_ablate)
 

@@ -112,6 +112,9 @@ class EncoderClassifier(nn.Module):
     def forward(self, ids: Tensor, mask: Tensor, segments: Tensor | None = None) -> Tensor:
         """``ids (B, T)`` int64, ``mask (B, T)`` bool True = real token, ``segments (B, T)`` or None -> logits."""
         B, T = ids.shape
+        if tuple(mask.shape) != (B, T) or (segments is not None and tuple(segments.shape) != (B, T)):
+            got = f"mask {tuple(mask.shape)}" + ("" if segments is None else f", segments {tuple(segments.shape)}")
+            raise ValueError(f"mask and segments must have the shape of ids {(B, T)}, got {got}")
         if T > self.config.max_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_len={self.config.max_len}; "
                              "truncate the inputs (--max-len) or build the model with a larger max_len")

@@ -38,7 +38,7 @@ def rows_of(metrics: dict[str, Any], label: str) -> dict[str, dict[str, Any]]:
         return {f"{prefix}{k}": v for k, v in metrics["rows"].items()}
     row = dict(metrics)
     row["train_seconds"] = (metrics.get("train") or {}).get("seconds")
-    return {label or metrics.get("name", "run"): row}
+    return {f"{label}/{metrics.get('name', 'run')}": row}
 
 
 def render(paths: list[Path], out: Path | None = None, plots: bool = True) -> str:

@@ -38,15 +38,21 @@ def total_steps(cfg: RunConfig, n_train: int) -> int:
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
-def make_optimizer(model: nn.Module, cfg: RunConfig, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+def make_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "condcomp_" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "condcomp_" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}], lr=cfg.lr)
+
+
+def make_scheduler(opt: torch.optim.Optimizer, cfg: RunConfig, steps: int, done: int) -> Any:
+    """Linear warm-up then linear decay; ``done`` steps already taken (resume: the lr continues, not restarts)."""
     warm = max(1, int(cfg.warmup * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm, max(0.0, (steps - s) / max(1, steps - warm))))
-    return opt, sched
+    if done:
+        for group in opt.param_groups:
+            group.setdefault("initial_lr", cfg.lr)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, max(0.0, (steps - s) / max(1, steps - warm))), last_epoch=done - 1)
 
 
 def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_dir: Path | None = None,
@@ -56,18 +62,19 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
 
     steps = total_steps(cfg, len(split))
     per_epoch = math.ceil(len(split) / cfg.batch_size)
-    opt, sched = make_optimizer(model, cfg, steps)
+    opt = make_optimizer(model, cfg)
     state: dict[str, Any] = {"step": 0, "epoch": 0, "loss": None, "seconds": 0.0, "total_steps": steps}
+    rng = None
     if resume:
         if ckpt_dir is None or not (ckpt_dir / "condcomp.json").is_file():
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
         loaded = load_checkpoint(ckpt_dir, model, opt)
         state.update(loaded.get("train_state") or {})
+        state["total_steps"] = steps
         rng = state.pop("torch_rng", None)
-        if rng is not None:
-            torch.set_rng_state(rng)
-        sched.last_epoch = state["step"] - 1
-        sched.step()
+    sched = make_scheduler(opt, cfg, steps, int(state["step"]))
+    if rng is not None:
+        torch.set_rng_state(rng)  # last: nothing above may draw from the restored stream
     model.train()
     t0 = time.perf_counter() - float(state["seconds"])
 
