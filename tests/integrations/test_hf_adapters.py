@@ -236,7 +236,8 @@ def test_lookalike_class_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPa
         hf.register_transformers_attention(Qwen3Attention, "gpt")
 
 
-def test_bert_decoder_self_and_cross_attention_cache(prefer_router: str) -> None:
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_bert_decoder_self_and_cross_attention_cache(executor: str, prefer_router: str) -> None:
     # transformers' own generate() fails for BertLMHeadModel with encoder states (DynamicCache has no is_updated),
     # so the cache is driven by hand: a 4-token prefix, then 2 more tokens reusing self- and cross-attention K/V.
     from transformers import DynamicCache, EncoderDecoderCache
@@ -251,7 +252,8 @@ def test_bert_decoder_self_and_cross_attention_cache(prefer_router: str) -> None
         return torch.cat([first, m(input_ids=ids[:, 4:], encoder_hidden_states=enc, cache=cache,
                                    use_cache=True).logits], 1)
 
-    names = condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=prefer_router))
+    names = condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=prefer_router,
+                                                           executor=executor))
     assert any(n.endswith("crossattention") for n in names)
     got = cached_logits(model)
     condcomp.remove_(model)
