@@ -33,7 +33,8 @@ class TopKRouter(nn.Module):
       gradient = that of the soft mask ``m_h = sigmoid((b - rho_h) / tau_mask)``, with ``rho_h`` the soft rank
       of head h under ``z~ / tau`` and ``b = k + 1/2`` carrying the gradient of ``s H`` (``soft_threshold``).
     - ``"soft_topk"``: the gates are ``m_h`` themselves (smooth, but training sees partial heads).
-    - ``"budget_scaled"``: gates ``s * H * p_h`` (total gate mass = the budget; no top-k until inference).
+    - ``"budget_scaled"``: gates ``s * H * p_h`` (total gate mass = the budget; no top-k until inference;
+      ``gates`` then only applies at inference).
 
     ``gates`` (``"binary"`` | ``"weighted"`` | ``"renormalized"``) multiplies that mask by nothing, by ``p_h``, or
     by ``p_h`` renormalised over the kept heads times their count. Evaluation: no noise, hard top-k of ``z``
@@ -123,13 +124,14 @@ class TopKRouter(nn.Module):
     def _training_gates(self, logits: Tensor, probs: Tensor, budget: Budget) -> Tensor:
         H = self.num_heads
         k = budget.k.to(logits.device)
-        if self.train_mode == "budget_scaled":
-            return budget.s.float().unsqueeze(-1) * H * probs
+        full = (k >= H).unsqueeze(-1)  # a row at full budget has no choice to make
+        if self.train_mode == "budget_scaled":  # already weights: the gate mode applies at inference only
+            scaled = budget.s.float().unsqueeze(-1) * H * probs
+            return torch.where(full, torch.ones_like(scaled), scaled)
         hard = top_k_mask(logits, k).float()
         soft = soft_topk_mask(logits, soft_threshold(budget.s, k, H), self.mask_temperature)
         mask = hard + (soft - soft.detach()) if self.train_mode == "straight_through" else soft
-        # A row at full budget has no choice to make: exact ones keep training identical to the dense model.
-        mask = torch.where((k >= H).unsqueeze(-1), torch.ones_like(mask), mask)
+        mask = torch.where(full, torch.ones_like(mask), mask)  # exact ones: training = the dense model
         if self.gates == "binary":
             return mask
         weighted = mask * probs

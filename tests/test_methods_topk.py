@@ -75,6 +75,13 @@ def test_full_budget_eval_selects_every_head_and_binary_reproduces_the_layer(gat
 
 
 @pytest.mark.parametrize("train_mode", TRAIN_MODES)
+def test_full_budget_training_gates_are_exactly_one(train_mode: str) -> None:
+    router = TopKRouter(d_model=D, num_heads=H, train_mode=train_mode)  # training mode: noise on
+    plan = router(torch.randn(3, 4, D), None, Budget(s=torch.ones(3), k=torch.full((3,), H)), None)
+    assert torch.equal(plan.gates, torch.ones(3, H))
+
+
+@pytest.mark.parametrize("train_mode", TRAIN_MODES)
 def test_task_loss_alone_reaches_f_theta_and_g_phi(train_mode: str) -> None:
     # Hinge weight 0 and entropy beta 0: any gradient in the policy or router comes from the task loss.
     cfg = condcomp.CondCompConfig(policy=("budgetformer", {"budget_weight": 0.0}),
