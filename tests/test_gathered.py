@@ -17,6 +17,7 @@ from core_helpers import TOLERANCES, leaf_plan, make_layout, make_weights, rotar
 from torch import Tensor
 
 from condcomp.executors import gathered as gathered_module
+from condcomp.executors import gathered_pairs
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import gather_sizes
 from condcomp.executors.gathered_token import DENSE_HEAD_ROWS
@@ -61,14 +62,17 @@ def moh_active(B: int, T: int, H: int, shared: int, top: int, mask: Tensor | Non
     return active if mask is None else active & mask.unsqueeze(-1)
 
 
-@pytest.mark.parametrize(("Hkv", "pack"), [(8, True), (8, False), (4, False), (2, False)])
+@pytest.mark.parametrize(("Hkv", "path"), [(8, "padded"), (8, "scatter"), (8, "buckets"), (4, "buckets"),
+                                           (2, "buckets")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sequence_many_buckets(Hkv: int, pack: bool, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sequence_many_buckets(Hkv: int, path: str, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Variable k (0, 1, 3, 3, 5, H) and, with GQA, variable key/value head counts: several buckets in one call.
 
-    Without GQA the fused layout runs as packed pairs (``pack``) or, forced, as one block per bucket.
+    Without GQA the fused layout runs as packed pairs, its output projection padded per example or scattered
+    per pair, or (forced) as one block per bucket.
     """
-    monkeypatch.setattr(gathered_module, "PACK_PAIRS", pack)
+    monkeypatch.setattr(gathered_module, "PACK_PAIRS", path != "buckets")
+    monkeypatch.setattr(gathered_pairs, "PAD_LIMIT", 100.0 if path == "padded" else 0.0)
     w, x, leaves = setup(Hkv=Hkv, causal=causal)
     mask = torch.ones(6, 7, dtype=torch.bool)
     mask[1, 5:] = False
@@ -89,6 +93,20 @@ def test_sequence_one_bucket(k: int) -> None:
     y = check(w, AttentionInputs(x=x), plan, {**leaves, "gates": gates})
     if k == 0:
         assert torch.equal(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("Hkv", [8, 2])
+def test_sequence_same_head_set_for_every_example(Hkv: int) -> None:
+    """Every example chose heads {1, 4, 5}: one k-head block on shared weight slices (no per-example gather)."""
+    w, x, leaves = setup(Hkv=Hkv, causal=True)
+    active = torch.zeros(6, 8, dtype=torch.bool)
+    active[:, [1, 4, 5]] = True
+    plan, gates = leaf_plan(active)
+    assert gather_sizes(w, AttentionInputs(x=x), plan).shared_heads == (1, 4, 5)
+    mask = torch.ones(6, 7, dtype=torch.bool)
+    mask[2, 3:] = False
+    inputs = AttentionInputs(x=x, mask=mask, key_mask=mask, rotary=rotary_tables(6, 7, 4, torch.float64))
+    check(w, inputs, plan, {**leaves, "gates": gates})
 
 
 @pytest.mark.parametrize("Hkv", [8, 2])

@@ -40,6 +40,7 @@ class GatherSizes:
 
     ``buckets``: sequence plans, ``(k, k_kv, n_examples)`` in the order the examples are sorted by.
     ``rows_per_head``: token plans, the most tokens of one example that selected each head ``(H,)``.
+    ``shared_heads``: sequence plans in which every example chose the same heads, those heads (else None).
     ``work_fraction``: share of the dense block's (query row, head) work the gathered path will compute.
     """
 
@@ -47,6 +48,7 @@ class GatherSizes:
     buckets: tuple[tuple[int, int, int], ...] = ()
     rows_per_head: tuple[int, ...] = ()
     work_fraction: float = 1.0
+    shared_heads: tuple[int, ...] | None = None
 
 
 def kv_active(plan_active: Tensor, num_kv_heads: int) -> Tensor:
@@ -62,11 +64,16 @@ def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadP
     if plan.granularity == "sequence":
         counts = plan.counts.long()  # (B,)
         kvc = kv_active(plan.active, Hkv).sum(-1) if L.group_size > 1 else counts  # (B,)
-        hist = torch.bincount(counts * (Hkv + 1) + kvc, minlength=(H + 1) * (Hkv + 1)).tolist()
-        buckets = tuple((key // (Hkv + 1), key % (Hkv + 1), n) for key, n in enumerate(hist) if n)
         B = plan.gates.shape[0]
+        hist = torch.bincount(counts * (Hkv + 1) + kvc, minlength=(H + 1) * (Hkv + 1))
+        same = (plan.active == plan.active[:1]).all().view(1) if B else hist.new_zeros(1)
+        first = plan.active[0] if B else plan.active.new_zeros(H)
+        read = torch.cat([hist, same.long(), first.long()]).tolist()  # the one device -> host read
+        n_hist = (H + 1) * (Hkv + 1)
+        buckets = tuple((key // (Hkv + 1), key % (Hkv + 1), n) for key, n in enumerate(read[:n_hist]) if n)
+        shared = tuple(h for h in range(H) if read[n_hist + 1 + h]) if read[n_hist] else None
         work = sum(k * n for k, _, n in buckets) / max(B * H, 1)
-        return GatherSizes("sequence", buckets=buckets, work_fraction=work)
+        return GatherSizes("sequence", buckets=buckets, work_fraction=work, shared_heads=shared)
     T = plan.gates.shape[1]
     rows = plan.active.sum(1).amax(0).tolist() if plan.gates.shape[0] else [0] * H  # (H,)
     return GatherSizes("token", rows_per_head=tuple(rows), work_fraction=sum(rows) / max(H * T, 1))
@@ -182,11 +189,15 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
     fused_w = _stacked(w) if fused else None
     Hkv = L.num_kv_heads
     pairs = sum(k * n for k, _, n in sizes.buckets)
+    if sizes.shared_heads:  # one head set for the whole batch: a plain k-head block on shared weight slices
+        from condcomp.executors.gathered_token import shared_set
+
+        return zero_dead_rows(shared_set(w, inputs, plan, mask, list(sizes.shared_heads)), dead_rows(mask, B, T))
     if len(sizes.buckets) == 1 and sizes.buckets[0][0] > 0:  # one shape of work: no gather of examples at all
         k, kkv, _ = sizes.buckets[0]
         y = _sequence_bucket(w, inputs, plan, mask, None, k, kkv, fused_w)
     elif fused and pairs > 0 and PACK_PAIRS:  # variable k: one packed block instead of one block per bucket
-        return sequence_pairs(w, inputs, plan, mask, pairs)
+        return sequence_pairs(w, inputs, plan, mask, pairs, max(k for k, _, _ in sizes.buckets))
     else:
         key = plan.counts.long() * (Hkv + 1)
         key = key + (kv_active(plan.active, Hkv).sum(-1) if L.group_size > 1 else plan.counts.long())

@@ -115,12 +115,45 @@ def _routed(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
     y.view(B * T, D).index_add_(0, flat, src.to(y.dtype))
 
 
+def heads_block(w: AttentionWeights, inputs: AttentionInputs, mask: AttentionMask, heads: list[int], q: Tensor,
+                keys: Tensor, values: Tensor, gates: Tensor, o_bias: Tensor | None) -> Tensor:
+    """``(B, T, D)`` of a fixed head list for every row: queries ``(B, n, T, Dh)``, keys/values per query head
+    ``(B, n, S, Dh)``, gates ``(B, n, T|1, 1)``; the output projection uses only these heads' columns."""
+    x = inputs.x
+    B, T, _ = x.shape
+    Dh = w.layout.head_dim
+    m = None if mask.mask is None else _heads_of(mask.mask, heads)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, dropout_p=inputs.dropout_p,
+                                         is_causal=mask.is_causal, scale=w.layout.scale)  # (B, n, T, Dh)
+    if mask.dead is not None:
+        out = out.masked_fill(_heads_of(mask.dead, heads).unsqueeze(-1), 0.0)
+    out = out * gates.to(out.dtype)
+    wo = _take(w.o_weight.view(-1, w.layout.num_heads, Dh), heads).flatten(1)  # (D, n*Dh)
+    return F.linear(out.transpose(1, 2).reshape(B, T, -1), wo, o_bias).to(x.dtype)
+
+
+def shared_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
+               heads: list[int]) -> Tensor:
+    """``(B, T, D)`` of a sequence plan in which every example chose the same heads: a plain k-head block."""
+    G = w.layout.group_size
+    kv_heads = sorted({h // G for h in heads})
+    slot = {g: i for i, g in enumerate(kv_heads)}
+    q, keys, values = _project(w, inputs, heads, kv_heads)  # (B, k, T, Dh), (B, kkv, S, Dh)
+    if inputs.rotary is not None:
+        q = apply_rotary(q, *inputs.rotary)
+        if inputs.key_states is None:
+            keys = apply_rotary(keys, *inputs.rotary)
+    kv_ix = [slot[h // G] for h in heads]
+    gates = plan.gates[:, heads][:, :, None, None]  # (B, k, 1, 1)
+    return heads_block(w, inputs, mask, heads, q, _take(keys, kv_ix), _take(values, kv_ix), gates, w.o_bias)
+
+
 def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, sizes: GatherSizes) -> Tensor:
     """``(B, T, D)`` for a token plan ``(B, T, H)``; ``sizes.rows_per_head`` gives each head's packed length."""
     x = inputs.x
     B, T, _ = x.shape
     L = w.layout
-    H, Dh, G = L.num_heads, L.head_dim, L.group_size
+    H, G = L.num_heads, L.group_size
     D = w.o_weight.shape[0]
     mask = build_attention_mask(inputs, L.causal, x.dtype)
     rows = sizes.rows_per_head
@@ -134,17 +167,10 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
         if inputs.key_states is None:
             keys = apply_rotary(keys, *inputs.rotary)
     y = x.new_zeros(B, T, D)
-    if dense:  # (B, nd, T, Dh) for the heads most tokens chose, as one dense block
-        kv_ix = [slot[h // G] for h in dense]
-        kd, vd = _take(keys, kv_ix), _take(values, kv_ix)
-        m = None if mask.mask is None else _heads_of(mask.mask, dense)
-        out = F.scaled_dot_product_attention(q, kd, vd, attn_mask=m, dropout_p=inputs.dropout_p,
-                                             is_causal=mask.is_causal, scale=L.scale)
-        if mask.dead is not None:
-            out = out.masked_fill(_heads_of(mask.dead, dense).unsqueeze(-1), 0.0)
-        out = out * plan.gates[:, :, dense].transpose(1, 2).unsqueeze(-1).to(out.dtype)  # (B, nd, T, Dh)
-        wo = torch.cat([w.o_weight[:, h * Dh:(h + 1) * Dh] for h in dense], 1)
-        y = F.linear(out.transpose(1, 2).reshape(B, T, -1), wo).to(x.dtype)
+    if dense:  # the heads most tokens chose, as one dense block
+        gates = plan.gates[:, :, dense].transpose(1, 2).unsqueeze(-1)  # (B, nd, T, 1)
+        y = heads_block(w, inputs, mask, dense, q, _take(keys, [slot[h // G] for h in dense]),
+                        _take(values, [slot[h // G] for h in dense]), gates, None)
     if routed:
         kv_ix = [slot[h // G] for h in routed]
         kr, vr = _take(keys, kv_ix), _take(values, kv_ix)
