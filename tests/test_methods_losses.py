@@ -110,7 +110,7 @@ def test_entropy_term_follows_beta_schedule() -> None:
     values = []
     for p in (0.0, 0.5, 1.0):
         router.set_progress(p)
-        aux = router(x, None, budget, None).aux_losses["entropy"]
+        aux = router(x, None, budget, None).aux_losses["entropy"].detach()
         tau = 2.0 * (0.25**p)  # exponential 2 -> 0.5
         beta = -0.02 + 0.06 * p
         z = x.mean(1) @ W.T + b  # (B, H): the linear scorer on the pooled input
