@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -176,7 +177,8 @@ def run(device_name: str, quick: bool = False, reps: int | None = None, threads:
                 for (variant, pas), ms in med.items():
                     records.append({"shape": {"B": B, "T": T, "D": D, "H": H}, "s": s, "granularity": granularity,
                                     "variant": variant, "pass": pas, "ms": round(ms, 3), "k": n,
-                                    "device": device.type, "dtype": str(dtype).replace("torch.", "")})
+                                    "device": device.type, "dtype": str(dtype).replace("torch.", ""),
+                                    "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")})
                 print(f"  B={B} T={T} D={D} H={H} {granularity:8s} s={s:<5} " + "  ".join(
                     f"{v}/{p}={med[(v, p)]:.1f}ms" for p in passes for v in VARIANTS), flush=True)
     return records

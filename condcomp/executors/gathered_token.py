@@ -63,11 +63,24 @@ def _project(w: AttentionWeights, inputs: AttentionInputs, q_heads: list[int],
     return q, heads_first(k, nkv), heads_first(v, nkv)
 
 
+_INDEX_CACHE: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
+
+
+def _index(ix: list[int], device: torch.device) -> Tensor:
+    """``ix`` as a device tensor, cached: a fresh host-to-device copy per call would stall the CUDA stream."""
+    key = (tuple(ix), device)
+    if key not in _INDEX_CACHE:
+        if len(_INDEX_CACHE) > 4096:
+            _INDEX_CACHE.clear()
+        _INDEX_CACHE[key] = torch.tensor(ix, dtype=torch.long, device=device)
+    return _INDEX_CACHE[key]
+
+
 def _take(t: Tensor, ix: list[int]) -> Tensor:
     """``t[:, ix]``, as a view when ``ix`` is a contiguous ascending range."""
     if ix and ix == list(range(ix[0], ix[0] + len(ix))):
         return t[:, ix[0]:ix[0] + len(ix)]
-    return t[:, ix]
+    return t.index_select(1, _index(ix, t.device))
 
 
 def _heads_of(t: Tensor, heads: list[int]) -> Tensor:
@@ -82,7 +95,7 @@ def _routed(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
     B, T, D_in = x.shape
     H, Dh, nR = w.layout.num_heads, w.layout.head_dim, len(routed)
     D, S = w.o_weight.shape[0], keys.shape[2]
-    R = torch.tensor(routed, device=x.device)
+    R = _index(routed, x.device)
     # (nR, B, L): per routed head and example, the tokens that chose it first (ascending), then gate-0 padding.
     pos = torch.argsort((~plan.active[:, :, R]).permute(2, 0, 1).byte(), dim=-1, stable=True)[..., :slots]
     flat = (pos + (torch.arange(B, device=x.device) * T)[None, :, None]).reshape(-1)  # (nR*B*L,) rows of (B*T)
@@ -144,7 +157,7 @@ def shared_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mas
         if inputs.key_states is None:
             keys = apply_rotary(keys, *inputs.rotary)
     kv_ix = [slot[h // G] for h in heads]
-    gates = plan.gates[:, heads][:, :, None, None]  # (B, k, 1, 1)
+    gates = _take(plan.gates, heads)[:, :, None, None]  # (B, k, 1, 1)
     return heads_block(w, inputs, mask, heads, q, _take(keys, kv_ix), _take(values, kv_ix), gates, w.o_bias)
 
 
@@ -168,7 +181,7 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
             keys = apply_rotary(keys, *inputs.rotary)
     y = x.new_zeros(B, T, D)
     if dense:  # the heads most tokens chose, as one dense block
-        gates = plan.gates[:, :, dense].transpose(1, 2).unsqueeze(-1)  # (B, nd, T, 1)
+        gates = _take(plan.gates.transpose(1, 2), dense).unsqueeze(-1)  # (B, nd, T, 1)
         y = heads_block(w, inputs, mask, dense, q, _take(keys, [slot[h // G] for h in dense]),
                         _take(values, [slot[h // G] for h in dense]), gates, None)
     if routed:

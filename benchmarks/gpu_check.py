@@ -1,0 +1,98 @@
+"""One prepared GPU run: check the gathered executor against the reference on CUDA, then time everything.
+
+    python benchmarks/gpu_check.py --out results/gpu_check            # checks + full CUDA benchmark
+    python benchmarks/gpu_check.py --out results/gpu_check --quick    # checks + a tiny timing run
+
+Writes ``checks.json`` (every comparison with its max error and tolerance), ``metrics.json`` and ``table.md``
+(the ``condcomp bench attention --device cuda`` records) into ``--out``. Exits non-zero if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from condcomp.bench_attention import run, table
+from condcomp.executors.auto import get_executor
+from condcomp.plans import plan_from_active, top_k_mask
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+
+TOL = {torch.float32: 2e-3, torch.bfloat16: 5e-2}  # max abs error relative to the output's max abs value
+
+
+def case(name: str, dtype: torch.dtype, dev: torch.device) -> tuple[AttentionWeights, AttentionInputs, object,
+                                                                        list[torch.Tensor]]:
+    B, T, D, H, Dh = 6, 64, 256, 8, 32
+    Hkv = 2 if "gqa" in name else H
+    layout = HeadLayout(D, H, Hkv, Dh, Dh**-0.5, causal="causal" in name)
+
+    def p(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=dev) * shape[-1] ** -0.5).to(dtype).requires_grad_()
+
+    w = AttentionWeights(layout, p(H * Dh, D), p(Hkv * Dh, D), p(Hkv * Dh, D), p(D, H * Dh), p(H * Dh),
+                         p(Hkv * Dh), p(Hkv * Dh), p(D))
+    x = torch.randn(B, T, D, device=dev).to(dtype).requires_grad_()
+    mask = torch.ones(B, T, dtype=torch.bool, device=dev)
+    mask[1, 40:] = False
+    mask[4] = False  # an all-padding example
+    if "token" in name:
+        active = top_k_mask(torch.rand(B, T, H, device=dev), 2) & mask.unsqueeze(-1)
+        active[..., :2] = mask.unsqueeze(-1)  # two shared heads
+    elif "same" in name:
+        active = torch.zeros(B, H, dtype=torch.bool, device=dev)
+        active[:, [1, 2, 6]] = True
+    else:
+        active = top_k_mask(torch.rand(B, H, device=dev), torch.tensor([0, 1, H, 3, 2, 3], device=dev))
+    gates = (torch.rand(active.shape, device=dev) + 0.5).requires_grad_()
+    plan = plan_from_active(active, gates)
+    inputs = AttentionInputs(x=x, mask=mask, key_mask=mask)
+    return w, inputs, plan, [x, w.q_weight, w.k_weight, w.o_weight, w.o_bias, gates]  # type: ignore[list-item]
+
+
+def checks(dev: torch.device) -> list[dict]:
+    results = []
+    ref, gat = get_executor("reference"), get_executor("gathered")
+    for dtype in (torch.float32, torch.bfloat16):
+        for name in ("seq", "seq_causal", "seq_gqa", "seq_same", "token", "token_causal", "token_gqa"):
+            torch.manual_seed(0)
+            w, inputs, plan, leaves = case(name, dtype, dev)
+            outs = []
+            for ex in (ref, gat):
+                y = ex(w, inputs, plan)
+                grads = torch.autograd.grad(y.float().square().sum(), leaves)
+                outs.append([y, *grads])
+            for label, a, b in zip(["y", "x", "q_weight", "k_weight", "o_weight", "o_bias", "gates"], *outs):
+                err = float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-6))
+                ok = err <= TOL[dtype] * (1 if label == "y" else 4)
+                results.append({"case": name, "dtype": str(dtype), "tensor": label, "rel_err": err, "ok": ok})
+                print(f"{'ok ' if ok else 'FAIL'} {name:13s} {str(dtype):15s} {label:9s} rel_err={err:.2e}")
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: torch.cuda.is_available() is False; run it on a machine with a CUDA GPU")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), torch.__version__)
+    results = checks(dev)
+    (out / "checks.json").write_text(json.dumps(results, indent=1))
+    records = run("cuda", quick=args.quick)
+    (out / "metrics.json").write_text(json.dumps(records, indent=1))
+    (out / "table.md").write_text(table(records) + "\n")
+    print(table(records))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
