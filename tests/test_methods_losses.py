@@ -140,18 +140,18 @@ def test_load_balance_is_k_over_e_when_uniform_and_one_when_collapsed() -> None:
     budget = Budget(s=torch.ones(1), k=torch.full((1,), E))
     with torch.no_grad():
         router.w_r.weight.zero_()  # uniform probabilities 1/E for every token
-    uniform = float(router(torch.randn(1, T, E), None, budget, None).aux_losses["load_balance"])
+    uniform = float(router(torch.randn(1, T, E), None, budget, None).aux_losses["load_balance"].detach())
     assert uniform == pytest.approx(K / E)
     with torch.no_grad():
         router.w_r.weight.copy_(torch.eye(E) * 30.0)  # logits = 30 * x: one-hot inputs pick their head
     # Collapse: every token prefers heads 0 and 1.
     x = torch.tensor([[20.0, 19.0, 0.0, 0.0]]).expand(1, T, E)
-    collapsed = float(router(x, None, budget, None).aux_losses["load_balance"])
+    collapsed = float(router(x, None, budget, None).aux_losses["load_balance"].detach())
     # by hand: f = (1, 1, 0, 0); P ~ (softmax(600, 570, 0, 0)) -> (1, ~0, 0, 0): sum f_i P_i ~ 1
     assert collapsed == pytest.approx(1.0, abs=1e-6)
     # Balanced and confident: half the tokens on heads {0, 1}, half on {2, 3}: f_i = 1/2, P_i = 1/4 -> K / E.
     x = torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]]).repeat(T // 2, 1).unsqueeze(0)
-    balanced = float(router(x, None, budget, None).aux_losses["load_balance"])
+    balanced = float(router(x, None, budget, None).aux_losses["load_balance"].detach())
     assert balanced == pytest.approx(K / E, abs=1e-6)
     assert uniform < collapsed and balanced < collapsed
 
