@@ -51,7 +51,7 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, **overrides: Any) ->
     examples = json.loads((out / "budgetformer" / "examples.json").read_text())
     plots = []
     if plot_budget_by_difficulty(examples["s"], examples["tags"], out / "budget_by_difficulty.png",
-                                 "BudgetFormer: predicted budget on easy vs hard examples"):
+                                 "BudgetFormer: predicted budget s, easy vs hard examples"):
         plots.append("budget_by_difficulty.png")
     if plot_layer_usage(result["rows"], out / "layer_usage.png"):
         plots.append("layer_usage.png")

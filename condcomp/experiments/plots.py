@@ -24,13 +24,16 @@ def plot_budget_by_difficulty(s: list[float], groups: list[str], path: Path, tit
     plt = _pyplot()
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    lo, hi = min(s), max(s)
+    pad = max(0.02, 0.1 * (hi - lo))  # zoom on the data: budgets often sit in a narrow band
     for g in sorted(set(groups)):
         vals = [v for v, t in zip(s, groups) if t == g]
-        ax.hist(vals, bins=30, range=(0, 1), alpha=0.6, label=f"{g} (n={len(vals)}, mean {sum(vals) / len(vals):.3f})")
+        ax.hist(vals, bins=40, range=(max(0.0, lo - pad), min(1.0, hi + pad)), alpha=0.6,
+                label=f"{g} (n={len(vals)}, mean {sum(vals) / len(vals):.3f})")
     ax.set_xlabel("predicted budget s (mean over layers)")
     ax.set_ylabel("examples")
-    ax.set_title(title or "budget by difficulty")
+    ax.set_title(title or "budget by difficulty", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
