@@ -176,7 +176,7 @@ def test_soft_mask_crosses_one_half_between_kept_and_dropped_heads() -> None:
     for s in (0.2, 0.39, 0.5, 0.79, 0.99):
         k = torch.tensor([math.floor(s * H + 1e-6)])
         b = soft_threshold(torch.tensor([s]), k, H)
-        assert float(b) == k.item() + 0.5
+        assert b.item() == k.item() + 0.5
         m = soft_topk_mask(logits, b, tau=0.25)
         kept = m[0] > 0.5
         hard_rank = torch.tensor([2, 5, 1, 3, 4])
@@ -186,6 +186,6 @@ def test_soft_mask_crosses_one_half_between_kept_and_dropped_heads() -> None:
 def test_soft_threshold_carries_gradient_h_to_s() -> None:
     s = torch.tensor([0.37], requires_grad=True)
     b = soft_threshold(s, torch.tensor([2]), 8)  # 0.37 * 8 = 2.96 -> k = 2, b = 2.5
-    assert float(b) == 2.5
+    assert b.item() == 2.5
     b.sum().backward()
     assert float(s.grad) == pytest.approx(8.0)  # type: ignore[arg-type]
