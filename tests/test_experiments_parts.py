@@ -173,3 +173,24 @@ def test_bert_wordpiece_pairs_get_segments() -> None:
     assert enc.segments is not None
     assert enc.segments[0, :second].eq(0).all() and enc.segments[0, second:].eq(1).all()
     assert encode(tok, ["word " * 100], None, [1], max_len=16).ids.shape == (1, 16)
+
+
+def test_budget_by_proxy_bins_and_report(tmp_path: Path) -> None:
+    from condcomp.experiments.analysis import budget_by_proxy
+    from condcomp.experiments.report import render
+
+    for arm, payload in {
+        "budgetformer": {"s": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "k_frac": [0.125] * 3 + [0.25] * 3,
+                         "correct": [True, False, True, True, True, True], "tags": None,
+                         "overlap": [0.9, 0.8, 0.7, 0.3, 0.2, 0.1]},
+        "standard": {"prob_true": [0.95, 0.9, 0.85, 0.2, 0.3, 0.1]},
+    }.items():
+        (tmp_path / arm).mkdir()
+        (tmp_path / arm / "examples.json").write_text(json.dumps(payload))
+    res = budget_by_proxy(tmp_path, n_bins=2)
+    low, high = res["overlap"]["rows"].values()  # low-overlap bin first: s of examples 4, 5, 6
+    assert low["n"] == 3 and low["s_mean"] == pytest.approx(0.5) and low["k_frac"] == pytest.approx(0.25)
+    assert high["s_mean"] == pytest.approx(0.2) and high["accuracy"] == pytest.approx(2 / 3)
+    assert res["confidence"]["pearson_s"] < -0.8
+    (tmp_path / "metrics.json").write_text(json.dumps({"kind": "ablation", "dataset": "toy", "rows": {}}))
+    assert "budget by overlap" in render([tmp_path])

@@ -61,6 +61,12 @@ def render(paths: list[Path], out: Path | None = None, plots: bool = True) -> st
         difficulty = metrics.get("difficulty")
         if difficulty:
             sections += ["Budget by difficulty (BudgetFormer):", "", markdown_table(difficulty), ""]
+        if (file.parent / "budgetformer" / "examples.json").is_file():
+            from condcomp.experiments.analysis import budget_by_proxy
+
+            for proxy, res in budget_by_proxy(file.parent).items():
+                corr = f", Pearson r(proxy, s) = {res['pearson_s']:.3f}" if "pearson_s" in res else ""
+                sections += [f"BudgetFormer's budget by {proxy}{corr}:", "", markdown_table(res["rows"]), ""]
     text = "\n".join(sections)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
