@@ -54,20 +54,23 @@ class LearnedRouter(nn.Module):
 
 class PerHeadRouter(nn.Module):
     """One parameter per head, touched only when some row selects that head: heads unused by a whole batch
-    leave their parameter out of the autograd graph (what DDP's find_unused_parameters is about)."""
+    leave their parameter out of the autograd graph (what DDP's find_unused_parameters is about).
+    ``touch_all=True`` keeps every parameter in the graph with a zero gradient instead (what FSDP2 needs)."""
 
     granularity = "sequence"
 
-    def __init__(self, d_model: int, num_heads: int) -> None:
+    def __init__(self, d_model: int, num_heads: int, touch_all: bool = False) -> None:
         super().__init__()
+        self.touch_all = touch_all
         self.score = nn.Linear(d_model, num_heads)
-        self.head_scale = nn.ParameterList([nn.Parameter(torch.ones(())) for _ in range(num_heads)])
+        self.head_scale = nn.ParameterList([nn.Parameter(torch.ones(1)) for _ in range(num_heads)])  # 1-D: FSDP2
 
     def forward(self, x: Tensor, mask: Tensor | None, budget: Budget, attn: AttentionWeights) -> HeadPlan:
-        plan = plan_top_k(self.score(_pool(x, mask)), budget.k, gates="binary")
+        plan = plan_top_k(self.score(_pool(x, mask)), budget.k, gates="binary", straight_through=True)
         used = plan.active.any(0).tolist()  # data-dependent on purpose
-        ones = torch.ones((), device=x.device)
-        scale = torch.stack([p if u else ones for p, u in zip(self.head_scale, used)])  # (H,)
+        ones = torch.ones(1, device=x.device)
+        skipped = [p * 0 + 1 if self.touch_all else ones for p in self.head_scale]
+        scale = torch.cat([p if u else q for p, q, u in zip(self.head_scale, skipped, used)])  # (H,)
         return plan_from_active(plan.active, plan.gates * scale)
 
 
@@ -85,7 +88,8 @@ class TinyNet(nn.Module):
             adapter_cls = find_adapter(base)
             assert adapter_cls is not None
             policy = shared if shared is not None else LearnedPolicy(d_model, num_heads)
-            r = LearnedRouter(d_model, num_heads) if router == "learned" else PerHeadRouter(d_model, num_heads)
+            r = (LearnedRouter(d_model, num_heads) if router == "learned"
+                 else PerHeadRouter(d_model, num_heads, touch_all=router == "perhead_touch"))
             self.layers.append(RoutedAttention(base, adapter_cls(base), policy, r, executor))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, classes)
