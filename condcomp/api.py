@@ -71,11 +71,14 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     """
     config = config or CondCompConfig()
     load_integrations_for(model)
-    if isinstance(model, RoutedAttention) or any(isinstance(m, RoutedAttention) for m in model.modules()):
-        raise ValueError("model already contains RoutedAttention modules; call condcomp.remove_(model) first")
+    if isinstance(model, RoutedAttention):
+        raise ValueError("model is already a RoutedAttention; call condcomp.remove_ on its parent first")
+    # Layers wrapped by an earlier apply_ stay as they are: applying again to other targets is how layers get
+    # different routers (a different K per layer, say).
+    wrapped = list(routed_modules(model))
     candidates: list[str] = []
     for name, module in model.named_modules():
-        if any(name.startswith(c + ".") or c == "" for c in candidates):
+        if any(name.startswith(c + ".") or c == "" for c in candidates + wrapped):
             continue  # inside a module already chosen: one wrapped module per attention layer
         if find_adapter(module) is not None:
             candidates.append(name)
@@ -83,7 +86,11 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     if targets is not None:
         for pattern in targets:
             hits = [n for n, _ in model.named_modules() if _matches(n, pattern)]
-            unsupported = [n for n in hits if n not in candidates]
+            again = [n for n in hits if n in wrapped]
+            if again:
+                raise ValueError(f"target {pattern!r} matches modules that are already wrapped: {again}; "
+                                 "call condcomp.remove_(model) first to change their routing")
+            unsupported = [n for n in hits if n not in candidates and not any(n.startswith(w + ".") for w in wrapped)]
             if unsupported:
                 kinds = {n: type(model.get_submodule(n)).__qualname__ for n in unsupported}
                 raise ValueError(f"target {pattern!r} matches modules that are not supported attention modules: "
@@ -91,6 +98,9 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     chosen = [n for n in candidates
               if (targets is None or any(_matches(n, p) for p in targets))
               and not (excludes and any(_matches(n, p) for p in excludes))]
+    if not chosen and wrapped and targets is None:
+        raise ValueError(f"every supported attention module is already wrapped ({len(wrapped)}: {wrapped[:3]}...); "
+                         "call condcomp.remove_(model) first to change the routing")
     if not chosen:
         seen = sorted({f"{n or '<root>'} ({type(m).__qualname__})" for n, m in model.named_modules()
                        if "attention" in type(m).__name__.lower() or "attn" in n.split(".")[-1].lower()})
@@ -120,9 +130,10 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
             shared = POLICIES.build(config.policy[0], config.policy[1], _layer_facts(adapter_cls(first)))
         built = {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
     except Exception:
-        for adapter_cls in adapter_classes:
-            assert adapter_cls is not None
-            adapter_cls.restore(model)
+        if not wrapped:  # an earlier apply_'s preparation must survive this call's failure
+            for adapter_cls in adapter_classes:
+                assert adapter_cls is not None
+                adapter_cls.restore(model)
         raise
     for name, routed in built.items():
         parent_name, _, child = name.rpartition(".")

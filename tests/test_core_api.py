@@ -206,8 +206,22 @@ def test_apply_twice_and_remove_without_apply_are_errors() -> None:
     with pytest.raises(ValueError, match="contains no RoutedAttention"):
         condcomp.remove_(net)
     condcomp.apply_(net, condcomp.CondCompConfig(policy="full", router="random"))
-    with pytest.raises(ValueError, match="already contains RoutedAttention"):
+    with pytest.raises(ValueError, match="already wrapped"):
         condcomp.apply_(net, condcomp.CondCompConfig(policy="full", router="random"))
+    with pytest.raises(ValueError, match="already wrapped"):
+        condcomp.apply_(net, condcomp.CondCompConfig(policy="full", router="random", target_modules=".attn"))
+
+
+def test_apply_again_on_other_targets_gives_layers_different_routing() -> None:
+    net = Net(layers=3)
+    first = condcomp.apply_(net, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.25}), router="random",
+                                                         target_modules="blocks.0.attn"))
+    rest = condcomp.apply_(net, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.75}), router="random"))
+    assert first == ["blocks.0.attn"] and rest == ["blocks.1.attn", "blocks.2.attn"]
+    net(torch.randn(2, 6, 16))
+    usage = condcomp.head_usage(net)
+    assert usage["blocks.0.attn"].k_frac == 0.25 and usage["blocks.2.attn"].k_frac == 0.75
+    assert sorted(condcomp.remove_(net)) == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
 
 
 def test_wrapper_falls_back_to_the_original_attributes() -> None:
