@@ -90,8 +90,10 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
             if again:
                 raise ValueError(f"target {pattern!r} matches modules that are already wrapped: {again}; "
                                  "call condcomp.remove_(model) first to change their routing")
+            # A pattern that selects some attention module may also match other modules (a broad regex);
+            # one that selects none but matches other modules is a mistake worth naming.
             unsupported = [n for n in hits if n not in candidates and not any(n.startswith(w + ".") for w in wrapped)]
-            if unsupported:
+            if unsupported and not any(n in candidates for n in hits):
                 kinds = {n: type(model.get_submodule(n)).__qualname__ for n in unsupported}
                 raise ValueError(f"target {pattern!r} matches modules that are not supported attention modules: "
                                  f"{kinds}; supported classes: {', '.join(supported_classes())}")

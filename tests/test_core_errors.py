@@ -111,6 +111,9 @@ def test_apply_matching_nothing_lists_the_attention_modules_it_saw() -> None:
     with pytest.raises(ValueError, match=r"target 'ff' matches modules that are not supported attention modules: "
                                          r"\{'ff': 'Linear'\}"):
         condcomp.apply_(model, cfg)
+    # A broad regex that selects an attention module may match other modules too: only the attention is wrapped.
+    cfg = condcomp.CondCompConfig(policy="full", router="random", target_modules="re:.*")
+    assert condcomp.apply_(model, cfg) == ["self_attn"]
 
 
 def test_unsupported_options_and_modules_are_named() -> None:
