@@ -16,6 +16,7 @@ is refused with the reason. Importing this module imports transformers (``import
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import TYPE_CHECKING, Any
@@ -100,12 +101,17 @@ def _sliding_bias(T: int, S: int, window: int, device: torch.device, dtype: torc
     return torch.zeros(T, S, device=device, dtype=dtype).masked_fill(j <= i - window, float("-inf"))[None, None]
 
 
+@functools.cache
+def _signature(module_cls: Any) -> inspect.Signature:
+    return inspect.signature(inspect.unwrap(module_cls.forward))
+
+
 def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``)."""
     kwargs = dict(kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:
         kwargs["cache"] = kwargs.pop("past_key_values")
-    sig = inspect.signature(inspect.unwrap(module_cls.forward))
+    sig = _signature(module_cls)
     bound = sig.bind(None, *args, **kwargs)
     bound.apply_defaults()
     named = dict(bound.arguments)
@@ -273,6 +279,9 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
         B, T = x.shape[:2]
         L = self.layout
         rotary = None
+        if "position_embeddings" in a and a["position_embeddings"] is None:
+            raise ValueError(f"{self.module_cls.__name__} needs position_embeddings=(cos, sin) (its rotary "
+                             "embedding); the model's forward computes them")
         if a.get("position_embeddings") is not None:
             cos, sin = a["position_embeddings"]
             rotary = (cos.expand(B, T, L.head_dim), sin.expand(B, T, L.head_dim))  # (B, T, Dh), views
