@@ -261,3 +261,10 @@ def test_bert_decoder_self_and_cross_attention_cache(executor: str, prefer_route
     ref = reference_with_heads(model, names, kept_heads(4, 0.5))
     torch.testing.assert_close(got, cached_logits(ref), atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(got, ref(input_ids=ids, encoder_hidden_states=enc).logits, atol=ATOL, rtol=RTOL)
+
+
+def test_rotary_module_called_without_position_embeddings_is_a_clear_error() -> None:
+    model = build("llama")
+    condcomp.apply_(model, condcomp.CondCompConfig(policy="full", router="random"))
+    with pytest.raises(ValueError, match="position_embeddings"):
+        model.model.layers[0].self_attn(torch.randn(1, 3, 32, dtype=torch.float64), attention_mask=None)
