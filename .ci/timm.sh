@@ -18,7 +18,8 @@ if ! "$VENV/bin/python" -c "import timm, torchvision, pytest, hypothesis" >/dev/
     "$VENV/bin/pip" install -q torch==2.14.1 torchvision==0.29.1 timm pytest hypothesis einops \
         typing-extensions numpy 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     "$VENV/bin/python" -c "import timm, torchvision" # fail here, clearly, if the install did not work
+    echo "timm.sh: created in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1) in $VENV"
 fi
 "$VENV/bin/pip" install -q --no-deps -e . 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-echo "timm.sh: environment ready in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1) in $VENV)"
+echo "timm.sh: environment ready in $(( $(date +%s) - start )) s"
 "$VENV/bin/python" -m pytest tests/integrations/test_timm_adapter.py -q -p no:cacheprovider "$@"
