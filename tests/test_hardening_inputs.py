@@ -116,7 +116,8 @@ def test_every_executor_agrees_with_float64_reference_on_hostile_inputs(p: dict)
         if mask is not None:
             zero = zero | ~mask.any(1, keepdim=True).expand_as(zero)
         assert torch.equal(y[zero], torch.zeros_like(y[zero])), f"{name}: rows without heads or keys not zero"
-        if p["dtype"] in (torch.float64, torch.float32) and p["T"] > 0:
+        # (with k = 0 everywhere and constant gates the output may not depend on anything: no graph at all)
+        if p["dtype"] in (torch.float64, torch.float32) and p["T"] > 0 and y.requires_grad:
             (gx,) = torch.autograd.grad(y.sum(), [inputs.x], allow_unused=True)  # None: x unused (k = 0)
             assert gx is None or torch.isfinite(gx).all(), f"{name}: non-finite input gradient {p}"
 
