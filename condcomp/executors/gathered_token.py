@@ -142,7 +142,7 @@ def heads_block(w: AttentionWeights, inputs: AttentionInputs, mask: AttentionMas
         out = out.masked_fill(_heads_of(mask.dead, heads).unsqueeze(-1), 0.0)
     out = out * gates.to(out.dtype)
     wo = _take(w.o_weight.view(-1, w.layout.num_heads, Dh), heads).flatten(1)  # (D, n*Dh)
-    return F.linear(out.transpose(1, 2).reshape(B, T, -1), wo, o_bias).to(x.dtype)
+    return F.linear(out.transpose(1, 2).reshape(B, T, len(heads) * Dh), wo, o_bias).to(x.dtype)
 
 
 def shared_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
