@@ -127,3 +127,14 @@ def test_config_file_and_flags(tmp_path: Path) -> None:
     cfg_file.write_text(json.dumps({"learning_rate": 1}))
     with pytest.raises(ValueError, match="learning_rate"):
         run_config(build_parser().parse_args(["train", "--config", str(cfg_file), "--out", "x"]))
+
+
+def test_ablation_reuses_finished_arms_only_with_the_same_settings(tmp_path: Path) -> None:
+    from condcomp.experiments.ablate import Study
+
+    cfg = tiny(max_steps=2)
+    first = Study(cfg, tmp_path).train("standard", "standard")
+    again = Study(cfg, tmp_path).train("standard", "standard")  # reused: same numbers, no retraining
+    assert again["accuracy"] == first["accuracy"] and again["wall_seconds"] == first["wall_seconds"]
+    with pytest.raises(ValueError, match="lr"):
+        Study(tiny(max_steps=2, lr=0.5), tmp_path).train("standard", "standard")

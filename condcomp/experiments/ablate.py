@@ -45,6 +45,10 @@ class Study:
         d = self.out / name
         if self.reuse and (d / "metrics.json").is_file() and (d / "checkpoint" / "condcomp.json").is_file():
             row = json.loads((d / "metrics.json").read_text())
+            if row.get("config") != cfg.to_dict():
+                changed = sorted(k for k in cfg.to_dict() if (row.get("config") or {}).get(k) != cfg.to_dict()[k])
+                raise ValueError(f"{d} holds a finished run with different settings ({', '.join(changed)}); "
+                                 "use another --out or delete that folder to retrain")
             if keep:
                 from condcomp.checkpoint import load_checkpoint
 
