@@ -59,6 +59,8 @@ def test_dense_style_executors_compile_with_fullgraph(executor: str) -> None:
     model = build(executor, D, H, LAYERS, s=0.5)
     x, mask = _data()
     torch.compile(model, fullgraph=True, backend="eager")(x, mask)  # raises on any graph break
+    torch._dynamo.reset()
+    torch.compile(model.train(), fullgraph=True, backend="eager")(x, mask)  # router noise traces too
 
 
 def test_inductor_codegen_matches_eager() -> None:
