@@ -32,6 +32,9 @@ def test_auto_runs_dense_at_full_budget_and_gathered_below() -> None:
     token, _ = leaf_plan(moh_active(4, 6, 8, 1, 1))
     assert resolve_executor("auto", w, AttentionInputs(x=x), token).name == "gathered"
     assert auto.prefer_dense(1.0, "token") and not auto.prefer_dense(0.25, "sequence")
+    inference, training = auto.DENSE_WORK_FRACTION["sequence"]
+    for bound, train in ((inference, False), (training, True)):
+        assert auto.prefer_dense(bound, "sequence", train) and not auto.prefer_dense(bound - 0.01, "sequence", train)
 
 
 def test_auto_skips_executors_that_reject_and_lists_reasons(restore_registries: None) -> None:

@@ -4,7 +4,8 @@
 every rejection and its reason when none does). Between ``gathered`` and ``masked`` it decides from the plan:
 the gathered path reads back its packed sizes once per call anyway, and from them ``auto`` knows the share of the
 dense (query row, head) work the plan keeps. At or above ``DENSE_WORK_FRACTION`` of it (for example every head
-active, as in training under soft gates) there is nothing worth skipping and ``masked`` (= dense attention, one
+active, as in training under soft gates; the bound is lower when autograd records, since the gathered backward
+pays for its gathers again) there is nothing worth skipping and ``masked`` (= dense attention, one
 fused SDPA call) is faster; below it ``gathered`` runs with the sizes already read, so ``auto`` costs no extra
 host synchronisation. The threshold comes from ``condcomp bench attention`` (docs/performance.md).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from condcomp.registry import EXECUTORS
@@ -21,8 +23,9 @@ from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 # Preference of "auto", fastest first where it can run (docs/performance.md has the measurements).
 AUTO_PREFERENCE = ("gathered", "masked", "reference")
 
-# Kept share of the dense work at or above which "auto" runs "masked" instead of "gathered" (per granularity).
-DENSE_WORK_FRACTION = {"sequence": 0.75, "token": 0.6}
+# Kept share of the dense work at or above which "auto" runs "masked" instead of "gathered", per granularity,
+# (without autograd, with autograd): crossovers measured by `condcomp bench attention` (docs/performance.md).
+DENSE_WORK_FRACTION = {"sequence": (0.65, 0.6), "token": (0.55, 0.65)}
 
 _INSTANCES: dict[str, Any] = {}
 
@@ -45,9 +48,14 @@ class _Sized:
         return self.executor.run(weights, inputs, plan, self.sizes)
 
 
-def prefer_dense(work_fraction: float, granularity: str) -> bool:
-    """Whether a plan keeping ``work_fraction`` of the dense work should run densely (``masked``)."""
-    return work_fraction >= DENSE_WORK_FRACTION.get(granularity, 1.0)
+def prefer_dense(work_fraction: float, granularity: str, training: bool = False) -> bool:
+    """Whether a plan keeping ``work_fraction`` of the dense work should run densely (``masked``).
+
+    ``training``: a backward pass will follow (the gathered path's backward scatters cost more, so the
+    crossover is lower).
+    """
+    inference, backward = DENSE_WORK_FRACTION.get(granularity, (1.0, 1.0))
+    return work_fraction >= (backward if training else inference)
 
 
 def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
@@ -84,7 +92,9 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
     if first.name == "gathered" and hasattr(first, "sizes"):
         sizes = first.sizes(weights, inputs, plan)  # the one host read the gathered path needs anyway
         dense = next((e for e in usable if e.name == "masked"), None)
-        if dense is not None and prefer_dense(sizes.work_fraction, plan.granularity):
+        training = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (inputs.x, weights.q_weight, plan.gates))
+        if dense is not None and prefer_dense(sizes.work_fraction, plan.granularity, training):
             return dense
         return _Sized(first, sizes)
     return first

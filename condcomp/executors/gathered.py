@@ -27,9 +27,10 @@ from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, de
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
-# Variable-k sequence plans in the fused layout run as packed pairs (few kernels) rather than one block per k
-# bucket (docs/performance.md has the comparison); False forces the buckets.
-PACK_PAIRS = True
+# Variable-k sequence plans in the fused layout can run as packed pairs (gathered_pairs.py: a fixed number of
+# kernels, P*T*D more copies) instead of one block per k bucket. Measured with OMP_WAIT_POLICY=PASSIVE, the
+# buckets win (docs/performance.md); the pairs win only where every extra kernel costs a scheduling round.
+PACK_PAIRS = False
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
