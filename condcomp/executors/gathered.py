@@ -1,16 +1,17 @@
 """The gathered-sparse executor: only the selected (example, head) or (token, head) pairs are computed.
 
-Sequence plans (one head set per example, variable ``k``) are bucketed by ``(k, k_kv)``: the number of active
-query heads and of key/value heads they use. Inside a bucket every example has the same shape of work, so the
-selected heads' weight slices are gathered per example and the block runs as batched matmuls (``torch.bmm``)
+Sequence plans (one head set per example, variable ``k``): when every example chose the same heads, one plain
+k-head block on those heads' weight slices. Otherwise examples are bucketed by ``(k, k_kv)``: the number of
+active query heads and of key/value heads they use. Inside a bucket every example has the same shape of work, so
+the selected heads' weight slices are gathered per example and the block runs as batched matmuls (``torch.bmm``)
 and one SDPA call over ``(n, k, T, Dh)``; the output projection sums over the selected heads inside its matmul
-and each example's output row lands in place (examples belong to exactly one bucket: no scatter-add). There is
-no padding at all: the only overhead over a k-head block is gathering ``4 * k * Dh * D`` weights and the input
-rows per example, and one ``index_select`` to put the buckets back in batch order.
+and each example's output row lands in place with ``index_copy_`` (examples belong to exactly one bucket: no
+scatter-add). There is no padding at all: the overhead over a k-head block is gathering ``4 * k * Dh * D``
+weights and the input rows per example. (``PACK_PAIRS`` switches to :mod:`condcomp.executors.gathered_pairs`.)
 
 Token plans (MoH) are in :mod:`condcomp.executors.gathered_token`.
 
-Sizing the buckets needs one host synchronisation per call (a ``bincount`` read back); nothing else syncs.
+Sizing needs one host synchronisation per call (a ``bincount`` read back); nothing else syncs.
 """
 
 from __future__ import annotations
