@@ -93,7 +93,7 @@ def _as64(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> tuple
     return w64, inputs64, plan_from_active(plan.active, plan.gates.double())
 
 
-@settings(max_examples=DEEP or 40, deadline=None)
+@settings(max_examples=DEEP or 30, deadline=None)
 @given(p=hostile())
 def test_every_executor_agrees_with_float64_reference_on_hostile_inputs(p: dict) -> None:
     w, inputs, plan, mask = _problem(p)
@@ -122,7 +122,7 @@ def test_every_executor_agrees_with_float64_reference_on_hostile_inputs(p: dict)
             assert gx is None or torch.isfinite(gx).all(), f"{name}: non-finite input gradient {p}"
 
 
-@settings(max_examples=DEEP or 15, deadline=None)
+@settings(max_examples=DEEP or 12, deadline=None)
 @given(B=st.integers(2, 4), T=st.integers(1, 5), token=st.booleans(), value=st.sampled_from(["nan", "inf", "-inf"]),
        padded=st.booleans(), seed=st.integers(0, 2**16))
 def test_a_nan_in_one_example_never_reaches_another(B: int, T: int, token: bool, value: str, padded: bool,
