@@ -64,16 +64,22 @@ def plot_layer_usage(rows: dict[str, dict[str, Any]], path: Path) -> bool:
 
 
 def plot_accuracy_vs_heads(rows: dict[str, dict[str, Any]], path: Path) -> bool:
-    """Accuracy against realised head fraction, one point per run."""
+    """Accuracy against realised head fraction: colour = arm, marker = dataset (row names ``dataset/arm``)."""
     plt = _pyplot()
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for n, r in rows.items():
-        if r.get("accuracy") is None or r.get("k_frac") is None:
-            continue
-        ax.scatter(r["k_frac"], r["accuracy"])
-        ax.annotate(n, (r["k_frac"], r["accuracy"]), fontsize=6)
+    points = [(n.rpartition("/")[0], n.rpartition("/")[2], r) for n, r in rows.items()
+              if r.get("accuracy") is not None and r.get("k_frac") is not None]
+    arms = sorted({a for _, a, _ in points})
+    groups = sorted({g for g, _, _ in points})
+    colors = {a: plt.cm.tab20(i % 20) for i, a in enumerate(arms)}
+    markers = {g: "os^Dv<>pPX*h"[i % 12] for i, g in enumerate(groups)}
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for g, a, r in points:
+        ax.scatter(r["k_frac"], r["accuracy"], color=colors[a], marker=markers[g], s=28)
+    handles = [plt.Line2D([], [], color=colors[a], marker="o", ls="", label=a) for a in arms]
+    handles += [plt.Line2D([], [], color="grey", marker=markers[g], ls="", label=g or "run") for g in groups]
+    ax.legend(handles=handles, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.set_xlabel("realised heads (k/H)")
     ax.set_ylabel("accuracy")
     fig.tight_layout()
