@@ -78,7 +78,7 @@ def test_mismatched_checkpoint_is_refused_clearly(tmp_path: Path) -> None:
     condcomp.apply_(other, condcomp.CondCompConfig(policy="full", router="random"))
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(tmp_path / "run" / "checkpoint", other)
-    assert "model.safetensors" in str(err.value) or "layers.1" in str(err.value)
+    assert "model.safetensors" in str(err.value) and "layers.1.attn.q_proj.weight" in str(err.value)
 
 
 def test_cli_train_eval_report_on_files_with_bad_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
