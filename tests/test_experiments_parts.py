@@ -159,6 +159,26 @@ def test_hf_datasets_library_object() -> None:
     assert (rec.texts, rec.labels) == (["x y", "z"], [0, 1])
 
 
+def test_hf_dataset_by_name_goes_through_load_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The by-name path without the network: a stand-in 'datasets' module records the call and serves rows,
+    # including a malformed one that must be reported with its row number, then counted when skipping.
+    import sys
+    import types
+
+    calls = []
+
+    def load_dataset(name: str, split: str) -> list[dict]:
+        calls.append((name, split))
+        return [{"text": "good film", "label": 1}, {"text": "bad", "label": "x"}, {"text": "ok", "label": 0}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    with pytest.raises(D.DataError, match=r"dataset\[test\] row 1"):
+        D.load_hf("imdb", "test")
+    rec = D.load_hf("imdb", "test", skip_bad_rows=True)
+    assert calls == [("imdb", "test"), ("imdb", "test")]
+    assert (rec.texts, rec.labels, rec.skipped) == (["good film", "ok"], [1, 0], 1)
+
+
 def test_bert_wordpiece_pairs_get_segments() -> None:
     pytest.importorskip("tokenizers", reason="tokenizers is not installed (extra 'experiments')")
     from condcomp.experiments.tokenize import bert_vocab_dir, encode, load_tokenizer
