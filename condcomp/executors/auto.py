@@ -4,8 +4,8 @@
 every rejection and its reason when none does). Between ``gathered`` and ``masked`` it decides from the plan:
 the gathered path reads back its packed sizes once per call anyway, and from them ``auto`` knows the share of the
 dense (query row, head) work the plan keeps. At or above ``DENSE_WORK_FRACTION`` of it (for example every head
-active, as in training under soft gates; the bound is lower when autograd records, since the gathered backward
-pays for its gathers again) there is nothing worth skipping and ``masked`` (= dense attention, one
+active, as in training under soft gates; the bound is set separately for calls where autograd records, whose
+backward changes the balance) there is nothing worth skipping and ``masked`` (= dense attention, one
 fused SDPA call) is faster; below it ``gathered`` runs with the sizes already read, so ``auto`` costs no extra
 host synchronisation. The threshold comes from ``condcomp bench attention`` (docs/performance.md).
 """
@@ -25,7 +25,7 @@ AUTO_PREFERENCE = ("gathered", "masked", "reference")
 
 # Kept share of the dense work at or above which "auto" runs "masked" instead of "gathered", per granularity,
 # (without autograd, with autograd): crossovers measured by `condcomp bench attention` (docs/performance.md).
-DENSE_WORK_FRACTION = {"sequence": (0.65, 0.6), "token": (0.55, 0.65)}
+DENSE_WORK_FRACTION = {"sequence": (0.7, 0.75), "token": (0.65, 0.65)}
 
 _INSTANCES: dict[str, Any] = {}
 
@@ -51,8 +51,7 @@ class _Sized:
 def prefer_dense(work_fraction: float, granularity: str, training: bool = False) -> bool:
     """Whether a plan keeping ``work_fraction`` of the dense work should run densely (``masked``).
 
-    ``training``: a backward pass will follow (the gathered path's backward scatters cost more, so the
-    crossover is lower).
+    ``training``: autograd is recording, so a backward pass will follow (its crossover is measured separately).
     """
     inference, backward = DENSE_WORK_FRACTION.get(granularity, (1.0, 1.0))
     return work_fraction >= (backward if training else inference)
