@@ -14,10 +14,11 @@ from condcomp.types import AttentionInputs
 class AttentionMask:
     """What an executor passes to its attention kernel.
 
-    ``mask`` is None (no masking, or plain causal with ``is_causal``), a bool ``(B|1, H|1, T, S)`` tensor
-    (True = may attend) or an additive float tensor of that shape. Query rows with no allowed key are
-    ``dead`` ``(B|1, H|1, T)``: their mask row is opened (so softmax stays finite) and executors zero their
-    output afterwards, which is why an all-padding row yields zeros rather than NaN.
+    ``mask`` is None (no masking, or plain causal with ``is_causal``), a bool ``(B|1, H|1, T|1, S)`` tensor
+    (True = may attend; ``T|1``: key padding alone is not repeated per query) or an additive float tensor of
+    that shape. Query rows with no allowed key are ``dead`` ``(B|1, H|1, T|1)``: their mask row is opened (so
+    softmax stays finite) and executors zero their output afterwards, which is why an all-padding row yields
+    zeros rather than NaN.
     """
 
     mask: Tensor | None
@@ -25,7 +26,7 @@ class AttentionMask:
     dead: Tensor | None
 
     def for_rows(self, rows: Tensor, heads: Tensor) -> AttentionMask:
-        """The mask of the (example, head) pairs ``rows (P,)``, ``heads (P,)``, as ``(P, 1, T, S)``."""
+        """The mask of the (example, head) pairs ``rows (P,)``, ``heads (P,)``, as ``(P, 1, T|1, S)``."""
         if self.mask is None:
             return self
         m = self.mask
@@ -35,7 +36,7 @@ class AttentionMask:
         if self.dead is not None:
             db = rows if self.dead.shape[0] > 1 else torch.zeros_like(rows)
             dh = heads if self.dead.shape[1] > 1 else torch.zeros_like(heads)
-            dead = self.dead[db, dh].unsqueeze(1)  # (P, 1, T)
+            dead = self.dead[db, dh].unsqueeze(1)  # (P, 1, T|1)
         return AttentionMask(m[b, h].unsqueeze(1), self.is_causal, dead)
 
 
@@ -61,7 +62,10 @@ def build_attention_mask(inputs: AttentionInputs, causal: bool, dtype: torch.dty
         allowed = c if allowed is None else allowed & c
     if inputs.attn_bias is None:
         assert allowed is not None
-        allowed = allowed.expand(allowed.shape[0], 1, T, S)
+        if causal:
+            allowed = allowed.expand(allowed.shape[0], 1, T, S)
+        # else key padding alone stays (B, 1, 1, S): a (B, 1, T, S) copy would cost B*T*S bytes for nothing
+        # (8 GiB-scale at long T), and a row is dead only when its whole example is padding.
         dead = ~allowed.any(-1)  # (B|1, 1, T); no branch on it: that would sync the device every layer
         return AttentionMask(allowed | dead.unsqueeze(-1), False, dead)
     bias = inputs.attn_bias.to(dtype)
