@@ -40,7 +40,7 @@ def run(T):
     mask = None
     if padded:
         mask = torch.ones(B, T, dtype=torch.bool)
-        mask[:, T - T // 8:] = False  # padding at the end: a (B, 1, T, S) mask SDPA must honour
+        mask[:, T - T // 8:] = False  # padding at the end: a (B, 1, 1, S) mask SDPA must honour
     plan = plan_top_k(torch.randn(B, H, generator=g), k)
     with torch.set_grad_enabled(train):
         y = get_executor(name)(w, AttentionInputs(x=x, mask=mask, key_mask=mask), plan)
