@@ -92,6 +92,8 @@ class BudgetFormerPolicy(nn.Module):
     (torch.Size([2]), [4, 4])
     """
 
+    label = "budgetformer policy"  # how errors name it (the per-token subclass has its own)
+
     def __init__(self, d_model: int, num_heads: int, s_min: float = 0.1, s_max: float = 0.9,
                  budget_weight: float = 10.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,
                  rounding: Rounding = "floor") -> None:
@@ -99,16 +101,16 @@ class BudgetFormerPolicy(nn.Module):
         self.validate_options(s_min=s_min, s_max=s_max, budget_weight=budget_weight, hidden=hidden, init_s=init_s,
                               k_min=k_min, rounding=rounding)
         if k_min > num_heads:
-            raise ValueError(f"budgetformer policy: k_min={k_min} exceeds the layer's {num_heads} heads")
+            raise ValueError(f"{self.label}: k_min={k_min} exceeds the layer's {num_heads} heads")
         self.num_heads, self.s_min, self.s_max = num_heads, float(s_min), float(s_max)
         self.budget_weight, self.k_min, self.rounding = float(budget_weight), k_min, rounding
         self.mlp = BudgetMLP(d_model, hidden or max(16, d_model // 4), init_s)
 
-    @staticmethod
-    def validate_options(s_min: float = 0.1, s_max: float = 0.9, budget_weight: float = 10.0,
+    @classmethod
+    def validate_options(cls, s_min: float = 0.1, s_max: float = 0.9, budget_weight: float = 10.0,
                          hidden: int | None = None, init_s: float = 0.6, k_min: int = 1, rounding: str = "floor",
                          **_: Any) -> None:
-        validate_budget_options("budgetformer policy", s_min, s_max, init_s, budget_weight, k_min, rounding, hidden)
+        validate_budget_options(cls.label, s_min, s_max, init_s, budget_weight, k_min, rounding, hidden)
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
         s = self.mlp(masked_mean(x.float(), mask))  # (B,)

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch  # noqa: F401  (the docstring example uses it)
-from torch import Tensor, nn
+from torch import Tensor
 
-from condcomp.plans import Rounding, budget_k
+from condcomp.plans import budget_k
 from condcomp.registry import register_policy
 from condcomp.types import Budget
 
-from .budgetformer import BudgetMLP, budget_hinge, validate_budget_options
+from .budgetformer import BudgetFormerPolicy, budget_hinge
 
 
 @register_policy("budgetformer_token")
-class TokenBudgetPolicy(nn.Module):
+class TokenBudgetPolicy(BudgetFormerPolicy):
     """Per-token budget: the same 2-layer MLP + sigmoid on each token -> ``s (B, T)``, ``k (B, T)``.
 
     Padding tokens (``mask`` False) get ``k = 0`` (no heads: that is where token plans save compute) and are
@@ -27,24 +25,7 @@ class TokenBudgetPolicy(nn.Module):
     [[2, 2, 0], [2, 2, 2]]
     """
 
-    def __init__(self, d_model: int, num_heads: int, s_min: float = 0.1, s_max: float = 0.9,
-                 budget_weight: float = 10.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,
-                 rounding: Rounding = "floor") -> None:
-        super().__init__()
-        self.validate_options(s_min=s_min, s_max=s_max, budget_weight=budget_weight, hidden=hidden, init_s=init_s,
-                              k_min=k_min, rounding=rounding)
-        if k_min > num_heads:
-            raise ValueError(f"budgetformer_token policy: k_min={k_min} exceeds the layer's {num_heads} heads")
-        self.num_heads, self.s_min, self.s_max = num_heads, float(s_min), float(s_max)
-        self.budget_weight, self.k_min, self.rounding = float(budget_weight), k_min, rounding
-        self.mlp = BudgetMLP(d_model, hidden or max(16, d_model // 4), init_s)
-
-    @staticmethod
-    def validate_options(s_min: float = 0.1, s_max: float = 0.9, budget_weight: float = 10.0,
-                         hidden: int | None = None, init_s: float = 0.6, k_min: int = 1, rounding: str = "floor",
-                         **_: Any) -> None:
-        validate_budget_options("budgetformer_token policy", s_min, s_max, init_s, budget_weight, k_min, rounding,
-                                hidden)
+    label = "budgetformer_token policy"
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
         s = self.mlp(x.float())  # (B, T)
