@@ -145,17 +145,24 @@ def heads_block(w: AttentionWeights, inputs: AttentionInputs, mask: AttentionMas
     return F.linear(out.transpose(1, 2).reshape(B, T, len(heads) * Dh), wo, o_bias).to(x.dtype)
 
 
+def _project_rotated(w: AttentionWeights, inputs: AttentionInputs, heads: list[int],
+                     kv_heads: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """``_project`` with rotary applied to the queries and to freshly projected keys (a cache is already rotated)."""
+    q, keys, values = _project(w, inputs, heads, kv_heads)
+    if inputs.rotary is not None:
+        q = apply_rotary(q, *inputs.rotary)
+        if inputs.key_states is None:
+            keys = apply_rotary(keys, *inputs.rotary)
+    return q, keys, values
+
+
 def shared_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
                heads: list[int]) -> Tensor:
     """``(B, T, D)`` of a sequence plan in which every example chose the same heads: a plain k-head block."""
     G = w.layout.group_size
     kv_heads = sorted({h // G for h in heads})
     slot = {g: i for i, g in enumerate(kv_heads)}
-    q, keys, values = _project(w, inputs, heads, kv_heads)  # (B, k, T, Dh), (B, kkv, S, Dh)
-    if inputs.rotary is not None:
-        q = apply_rotary(q, *inputs.rotary)
-        if inputs.key_states is None:
-            keys = apply_rotary(keys, *inputs.rotary)
+    q, keys, values = _project_rotated(w, inputs, heads, kv_heads)  # (B, k, T, Dh), (B, kkv, S, Dh)
     kv_ix = [slot[h // G] for h in heads]
     gates = _take(plan.gates, heads)[:, :, None, None]  # (B, k, 1, 1)
     return heads_block(w, inputs, mask, heads, q, _take(keys, kv_ix), _take(values, kv_ix), gates, w.o_bias)
@@ -174,11 +181,7 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     routed = [h for h in range(H) if 0 < rows[h] < DENSE_HEAD_ROWS * T]
     kv_heads = sorted({h // G for h in dense + routed})
     slot = {g: i for i, g in enumerate(kv_heads)}
-    q, keys, values = _project(w, inputs, dense, kv_heads)  # (B, nd, T, Dh), (B, nkv, S, Dh)
-    if inputs.rotary is not None:
-        q = apply_rotary(q, *inputs.rotary)
-        if inputs.key_states is None:
-            keys = apply_rotary(keys, *inputs.rotary)
+    q, keys, values = _project_rotated(w, inputs, dense, kv_heads)  # (B, nd, T, Dh), (B, nkv, S, Dh)
     y = x.new_zeros(B, T, D)
     if dense:  # the heads most tokens chose, as one dense block
         gates = _take(plan.gates.transpose(1, 2), dense).unsqueeze(-1)  # (B, nd, T, 1)
