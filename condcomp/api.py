@@ -58,7 +58,9 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
     for component in (policy, router):
         if isinstance(component, nn.Module):
             component.to(device)  # routing stays float32 whatever the model's dtype (decisions need the range)
-    return RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
+    routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
+    routed.config = config  # what built it: saving a wrapped model needs no config passed back in
+    return routed
 
 
 def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:

@@ -46,12 +46,23 @@ def routing_state(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: CondCompConfig) -> Path:
-    """Write ``condcomp_config.json`` and ``condcomp_routing.safetensors`` for a wrapped ``model``."""
+def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: CondCompConfig | None = None) -> Path:
+    """Write ``condcomp_config.json`` and ``condcomp_routing.safetensors`` for a wrapped ``model``.
+
+    ``config`` defaults to the one ``apply_`` wrapped the model with; a model wrapped by several ``apply_`` calls
+    with different configs cannot be restored by one config, and says so.
+    """
     from safetensors.torch import save_file
 
-    if not routed_modules(model):
+    routed = routed_modules(model)
+    if not routed:
         raise ValueError("save_condcomp: the model has no RoutedAttention; call condcomp.apply_(model, cfg) first")
+    if config is None:
+        configs = {m.config.to_json() for m in routed.values() if m.config is not None}
+        if len(configs) != 1:
+            raise ValueError(f"save_condcomp: the model was wrapped with {len(configs) or 'no'} different configs; "
+                             "pass config= explicitly (from_pretrained re-applies exactly one config)")
+        config = CondCompConfig.from_json(configs.pop())
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(routing_state(model), str(directory / ROUTING_FILE), metadata={"format": "condcomp-routing"})
@@ -93,10 +104,11 @@ def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[s
     return names
 
 
-def save_pretrained(model: Any, directory: str | os.PathLike[str], config: CondCompConfig, **kwargs: Any) -> Path:
+def save_pretrained(model: Any, directory: str | os.PathLike[str], config: CondCompConfig | None = None,
+                    **kwargs: Any) -> Path:
     """``model.save_pretrained(directory)`` without the routing tensors, plus :func:`save_condcomp`.
 
-    >>> save_pretrained(model, "out/", cfg)  # doctest: +SKIP
+    >>> save_pretrained(model, "out/")  # doctest: +SKIP  (the config apply_ used is saved beside the weights)
     >>> model2 = from_pretrained(BertModel, "out/")  # doctest: +SKIP
     """
     state = {k: v for k, v in model.state_dict().items() if not _is_routing(k)}

@@ -39,7 +39,7 @@ def test_round_trip_restores_outputs_routing_and_keys(arch: str, share: bool, tm
     _perturb_routing_(model)
     inputs = batch(arch)
     want = output(model, inputs)
-    save_pretrained(model, tmp_path, cfg)
+    save_pretrained(model, tmp_path, cfg if share else None)  # None: the config apply_ used
     assert (tmp_path / CONFIG_FILE).is_file() and (tmp_path / ROUTING_FILE).is_file()
 
     torch.manual_seed(123)  # a different fresh draw: only the file can make the outputs equal
@@ -69,3 +69,12 @@ def test_routing_that_does_not_fit_is_refused_and_leaves_the_model_unwrapped(tmp
     assert not condcomp.routed_modules(other)
     with pytest.raises(FileNotFoundError, match=CONFIG_FILE):
         load_condcomp(other, tmp_path / "missing")
+
+
+def test_a_model_wrapped_with_two_configs_needs_the_config_named(tmp_path: Path) -> None:
+    model = build("bert")
+    first_layer = condcomp.CondCompConfig(policy="full", router="random", target_modules="re:.*layer\\.0\\..*")
+    condcomp.apply_(model, first_layer)
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random"))
+    with pytest.raises(ValueError, match="2 different configs; pass config= explicitly"):
+        save_pretrained(model, tmp_path)
