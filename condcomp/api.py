@@ -59,7 +59,7 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
         if isinstance(component, nn.Module):
             component.to(device)  # routing stays float32 whatever the model's dtype (decisions need the range)
     routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
-    routed.config = config  # what built it: saving a wrapped model needs no config passed back in
+    routed.condcomp_config = config  # what built it: saving a wrapped model needs no config passed back in
     return routed
 
 

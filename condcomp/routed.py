@@ -55,7 +55,8 @@ class RoutedAttention(nn.Module):
         self.executor = executor
         self.check_inputs = check_inputs
         self.last: LastForward | None = None
-        self.config: Any = None  # the CondCompConfig it was built from (set by apply_ / wrap)
+        self.condcomp_config: Any = None  # the CondCompConfig it was built from (set by apply_; not `config`,
+        # which third-party attention modules use for their own)
         for attr, value in adapter.attribute_overrides().items():
             object.__setattr__(self, attr, value)
         # Set last, and deliberately not as a submodule (its parts are registered above): before this line the

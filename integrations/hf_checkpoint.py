@@ -58,7 +58,7 @@ def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: C
     if not routed:
         raise ValueError("save_condcomp: the model has no RoutedAttention; call condcomp.apply_(model, cfg) first")
     if config is None:
-        configs = {m.config.to_json() for m in routed.values() if m.config is not None}
+        configs = {m.condcomp_config.to_json() for m in routed.values() if m.condcomp_config is not None}
         if len(configs) != 1:
             raise ValueError(f"save_condcomp: the model was wrapped with {len(configs) or 'no'} different configs; "
                              "pass config= explicitly (from_pretrained re-applies exactly one config)")
