@@ -37,3 +37,17 @@ def test_other_pages_snippets_run(page: str) -> None:
     assert blocks, f"docs/{page} has no python example left"
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/{page}[{i}]", "exec"), {"__name__": "docs"})  # noqa: S102
+
+
+def test_readme_usage_runs_and_reports_the_budget() -> None:
+    # The README's example as written, with 2 training steps instead of 100 (the API is what is checked).
+    import contextlib
+    import io
+
+    (code,) = FENCE.findall((DOCS.parent / "README.md").read_text())
+    assert "range(100)" in code and "step / 100" in code
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace("range(100)", "range(2)"), "README.md", "exec"), {"__name__": "readme"})  # noqa: S102
+    # budgetformer starts near s = 0.6, so eval runs floor(0.6 * 8) = 4 of 8 heads: k_frac 0.5 in every layer
+    assert out.getvalue().count("k_frac=0.5,") == 4, out.getvalue()
