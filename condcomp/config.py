@@ -30,6 +30,15 @@ def _patterns(value: Any, name: str) -> list[str] | None:
     raise TypeError(f"{name} must be None, a string or a list of strings, got {value!r}")
 
 
+def dataclass_from_dict(cls: Any, d: dict[str, Any], label: str) -> Any:
+    """``cls(**d)`` for a config dataclass, naming unknown fields (a typo in a JSON config) instead of a TypeError."""
+    names = set(cls.__dataclass_fields__)
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown {label} fields {unknown}; valid: {sorted(names)}")
+    return cls(**d)
+
+
 @dataclass
 class CondCompConfig:
     """What to wrap and how.
@@ -77,11 +86,7 @@ class CondCompConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CondCompConfig:
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ValueError(f"unknown CondCompConfig fields {unknown}; valid: {sorted(cls.__dataclass_fields__)}")
-        return cls(**known)
+        return dataclass_from_dict(cls, d, "CondCompConfig")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -7,13 +7,14 @@ LayerNorm) because it trains stably from scratch with the short schedules the pr
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from condcomp.attention import HeadAttention
+from condcomp.config import dataclass_from_dict
 
 
 @dataclass
@@ -47,11 +48,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown model config fields {unknown}; valid: {sorted(names)}")
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "model config")  # type: ignore[no-any-return]
 
 
 # Presets: shapes only (vocab and classes come from the data). "paper" is BudgetFormer's reported encoder.

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from condcomp.config import dataclass_from_dict
 from condcomp.experiments import data as D
 from condcomp.experiments.batches import EncodedSplit
 from condcomp.experiments.model import ModelConfig, preset
@@ -72,11 +73,7 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown run config fields {unknown}; valid: {sorted(names)}")
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "run config")  # type: ignore[no-any-return]
 
     @classmethod
     def from_file(cls, path: str | Path) -> RunConfig:
