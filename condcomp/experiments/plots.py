@@ -19,6 +19,14 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> bool:
+    """Lay out, write the PNG and free the figure (pyplot keeps every open figure alive otherwise)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_budget_by_difficulty(s: list[float], groups: list[str], path: Path, title: str = "") -> bool:
     """Histogram of the predicted budget s per difficulty group."""
     plt = _pyplot()
@@ -35,10 +43,7 @@ def plot_budget_by_difficulty(s: list[float], groups: list[str], path: Path, tit
     ax.set_ylabel("examples")
     ax.set_title(title or "budget by difficulty", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def plot_layer_usage(rows: dict[str, dict[str, Any]], path: Path) -> bool:
@@ -57,10 +62,7 @@ def plot_layer_usage(rows: dict[str, dict[str, Any]], path: Path) -> bool:
     ax.set_ylabel("realised heads (k/H)")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def plot_accuracy_vs_heads(rows: dict[str, dict[str, Any]], path: Path) -> bool:
@@ -82,7 +84,4 @@ def plot_accuracy_vs_heads(rows: dict[str, dict[str, Any]], path: Path) -> bool:
     ax.legend(handles=handles, fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.set_xlabel("realised heads (k/H)")
     ax.set_ylabel("accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
