@@ -144,6 +144,24 @@ def test_token_moh_shared_dense_and_routed(Hkv: int, causal: bool) -> None:
     assert torch.equal(y[3], torch.zeros_like(y[3]))
 
 
+@pytest.mark.parametrize("idle_row", [False, True])
+def test_token_output_bias_only_on_rows_with_a_head(idle_row: bool) -> None:
+    """With every row active, the output bias is folded into the dense block's projection; a row that chose no
+    head (head 0 is still dense: 39 of 40 rows) must get neither bias nor anything else: exactly zero."""
+    B, T = 4, 10
+    w, x, leaves = setup(B=B, T=T)
+    assert w.o_bias is not None
+    active = moh_active(B, T, 8, 1, 1)
+    if idle_row:
+        active[1, 3] = False
+    plan, gates = leaf_plan(active)
+    sizes = gather_sizes(w, AttentionInputs(x=x), plan)
+    assert sizes.every_row_active is not idle_row and sizes.rows_per_head[0] >= DENSE_HEAD_ROWS * T
+    y = check(w, AttentionInputs(x=x), plan, {**leaves, "gates": gates})
+    if idle_row:
+        assert torch.equal(y[1, 3], torch.zeros_like(y[1, 3]))
+
+
 def test_token_kv_cache_bias_and_unused_heads() -> None:
     """Token plan with a KV cache, a per-head additive bias, and heads no token chose (their K/V skipped)."""
     B, T, S = 4, 6, 9

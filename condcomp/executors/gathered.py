@@ -44,6 +44,7 @@ class GatherSizes:
     ``rows_per_head``: token plans, the most tokens of one example that selected each head ``(H,)``.
     ``shared_heads``: sequence plans in which every example chose the same heads, those heads (else None).
     ``work_fraction``: share of the dense block's (query row, head) work the gathered path will compute.
+    ``every_row_active``: token plans in which every (example, token) row chose at least one head.
     """
 
     granularity: str
@@ -51,6 +52,7 @@ class GatherSizes:
     rows_per_head: tuple[int, ...] = ()
     work_fraction: float = 1.0
     shared_heads: tuple[int, ...] | None = None
+    every_row_active: bool = False
 
 
 def kv_active(plan_active: Tensor, num_kv_heads: int) -> Tensor:
@@ -77,8 +79,12 @@ def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadP
         work = sum(k * n for k, _, n in buckets) / max(B * H, 1)
         return GatherSizes("sequence", buckets=buckets, work_fraction=work, shared_heads=shared)
     T = plan.gates.shape[1]
-    rows = plan.active.sum(1).amax(0).tolist() if plan.gates.shape[0] else [0] * H  # (H,)
-    return GatherSizes("token", rows_per_head=tuple(rows), work_fraction=sum(rows) / max(H * T, 1))
+    if not plan.gates.shape[0]:
+        return GatherSizes("token", rows_per_head=(0,) * H, work_fraction=0.0)
+    every = (plan.counts > 0).all().view(1).long()
+    *rows, every_row = torch.cat([plan.active.sum(1).amax(0), every]).tolist()  # (H,) + 1: the one read
+    return GatherSizes("token", rows_per_head=tuple(rows), work_fraction=sum(rows) / max(H * T, 1),
+                       every_row_active=bool(every_row))
 
 
 def _per_head(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
@@ -128,20 +134,23 @@ def _sequence_bucket(
     H, Hkv, Dh, G = L.num_heads, L.num_kv_heads, L.head_dim, L.group_size
 
     def pick(t: Tensor) -> Tensor:
-        return t if idx is None else t[idx]  # advanced indexing: one parallel copy (index_select is per row)
+        # index_select copies whole contiguous rows; advanced indexing (t[idx]) was 3-6x slower here (measured
+        # with libgomp's default wait policy, docs/performance.md)
+        return t if idx is None else t.index_select(0, idx)
 
     heads = pick(plan.order)[:, :k]  # (n, k) selected heads, ascending
+    flat_heads = heads.reshape(-1)  # (n*k,)
     gates = pick(plan.gates).gather(1, heads)  # (n, k)
     x = pick(inputs.x)  # (n, T, D)
     n, T, _ = x.shape
     if fused_w is not None:  # self-attention without GQA: one (n, T, 3kDh) matmul, as nn.MultiheadAttention does
         w3, b3 = fused_w
-        bias = None if b3 is None else b3[heads].view(n, k * 3 * Dh)
-        qkv = _project(x, w3[heads].view(n, k * 3 * Dh, -1), bias)  # (n, T, k*3*Dh)
+        bias = None if b3 is None else b3.index_select(0, flat_heads).view(n, k * 3 * Dh)
+        qkv = _project(x, w3.index_select(0, flat_heads).view(n, k * 3 * Dh, -1), bias)  # (n, T, k*3*Dh)
         q, kk, v = qkv.view(n, T, k, 3, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # each (n, k, T, Dh)
     else:
-        q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh)[heads].reshape(n, k * Dh)
-        q = _project(x, _per_head(w.q_weight, H, Dh)[heads].reshape(n, k * Dh, -1), q_bias)
+        q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, flat_heads).view(n, k * Dh)
+        q = _project(x, _per_head(w.q_weight, H, Dh).index_select(0, flat_heads).view(n, k * Dh, -1), q_bias)
         q = q.view(n, T, k, Dh).transpose(1, 2)  # (n, k, T, Dh)
         kv_heads = heads if G == 1 else pick(torch.argsort((~kv_active(plan.active, Hkv)).byte(), dim=1, stable=True))
         kv_heads = kv_heads[:, :kkv]  # (n, kkv) the key/value heads this bucket needs, ascending
@@ -149,9 +158,10 @@ def _sequence_bucket(
             b = torch.arange(n, device=x.device).unsqueeze(1)
             kk, v = pick(inputs.key_states)[b, kv_heads], pick(inputs.value_states)[b, kv_heads]  # (n, kkv, S, Dh)
         else:
+            flat_kv = kv_heads.reshape(-1)  # (n*kkv,)
             kk, v = (
-                _project(pick(src), _per_head(wt, Hkv, Dh)[kv_heads].reshape(n, kkv * Dh, -1),
-                         None if bt is None else bt.view(Hkv, Dh)[kv_heads].reshape(n, kkv * Dh))
+                _project(pick(src), _per_head(wt, Hkv, Dh).index_select(0, flat_kv).view(n, kkv * Dh, -1),
+                         None if bt is None else bt.view(Hkv, Dh).index_select(0, flat_kv).view(n, kkv * Dh))
                 .view(n, -1, kkv, Dh).transpose(1, 2)  # (n, kkv, S, Dh)
                 for src, wt, bt in ((inputs.key_input, w.k_weight, w.k_bias),
                                     (inputs.value_input, w.v_weight, w.v_bias))
@@ -174,7 +184,8 @@ def _sequence_bucket(
         out = out.masked_fill(dead.unsqueeze(-1), 0.0)
     out = out * gates.to(out.dtype)[:, :, None, None]
     out = out.transpose(1, 2).reshape(n, T, k * Dh)  # (n, T, k*Dh)
-    wo = w.o_weight.view(-1, H, Dh).permute(1, 2, 0)[heads].reshape(n, k * Dh, -1)  # (n, k*Dh, D)
+    # (n, k*Dh, D) as a transposed view: gathering columns of o_weight (D, H*Dh) keeps the copy row-contiguous
+    wo = w.o_weight.view(-1, H, Dh).index_select(1, flat_heads).view(-1, n, k * Dh).permute(1, 2, 0)
     if w.o_bias is None:
         return torch.bmm(out, wo)  # (n, T, D)
     return torch.baddbmm(w.o_bias.expand(n, 1, -1), out, wo)  # every row of a k > 0 bucket gets the bias
@@ -212,8 +223,8 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
             if k > 0:  # rows of k = 0 examples stay exactly zero (no bias either)
                 part = _sequence_bucket(w, inputs, plan, mask, idx, k, kkv, fused_w)  # autocast: maybe bf16
                 y.index_copy_(0, idx, part.to(y.dtype))
-        if not y.requires_grad and plan.gates.requires_grad:  # every k = 0: zero output, still in the graph
-            y = y + plan.gates.sum().mul(0).to(y.dtype)
+        if torch.is_grad_enabled() and not y.requires_grad and plan.gates.requires_grad:  # every k = 0
+            y = y + plan.gates.sum().mul(0).to(y.dtype)  # zero output, still in the graph
     return zero_dead_rows(y, dead_rows(mask, B, T))
 
 

@@ -182,16 +182,20 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     kv_heads = sorted({h // G for h in dense + routed})
     slot = {g: i for i, g in enumerate(kv_heads)}
     q, keys, values = _project_rotated(w, inputs, dense, kv_heads)  # (B, nd, T, Dh), (B, nkv, S, Dh)
-    y = x.new_zeros(B, T, D)
+    # every row gets the output bias: fold it into the dense block's output projection (saves a pass over y)
+    bias_in_block = bool(dense) and sizes.every_row_active
     if dense:  # the heads most tokens chose, as one dense block
         gates = _take(plan.gates.transpose(1, 2), dense).unsqueeze(-1)  # (B, nd, T, 1)
         y = heads_block(w, inputs, mask, dense, q, _take(keys, [slot[h // G] for h in dense]),
-                        _take(values, [slot[h // G] for h in dense]), gates, None)
+                        _take(values, [slot[h // G] for h in dense]), gates, w.o_bias if bias_in_block else None)
+    else:
+        y = x.new_zeros(B, T, D)
     if routed:
         kv_ix = [slot[h // G] for h in routed]
         kr, vr = _take(keys, kv_ix), _take(values, kv_ix)
         _routed(w, inputs, plan, mask, routed, max(rows[h] for h in routed), kr, vr, y)
-    if not y.requires_grad and plan.gates.requires_grad:  # no head anywhere: zero output, still in the graph
-        y = y + plan.gates.sum().mul(0).to(y.dtype)
-    y = add_output_bias(y, w, plan)
+    if torch.is_grad_enabled() and not y.requires_grad and plan.gates.requires_grad:  # no head anywhere
+        y = y + plan.gates.sum().mul(0).to(y.dtype)  # zero output, still in the graph
+    if not bias_in_block:
+        y = add_output_bias(y, w, plan)
     return zero_dead_rows(y, dead_rows(mask, B, T))
