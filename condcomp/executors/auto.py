@@ -25,7 +25,7 @@ AUTO_PREFERENCE = ("gathered", "masked", "reference")
 
 # Kept share of the dense work at or above which "auto" runs "masked" instead of "gathered", per granularity,
 # (without autograd, with autograd): crossovers measured by `condcomp bench attention` (docs/performance.md).
-DENSE_WORK_FRACTION = {"sequence": (0.7, 0.75), "token": (0.65, 0.65)}
+DENSE_WORK_FRACTION = {"sequence": (0.8, 0.8), "token": (0.65, 0.65)}
 
 _INSTANCES: dict[str, Any] = {}
 
