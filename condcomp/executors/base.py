@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -32,6 +33,14 @@ def add_output_bias(y: Tensor, w: AttentionWeights, plan: HeadPlan) -> Tensor:
     if w.o_bias is None:
         return y
     return y + w.o_bias * any_active(plan).to(y.dtype)
+
+
+def keep_gates_in_graph(y: Tensor, plan: HeadPlan) -> Tensor:
+    """``y`` unchanged, but joined to the gates' graph when no head ran anywhere (an all-zero output computed
+    without them), so ``backward`` still reaches the router with zero gradients instead of failing."""
+    if torch.is_grad_enabled() and not y.requires_grad and plan.gates.requires_grad:
+        return y + plan.gates.sum().mul(0).to(y.dtype)
+    return y
 
 
 def zero_dead_rows(y: Tensor, dead: Tensor | None) -> Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.executors.base import zero_dead_rows
+from condcomp.executors.base import keep_gates_in_graph, zero_dead_rows
 from condcomp.executors.gathered_pairs import sequence_pairs
 from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, dead_rows
 from condcomp.registry import register_executor
@@ -223,8 +223,7 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
             if k > 0:  # rows of k = 0 examples stay exactly zero (no bias either)
                 part = _sequence_bucket(w, inputs, plan, mask, idx, k, kkv, fused_w)  # autocast: maybe bf16
                 y.index_copy_(0, idx, part.to(y.dtype))
-        if torch.is_grad_enabled() and not y.requires_grad and plan.gates.requires_grad:  # every k = 0
-            y = y + plan.gates.sum().mul(0).to(y.dtype)  # zero output, still in the graph
+        y = keep_gates_in_graph(y, plan)  # every k = 0: zero output, still in the graph
     return zero_dead_rows(y, dead_rows(mask, B, T))
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.executors.base import add_output_bias, zero_dead_rows
+from condcomp.executors.base import add_output_bias, keep_gates_in_graph, zero_dead_rows
 from condcomp.executors.gathered import GatherSizes
 from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, causal_allowed, dead_rows, rotate_half
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
@@ -194,8 +194,7 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
         kv_ix = [slot[h // G] for h in routed]
         kr, vr = _take(keys, kv_ix), _take(values, kv_ix)
         _routed(w, inputs, plan, mask, routed, max(rows[h] for h in routed), kr, vr, y)
-    if torch.is_grad_enabled() and not y.requires_grad and plan.gates.requires_grad:  # no head anywhere
-        y = y + plan.gates.sum().mul(0).to(y.dtype)  # zero output, still in the graph
+    y = keep_gates_in_graph(y, plan)  # no head anywhere: zero output, still in the graph
     if not bias_in_block:
         y = add_output_bias(y, w, plan)
     return zero_dead_rows(y, dead_rows(mask, B, T))
