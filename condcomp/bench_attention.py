@@ -42,6 +42,9 @@ SHAPES = {  # (B, T, D, H)
 QUICK_SHAPES = ((2, 16, 64, 8),)
 VARIANTS = ("dense", "oracle", "masked", "gathered")
 PASSES = ("fwd", "fwd+bwd")
+# Settings outside the code that change the timings, recorded in every record: libgomp's wait policy and glibc's
+# malloc thresholds (docs/performance.md).
+ENVIRONMENT = ("OMP_WAIT_POLICY", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 
 
 @dataclass
@@ -121,16 +124,28 @@ def variants(dense: Block, oracle: Block, x: Tensor, router: Callable) -> dict[s
     }
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where ``resource`` is unavailable, e.g. Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_group(fns: dict[str, Callable[[], Tensor]], passes: tuple[str, ...], reps: int, warmup: int,
-               device: torch.device, inputs: list[Tensor]) -> dict[tuple[str, str], float]:
-    """Median milliseconds of every (variant, pass), variants interleaved within each repetition."""
+               device: torch.device, inputs: list[Tensor]) -> dict[tuple[str, str], tuple[float, float]]:
+    """Median milliseconds and median minor page faults of every (variant, pass), variants interleaved within
+    each repetition. Page faults are recorded because glibc's malloc may hand freed memory back to the OS
+    between calls; a call that then touches fresh pages pays for them (docs/performance.md, "Allocator")."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[tuple[str, str], list[float]] = {(v, p): [] for v in fns for p in passes}
+    faults: dict[tuple[str, str], list[int]] = {(v, p): [] for v in fns for p in passes}
     for rep in range(warmup + reps):
         for pas in passes:
             for name, fn in fns.items():
                 sync()
-                t0 = time.perf_counter()
+                f0, t0 = _minor_faults(), time.perf_counter()
                 if pas == "fwd":
                     with torch.no_grad():
                         fn()
@@ -140,9 +155,10 @@ def time_group(fns: dict[str, Callable[[], Tensor]], passes: tuple[str, ...], re
                 sync()
                 if rep >= warmup:
                     times[(name, pas)].append((time.perf_counter() - t0) * 1e3)
+                    faults[(name, pas)].append(_minor_faults() - f0)
                 for t in inputs:
                     t.grad = None
-    return {key: statistics.median(v) for key, v in times.items()}
+    return {key: (statistics.median(v), statistics.median(faults[key])) for key, v in times.items()}
 
 
 def run(device_name: str, quick: bool = False, reps: int | None = None, threads: int = 2,
@@ -174,29 +190,33 @@ def run(device_name: str, quick: bool = False, reps: int | None = None, threads:
                 fns = variants(dense, oracle, x, router)
                 leaves = [x, *dense.parameters(), *oracle.parameters()]
                 med = time_group(fns, passes, reps, 1 if quick else 2, device, leaves)
-                for (variant, pas), ms in med.items():
+                for (variant, pas), (ms, faults) in med.items():
                     records.append({"shape": {"B": B, "T": T, "D": D, "H": H}, "s": s, "granularity": granularity,
                                     "variant": variant, "pass": pas, "ms": round(ms, 3), "k": n,
-                                    "device": device.type, "dtype": str(dtype).replace("torch.", ""),
-                                    "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")})
+                                    "minor_faults": faults, "device": device.type,
+                                    "dtype": str(dtype).replace("torch.", ""), "threads": threads,
+                                    **{env.lower().rstrip("_"): os.environ.get(env, "") for env in ENVIRONMENT}})
                 print(f"  B={B} T={T} D={D} H={H} {granularity:8s} s={s:<5} " + "  ".join(
-                    f"{v}/{p}={med[(v, p)]:.1f}ms" for p in passes for v in VARIANTS), flush=True)
+                    f"{v}/{p}={med[(v, p)][0]:.1f}ms" for p in passes for v in VARIANTS), flush=True)
     return records
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    """Markdown table: one row per shape x granularity x s x pass, times and ratios (medians)."""
-    rows: dict[tuple, dict[str, float]] = {}
+    """Markdown table: one row per shape x granularity x s x pass, times and ratios (medians), and the median
+    minor page faults per call of each variant (dense / oracle / masked / gathered)."""
+    rows: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in records:
         sh = r["shape"]
         key = (sh["B"], sh["T"], sh["D"], sh["H"], r["granularity"], r["pass"], r["s"])
-        rows.setdefault(key, {})[r["variant"]] = r["ms"]
+        rows.setdefault(key, {})[r["variant"]] = r
     lines = ["| shape | granularity | pass | s | dense ms | oracle ms | masked ms | gathered ms "
-             "| oracle/dense | masked/dense | gathered/dense | gathered/oracle |", "|" + "---|" * 12]
+             "| oracle/dense | masked/dense | gathered/dense | gathered/oracle | page faults d/o/m/g |",
+             "|" + "---|" * 13]
     for (B, T, D, H, gran, pas, s), v in rows.items():
-        d, o, m, g = (v.get(n, float("nan")) for n in VARIANTS)
+        d, o, m, g = (v[n]["ms"] if n in v else float("nan") for n in VARIANTS)
+        faults = "/".join(str(round(v[n].get("minor_faults", 0))) if n in v else "-" for n in VARIANTS)
         lines.append(f"| B={B} T={T} D={D} H={H} | {gran} | {pas} | {s} | {d:.1f} | {o:.1f} | {m:.1f} | {g:.1f} "
-                     f"| {o / d:.2f} | {m / d:.2f} | {g / d:.2f} | {g / o:.2f} |")
+                     f"| {o / d:.2f} | {m / d:.2f} | {g / d:.2f} | {g / o:.2f} | {faults} |")
     return "\n".join(lines)
 
 

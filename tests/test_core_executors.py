@@ -52,8 +52,18 @@ def build_case(name: str, dtype: torch.dtype) -> Case:
         bias = False
     layout = make_layout(H=H, Hkv=Hkv, Dh=Dh, D=D, causal=causal, kdim=kdim, vdim=vdim)
     w = make_weights(layout, dtype, bias=bias)
+    if name.endswith("no_key_bias"):  # Whisper's layout: query and value biases, none on the keys
+        w = replace(w, k_bias=None)
+    wleaves = weight_leaves(w)
+    if name == "fused_qkv":  # q/k/v as slices of one in-projection, as nn.MultiheadAttention and timm hold them
+        HD = H * Dh
+        in_w = torch.cat([w.q_weight, w.k_weight, w.v_weight]).detach().requires_grad_()
+        in_b = torch.cat([w.q_bias, w.k_bias, w.v_bias]).detach().requires_grad_()  # type: ignore[list-item]
+        w = replace(w, q_weight=in_w[:HD], k_weight=in_w[HD:2 * HD], v_weight=in_w[2 * HD:],
+                    q_bias=in_b[:HD], k_bias=in_b[HD:2 * HD], v_bias=in_b[2 * HD:])
+        wleaves = {"in_proj_weight": in_w, "in_proj_bias": in_b, "o_weight": w.o_weight, "o_bias": w.o_bias}
     x = torch.randn(B, T, D, dtype=torch.float64).to(dtype).requires_grad_()
-    leaves: dict[str, Tensor] = {"x": x, **weight_leaves(w)}
+    leaves: dict[str, Tensor] = {"x": x, **wleaves}
     inputs = AttentionInputs(x=x)
     token = name.startswith("token")
     ks = torch.tensor([0, 1, H, 2])  # k = 0, 1 and H in one batch: variable k per example
@@ -102,7 +112,8 @@ def build_case(name: str, dtype: torch.dtype) -> Case:
 
 
 CASES = ["seq_k", "full", "token", "padding", "token_padding", "all_padding_row", "gqa", "gqa1", "causal",
-         "causal_padding", "cross", "rotary", "attn_bias", "kv_cache", "no_bias"]
+         "causal_padding", "cross", "rotary", "attn_bias", "kv_cache", "no_bias", "no_key_bias", "token_no_key_bias",
+         "fused_qkv"]
 
 
 def compare(executor_name: str, case: Case, dtype: torch.dtype) -> None:
@@ -134,7 +145,8 @@ def test_executor_matches_reference_float64(executor_name: str, case_name: str) 
     compare(executor_name, build_case(case_name, torch.float64), torch.float64)
 
 
-@pytest.mark.parametrize("case_name", ["seq_k", "token_padding", "gqa", "causal_padding", "cross", "rotary"])
+@pytest.mark.parametrize("case_name", ["seq_k", "token_padding", "gqa", "causal_padding", "cross", "rotary",
+                                       "fused_qkv"])
 @pytest.mark.parametrize("executor_name", OTHERS)
 def test_executor_matches_reference_float32(executor_name: str, case_name: str) -> None:
     compare(executor_name, build_case(case_name, torch.float32), torch.float32)

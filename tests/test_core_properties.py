@@ -121,6 +121,13 @@ def test_top_k_keeps_the_k_best(B: int, T: int, H: int, seed: int) -> None:
     assert bool((lowest_kept >= highest_dropped).all())
 
 
+def test_top_k_ties_keep_the_lower_index() -> None:
+    """Equal scores are kept lowest head index first (the documented tie rule), per row and with variable k."""
+    scores = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 2.0, 2.0], [3.0, 1.0, 3.0, 1.0]])
+    keep = condcomp.top_k_mask(scores, torch.tensor([2, 2, 3]))
+    assert keep.tolist() == [[True, True, False, False], [False, True, True, False], [True, True, True, False]]
+
+
 def test_mask_and_plan_dtype_combinations_are_finite() -> None:
     """A zero-head plan on an all-padding batch (the degenerate corner) gives finite zeros in every executor."""
     layout = make_layout(H=2, Dh=2, D=4)

@@ -70,4 +70,8 @@ def test_bench_attention_quick_writes_metrics(tmp_path: Path) -> None:
     assert {r["granularity"] for r in records} == {"sequence", "token"}
     for r in records:
         assert set(r["shape"]) == {"B", "T", "D", "H"} and r["ms"] > 0
-    assert "gathered/oracle" in (tmp_path / "table.md").read_text()
+        assert isinstance(r["minor_faults"], (int, float)) and r["minor_faults"] >= 0
+        assert {"omp_wait_policy", "malloc_trim_threshold", "malloc_mmap_threshold"} <= set(r)
+    text = (tmp_path / "table.md").read_text()
+    assert "gathered/oracle" in text and "page faults d/o/m/g" in text
+    assert len(text.splitlines()) == 2 + len(records) // 4  # one row per (shape, granularity, pass, s)

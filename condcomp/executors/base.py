@@ -22,6 +22,31 @@ def project_kv(w: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Te
     return k, v
 
 
+def qkv_head_rows(w: AttentionWeights) -> tuple[Tensor, Tensor | None]:
+    """Self-attention's q, k, v projections as ``(3H, Dh * D)`` head blocks (every head's q, then k, then v) and
+    their biases ``(3H, Dh)`` (a missing one, e.g. no key bias, is zeros; None when there is none at all).
+
+    When q/k/v are consecutive slices of one fused in-projection (``nn.MultiheadAttention``, timm, the benchmark
+    block) this is a view of it; otherwise one concatenation (``3 * D * D`` copied per call)."""
+    H, Dh = w.layout.num_heads, w.layout.head_dim
+
+    def fused(parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        q, k, v = parts
+        base = q._base  # the tensor q was sliced from (None for a tensor that is not a view)
+        n, step = q.numel(), q.numel() * q.element_size()
+        if (base is not None and k._base is base and v._base is base and base.is_contiguous()
+                and base.numel() == 3 * n and all(t.is_contiguous() for t in parts)
+                and [t.data_ptr() for t in parts] == [base.data_ptr() + i * step for i in range(3)]):
+            return base
+        return torch.cat([t.reshape(-1) for t in parts])
+
+    rows = fused((w.q_weight, w.k_weight, w.v_weight)).view(3 * H, -1)
+    if w.q_bias is None and w.k_bias is None and w.v_bias is None:
+        return rows, None
+    q_b, k_b, v_b = (rows.new_zeros(H * Dh) if b is None else b for b in (w.q_bias, w.k_bias, w.v_bias))
+    return rows, fused((q_b, k_b, v_b)).view(3 * H, Dh)
+
+
 def any_active(plan: HeadPlan) -> Tensor:
     """``(B, 1, 1)`` or ``(B, T, 1)``: rows that get the output bias (rows with no head output exactly zero)."""
     if plan.granularity == "sequence":

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.executors.base import zero_dead_rows
+from condcomp.executors.base import qkv_head_rows, zero_dead_rows
 from condcomp.masks import AttentionMask, apply_rotary, dead_rows
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
@@ -38,12 +38,11 @@ def sequence_pairs(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     b_idx = torch.div(pid, H, rounding_mode="floor")
     h_idx = pid - b_idx * H
     xp = x[b_idx]  # (P, T, D_in)
-    # Rows of head h in cat([Wq, Wk, Wv]) viewed as (3H, Dh * D_in): blocks h, H + h, 2H + h (small memcpy slices).
+    # Rows of head h in the (3H, Dh * D_in) q/k/v head blocks: h, H + h, 2H + h (small memcpy slices).
     rows = torch.stack([h_idx, h_idx + H, h_idx + 2 * H], 1).reshape(-1)  # (3P,)
-    wqkv = torch.cat([w.q_weight, w.k_weight, w.v_weight]).view(3 * H, Dh * D_in)
+    wqkv, bqkv = qkv_head_rows(w)  # (3H, Dh * D_in), (3H, Dh) or None
     wp = wqkv.index_select(0, rows).view(pairs, 3 * Dh, D_in)  # (P, 3Dh, D_in)
-    if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
-        bqkv = torch.cat([w.q_bias, w.k_bias, w.v_bias]).view(3 * H, Dh)
+    if bqkv is not None:
         qkv = torch.baddbmm(bqkv.index_select(0, rows).view(pairs, 1, 3 * Dh), xp, wp.transpose(1, 2))
     else:
         qkv = torch.bmm(xp, wp.transpose(1, 2))  # (P, T, 3Dh)

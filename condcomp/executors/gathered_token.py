@@ -90,42 +90,48 @@ def _heads_of(t: Tensor, heads: list[int]) -> Tensor:
 
 def _routed(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask, routed: list[int],
             slots: int, keys: Tensor, values: Tensor, y: Tensor) -> None:
-    """Add the packed routed heads' output into ``y (B, T, D)`` in place."""
+    """Add the packed routed heads' output into ``y (B, T, D)`` in place.
+
+    The routed heads are SDPA's batch and the examples its heads, ``(nR, B, L, Dh)``: the per-head projections'
+    output needs no transpose, and SDPA's output (stored ``(nR, L, B, Dh)`` by the fused kernels) is read in that
+    order for the output projection, so nothing between the two projections copies but the gate multiply."""
     x = inputs.x
     B, T, D_in = x.shape
     H, Dh, nR = w.layout.num_heads, w.layout.head_dim, len(routed)
     D, S = w.o_weight.shape[0], keys.shape[2]
     R = _index(routed, x.device)
     # (nR, B, L): per routed head and example, the tokens that chose it first (ascending), then gate-0 padding.
-    pos = torch.argsort((~plan.active[:, :, R]).permute(2, 0, 1).byte(), dim=-1, stable=True)[..., :slots]
-    flat = (pos + (torch.arange(B, device=x.device) * T)[None, :, None]).reshape(-1)  # (nR*B*L,) rows of (B*T)
+    pos = torch.argsort((~plan.active.index_select(2, R)).permute(2, 0, 1).byte(), dim=-1, stable=True)[..., :slots]
+    rows = pos + (torch.arange(B, device=x.device) * T)[None, :, None]  # (nR, B, L) rows of x viewed (B*T, D)
+    flat = rows.reshape(-1)
     xr = x.reshape(B * T, D_in).index_select(0, flat).view(nR, B * slots, D_in)
-    wq = w.q_weight.view(H, Dh, D_in)[R]  # (nR, Dh, D_in)
+    wq = w.q_weight.view(H, Dh, D_in).index_select(0, R).transpose(1, 2)  # (nR, D_in, Dh)
     if w.q_bias is None:
-        q = torch.bmm(xr, wq.transpose(1, 2))
+        q = torch.bmm(xr, wq)
     else:
-        q = torch.baddbmm(w.q_bias.view(H, 1, Dh)[R], xr, wq.transpose(1, 2))  # (nR, B*L, Dh)
-    q = q.view(nR, B, slots, Dh).transpose(0, 1)  # (B, nR, L, Dh)
+        q = torch.baddbmm(w.q_bias.view(H, 1, Dh).index_select(0, R), xr, wq)  # (nR, B*L, Dh)
+    del xr  # (nR*B*L, D_in) is the largest temporary: free it before the output projection allocates as much
+    q = q.view(nR, B, slots, Dh)
     if inputs.rotary is not None:
-        cos, sin = (t.reshape(B * T, Dh).index_select(0, flat).view(nR, B, slots, Dh).transpose(0, 1)
-                    for t in inputs.rotary)
+        cos, sin = (t.reshape(B * T, Dh).index_select(0, flat).view(nR, B, slots, Dh) for t in inputs.rotary)
         q = q * cos + rotate_half(q) * sin
-    pos_b = pos.transpose(0, 1)  # (B, nR, L)
     attn_mask: Tensor | None = None
     if mask.mask is not None:
-        m = _heads_of(mask.mask, routed).expand(B, nR, T, S)
-        attn_mask = m.gather(2, pos_b.unsqueeze(-1).expand(B, nR, slots, S))  # (B, nR, L, S)
+        m = _heads_of(mask.mask, routed).expand(B, nR, T, S).transpose(0, 1)  # (nR, B, T, S)
+        attn_mask = m.gather(2, pos.unsqueeze(-1).expand(nR, B, slots, S))  # (nR, B, L, S)
     elif mask.is_causal:
-        attn_mask = causal_allowed(T, S, x.device)[pos_b]  # (B, nR, L, S)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=inputs.dropout_p,
-                                         scale=w.layout.scale)  # (B, nR, L, Dh)
+        attn_mask = causal_allowed(T, S, x.device)[pos]  # (nR, B, L, S)
+    out = F.scaled_dot_product_attention(q, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=attn_mask,
+                                         dropout_p=inputs.dropout_p, scale=w.layout.scale)  # (nR, B, L, Dh)
     if mask.dead is not None:
-        out = out.masked_fill(_heads_of(mask.dead, routed).expand(B, nR, T).gather(2, pos_b).unsqueeze(-1), 0.0)
-    gates = plan.gates[:, :, R].transpose(1, 2).gather(2, pos_b)  # (B, nR, L)
-    out = (out * gates.unsqueeze(-1).to(out.dtype)).transpose(0, 1).reshape(nR, B * slots, Dh)
-    wo = w.o_weight.view(D, H, Dh).permute(1, 2, 0)[R]  # (nR, Dh, D)
-    src = torch.bmm(out, wo).view(-1, D)  # (nR*B*L, D)
-    y.view(B * T, D).index_add_(0, flat, src.to(y.dtype))
+        dead = _heads_of(mask.dead, routed).expand(B, nR, T).transpose(0, 1).gather(2, pos)  # (nR, B, L)
+        out = out.masked_fill(dead.unsqueeze(-1), 0.0)
+    gates = plan.gates.reshape(-1).index_select(0, (rows * H + R[:, None, None]).reshape(-1))  # (nR*B*L,)
+    # (nR, L, B, Dh): contiguous when SDPA stored its output that way (then the reshape below is a view)
+    out = out.transpose(1, 2) * gates.view(nR, B, slots).transpose(1, 2).unsqueeze(-1).to(out.dtype)
+    wo = w.o_weight.view(D, H, Dh).index_select(1, R).permute(1, 2, 0)  # (nR, Dh, D), a transposed view
+    src = torch.bmm(out.reshape(nR, slots * B, Dh), wo).view(-1, D)  # (nR*L*B, D)
+    y.view(B * T, D).index_add_(0, rows.transpose(1, 2).reshape(-1), src.to(y.dtype))
 
 
 def heads_block(w: AttentionWeights, inputs: AttentionInputs, mask: AttentionMask, heads: list[int], q: Tensor,
