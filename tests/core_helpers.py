@@ -47,6 +47,23 @@ def weight_leaves(w: AttentionWeights) -> dict[str, Tensor]:
     return {n: getattr(w, n) for n in names if getattr(w, n) is not None}
 
 
+def fused_qkv_weights(w: AttentionWeights) -> tuple[AttentionWeights, dict[str, Tensor]]:
+    """``w`` with q/k/v as slices of one in-projection leaf, as ``nn.MultiheadAttention`` and timm hold them (and
+    their biases likewise when all three exist); returns it and its leaves (the fused tensors replace the slices)."""
+    HD = w.q_weight.shape[0]
+    in_w = torch.cat([w.q_weight, w.k_weight, w.v_weight]).detach().requires_grad_()
+    w = replace(w, q_weight=in_w[:HD], k_weight=in_w[HD:2 * HD], v_weight=in_w[2 * HD:])
+    if w.q_bias is not None and w.k_bias is not None and w.v_bias is not None:
+        in_b = torch.cat([w.q_bias, w.k_bias, w.v_bias]).detach().requires_grad_()
+        w = replace(w, q_bias=in_b[:HD], k_bias=in_b[HD:2 * HD], v_bias=in_b[2 * HD:])
+        fused = {"in_proj_weight": in_w, "in_proj_bias": in_b}
+    else:
+        fused = {"in_proj_weight": in_w}
+    leaves = {n: t for n, t in weight_leaves(w).items() if not n.startswith(("q_", "k_", "v_"))
+              or (n.endswith("_bias") and "in_proj_bias" not in fused)}
+    return w, {**fused, **leaves}
+
+
 def random_active(shape: tuple[int, ...], ks: Tensor | None = None) -> Tensor:
     """Bool selection of shape ``(..., H)`` keeping ``ks`` (default: uniform in [0, H]) random heads per row."""
     H = shape[-1]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from core_helpers import (
     TOLERANCES,
+    fused_qkv_weights,
     leaf_plan,
     make_layout,
     make_weights,
@@ -56,12 +57,7 @@ def build_case(name: str, dtype: torch.dtype) -> Case:
         w = replace(w, k_bias=None)
     wleaves = weight_leaves(w)
     if name == "fused_qkv":  # q/k/v as slices of one in-projection, as nn.MultiheadAttention and timm hold them
-        HD = H * Dh
-        in_w = torch.cat([w.q_weight, w.k_weight, w.v_weight]).detach().requires_grad_()
-        in_b = torch.cat([w.q_bias, w.k_bias, w.v_bias]).detach().requires_grad_()  # type: ignore[list-item]
-        w = replace(w, q_weight=in_w[:HD], k_weight=in_w[HD:2 * HD], v_weight=in_w[2 * HD:],
-                    q_bias=in_b[:HD], k_bias=in_b[HD:2 * HD], v_bias=in_b[2 * HD:])
-        wleaves = {"in_proj_weight": in_w, "in_proj_bias": in_b, "o_weight": w.o_weight, "o_bias": w.o_bias}
+        w, wleaves = fused_qkv_weights(w)
     x = torch.randn(B, T, D, dtype=torch.float64).to(dtype).requires_grad_()
     leaves: dict[str, Tensor] = {"x": x, **wleaves}
     inputs = AttentionInputs(x=x)

@@ -7,7 +7,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from core_helpers import TOLERANCES, leaf_plan, make_layout, make_weights, random_active, run_and_grads, weight_leaves
+from core_helpers import (
+    TOLERANCES,
+    fused_qkv_weights,
+    leaf_plan,
+    make_layout,
+    make_weights,
+    random_active,
+    run_and_grads,
+    weight_leaves,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,18 +42,24 @@ def attention_problems(draw: st.DrawFn) -> dict:
         "token": draw(st.booleans()),
         "mask_bits": draw(st.lists(st.booleans(), min_size=18, max_size=18)),
         "masked": draw(st.booleans()),
+        "biases": draw(st.tuples(*[st.booleans()] * 4)),  # which of the q, k, v, o biases exist
+        "fused": draw(st.booleans()),  # q/k/v sliced from one in-projection (only when Hkv == H)
         "seed": draw(st.integers(0, 2**16)),
     }
 
 
 @pytest.mark.parametrize("executor_name", OTHERS)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(p=attention_problems())
 def test_executor_equals_reference_on_random_problems(executor_name: str, p: dict) -> None:
     torch.manual_seed(p["seed"])
     B, T, H = p["B"], p["T"], p["H"]
     layout = make_layout(H=H, Hkv=p["Hkv"], Dh=p["Dh"], D=p["D"], causal=p["causal"])
     w = make_weights(layout)
+    w = replace(w, **{f"{n}_bias": None for n, keep in zip("qkvo", p["biases"]) if not keep})
+    wleaves = weight_leaves(w)
+    if p["fused"] and p["Hkv"] == H:
+        w, wleaves = fused_qkv_weights(w)
     x = torch.randn(B, T, p["D"], dtype=torch.float64, requires_grad=True)
     mask = None
     if p["masked"]:
@@ -57,7 +72,7 @@ def test_executor_equals_reference_on_random_problems(executor_name: str, p: dic
     ex = get_executor(executor_name)
     if ex.supports(w, inputs, plan) is not None:
         return  # a declared limitation (checked in test_core_executors); nothing to compare here
-    leaves = {"x": x, "gates": gates, **weight_leaves(w)}
+    leaves = {"x": x, "gates": gates, **wleaves}
     probe = torch.randn(B, T, p["D"], dtype=torch.float64)
     y_ref, g_ref = run_and_grads(get_executor("reference"), w, inputs, plan, leaves, probe)
     y, g = run_and_grads(ex, w, inputs, plan, leaves, probe)

@@ -15,7 +15,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from core_helpers import TOLERANCES, leaf_plan, make_layout, make_weights, rotary_tables, run_and_grads, weight_leaves
+from core_helpers import (
+    TOLERANCES,
+    fused_qkv_weights,
+    leaf_plan,
+    make_layout,
+    make_weights,
+    rotary_tables,
+    run_and_grads,
+    weight_leaves,
+)
 from torch import Tensor
 
 from condcomp.executors import gathered as gathered_module
@@ -86,23 +95,6 @@ def test_sequence_many_buckets(Hkv: int, path: str, causal: bool, monkeypatch: p
     assert torch.equal(y[0], torch.zeros_like(y[0]))  # k = 0: exactly zero, no output bias
 
 
-def fused_weights(w: AttentionWeights, drop_key_bias: bool) -> tuple[AttentionWeights, dict[str, Tensor]]:
-    """``w`` with q/k/v as slices of one in-projection leaf (as nn.MultiheadAttention holds them), its bias
-    likewise or, with ``drop_key_bias``, separate query and value biases and none on the keys (Whisper)."""
-    HD = w.q_weight.shape[0]
-    in_w = torch.cat([w.q_weight, w.k_weight, w.v_weight]).detach().requires_grad_()
-    w = replace(w, q_weight=in_w[:HD], k_weight=in_w[HD:2 * HD], v_weight=in_w[2 * HD:])
-    leaves = {"in_proj_weight": in_w, "o_weight": w.o_weight, "o_bias": w.o_bias}
-    if drop_key_bias:
-        w = replace(w, k_bias=None)
-        leaves.update(q_bias=w.q_bias, v_bias=w.v_bias)
-    else:
-        in_b = torch.cat([w.q_bias, w.k_bias, w.v_bias]).detach().requires_grad_()  # type: ignore[list-item]
-        w = replace(w, q_bias=in_b[:HD], k_bias=in_b[HD:2 * HD], v_bias=in_b[2 * HD:])
-        leaves["in_proj_bias"] = in_b
-    return w, leaves
-
-
 @pytest.mark.parametrize("path", ["buckets", "padded", "scatter"])
 @pytest.mark.parametrize("drop_key_bias", [False, True])
 def test_sequence_fused_in_projection_and_missing_key_bias(path: str, drop_key_bias: bool,
@@ -112,7 +104,7 @@ def test_sequence_fused_in_projection_and_missing_key_bias(path: str, drop_key_b
     monkeypatch.setattr(gathered_module, "PACK_PAIRS", path != "buckets")
     monkeypatch.setattr(gathered_pairs, "PAD_LIMIT", 100.0 if path == "padded" else 0.0)
     w, x, _ = setup()
-    w, leaves = fused_weights(w, drop_key_bias)
+    w, leaves = fused_qkv_weights(replace(w, k_bias=None) if drop_key_bias else w)
     plan, gates = leaf_plan(seq_active([0, 1, 3, 3, 5, 8], 8))
     check(w, AttentionInputs(x=x), plan, {"x": x, **leaves, "gates": gates})
 
@@ -120,7 +112,7 @@ def test_sequence_fused_in_projection_and_missing_key_bias(path: str, drop_key_b
 def test_qkv_head_rows_is_a_view_of_a_fused_in_projection() -> None:
     """No copy when q/k/v are consecutive slices of one tensor; separate tensors (or another order) are copied."""
     w, _, _ = setup()
-    fused, _ = fused_weights(w, drop_key_bias=False)
+    fused, _ = fused_qkv_weights(w)
     rows, bias = qkv_head_rows(fused)
     assert rows.data_ptr() == fused.q_weight.data_ptr() and bias is not None
     assert bias.data_ptr() == fused.q_bias.data_ptr()  # type: ignore[union-attr]
