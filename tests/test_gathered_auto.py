@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -75,3 +76,15 @@ def test_bench_attention_quick_writes_metrics(tmp_path: Path) -> None:
     text = (tmp_path / "table.md").read_text()
     assert "gathered/oracle" in text and "page faults d/o/m/g" in text
     assert len(text.splitlines()) == 2 + len(records) // 4  # one row per (shape, granularity, pass, s)
+
+
+def test_prepared_gpu_script_checks_pass_on_cpu() -> None:
+    """benchmarks/gpu_check.py is run once, on a lent GPU, with no chance to debug it there: its correctness part
+    (gathered vs reference, float32 and bfloat16, seven situations) must already run and pass on CPU."""
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    results = gpu_check.checks(torch.device("cpu"))
+    assert len(results) == 2 * 7 * 7 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
