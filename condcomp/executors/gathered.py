@@ -3,7 +3,8 @@
 Sequence plans (one head set per example, variable ``k``): when every example chose the same heads, one plain
 k-head block on those heads' weight slices. Otherwise examples are bucketed by ``(k, k_kv)``: the number of
 active query heads and of key/value heads they use. Inside a bucket every example has the same shape of work, so
-the selected heads' weight slices are gathered per example and the block runs as batched matmuls (``torch.bmm``)
+the selected heads' weight slices are gathered per example (one gather per tensor for the whole batch, sliced per
+bucket) and the block runs as batched matmuls (``torch.bmm``)
 and one SDPA call over ``(n, k, T, Dh)``; the output projection sums over the selected heads inside its matmul
 and each example's output row lands in place with ``index_copy_`` (examples belong to exactly one bucket: no
 scatter-add). There is no padding at all: the overhead over a k-head block is gathering ``4 * k * Dh * D``
@@ -133,7 +134,7 @@ class _Bucket:
 def _buckets(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, sizes: GatherSizes,
              fused: bool) -> list[_Bucket]:
     """The buckets of a sequence plan with one gather per tensor for the whole batch (sorted by bucket) and
-    views per bucket: few kernels however many buckets there are (each small copy costs a parallel region)."""
+    views per bucket: the number of gather kernels does not grow with the number of buckets."""
     L = w.layout
     H, Dh = L.num_heads, L.head_dim
     x, gates, active = inputs.x, plan.gates, plan.active
