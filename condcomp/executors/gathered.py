@@ -3,8 +3,7 @@
 Sequence plans (one head set per example, variable ``k``): when every example chose the same heads, one plain
 k-head block on those heads' weight slices. Otherwise examples are bucketed by ``(k, k_kv)``: the number of
 active query heads and of key/value heads they use. Inside a bucket every example has the same shape of work, so
-the selected heads' weight slices are gathered per example (one gather per tensor for the whole batch, sliced per
-bucket) and the block runs as batched matmuls (``torch.bmm``)
+the selected heads' weight slices are gathered per example and the block runs as batched matmuls (``torch.bmm``)
 and one SDPA call over ``(n, k, T, Dh)``; the output projection sums over the selected heads inside its matmul
 and each example's output row lands in place with ``index_copy_`` (examples belong to exactly one bucket: no
 scatter-add). There is no padding at all: the overhead over a k-head block is gathering ``4 * k * Dh * D``
@@ -94,10 +93,10 @@ def _per_head(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
 
 
 def _project(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """``x (n, T, D) @ w (n, F, D)^T (+ b (n, 1, F))`` -> ``(n, T, F)``."""
+    """``x (n, T, D) @ w (n, F, D)^T (+ b (n, F))`` -> ``(n, T, F)``."""
     if b is None:
         return torch.bmm(x, w.transpose(1, 2))
-    return torch.baddbmm(b, x, w.transpose(1, 2))
+    return torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
 
 
 def _bucket_mask(mask: AttentionMask, idx: Tensor | None, heads: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -116,83 +115,32 @@ def _bucket_mask(mask: AttentionMask, idx: Tensor | None, heads: Tensor) -> tupl
     return m, dead
 
 
-@dataclass
-class _Bucket:
-    """The examples of one ``(k, k_kv)`` bucket and what was gathered for them (slices of whole-batch gathers)."""
-
-    idx: Tensor | None  # (n,) example indices; None: the whole batch, in order
-    k: int
-    k_kv: int
-    heads: Tensor  # (n, k) selected heads, ascending
-    gates: Tensor  # (n, k)
-    x: Tensor  # (n, T, D)
-    qkv_w: Tensor | None  # (n, k*3*Dh, D) fused q/k/v weight slices (self-attention without GQA), else None
-    qkv_b: Tensor | None  # (n, 1, k*3*Dh)
-    o_w: Tensor  # (n, k*Dh, D) output-projection columns, as a transposed view
-
-
-def _buckets(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, sizes: GatherSizes,
-             fused: bool) -> list[_Bucket]:
-    """The buckets of a sequence plan with one gather per tensor for the whole batch (sorted by bucket) and
-    views per bucket: the number of gather kernels does not grow with the number of buckets."""
-    L = w.layout
-    H, Dh = L.num_heads, L.head_dim
-    x, gates, active = inputs.x, plan.gates, plan.active
-    perm = None
-    if len(sizes.buckets) > 1:
-        key = plan.counts.long() * (L.num_kv_heads + 1)
-        key = key + (kv_active(plan.active, L.num_kv_heads).sum(-1) if L.group_size > 1 else plan.counts.long())
-        perm = torch.argsort(key, stable=True)  # (B,) examples sorted by bucket (k = 0 first)
-        # index_select copies whole contiguous rows; advanced indexing (t[idx]) was 3-6x slower here (measured
-        # with libgomp's default wait policy, docs/performance.md)
-        x, gates, active = (t.index_select(0, perm) for t in (x, gates, active))
-    pairs = sum(k * n for k, _, n in sizes.buckets)
-    if pairs == 0:
-        return []
-    pid = torch.argsort((~active.reshape(-1)).byte(), stable=True)[:pairs]  # (P,) selected pairs, example-major
-    heads = pid.remainder(H)  # (P,) ascending within each example, as plan.order[:, :k]
-    pair_gates = gates.reshape(-1).index_select(0, pid)  # (P,)
-    qkv_w = qkv_b = None
-    if fused:
-        rows, bias = qkv_head_rows(w)
-        qkv_ix = (heads.unsqueeze(1) + torch.arange(0, 3 * H, H, device=heads.device)).reshape(-1)  # (3P,)
-        qkv_w = rows.index_select(0, qkv_ix).view(pairs, 3 * Dh, -1)  # (P, 3*Dh, D)
-        qkv_b = None if bias is None else bias.index_select(0, qkv_ix).view(pairs, 3 * Dh)
-    # columns of o_weight (D, H*Dh) per pair: (D, P, Dh), row-contiguous copies, used per bucket as a transposed view
-    o_cols = w.o_weight.view(-1, H, Dh).index_select(1, heads)
-    out, start, p0 = [], 0, 0
-    for k, kkv, n in sizes.buckets:
-        if k > 0:  # k = 0 examples compute nothing (their rows stay zero)
-            p1 = p0 + n * k
-            out.append(_Bucket(
-                idx=None if perm is None else perm[start:start + n], k=k, k_kv=kkv,
-                heads=heads[p0:p1].view(n, k), gates=pair_gates[p0:p1].view(n, k), x=x[start:start + n],
-                qkv_w=None if qkv_w is None else qkv_w[p0:p1].view(n, k * 3 * Dh, -1),
-                qkv_b=None if qkv_b is None else qkv_b[p0:p1].view(n, 1, k * 3 * Dh),
-                o_w=o_cols[:, p0:p1].reshape(-1, n, k * Dh).permute(1, 2, 0),
-            ))
-            p0 = p1
-        start += n
-    return out
-
-
-def _sequence_bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
-                     bk: _Bucket) -> Tensor:
-    """Output ``(n, T, D)`` (output bias included) of one bucket's examples."""
+def _sequence_bucket(
+    w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
+    idx: Tensor | None, k: int, kkv: int, fused_w: tuple[Tensor, Tensor | None] | None,
+) -> Tensor:
+    """Output ``(n, T, D)`` (output bias included) of the examples ``idx`` (None = all) that use ``k`` heads."""
     L = w.layout
     H, Hkv, Dh, G = L.num_heads, L.num_kv_heads, L.head_dim, L.group_size
-    idx, k, kkv, heads, x = bk.idx, bk.k, bk.k_kv, bk.heads, bk.x
 
     def pick(t: Tensor) -> Tensor:
+        # index_select copies whole contiguous rows; advanced indexing (t[idx]) was 3-6x slower here (measured
+        # with libgomp's default wait policy, docs/performance.md)
         return t if idx is None else t.index_select(0, idx)
 
+    heads = pick(plan.order)[:, :k]  # (n, k) selected heads, ascending
+    flat_heads = heads.reshape(-1)  # (n*k,)
+    gates = pick(plan.gates).gather(1, heads)  # (n, k)
+    x = pick(inputs.x)  # (n, T, D)
     n, T, _ = x.shape
-    if bk.qkv_w is not None:  # self-attention without GQA: one (n, T, 3kDh) matmul, as nn.MultiheadAttention does
-        qkv = _project(x, bk.qkv_w, bk.qkv_b)  # (n, T, k*3*Dh)
+    if fused_w is not None:  # self-attention without GQA: one (n, T, 3kDh) matmul, as nn.MultiheadAttention does
+        rows, b3 = fused_w  # (3H, Dh*D) q, k, v head blocks and their biases (3H, Dh)
+        qkv_ix = (flat_heads.unsqueeze(1) + torch.arange(0, 3 * H, H, device=x.device)).reshape(-1)  # (3nk,)
+        bias = None if b3 is None else b3.index_select(0, qkv_ix).view(n, k * 3 * Dh)
+        qkv = _project(x, rows.index_select(0, qkv_ix).view(n, k * 3 * Dh, -1), bias)  # (n, T, k*3*Dh)
         q, kk, v = qkv.view(n, T, k, 3, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # each (n, k, T, Dh)
     else:
-        flat_heads = heads.reshape(-1)  # (n*k,)
-        q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, flat_heads).view(n, 1, k * Dh)
+        q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, flat_heads).view(n, k * Dh)
         q = _project(x, _per_head(w.q_weight, H, Dh).index_select(0, flat_heads).view(n, k * Dh, -1), q_bias)
         q = q.view(n, T, k, Dh).transpose(1, 2)  # (n, k, T, Dh)
         kv_heads = heads if G == 1 else pick(torch.argsort((~kv_active(plan.active, Hkv)).byte(), dim=1, stable=True))
@@ -204,7 +152,7 @@ def _sequence_bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPla
             flat_kv = kv_heads.reshape(-1)  # (n*kkv,)
             kk, v = (
                 _project(pick(src), _per_head(wt, Hkv, Dh).index_select(0, flat_kv).view(n, kkv * Dh, -1),
-                         None if bt is None else bt.view(Hkv, Dh).index_select(0, flat_kv).view(n, 1, kkv * Dh))
+                         None if bt is None else bt.view(Hkv, Dh).index_select(0, flat_kv).view(n, kkv * Dh))
                 .view(n, -1, kkv, Dh).transpose(1, 2)  # (n, kkv, S, Dh)
                 for src, wt, bt in ((inputs.key_input, w.k_weight, w.k_bias),
                                     (inputs.value_input, w.v_weight, w.v_bias))
@@ -214,7 +162,7 @@ def _sequence_bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPla
         q = apply_rotary(q, cos, sin)
         if inputs.key_states is None:
             kk = apply_rotary(kk, cos, sin)
-    if bk.qkv_w is None and G > 1:  # each query head reads its key/value head's slot among the kkv computed ones
+    if fused_w is None and G > 1:  # each query head reads its key/value head's slot among the kkv computed ones
         slot = (torch.cumsum(kv_active(plan.active, Hkv).long(), 1) - 1)  # (B, Hkv)
         slot = pick(slot).gather(1, torch.div(heads, G, rounding_mode="floor"))  # (n, k)
         ix = slot[:, :, None, None].expand(n, k, kk.shape[2], Dh)
@@ -225,11 +173,13 @@ def _sequence_bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPla
     )  # (n, k, T, Dh)
     if dead is not None:
         out = out.masked_fill(dead.unsqueeze(-1), 0.0)
-    out = out * bk.gates.to(out.dtype)[:, :, None, None]
+    out = out * gates.to(out.dtype)[:, :, None, None]
     out = out.transpose(1, 2).reshape(n, T, k * Dh)  # (n, T, k*Dh)
+    # (n, k*Dh, D) as a transposed view: gathering columns of o_weight (D, H*Dh) keeps the copy row-contiguous
+    wo = w.o_weight.view(-1, H, Dh).index_select(1, flat_heads).view(-1, n, k * Dh).permute(1, 2, 0)
     if w.o_bias is None:
-        return torch.bmm(out, bk.o_w)  # (n, T, D): the sum over the example's heads happens inside the matmul
-    return torch.baddbmm(w.o_bias.expand(n, 1, -1), out, bk.o_w)  # every row of a k > 0 bucket gets the bias
+        return torch.bmm(out, wo)  # (n, T, D)
+    return torch.baddbmm(w.o_bias.expand(n, 1, -1), out, wo)  # every row of a k > 0 bucket gets the bias
 
 
 def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, sizes: GatherSizes) -> Tensor:
@@ -240,21 +190,30 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
     L = w.layout
     mask = build_attention_mask(inputs, L.causal, x.dtype)
     fused = inputs.key is None and inputs.value is None and inputs.key_states is None and L.group_size == 1
+    fused_w = qkv_head_rows(w) if fused else None
+    Hkv = L.num_kv_heads
     pairs = sum(k * n for k, _, n in sizes.buckets)
     if sizes.shared_heads:  # one head set for the whole batch: a plain k-head block on shared weight slices
         from condcomp.executors.gathered_token import shared_set
 
         return zero_dead_rows(shared_set(w, inputs, plan, mask, list(sizes.shared_heads)), dead_rows(mask, B, T))
-    if fused and pairs > 0 and len(sizes.buckets) > 1 and PACK_PAIRS:  # one packed block instead of buckets
+    if len(sizes.buckets) == 1 and sizes.buckets[0][0] > 0:  # one shape of work: no gather of examples at all
+        k, kkv, _ = sizes.buckets[0]
+        y = _sequence_bucket(w, inputs, plan, mask, None, k, kkv, fused_w)
+    elif fused and pairs > 0 and PACK_PAIRS:  # variable k: one packed block instead of one block per bucket
         return sequence_pairs(w, inputs, plan, mask, pairs, max(k for k, _, _ in sizes.buckets))
-    buckets = _buckets(w, inputs, plan, sizes, fused)
-    if len(buckets) == 1 and buckets[0].idx is None:  # one shape of work: no gather of examples at all
-        y = _sequence_bucket(w, inputs, plan, mask, buckets[0])
     else:
+        key = plan.counts.long() * (Hkv + 1)
+        key = key + (kv_active(plan.active, Hkv).sum(-1) if L.group_size > 1 else plan.counts.long())
+        perm = torch.argsort(key, stable=True)  # (B,) examples sorted by bucket
         y = x.new_zeros(B, T, D) if sizes.buckets and sizes.buckets[0][0] == 0 else x.new_empty(B, T, D)
-        for bk in buckets:  # rows of k = 0 examples stay exactly zero (no bias either)
-            assert bk.idx is not None
-            y.index_copy_(0, bk.idx, _sequence_bucket(w, inputs, plan, mask, bk).to(y.dtype))  # autocast: maybe bf16
+        start = 0
+        for k, kkv, n in sizes.buckets:
+            idx = perm[start:start + n]
+            start += n
+            if k > 0:  # rows of k = 0 examples stay exactly zero (no bias either)
+                part = _sequence_bucket(w, inputs, plan, mask, idx, k, kkv, fused_w)  # autocast: maybe bf16
+                y.index_copy_(0, idx, part.to(y.dtype))
         y = keep_gates_in_graph(y, plan)  # every k = 0: zero output, still in the graph
     return zero_dead_rows(y, dead_rows(mask, B, T))
 
