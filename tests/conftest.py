@@ -20,6 +20,14 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads() -> Iterator[None]:
+    """Commands under test set torch's thread count (``--threads``, or 1 on a busy machine): give it back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def restore_registries() -> Iterator[None]:
     """Lets a test register throw-away components; the registries are put back afterwards."""

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from condcomp.cli import main
 
-
-@pytest.fixture(autouse=True)
-def _keep_torch_threads() -> Iterator[None]:
-    """The commands set torch's thread count (``--threads``, or 1 on a busy machine): give it back after."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 @pytest.mark.slow
 def test_demo_quick_writes_table_metrics_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,6 @@ from condcomp.experiments.model import EncoderClassifier, ModelConfig  # noqa: E
 from condcomp.experiments.runconfig import RunConfig  # noqa: E402
 from condcomp.experiments.runner import eval_checkpoint, run_single  # noqa: E402
 from condcomp.experiments.train import build_model  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _keep_torch_threads() -> Iterator[None]:
-    """The commands set torch's thread count (``--threads``, or 1 on a busy machine): give it back after."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 TINY = {"dataset": "synthetic", "preset": "tiny", "synthetic_train": 96, "synthetic_test": 40, "synthetic_len": 16,
         "max_len": 16, "batch_size": 16, "latency_reps": 1, "eval_batch_size": 64, "threads": 1}
