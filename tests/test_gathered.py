@@ -28,7 +28,7 @@ from core_helpers import (
 from torch import Tensor
 
 from condcomp.executors import gathered as gathered_module
-from condcomp.executors import gathered_pairs
+from condcomp.executors import gathered_pairs, gathered_token
 from condcomp.executors.auto import get_executor
 from condcomp.executors.base import qkv_head_rows
 from condcomp.executors.gathered import gather_sizes
@@ -173,9 +173,29 @@ def test_sequence_rotary_kv_cache_and_bias(Hkv: int) -> None:
     check(w, AttentionInputs(x=x2, rotary=rotary_tables(B, T, 4, torch.float64)), plan, leaves2)
 
 
+@pytest.fixture(params=["by_set", "per_head"])
+def routed_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Runs a token test with the routed heads projected per head set, then (forced) per head; the returned
+    list records which of the two ran, so a test can check it exercised the path it names."""
+    calls: list[str] = []
+    for name, label in (("_routed_by_set", "by_set"), ("_routed", "per_head")):
+        real = getattr(gathered_token, name)
+        monkeypatch.setattr(gathered_token, name,
+                            lambda *a, _real=real, _label=label: (calls.append(_label), _real(*a))[1])
+    if request.param == "per_head":
+        monkeypatch.setattr(gathered_token, "MAX_HEAD_SETS", 0)
+    calls.append(request.param)  # first entry: the path asked for
+    return calls
+
+
+def ran(calls: list[str]) -> bool:
+    """The token test's routed heads ran only on the path ``routed_path`` asked for (and at least once)."""
+    return len(calls) > 1 and set(calls[1:]) == {calls[0]}
+
+
 @pytest.mark.parametrize("Hkv", [8, 2])
 @pytest.mark.parametrize("causal", [False, True])
-def test_token_moh_shared_dense_and_routed(Hkv: int, causal: bool) -> None:
+def test_token_moh_shared_dense_and_routed(Hkv: int, causal: bool, routed_path: list[str]) -> None:
     """2 shared heads (run densely) + top-2 of 6 routed heads (gathered), with padding and rotary."""
     B, T = 5, 9
     w, x, leaves = setup(B=B, T=T, Hkv=Hkv, causal=causal)
@@ -188,6 +208,7 @@ def test_token_moh_shared_dense_and_routed(Hkv: int, causal: bool) -> None:
     inputs = AttentionInputs(x=x, mask=mask, key_mask=mask, rotary=rotary_tables(B, T, 4, torch.float64))
     y = check(w, inputs, plan, {**leaves, "gates": gates})
     assert torch.equal(y[3], torch.zeros_like(y[3]))
+    assert ran(routed_path)
 
 
 @pytest.mark.parametrize("idle_row", [False, True])
@@ -208,7 +229,7 @@ def test_token_output_bias_only_on_rows_with_a_head(idle_row: bool) -> None:
         assert torch.equal(y[1, 3], torch.zeros_like(y[1, 3]))
 
 
-def test_token_kv_cache_bias_and_unused_heads() -> None:
+def test_token_kv_cache_bias_and_unused_heads(routed_path: list[str]) -> None:
     """Token plan with a KV cache, a per-head additive bias, and heads no token chose (their K/V skipped)."""
     B, T, S = 4, 6, 9
     w, x, leaves = setup(B=B, T=T, Hkv=4, causal=True)
@@ -220,9 +241,10 @@ def test_token_kv_cache_bias_and_unused_heads() -> None:
     plan, gates = leaf_plan(active)
     inputs = AttentionInputs(x=x, key_states=ks_, value_states=vs_, attn_bias=bias)
     check(w, inputs, plan, {**leaves, "gates": gates, "key_states": ks_, "value_states": vs_, "attn_bias": bias})
+    assert ran(routed_path)
 
 
-def test_token_cross_attention() -> None:
+def test_token_cross_attention(routed_path: list[str]) -> None:
     B, T, S = 3, 5, 8
     w = make_weights(make_layout(H=4, Hkv=2, Dh=4, D=16, kdim=12, vdim=10))
     x = torch.randn(B, T, 16, dtype=torch.float64).requires_grad_()
@@ -233,6 +255,36 @@ def test_token_cross_attention() -> None:
     plan, gates = leaf_plan(top_k_mask(torch.rand(B, T, 4), 2))
     leaves = {"x": x, "key": key, "value": value, "gates": gates, **weight_leaves(w)}
     check(w, AttentionInputs(x=x, key=key, value=value, key_mask=key_mask), plan, leaves)
+    assert ran(routed_path)
+
+
+def test_token_head_sets_are_counted_and_many_heads_run_per_head() -> None:
+    """The sizes' head-set histogram equals a Python count of each row's heads; past ``MAX_SET_HEADS`` heads
+    there is none, and the routed heads run per head (still equal to the reference)."""
+    B, T = 3, 11
+    w, x, leaves = setup(B=B, T=T)
+    active = moh_active(B, T, 8, 1, 3)
+    active[0, 2] = False  # a row with no head at all
+    counts: dict[int, int] = {}
+    for row in active.reshape(-1, 8).tolist():
+        key = sum(1 << h for h, a in enumerate(row) if a)
+        counts[key] = counts.get(key, 0) + 1
+    plan, gates = leaf_plan(active)
+    assert gather_sizes(w, AttentionInputs(x=x), plan).head_sets == tuple(sorted(counts.items()))
+    assert gathered_token.routed_head_sets(((0b1011, 4), (0b0011, 2), (0b1001, 1)), [1, 3]) == [
+        (0b01, 2), (0b10, 1), (0b11, 4)]
+    H = gathered_module.MAX_SET_HEADS + 2
+    w, x, leaves = setup(B=B, T=T, H=H, D=4 * H)
+    plan, gates = leaf_plan(moh_active(B, T, H, 2, 3))
+    assert gather_sizes(w, AttentionInputs(x=x), plan).head_sets == ()
+    check(w, AttentionInputs(x=x), plan, {**leaves, "gates": gates})
+
+
+@pytest.mark.parametrize("n_true", [0, 1, 37, 200])
+def test_compact_is_nonzero_without_a_host_read(n_true: int) -> None:
+    selected = torch.zeros(200, dtype=torch.bool)
+    selected[torch.randperm(200)[:n_true]] = True
+    assert torch.equal(gathered_token._compact(selected, n_true), selected.nonzero().squeeze(1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

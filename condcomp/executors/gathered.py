@@ -35,6 +35,10 @@ PACK_PAIRS = False
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# Token plans over at most this many heads also read back how many rows chose each head set (a 2**H-bin
+# histogram in the same read), so the routed heads can be projected per head set (gathered_token.py).
+MAX_SET_HEADS = 12
+
 
 @dataclass(frozen=True)
 class GatherSizes:
@@ -45,6 +49,8 @@ class GatherSizes:
     ``shared_heads``: sequence plans in which every example chose the same heads, those heads (else None).
     ``work_fraction``: share of the dense block's (query row, head) work the gathered path will compute.
     ``every_row_active``: token plans in which every (example, token) row chose at least one head.
+    ``head_sets``: token plans with at most ``MAX_SET_HEADS`` heads, ``(heads as a bit mask, rows)`` of every
+    distinct head set the (example, token) rows chose, ascending by mask (empty otherwise).
     """
 
     granularity: str
@@ -53,6 +59,7 @@ class GatherSizes:
     work_fraction: float = 1.0
     shared_heads: tuple[int, ...] | None = None
     every_row_active: bool = False
+    head_sets: tuple[tuple[int, int], ...] = ()
 
 
 def kv_active(plan_active: Tensor, num_kv_heads: int) -> Tensor:
@@ -82,9 +89,21 @@ def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadP
     if not plan.gates.shape[0]:
         return GatherSizes("token", rows_per_head=(0,) * H, work_fraction=0.0)
     every = (plan.counts > 0).all().view(1).long()
-    *rows, every_row = torch.cat([plan.active.sum(1).amax(0), every]).tolist()  # (H,) + 1: the one read
+    parts = [plan.active.sum(1).amax(0), every]  # (H,) + 1
+    if H <= MAX_SET_HEADS:  # + (2**H,): how many rows chose each head set
+        parts.append(torch.bincount(head_set_keys(plan.active).reshape(-1), minlength=2 ** H))
+    read = torch.cat(parts).tolist()  # the one device -> host read
+    rows, every_row = read[:H], read[H]
+    sets = tuple((key, n) for key, n in enumerate(read[H + 1:]) if n)
     return GatherSizes("token", rows_per_head=tuple(rows), work_fraction=sum(rows) / max(H * T, 1),
-                       every_row_active=bool(every_row))
+                       every_row_active=bool(every_row), head_sets=sets)
+
+
+def head_set_keys(active: Tensor) -> Tensor:
+    """``(..., H)`` bool -> ``(...)`` int64: the chosen heads as a bit mask (bit h = head h)."""
+    bits = torch.ones((), dtype=torch.long, device=active.device) << torch.arange(
+        active.shape[-1], device=active.device)
+    return (active.long() * bits).sum(-1)
 
 
 def _per_head(w: Tensor, n_heads: int, head_dim: int) -> Tensor:

@@ -23,10 +23,16 @@ from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 # A head chosen by at least this share of the (padded) query rows runs densely over all tokens: gathering
 # would save less than it costs (docs/performance.md).
 DENSE_HEAD_ROWS = 0.8
+# Routed heads are projected per head set (``_routed_by_set``) while the rows chose at most this many distinct
+# routed-head sets (each set costs two matmuls); past it, per head (``_routed``). MoH's top-2 of 6 makes 15.
+MAX_HEAD_SETS = 32
 
 
 def _rows(w: Tensor, heads: list[int], Dh: int) -> Tensor:
-    """The ``Dh``-row blocks of ``heads`` of an ``(n * Dh, ...)`` weight or bias, concatenated."""
+    """The ``Dh``-row blocks of ``heads`` of an ``(n * Dh, ...)`` weight or bias, concatenated (a view when the
+    heads are a contiguous ascending range)."""
+    if heads and heads == list(range(heads[0], heads[0] + len(heads))):
+        return w[heads[0] * Dh:(heads[0] + len(heads)) * Dh]
     return torch.cat([w[h * Dh:(h + 1) * Dh] for h in heads]) if heads else w[:0]
 
 
@@ -134,6 +140,98 @@ def _routed(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
     y.view(B * T, D).index_add_(0, rows.transpose(1, 2).reshape(-1), src.to(y.dtype))
 
 
+def routed_head_sets(head_sets: tuple[tuple[int, int], ...], routed: list[int]) -> list[tuple[int, int]]:
+    """``(mask, rows)`` of every routed-head set the rows chose, ascending by mask; bit ``j`` of a mask stands
+    for ``routed[j]``. ``head_sets`` are the sizes' sets over all heads (the dense heads are dropped)."""
+    rows: dict[int, int] = {}
+    for key, n in head_sets:
+        m = sum(1 << j for j, h in enumerate(routed) if key >> h & 1)
+        rows[m] = rows.get(m, 0) + n
+    return sorted(rows.items())
+
+
+def _compact(selected: Tensor, n: int) -> Tensor:
+    """Positions of the ``n`` True entries of a flat bool tensor, ascending: ``nonzero`` without a host read,
+    since ``n`` is already known on the host (the others are scattered into one extra slot, then dropped)."""
+    dest = torch.where(selected, torch.cumsum(selected, 0) - 1, n)
+    src = torch.arange(selected.numel(), device=selected.device)
+    return torch.empty(n + 1, dtype=torch.long, device=selected.device).scatter_(0, dest, src)[:n]
+
+
+def _routed_by_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
+                   routed: list[int], sets: list[tuple[int, int]], slots: int, keys: Tensor, values: Tensor,
+                   y: Tensor) -> None:
+    """Add the routed heads' output into ``y (B, T, D)`` in place, projecting per head set.
+
+    Rows (tokens) that chose the same routed heads are grouped: each group's queries come from one projection of
+    its input rows with those heads' weights, and its outputs from one projection of those heads' attention
+    outputs, so every input row is gathered once and every output row written once (per head it would be once per
+    chosen head, at a quarter of the matmul width). Attention still runs per head and example: each (row, head)
+    pair's query is placed in its slot of the packed ``(nR, B, L, Dh)`` block and its output read back from it."""
+    x = inputs.x
+    B, T, D_in = x.shape
+    H, Dh, nR = w.layout.num_heads, w.layout.head_dim, len(routed)
+    D, S = w.o_weight.shape[0], keys.shape[2]
+    R = _index(routed, x.device)
+    active = plan.active.index_select(2, R)  # (B, T, nR)
+    flat_active = active.reshape(B * T, nR)
+    bits = torch.ones((), dtype=torch.long, device=x.device) << torch.arange(nR, device=x.device)
+    by_set = torch.argsort((flat_active.long() * bits).sum(-1), stable=True)  # (B*T,) rows grouped by routed set
+    chosen = [(m, n) for m, n in sets if m]
+    tok = by_set[sum(n for m, n in sets if not m):]  # (M,) rows with some routed head, grouped by set, ascending
+    set_heads = [[j for j in range(nR) if m >> j & 1] for m, _ in chosen]
+    heads = R.index_select(0, _index([j for hs in set_heads for j in hs], x.device))  # (sum r,) heads per set
+    wq = w.q_weight.view(H, Dh, D_in).index_select(0, heads)  # (sum r, Dh, D_in)
+    bq = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, heads)  # (sum r, Dh)
+    xs = x.reshape(B * T, D_in).index_select(0, tok)  # (M, D_in)
+    parts, row, col = [], 0, 0
+    for hs, (_, n) in zip(set_heads, chosen):
+        r = len(hs)
+        bias = None if bq is None else bq[col:col + r].reshape(r * Dh)
+        parts.append(F.linear(xs[row:row + n], wq[col:col + r].reshape(r * Dh, D_in), bias).view(n * r, Dh))
+        row, col = row + n, col + r
+    del xs
+    q = torch.cat(parts)  # (P, Dh): per set, per row, its heads ascending
+    # the same (row, head) pairs, in the same order, as positions in the (M, nR) selection
+    pair = _compact(flat_active.index_select(0, tok).reshape(-1), q.shape[0])  # (P,)
+    j = pair % nR  # (P,) position of the pair's head in ``routed``
+    token = tok.index_select(0, torch.div(pair, nR, rounding_mode="floor"))  # (P,) row of x viewed (B*T, D)
+    b = torch.div(token, T, rounding_mode="floor")
+    rank = (active.cumsum(1) - 1).reshape(-1).index_select(0, token * nR + j)  # (P,) among its example's rows
+    if inputs.rotary is not None:
+        cos, sin = (t.reshape(B * T, Dh).index_select(0, token) for t in inputs.rotary)
+        q = q * cos + rotate_half(q) * sin
+    q = q.new_zeros(nR * B * slots, Dh).index_copy_(0, (j * B + b) * slots + rank, q).view(nR, B, slots, Dh)
+    attn_mask: Tensor | None = None
+    if mask.mask is not None or mask.is_causal:
+        # (nR, B, L) key positions of the slots: the rows that chose the head first (ascending, as ``rank``
+        # counts them), then rows that did not; the latter's outputs are never read
+        pos = torch.argsort((~active).permute(2, 0, 1).byte(), dim=-1, stable=True)[..., :slots]
+        if mask.mask is not None:
+            m = _heads_of(mask.mask, routed).expand(B, nR, T, S).transpose(0, 1)  # (nR, B, T, S)
+            attn_mask = m.gather(2, pos.unsqueeze(-1).expand(nR, B, slots, S))  # (nR, B, L, S)
+        else:
+            attn_mask = causal_allowed(T, S, x.device)[pos]  # (nR, B, L, S)
+    out = F.scaled_dot_product_attention(q, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=attn_mask,
+                                         dropout_p=inputs.dropout_p, scale=w.layout.scale)  # (nR, B, L, Dh)
+    if out.transpose(1, 2).is_contiguous():  # the fused kernels store it (nR, L, B, Dh)
+        o = out.transpose(1, 2).reshape(-1, Dh).index_select(0, (j * slots + rank) * B + b)  # (P, Dh)
+    else:
+        o = out.reshape(-1, Dh).index_select(0, (j * B + b) * slots + rank)
+    if mask.dead is not None:
+        dead = _heads_of(mask.dead, routed).expand(B, nR, T).reshape(-1)  # (B*nR*T,)
+        o = o.masked_fill(dead.index_select(0, (b * nR + j) * T + token - b * T).unsqueeze(-1), 0.0)
+    gates = plan.gates.reshape(-1).index_select(0, token * H + R.index_select(0, j))  # (P,)
+    o = o * gates.unsqueeze(-1).to(o.dtype)
+    wo = w.o_weight.view(D, H, Dh).index_select(1, heads)  # (D, sum r, Dh)
+    srcs, pair_row, col = [], 0, 0
+    for hs, (_, n) in zip(set_heads, chosen):
+        r = len(hs)
+        srcs.append(F.linear(o[pair_row:pair_row + n * r].view(n, r * Dh), wo[:, col:col + r].reshape(D, r * Dh)))
+        pair_row, col = pair_row + n * r, col + r
+    y.view(B * T, D).index_add_(0, tok, torch.cat(srcs).to(y.dtype))
+
+
 def heads_block(w: AttentionWeights, inputs: AttentionInputs, mask: AttentionMask, heads: list[int], q: Tensor,
                 keys: Tensor, values: Tensor, gates: Tensor, o_bias: Tensor | None) -> Tensor:
     """``(B, T, D)`` of a fixed head list for every row: queries ``(B, n, T, Dh)``, keys/values per query head
@@ -199,7 +297,12 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     if routed:
         kv_ix = [slot[h // G] for h in routed]
         kr, vr = _take(keys, kv_ix), _take(values, kv_ix)
-        _routed(w, inputs, plan, mask, routed, max(rows[h] for h in routed), kr, vr, y)
+        slots = max(rows[h] for h in routed)
+        sets = routed_head_sets(sizes.head_sets, routed) if sizes.head_sets else []
+        if sets and sum(1 for m, _ in sets if m) <= MAX_HEAD_SETS:
+            _routed_by_set(w, inputs, plan, mask, routed, sets, slots, kr, vr, y)
+        else:
+            _routed(w, inputs, plan, mask, routed, slots, kr, vr, y)
     y = keep_gates_in_graph(y, plan)  # no head anywhere: zero output, still in the graph
     if not bias_in_block:
         y = add_output_bias(y, w, plan)
