@@ -184,14 +184,15 @@ def _routed_by_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     wq = w.q_weight.view(H, Dh, D_in).index_select(0, heads)  # (sum r, Dh, D_in)
     bq = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, heads)  # (sum r, Dh)
     xs = x.reshape(B * T, D_in).index_select(0, tok)  # (M, D_in)
-    parts, row, col = [], 0, 0
-    for hs, (_, n) in zip(set_heads, chosen):
-        r = len(hs)
-        bias = None if bq is None else bq[col:col + r].reshape(r * Dh)
-        parts.append(F.linear(xs[row:row + n], wq[col:col + r].reshape(r * Dh, D_in), bias).view(n * r, Dh))
-        row, col = row + n, col + r
+    # split (not slicing) so that backward joins the pieces' gradients with one cat instead of one full-size
+    # zero-filled gradient per slice
+    widths, counts = [len(hs) for hs in set_heads], [n for _, n in chosen]
+    q = torch.cat([
+        F.linear(x_s, w_s.reshape(-1, D_in), None if b_s is None else b_s.reshape(-1)).view(-1, Dh)
+        for x_s, w_s, b_s in zip(xs.split(counts), wq.split(widths),
+                                 bq.split(widths) if bq is not None else [None] * len(widths))
+    ])  # (P, Dh): per set, per row, its heads ascending
     del xs
-    q = torch.cat(parts)  # (P, Dh): per set, per row, its heads ascending
     # the same (row, head) pairs, in the same order, as positions in the (M, nR) selection
     pair = _compact(flat_active.index_select(0, tok).reshape(-1), q.shape[0])  # (P,)
     j = pair % nR  # (P,) position of the pair's head in ``routed``
@@ -224,11 +225,8 @@ def _routed_by_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     gates = plan.gates.reshape(-1).index_select(0, token * H + R.index_select(0, j))  # (P,)
     o = o * gates.unsqueeze(-1).to(o.dtype)
     wo = w.o_weight.view(D, H, Dh).index_select(1, heads)  # (D, sum r, Dh)
-    srcs, pair_row, col = [], 0, 0
-    for hs, (_, n) in zip(set_heads, chosen):
-        r = len(hs)
-        srcs.append(F.linear(o[pair_row:pair_row + n * r].view(n, r * Dh), wo[:, col:col + r].reshape(D, r * Dh)))
-        pair_row, col = pair_row + n * r, col + r
+    srcs = [F.linear(o_s.view(n, -1), wo_s.reshape(D, -1))
+            for o_s, wo_s, n in zip(o.split([n * r for n, r in zip(counts, widths)]), wo.split(widths, 1), counts)]
     y.view(B * T, D).index_add_(0, tok, torch.cat(srcs).to(y.dtype))
 
 
