@@ -134,10 +134,11 @@ def _minor_faults() -> int:
 
 
 def time_group(fns: dict[str, Callable[[], Tensor]], passes: tuple[str, ...], reps: int, warmup: int,
-               device: torch.device, inputs: list[Tensor]) -> dict[tuple[str, str], tuple[float, float]]:
-    """Median milliseconds and median minor page faults of every (variant, pass), variants interleaved within
-    each repetition. Page faults are recorded because glibc's malloc may hand freed memory back to the OS
-    between calls; a call that then touches fresh pages pays for them (docs/performance.md, "Allocator")."""
+               device: torch.device, inputs: list[Tensor]) -> dict[tuple[str, str], tuple[list[float], float]]:
+    """Every repetition's milliseconds and the median minor page faults of every (variant, pass), variants
+    interleaved within each repetition. Page faults are recorded because glibc's malloc may hand freed memory back
+    to the OS between calls; a call that then touches fresh pages pays for them (docs/performance.md,
+    "Allocator")."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[tuple[str, str], list[float]] = {(v, p): [] for v in fns for p in passes}
     faults: dict[tuple[str, str], list[int]] = {(v, p): [] for v in fns for p in passes}
@@ -158,7 +159,14 @@ def time_group(fns: dict[str, Callable[[], Tensor]], passes: tuple[str, ...], re
                     faults[(name, pas)].append(_minor_faults() - f0)
                 for t in inputs:
                     t.grad = None
-    return {key: (statistics.median(v), statistics.median(faults[key])) for key, v in times.items()}
+    return {key: (v, statistics.median(faults[key])) for key, v in times.items()}
+
+
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """Median over repetitions of ``times[i] / base[i]``: both were timed in the same repetition, seconds apart,
+    so a machine that speeds up or slows down between repetitions moves both (the ratio of the two medians does
+    not pair them)."""
+    return statistics.median(t / b for t, b in zip(times, base))
 
 
 def run(device_name: str, quick: bool = False, reps: int | None = None, threads: int = 2,
@@ -190,33 +198,40 @@ def run(device_name: str, quick: bool = False, reps: int | None = None, threads:
                 fns = variants(dense, oracle, x, router)
                 leaves = [x, *dense.parameters(), *oracle.parameters()]
                 med = time_group(fns, passes, reps, 1 if quick else 2, device, leaves)
-                for (variant, pas), (ms, faults) in med.items():
+                for (variant, pas), (reps_ms, faults) in med.items():
                     records.append({"shape": {"B": B, "T": T, "D": D, "H": H}, "s": s, "granularity": granularity,
-                                    "variant": variant, "pass": pas, "ms": round(ms, 3), "k": n,
+                                    "variant": variant, "pass": pas, "ms": round(statistics.median(reps_ms), 3),
+                                    "k": n, "ms_reps": [round(t, 3) for t in reps_ms],
+                                    "paired_to_dense": round(paired_ratio(reps_ms, med[("dense", pas)][0]), 4),
+                                    "paired_to_oracle": round(paired_ratio(reps_ms, med[("oracle", pas)][0]), 4),
                                     "minor_faults": faults, "device": device.type,
                                     "dtype": str(dtype).replace("torch.", ""), "threads": threads,
                                     **{env.lower().rstrip("_"): os.environ.get(env, "") for env in ENVIRONMENT}})
                 print(f"  B={B} T={T} D={D} H={H} {granularity:8s} s={s:<5} " + "  ".join(
-                    f"{v}/{p}={med[(v, p)][0]:.1f}ms" for p in passes for v in VARIANTS), flush=True)
+                    f"{v}/{p}={statistics.median(med[(v, p)][0]):.1f}ms" for p in passes for v in VARIANTS), flush=True)
     return records
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    """Markdown table: one row per shape x granularity x s x pass, times and ratios (medians), and the median
-    minor page faults per call of each variant (dense / oracle / masked / gathered)."""
+    """Markdown table: one row per shape x granularity x s x pass, times and ratios (medians), gathered's paired
+    ratios (median of per-repetition ratios, ``paired_ratio``), and the median minor page faults per call of each
+    variant (dense / oracle / masked / gathered)."""
     rows: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in records:
         sh = r["shape"]
         key = (sh["B"], sh["T"], sh["D"], sh["H"], r["granularity"], r["pass"], r["s"])
         rows.setdefault(key, {})[r["variant"]] = r
     lines = ["| shape | granularity | pass | s | dense ms | oracle ms | masked ms | gathered ms "
-             "| oracle/dense | masked/dense | gathered/dense | gathered/oracle | page faults d/o/m/g |",
-             "|" + "---|" * 13]
+             "| oracle/dense | masked/dense | gathered/dense | gathered/oracle | paired g/d | paired g/o "
+             "| page faults d/o/m/g |",
+             "|" + "---|" * 15]
+    nan = float("nan")
     for (B, T, D, H, gran, pas, s), v in rows.items():
-        d, o, m, g = (v[n]["ms"] if n in v else float("nan") for n in VARIANTS)
+        d, o, m, g = (v[n]["ms"] if n in v else nan for n in VARIANTS)
+        pd, po = (v.get("gathered", {}).get(f"paired_to_{n}", nan) for n in ("dense", "oracle"))
         faults = "/".join(str(round(v[n].get("minor_faults", 0))) if n in v else "-" for n in VARIANTS)
         lines.append(f"| B={B} T={T} D={D} H={H} | {gran} | {pas} | {s} | {d:.1f} | {o:.1f} | {m:.1f} | {g:.1f} "
-                     f"| {o / d:.2f} | {m / d:.2f} | {g / d:.2f} | {g / o:.2f} | {faults} |")
+                     f"| {o / d:.2f} | {m / d:.2f} | {g / d:.2f} | {g / o:.2f} | {pd:.2f} | {po:.2f} | {faults} |")
     return "\n".join(lines)
 
 

@@ -271,8 +271,10 @@ def test_token_head_sets_are_counted_and_many_heads_run_per_head() -> None:
         counts[key] = counts.get(key, 0) + 1
     plan, gates = leaf_plan(active)
     assert gather_sizes(w, AttentionInputs(x=x), plan).head_sets == tuple(sorted(counts.items()))
-    assert gathered_token.routed_head_sets(((0b1011, 4), (0b0011, 2), (0b1001, 1)), [1, 3]) == [
-        (0b01, 2), (0b10, 1), (0b11, 4)]
+    sets = ((0b1011, 4), (0b0011, 2), (0b1001, 1), (0b0001, 5))  # heads 1 and 3 routed: masks 11, 01, 10, 00
+    assert gathered_token.routed_head_sets(sets, [1, 3]) == [(0b00, 5), (0b01, 2), (0b10, 1), (0b11, 4)]
+    assert gathered_token.routed_head_sets(sets, [1, 3], limit=3) is not None  # the empty set does not count
+    assert gathered_token.routed_head_sets(sets, [1, 3], limit=2) is None
     H = gathered_module.MAX_SET_HEADS + 2
     w, x, leaves = setup(B=B, T=T, H=H, D=4 * H)
     plan, gates = leaf_plan(moh_active(B, T, H, 2, 3))

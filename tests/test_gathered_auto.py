@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from core_helpers import leaf_plan, make_layout, make_weights
 from test_gathered import moh_active, seq_active
 
 import condcomp
-from condcomp.bench_attention import add_arguments, main
+from condcomp.bench_attention import add_arguments, main, paired_ratio
 from condcomp.executors import auto
 from condcomp.executors.auto import get_executor, resolve_executor
 from condcomp.registry import register_executor
@@ -73,9 +74,22 @@ def test_bench_attention_quick_writes_metrics(tmp_path: Path) -> None:
         assert set(r["shape"]) == {"B", "T", "D", "H"} and r["ms"] > 0
         assert isinstance(r["minor_faults"], (int, float)) and r["minor_faults"] >= 0
         assert {"omp_wait_policy", "malloc_trim_threshold", "malloc_mmap_threshold"} <= set(r)
+        assert len(r["ms_reps"]) == 1 and r["ms"] == r["ms_reps"][0]
+        if r["variant"] == "dense":
+            assert r["paired_to_dense"] == 1.0
     text = (tmp_path / "table.md").read_text()
-    assert "gathered/oracle" in text and "page faults d/o/m/g" in text
+    assert "gathered/oracle" in text and "paired g/o" in text and "page faults d/o/m/g" in text
     assert len(text.splitlines()) == 2 + len(records) // 4  # one row per (shape, granularity, pass, s)
+
+
+def test_paired_ratio_pairs_repetitions() -> None:
+    """The machine slows down threefold in the second repetition. Per repetition the variant takes 2, 2 and
+    2.2 times the base (paired median 2); the medians of the two lists, taken apart, compare the variant's third
+    repetition with the base's first and give 2.2."""
+    times, base = [2.0, 6.0, 2.2], [1.0, 3.0, 1.0]
+    assert paired_ratio(times, base) == 2.0
+    assert statistics.median(times) / statistics.median(base) == 2.2
+    assert paired_ratio([2.0, 4.0, 8.0], [1.0, 1.0, 1.0]) == 4.0  # the median ratio, not the mean (14 / 3)
 
 
 def test_prepared_gpu_script_checks_pass_on_cpu() -> None:

@@ -2,11 +2,13 @@
 
 Keys and values are computed for every key/value head that some token of the batch chose (a later token may
 pick any head, so the whole sequence's keys are needed). Heads that (nearly) every token chose, such as MoH's
-shared heads, run densely as one block. The other ("routed") heads run together as one packed block: for each
-routed head and example, the tokens that chose it are gathered into ``L`` slots, ``L`` being the largest such
-count over heads and examples, so the padding is ``n_routed * B * L - (selected pairs)`` rows (the spread of
-per-(example, head) counts; for MoH's load-balanced routing a few percent). Padded slots point at tokens whose
-gate is zero, so they add exact zeros. Outputs are summed back into their tokens with one ``index_add_``.
+shared heads, run densely as one block. The other ("routed") heads run together as one packed SDPA block: for
+each routed head and example, the tokens that chose it fill ``L`` query slots, ``L`` being the largest such
+count over heads and examples. Their query and output projections run per head set when the rows chose few
+distinct sets (``_routed_by_set``: no padding in the matmuls, each input row gathered and each output row written
+once), else per head on the padded slots (``_routed``: the padding is ``n_routed * B * L - (selected pairs)``
+rows, and padded slots point at tokens whose gate is zero, so they add exact zeros). Outputs are summed back into
+their tokens with one ``index_add_``.
 """
 
 from __future__ import annotations
@@ -140,13 +142,17 @@ def _routed(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
     y.view(B * T, D).index_add_(0, rows.transpose(1, 2).reshape(-1), src.to(y.dtype))
 
 
-def routed_head_sets(head_sets: tuple[tuple[int, int], ...], routed: list[int]) -> list[tuple[int, int]]:
+def routed_head_sets(head_sets: tuple[tuple[int, int], ...], routed: list[int],
+                     limit: int | None = None) -> list[tuple[int, int]] | None:
     """``(mask, rows)`` of every routed-head set the rows chose, ascending by mask; bit ``j`` of a mask stands
-    for ``routed[j]``. ``head_sets`` are the sizes' sets over all heads (the dense heads are dropped)."""
+    for ``routed[j]``. ``head_sets`` are the sizes' sets over all heads (the dense heads are dropped). None as
+    soon as more than ``limit`` non-empty sets turn up."""
     rows: dict[int, int] = {}
     for key, n in head_sets:
         m = sum(1 << j for j, h in enumerate(routed) if key >> h & 1)
         rows[m] = rows.get(m, 0) + n
+        if limit is not None and len(rows) - (0 in rows) > limit:
+            return None
     return sorted(rows.items())
 
 
@@ -296,8 +302,8 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
         kv_ix = [slot[h // G] for h in routed]
         kr, vr = _take(keys, kv_ix), _take(values, kv_ix)
         slots = max(rows[h] for h in routed)
-        sets = routed_head_sets(sizes.head_sets, routed) if sizes.head_sets else []
-        if sets and sum(1 for m, _ in sets if m) <= MAX_HEAD_SETS:
+        sets = routed_head_sets(sizes.head_sets, routed, MAX_HEAD_SETS) if sizes.head_sets else None
+        if sets:
             _routed_by_set(w, inputs, plan, mask, routed, sets, slots, kr, vr, y)
         else:
             _routed(w, inputs, plan, mask, routed, slots, kr, vr, y)
