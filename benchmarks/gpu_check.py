@@ -17,11 +17,13 @@ from pathlib import Path
 import torch
 
 from condcomp.bench_attention import run, table
+from condcomp.executors import gathered_token
 from condcomp.executors.auto import get_executor
 from condcomp.plans import plan_from_active, top_k_mask
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 5e-2}  # max abs error relative to the output's max abs value
+CASES = ("seq", "seq_causal", "seq_gqa", "seq_same", "token", "token_per_head", "token_causal", "token_gqa")
 
 
 def case(name: str, dtype: torch.dtype, dev: torch.device) -> tuple[AttentionWeights, AttentionInputs, object,
@@ -57,15 +59,21 @@ def checks(dev: torch.device) -> list[dict]:
     results = []
     ref, gat = get_executor("reference"), get_executor("gathered")
     for dtype in (torch.float32, torch.bfloat16):
-        for name in ("seq", "seq_causal", "seq_gqa", "seq_same", "token", "token_causal", "token_gqa"):
+        for name in CASES:
             torch.manual_seed(0)
             w, inputs, plan, leaves = case(name, dtype, dev)
             outs = []
-            for ex in (ref, gat):
-                y = ex(w, inputs, plan)
-                # the plan's gates are one graph shared by both executors: keep it for the second backward
-                grads = torch.autograd.grad(y.float().square().sum(), leaves, retain_graph=True)
-                outs.append([y, *grads])
+            kept = gathered_token.MAX_HEAD_SETS
+            if name == "token_per_head":  # the routed heads per head, not per head set (the path of larger H)
+                gathered_token.MAX_HEAD_SETS = 0
+            try:
+                for ex in (ref, gat):
+                    y = ex(w, inputs, plan)
+                    # the plan's gates are one graph shared by both executors: keep it for the second backward
+                    grads = torch.autograd.grad(y.float().square().sum(), leaves, retain_graph=True)
+                    outs.append([y, *grads])
+            finally:
+                gathered_token.MAX_HEAD_SETS = kept
             for label, a, b in zip(["y", "x", "q_weight", "k_weight", "o_weight", "o_bias", "gates"], *outs):
                 a, b = a.detach().float(), b.detach().float()
                 err = float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))

@@ -94,11 +94,12 @@ def test_paired_ratio_pairs_repetitions() -> None:
 
 def test_prepared_gpu_script_checks_pass_on_cpu() -> None:
     """benchmarks/gpu_check.py is run once, on a lent GPU, with no chance to debug it there: its correctness part
-    (gathered vs reference, float32 and bfloat16, seven situations) must already run and pass on CPU."""
+    (gathered vs reference, float32 and bfloat16, eight situations) must already run and pass on CPU."""
     script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", script)
     assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     results = gpu_check.checks(torch.device("cpu"))
-    assert len(results) == 2 * 7 * 7 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    assert len(results) == 2 * len(gpu_check.CASES) * 7 and "token_per_head" in gpu_check.CASES
+    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]]
