@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from condcomp.executors.base import add_output_bias, keep_gates_in_graph, zero_dead_rows
-from condcomp.executors.gathered import GatherSizes
+from condcomp.executors.gathered import GatherSizes, head_set_keys
 from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, causal_allowed, dead_rows, rotate_half
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
@@ -181,8 +181,7 @@ def _routed_by_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     R = _index(routed, x.device)
     active = plan.active.index_select(2, R)  # (B, T, nR)
     flat_active = active.reshape(B * T, nR)
-    bits = torch.ones((), dtype=torch.long, device=x.device) << torch.arange(nR, device=x.device)
-    by_set = torch.argsort((flat_active.long() * bits).sum(-1), stable=True)  # (B*T,) rows grouped by routed set
+    by_set = torch.argsort(head_set_keys(flat_active), stable=True)  # (B*T,) rows grouped by routed set
     chosen = [(m, n) for m, n in sets if m]
     tok = by_set[sum(n for m, n in sets if not m):]  # (M,) rows with some routed head, grouped by set, ascending
     set_heads = [[j for j in range(nR) if m >> j & 1] for m, _ in chosen]
