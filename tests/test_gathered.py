@@ -282,6 +282,16 @@ def test_token_head_sets_are_counted_and_many_heads_run_per_head() -> None:
     check(w, AttentionInputs(x=x), plan, {**leaves, "gates": gates})
 
 
+def test_per_set_path_only_for_large_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size rule, with the documented bound (the conftest fixture lifts it for the other tests): mean rows
+    per non-empty set times the width against ``MIN_SET_WORK``. MoH top-2 of 6 at B*T = 4096 (15 sets of about
+    273 rows): per set at width 512 (about 140,000), per head at width 256 (about 70,000); no routed row: never."""
+    monkeypatch.setattr(gathered_token, "MIN_SET_WORK", 100_000)
+    sets = [(0, 10)] + [(m, 273) for m in range(1, 16)]
+    assert gathered_token.per_set_pays(sets, 512) and not gathered_token.per_set_pays(sets, 256)
+    assert not gathered_token.per_set_pays([(0, 4096)], 512)
+
+
 @pytest.mark.parametrize("n_true", [0, 1, 37, 200])
 def test_compact_is_nonzero_without_a_host_read(n_true: int) -> None:
     selected = torch.zeros(200, dtype=torch.bool)

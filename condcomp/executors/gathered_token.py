@@ -28,6 +28,10 @@ DENSE_HEAD_ROWS = 0.8
 # Routed heads are projected per head set (``_routed_by_set``) while the rows chose at most this many distinct
 # routed-head sets (each set costs two matmuls); past it, per head (``_routed``). MoH's top-2 of 6 makes 15.
 MAX_HEAD_SETS = 32
+# ... and while the sets' matmuls are large enough to pay for their number: mean rows per set times the model
+# width at least this. Measured against the per-head path (docs/performance.md): 1.04-1.08x at about 70,000,
+# 0.96-0.99x at 105,000, 0.81-0.98x from 140,000 on (CPU, 2 threads).
+MIN_SET_WORK = 100_000
 
 
 def _rows(w: Tensor, heads: list[int], Dh: int) -> Tensor:
@@ -154,6 +158,13 @@ def routed_head_sets(head_sets: tuple[tuple[int, int], ...], routed: list[int],
         if limit is not None and len(rows) - (0 in rows) > limit:
             return None
     return sorted(rows.items())
+
+
+def per_set_pays(sets: list[tuple[int, int]], width: int) -> bool:
+    """Whether ``sets`` (from :func:`routed_head_sets`) are few and large enough for per-set matmuls: mean rows
+    per non-empty set times the input width at least ``MIN_SET_WORK``."""
+    chosen = [n for m, n in sets if m]
+    return bool(chosen) and sum(chosen) / len(chosen) * width >= MIN_SET_WORK
 
 
 def _compact(selected: Tensor, n: int) -> Tensor:
@@ -302,7 +313,7 @@ def token_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
         kr, vr = _take(keys, kv_ix), _take(values, kv_ix)
         slots = max(rows[h] for h in routed)
         sets = routed_head_sets(sizes.head_sets, routed, MAX_HEAD_SETS) if sizes.head_sets else None
-        if sets:
+        if sets and per_set_pays(sets, x.shape[-1]):
             _routed_by_set(w, inputs, plan, mask, routed, sets, slots, kr, vr, y)
         else:
             _routed(w, inputs, plan, mask, routed, slots, kr, vr, y)
