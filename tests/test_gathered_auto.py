@@ -17,11 +17,13 @@ import condcomp
 from condcomp.bench_attention import add_arguments, main, paired_ratio
 from condcomp.executors import auto
 from condcomp.executors.auto import get_executor, resolve_executor
+from condcomp.executors.gathered import gather_sizes
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs
 
 
-def test_auto_runs_dense_at_full_budget_and_gathered_below() -> None:
+def test_auto_runs_dense_at_full_budget_and_gathered_below(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto, "MIN_SKIPPED_WORK", {})  # toy sizes: the size rule is tested below
     w = make_weights(make_layout(H=8, Dh=4, D=32))
     x = torch.randn(4, 6, 32, dtype=torch.float64)
     full = condcomp.full_plan(4, 8, x.device)
@@ -37,6 +39,27 @@ def test_auto_runs_dense_at_full_budget_and_gathered_below() -> None:
     inference, training = auto.DENSE_WORK_FRACTION["sequence"]
     for bound, train in ((inference, False), (training, True)):
         assert auto.prefer_dense(bound, "sequence", train) and not auto.prefer_dense(bound - 0.01, "sequence", train)
+
+
+@pytest.mark.parametrize("granularity", ["sequence", "token"])
+def test_auto_runs_dense_when_the_call_is_too_small_to_pay(granularity: str) -> None:
+    """Same plan shape, two sizes: where ``(1 - kept share) * B*T*D`` is below ``MIN_SKIPPED_WORK`` auto runs
+    masked, above it gathered; the bound sits between the two."""
+    H, D = 8, 64
+    w = make_weights(make_layout(H=H, Dh=D // H, D=D), torch.float32)
+    picked, skipped = {}, {}
+    for T in (4, 1024):
+        x = torch.randn(8, T, D)
+        if granularity == "sequence":
+            plan, _ = leaf_plan(seq_active([2] * 8, H))
+        else:
+            plan, _ = leaf_plan(moh_active(8, T, H, 1, 1))
+        share = gather_sizes(w, AttentionInputs(x=x), plan).work_fraction
+        skipped[T] = (1 - share) * x.numel()
+        picked[T] = resolve_executor("auto", w, AttentionInputs(x=x), plan).name
+    assert skipped[4] < auto.MIN_SKIPPED_WORK[granularity] <= skipped[1024]
+    assert picked == {4: "masked", 1024: "gathered"}
+    assert auto.prefer_dense(0.25, granularity, size=None) is False  # no size given: the share alone decides
 
 
 def test_auto_skips_executors_that_reject_and_lists_reasons(restore_registries: None) -> None:

@@ -6,8 +6,10 @@ the gathered path reads back its packed sizes once per call anyway, and from the
 dense (query row, head) work the plan keeps. At or above ``DENSE_WORK_FRACTION`` of it (for example every head
 active, as in training under soft gates; the bound is set separately for calls where autograd records, whose
 backward changes the balance) there is nothing worth skipping and ``masked`` (= dense attention, one
-fused SDPA call) is faster; below it ``gathered`` runs with the sizes already read, so ``auto`` costs no extra
-host synchronisation. The threshold comes from ``condcomp bench attention`` (docs/performance.md).
+fused SDPA call) is faster; so it is when the call is so small that the work skipped, ``(1 - share) * B*T*D``,
+is below ``MIN_SKIPPED_WORK``. Otherwise ``gathered`` runs with the sizes already read, so ``auto`` costs no
+extra host synchronisation. The thresholds come from ``condcomp bench attention`` and timings at small sizes
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ AUTO_PREFERENCE = ("gathered", "masked", "reference")
 # Kept share of the dense work at or above which "auto" runs "masked" instead of "gathered", per granularity,
 # (without autograd, with autograd): crossovers measured by `condcomp bench attention` (docs/performance.md).
 DENSE_WORK_FRACTION = {"sequence": (0.8, 0.8), "token": (0.65, 0.65)}
+
+# Skipped work, (1 - kept share) * B * T * D, below which "auto" runs "masked" whatever the share: in small calls
+# gathered's fixed cost (its host read, the kernels that pack and unpack) outweighs what it skips. Per
+# granularity, crossovers measured on CPU at toy-to-small sizes (docs/performance.md); the token path packs more.
+MIN_SKIPPED_WORK = {"sequence": 60_000, "token": 300_000}
 
 _INSTANCES: dict[str, Any] = {}
 
@@ -48,12 +55,15 @@ class _Sized:
         return self.executor.run(weights, inputs, plan, self.sizes)
 
 
-def prefer_dense(work_fraction: float, granularity: str, training: bool = False) -> bool:
+def prefer_dense(work_fraction: float, granularity: str, training: bool = False, size: int | None = None) -> bool:
     """Whether a plan keeping ``work_fraction`` of the dense work should run densely (``masked``).
 
     ``training``: autograd is recording, so a backward pass will follow (its crossover is measured separately).
+    ``size``: ``B * T * D`` of the call; when the work skipped is below ``MIN_SKIPPED_WORK``, dense it is.
     """
     inference, backward = DENSE_WORK_FRACTION.get(granularity, (1.0, 1.0))
+    if size is not None and (1.0 - work_fraction) * size < MIN_SKIPPED_WORK.get(granularity, 0):
+        return True
     return work_fraction >= (backward if training else inference)
 
 
@@ -93,7 +103,7 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
         dense = next((e for e in usable if e.name == "masked"), None)
         training = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (inputs.x, weights.q_weight, plan.gates))
-        if dense is not None and prefer_dense(sizes.work_fraction, plan.granularity, training):
+        if dense is not None and prefer_dense(sizes.work_fraction, plan.granularity, training, inputs.x.numel()):
             return dense
         return _Sized(first, sizes)
     return first
