@@ -29,8 +29,8 @@ DENSE_HEAD_ROWS = 0.8
 # routed-head sets (each set costs two matmuls); past it, per head (``_routed``). MoH's top-2 of 6 makes 15.
 MAX_HEAD_SETS = 32
 # ... and while the sets' matmuls are large enough to pay for their number: mean rows per set times the model
-# width at least this. Measured against the per-head path (docs/performance.md): 1.04-1.08x at about 70,000,
-# 0.96-0.99x at 105,000, 0.81-0.98x from 140,000 on (CPU, 2 threads).
+# width at least this. Measured against the per-head path (docs/performance.md): 0.99-1.08x at about 70,000
+# (slower in 4 of 5), 0.96-0.99x at 105,000, 0.81-0.98x from 140,000 on (CPU, 2 threads).
 MIN_SET_WORK = 100_000
 
 
