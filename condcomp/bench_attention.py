@@ -197,18 +197,19 @@ def run(device_name: str, quick: bool = False, reps: int | None = None, threads:
                 router = make_router(granularity, D, H, n, ks, device)
                 fns = variants(dense, oracle, x, router)
                 leaves = [x, *dense.parameters(), *oracle.parameters()]
-                med = time_group(fns, passes, reps, 1 if quick else 2, device, leaves)
-                for (variant, pas), (reps_ms, faults) in med.items():
+                timed = time_group(fns, passes, reps, 1 if quick else 2, device, leaves)
+                for (variant, pas), (reps_ms, faults) in timed.items():
                     records.append({"shape": {"B": B, "T": T, "D": D, "H": H}, "s": s, "granularity": granularity,
                                     "variant": variant, "pass": pas, "ms": round(statistics.median(reps_ms), 3),
                                     "k": n, "ms_reps": [round(t, 3) for t in reps_ms],
-                                    "paired_to_dense": round(paired_ratio(reps_ms, med[("dense", pas)][0]), 4),
-                                    "paired_to_oracle": round(paired_ratio(reps_ms, med[("oracle", pas)][0]), 4),
+                                    "paired_to_dense": round(paired_ratio(reps_ms, timed[("dense", pas)][0]), 4),
+                                    "paired_to_oracle": round(paired_ratio(reps_ms, timed[("oracle", pas)][0]), 4),
                                     "minor_faults": faults, "device": device.type,
                                     "dtype": str(dtype).replace("torch.", ""), "threads": threads,
                                     **{env.lower().rstrip("_"): os.environ.get(env, "") for env in ENVIRONMENT}})
                 print(f"  B={B} T={T} D={D} H={H} {granularity:8s} s={s:<5} " + "  ".join(
-                    f"{v}/{p}={statistics.median(med[(v, p)][0]):.1f}ms" for p in passes for v in VARIANTS), flush=True)
+                    f"{v}/{p}={statistics.median(timed[(v, p)][0]):.1f}ms" for p in passes for v in VARIANTS),
+                    flush=True)
     return records
 
 

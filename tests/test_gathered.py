@@ -290,6 +290,9 @@ def test_per_set_path_only_for_large_sets(monkeypatch: pytest.MonkeyPatch) -> No
     sets = [(0, 10)] + [(m, 273) for m in range(1, 16)]
     assert gathered_token.per_set_pays(sets, 512) and not gathered_token.per_set_pays(sets, 256)
     assert not gathered_token.per_set_pays([(0, 4096)], 512)
+    w, x, _ = setup(B=3, T=11)  # B*T*D = 792: no set could pass, so the sizes read has no histogram either
+    plan, _ = leaf_plan(moh_active(3, 11, 8, 1, 3))
+    assert gather_sizes(w, AttentionInputs(x=x), plan).head_sets == ()
 
 
 @pytest.mark.parametrize("n_true", [0, 1, 37, 200])

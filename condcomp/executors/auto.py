@@ -99,8 +99,10 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
         raise RuntimeError("no executor can run this call:\n  " + "\n  ".join(rejections))
     first = usable[0]
     if first.name == "gathered" and hasattr(first, "sizes"):
-        sizes = first.sizes(weights, inputs, plan)  # the one host read the gathered path needs anyway
         dense = next((e for e in usable if e.name == "masked"), None)
+        if dense is not None and prefer_dense(0.0, plan.granularity, size=inputs.x.numel()):
+            return dense  # too small even if every head were skipped: no need for the sizes read
+        sizes = first.sizes(weights, inputs, plan)  # the one host read the gathered path needs anyway
         training = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (inputs.x, weights.q_weight, plan.gates))
         if dense is not None and prefer_dense(sizes.work_fraction, plan.granularity, training, inputs.x.numel()):

@@ -49,8 +49,9 @@ class GatherSizes:
     ``shared_heads``: sequence plans in which every example chose the same heads, those heads (else None).
     ``work_fraction``: share of the dense block's (query row, head) work the gathered path will compute.
     ``every_row_active``: token plans in which every (example, token) row chose at least one head.
-    ``head_sets``: token plans with at most ``MAX_SET_HEADS`` heads, ``(heads as a bit mask, rows)`` of every
-    distinct head set the (example, token) rows chose, ascending by mask (empty otherwise).
+    ``head_sets``: token plans with at most ``MAX_SET_HEADS`` heads and large enough for the per-set path,
+    ``(heads as a bit mask, rows)`` of every distinct head set the (example, token) rows chose, ascending by mask
+    (empty otherwise).
     """
 
     granularity: str
@@ -90,7 +91,11 @@ def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadP
         return GatherSizes("token", rows_per_head=(0,) * H, work_fraction=0.0)
     every = (plan.counts > 0).all().view(1).long()
     parts = [plan.active.sum(1).amax(0), every]  # (H,) + 1
-    if H <= MAX_SET_HEADS:  # + (2**H,): how many rows chose each head set
+    from condcomp.executors import gathered_token
+
+    # + (2**H,): how many rows chose each head set; skipped where even one set of every row would be too small
+    # for the per-set path (its size rule, gathered_token.MIN_SET_WORK)
+    if H <= MAX_SET_HEADS and inputs.x.numel() >= gathered_token.MIN_SET_WORK:  # B*T*D bounds rows per set x D
         parts.append(torch.bincount(head_set_keys(plan.active).reshape(-1), minlength=2 ** H))
     read = torch.cat(parts).tolist()  # the one device -> host read
     rows, every_row = read[:H], read[H]
