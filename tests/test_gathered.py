@@ -28,7 +28,7 @@ from core_helpers import (
 from torch import Tensor
 
 from condcomp.executors import gathered as gathered_module
-from condcomp.executors import gathered_pairs, gathered_token
+from condcomp.executors import gathered_pairs, gathered_token, grouped_gemm
 from condcomp.executors.auto import get_executor
 from condcomp.executors.base import qkv_head_rows
 from condcomp.executors.gathered import gather_sizes
@@ -74,16 +74,37 @@ def moh_active(B: int, T: int, H: int, shared: int, top: int, mask: Tensor | Non
     return active if mask is None else active & mask.unsqueeze(-1)
 
 
-@pytest.mark.parametrize(("Hkv", "path", "causal"), [(8, "padded", False), (8, "scatter", True), (8, "buckets", False),
-                                                     (8, "buckets", True), (4, "buckets", True), (2, "buckets", False)])
+def use_sequence_path(path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Force the path variable-k sequence plans take in the fused layout: ``grouped`` (grouped GEMMs, the default
+    on CPU with MKL), ``buckets`` (batched matmuls per bucket, the default elsewhere), or the packed pairs with
+    the output projection ``padded`` per example or ``scatter``-ed per pair. Returns the list the grouped path
+    appends to when it runs."""
+    if path == "grouped" and not grouped_gemm.available(torch.zeros(1)):
+        pytest.skip("this torch build exports no MKL cblas_?gemm_batch (only x86 builds with MKL do)")
+    monkeypatch.setattr(grouped_gemm, "ENABLED", path == "grouped")
+    monkeypatch.setattr(gathered_module, "PACK_PAIRS", path in ("padded", "scatter"))
+    monkeypatch.setattr(gathered_pairs, "PAD_LIMIT", 100.0 if path == "padded" else 0.0)
+    ran: list[str] = []
+    real = gathered_module.sequence_pairs_grouped
+
+    def spy(*args: object) -> Tensor:
+        ran.append("grouped")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gathered_module, "sequence_pairs_grouped", spy)
+    return ran
+
+
+@pytest.mark.parametrize(("Hkv", "path", "causal"), [(8, "grouped", False), (8, "grouped", True), (8, "padded", False),
+                                                     (8, "scatter", True), (8, "buckets", False), (8, "buckets", True),
+                                                     (4, "buckets", True), (2, "buckets", False)])
 def test_sequence_many_buckets(Hkv: int, path: str, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Variable k (0, 1, 3, 3, 5, H) and, with GQA, variable key/value head counts: several buckets in one call.
 
-    Without GQA the fused layout runs as packed pairs, its output projection padded per example or scattered
-    per pair, or (forced) as one block per bucket.
+    Without GQA the fused layout runs as grouped GEMMs over the pairs, or (forced) as packed pairs with the
+    output projection padded per example or scattered per pair, or as one block per bucket. With GQA: buckets.
     """
-    monkeypatch.setattr(gathered_module, "PACK_PAIRS", path != "buckets")
-    monkeypatch.setattr(gathered_pairs, "PAD_LIMIT", 100.0 if path == "padded" else 0.0)
+    ran = use_sequence_path(path, monkeypatch)
     w, x, leaves = setup(Hkv=Hkv, causal=causal)
     mask = torch.ones(6, 7, dtype=torch.bool)
     mask[1, 5:] = False
@@ -93,20 +114,21 @@ def test_sequence_many_buckets(Hkv: int, path: str, causal: bool, monkeypatch: p
     assert sum(n for _, _, n in sizes.buckets) == 6 and len(sizes.buckets) >= 5
     y = check(w, AttentionInputs(x=x, mask=mask, key_mask=mask), plan, {**leaves, "gates": gates})
     assert torch.equal(y[0], torch.zeros_like(y[0]))  # k = 0: exactly zero, no output bias
+    assert bool(ran) == (path == "grouped" and Hkv == 8)
 
 
-@pytest.mark.parametrize("path", ["buckets", "padded", "scatter"])
+@pytest.mark.parametrize("path", ["grouped", "buckets", "padded", "scatter"])
 @pytest.mark.parametrize("drop_key_bias", [False, True])
 def test_sequence_fused_in_projection_and_missing_key_bias(path: str, drop_key_bias: bool,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """q/k/v sliced from one in-projection are gathered from it directly (gradients reach the fused leaf), and a
     missing key bias counts as zeros while the query and value biases still apply (they were once dropped)."""
-    monkeypatch.setattr(gathered_module, "PACK_PAIRS", path != "buckets")
-    monkeypatch.setattr(gathered_pairs, "PAD_LIMIT", 100.0 if path == "padded" else 0.0)
+    ran = use_sequence_path(path, monkeypatch)
     w, x, _ = setup()
     w, leaves = fused_qkv_weights(replace(w, k_bias=None) if drop_key_bias else w)
     plan, gates = leaf_plan(seq_active([0, 1, 3, 3, 5, 8], 8))
     check(w, AttentionInputs(x=x), plan, {"x": x, **leaves, "gates": gates})
+    assert bool(ran) == (path == "grouped")
 
 
 def test_qkv_head_rows_is_a_view_of_a_fused_in_projection() -> None:

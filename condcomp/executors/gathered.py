@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from condcomp.executors import grouped_gemm
 from condcomp.executors.base import keep_gates_in_graph, qkv_head_rows, zero_dead_rows
-from condcomp.executors.gathered_pairs import sequence_pairs
+from condcomp.executors.gathered_pairs import sequence_pairs, sequence_pairs_grouped
 from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, dead_rows
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
@@ -221,6 +222,9 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
         from condcomp.executors.gathered_token import shared_set
 
         return zero_dead_rows(shared_set(w, inputs, plan, mask, list(sizes.shared_heads)), dead_rows(mask, B, T))
+    if fused and pairs > 0 and grouped_gemm.available(x) and not torch.is_autocast_enabled(x.device.type):
+        # CPU with MKL: grouped GEMMs read the pairs' input rows and weight blocks in place (no copies at all)
+        return sequence_pairs_grouped(w, inputs, plan, mask, pairs)
     if len(sizes.buckets) == 1 and sizes.buckets[0][0] > 0:  # one shape of work: no gather of examples at all
         k, kkv, _ = sizes.buckets[0]
         y = _sequence_bucket(w, inputs, plan, mask, None, k, kkv, fused_w)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from condcomp.executors.base import qkv_head_rows, zero_dead_rows
+from condcomp.executors.grouped_gemm import pair_output, pair_projection
 from condcomp.masks import AttentionMask, apply_rotary, dead_rows
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
@@ -99,3 +100,41 @@ def _output_per_pair(w: AttentionWeights, plan: HeadPlan, out: Tensor, b_idx: Te
     bias = _bias_rows(w, plan, yp.dtype)
     y = yp.new_zeros(B, T, D) if bias is None else bias.expand(B, T, D).contiguous()
     return y.scatter_add_(0, b_idx[:, None, None].expand(P, T, D), yp)  # (B, T, D)
+
+
+def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
+                           pairs: int) -> Tensor:
+    """``(B, T, D)`` through grouped GEMMs (CPU, MKL; grouped_gemm.py): every selected (example, head) pair's
+    q/k/v projection reads its input rows and its head's weight block in place, one SDPA call covers all pairs,
+    and each pair's output projection adds into its example's output rows. No input row, weight slice or output is
+    copied, and there is no padding: the work is the selected pairs' and nothing else."""
+    x = inputs.x
+    B, T, D_in = x.shape
+    L = w.layout
+    H, Dh = L.num_heads, L.head_dim
+    pid = torch.argsort((~plan.active.reshape(-1)).byte(), stable=True)[:pairs]  # (P,) b * H + h, ascending
+    b_idx = torch.div(pid, H, rounding_mode="floor")
+    h_idx = pid - b_idx * H
+    rows, b3 = qkv_head_rows(w)  # (3H, Dh * D_in), (3H, Dh) or None
+    # head-major (H, 3*Dh, D_in): one GEMM per pair computes its q, k and v (one copy of the 3*D*D weights per call)
+    w_heads = rows.view(3, H, Dh * D_in).transpose(0, 1).reshape(H, 3 * Dh, D_in)
+    b_heads = None if b3 is None else b3.view(3, H, Dh).transpose(0, 1).reshape(H, 3 * Dh)
+    qkv = pair_projection(x, w_heads, b_heads, b_idx, h_idx)  # (P, T, 3Dh)
+    q, k, v = qkv.view(pairs, T, 3, Dh).permute(2, 0, 1, 3).unsqueeze(2).unbind(0)  # each (P, 1, T, Dh)
+    if inputs.rotary is not None:
+        cos, sin = (t.index_select(0, b_idx) for t in inputs.rotary)  # (P, T, Dh)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    m = mask.for_rows(b_idx, h_idx)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m.mask, dropout_p=inputs.dropout_p,
+                                         is_causal=m.is_causal, scale=L.scale)  # (P, 1, T, Dh)
+    if m.dead is not None:
+        out = out.masked_fill(m.dead.unsqueeze(-1), 0.0)
+    gates = plan.gates[b_idx, h_idx].to(out.dtype)[:, None, None]  # (P, 1, 1)
+    if torch.is_grad_enabled() and (out.requires_grad or gates.requires_grad):
+        out = out.reshape(pairs, T, Dh) * gates
+    else:  # inference: scale in place, no second (P, T, Dh) buffer
+        out = out.reshape(pairs, T, Dh).mul_(gates)
+    base = _bias_rows(w, plan, out.dtype)  # (B, 1, D): the bias on examples with a head
+    base = (out.new_zeros(()) if base is None else base).expand(B, T, w.o_weight.shape[0])
+    y = pair_output(out, w.o_weight, base, b_idx, h_idx)
+    return zero_dead_rows(y, dead_rows(mask, B, T))

@@ -1,0 +1,155 @@
+"""The grouped GEMMs over pointer lists (MKL's cblas_?gemm_batch through ctypes) against torch.
+
+References are independent of the batch call: ``torch.mm`` per GEMM, Python loops over the pairs, and
+``torch.autograd.gradcheck`` (finite differences in float64) for the two differentiable pair ops. The whole module
+skips where the torch build exports no ``cblas_?gemm_batch`` (non-x86 builds without MKL): the gathered executor
+then keeps its batched-matmul path, which test_gathered.py covers on its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_helpers import leaf_plan, make_layout, make_weights
+from torch import Tensor
+
+from condcomp.executors import gathered as gathered_module
+from condcomp.executors import grouped_gemm
+from condcomp.executors.auto import get_executor
+from condcomp.executors.grouped_gemm import gemm_batch, pair_output, pair_projection, rounds
+from condcomp.plans import top_k_mask
+from condcomp.types import AttentionInputs
+
+pytestmark = pytest.mark.skipif(not grouped_gemm.available(torch.zeros(1)),
+                                reason="this torch build exports no MKL cblas_?gemm_batch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_gemm_batch_matches_mm_at_offsets_and_leading_dims(dtype: torch.dtype, trans_a: bool, trans_b: bool,
+                                                           beta: float) -> None:
+    """Each GEMM reads a sub-matrix of a larger tensor (rows ``ld`` apart, wider than the matrix) at its own
+    offset, and adds into its own sub-matrix of C; the rest of C is untouched."""
+    m, n, k, count = 5, 3, 7, 4
+    gen = torch.Generator().manual_seed(1)
+    a_rows, a_cols = (k, m) if trans_a else (m, k)
+    b_rows, b_cols = (n, k) if trans_b else (k, n)
+    A = torch.randn(count, a_rows, a_cols + 2, generator=gen, dtype=dtype)  # ld = cols + 2: padded rows
+    Bm = torch.randn(count + 1, b_rows, b_cols + 3, generator=gen, dtype=dtype)
+    C = torch.randn(count, m, n + 1, generator=gen, dtype=dtype)
+    before = C.clone()
+    pick_b = torch.tensor([3, 0, 3, 1])  # a B matrix may serve several GEMMs
+    gemm_batch(A, torch.arange(count) * A[0].numel(), a_cols + 2, trans_a,
+               Bm, pick_b * Bm[0].numel(), b_cols + 3, trans_b,
+               C, torch.arange(count) * C[0].numel(), n + 1, m, n, k, beta=beta)
+    for i in range(count):
+        a = A[i, :, :a_cols]
+        b = Bm[pick_b[i], :, :b_cols]
+        want = (a.t() if trans_a else a) @ (b.t() if trans_b else b) + beta * before[i, :, :n]
+        torch.testing.assert_close(C[i, :, :n], want)
+        assert torch.equal(C[i, :, n], before[i, :, n])  # the padding column is not written
+
+
+@pytest.mark.parametrize("keys", [[0, 0, 1, 2, 2, 2, 1], [3], [], [5, 5, 5, 5], [0, 1, 2, 3]])
+def test_rounds_put_each_key_once_per_round_in_order(keys: list[int]) -> None:
+    t = torch.tensor(keys, dtype=torch.long)
+    got = rounds(t)
+    seen = torch.cat(got).tolist() if got else []
+    assert sorted(seen) == list(range(len(keys)))  # every position exactly once
+    for r, idx in enumerate(got):
+        ks = t[idx].tolist()
+        assert len(ks) == len(set(ks))  # no key twice in a round
+        for pos, key in zip(idx.tolist(), ks):  # round r holds the r-th occurrence of its key
+            assert keys[:pos].count(key) == r
+    assert len(got) == (max(keys.count(k) for k in keys) if keys else 0)
+
+
+def pairs_of(B: int, H: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random (example, head) pairs in example order, examples with 0 .. H heads (one with none)."""
+    ks = torch.randint(0, H + 1, (B,), generator=gen)
+    ks[0] = 0
+    active = top_k_mask(torch.rand(B, H, generator=gen), ks)
+    pid = active.reshape(-1).nonzero().squeeze(1)
+    return torch.div(pid, H, rounding_mode="floor"), pid % H
+
+
+def test_pair_ops_forward_against_loops() -> None:
+    gen = torch.Generator().manual_seed(2)
+    B, T, D, H, N, Dh = 5, 6, 7, 4, 9, 3
+    b_idx, h_idx = pairs_of(B, H, gen)
+    x, w, bias = torch.randn(B, T, D, generator=gen), torch.randn(H, N, D, generator=gen), torch.randn(H, N)
+    got = pair_projection(x, w, bias, b_idx, h_idx)
+    for p, (b, h) in enumerate(zip(b_idx.tolist(), h_idx.tolist())):
+        torch.testing.assert_close(got[p], x[b] @ w[h].t() + bias[h])
+    torch.testing.assert_close(pair_projection(x, w, None, b_idx, h_idx), got - bias[h_idx][:, None])
+    o, w_o, base = torch.randn(len(b_idx), T, Dh), torch.randn(D, H * Dh), torch.randn(B, T, D)
+    want = base.clone()
+    for p, (b, h) in enumerate(zip(b_idx.tolist(), h_idx.tolist())):
+        want[b] += o[p] @ w_o[:, h * Dh:(h + 1) * Dh].t()
+    torch.testing.assert_close(pair_output(o, w_o, base, b_idx, h_idx), want)
+    torch.testing.assert_close(pair_output(o, w_o, base[:1].expand(B, T, D), b_idx, h_idx),
+                               want - base + base[:1])  # an expanded base is read, never written
+
+
+def test_pair_ops_gradients_by_finite_differences() -> None:
+    gen = torch.Generator().manual_seed(3)
+    B, T, D, H, N, Dh = 4, 3, 5, 3, 4, 2
+    b_idx, h_idx = pairs_of(B, H, gen)
+    P = len(b_idx)
+
+    def leaf(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    assert torch.autograd.gradcheck(lambda x, w, b: pair_projection(x, w, b, b_idx, h_idx),
+                                    (leaf(B, T, D), leaf(H, N, D), leaf(H, N)))
+    assert torch.autograd.gradcheck(lambda o, w_o, base: pair_output(o, w_o, base, b_idx, h_idx),
+                                    (leaf(P, T, Dh), leaf(D, H * Dh), leaf(B, T, D)))
+
+
+def spy_grouped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = gathered_module.sequence_pairs_grouped
+
+    def spy(*args: object) -> Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gathered_module, "sequence_pairs_grouped", spy)
+    return calls
+
+
+@pytest.mark.parametrize(("dtype", "Hkv", "autocast", "grouped"), [
+    (torch.float64, 8, False, True), (torch.float32, 8, False, True), (torch.bfloat16, 8, False, False),
+    (torch.float64, 2, False, False), (torch.float32, 8, True, False)])
+def test_executor_takes_grouped_gemms_only_where_they_run(dtype: torch.dtype, Hkv: int, autocast: bool,
+                                                          grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Self-attention without GQA in float32/float64: grouped GEMMs. bfloat16 (MKL has no batch GEMM for it),
+    GQA and CPU autocast: the batched-matmul buckets. The answer matches the reference either way."""
+    calls = spy_grouped(monkeypatch)
+    w = make_weights(make_layout(H=8, Hkv=Hkv, Dh=4, D=24), dtype)
+    x = torch.randn(6, 7, 24, dtype=torch.float64).to(dtype)
+    plan, _ = leaf_plan(top_k_mask(torch.rand(6, 8), torch.tensor([0, 1, 3, 3, 5, 8])), dtype)
+    with torch.no_grad():
+        want = get_executor("reference")(w, AttentionInputs(x=x), plan).float()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = get_executor("gathered")(w, AttentionInputs(x=x), plan).float()
+    tol = 3e-2 if dtype == torch.bfloat16 or autocast else 1e-5
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert bool(calls) == grouped
+
+
+def test_falls_back_when_the_library_has_no_batch_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without the MKL symbol (or one failing the self-test): the batched-matmul path, same answers."""
+    calls = spy_grouped(monkeypatch)
+    w = make_weights(make_layout(H=8, Dh=4, D=24), torch.float64)
+    x = torch.randn(6, 7, 24, dtype=torch.float64)
+    plan, _ = leaf_plan(top_k_mask(torch.rand(6, 8), torch.tensor([0, 1, 3, 3, 5, 8])))
+    want = get_executor("reference")(w, AttentionInputs(x=x), plan)
+    monkeypatch.setattr(grouped_gemm, "_gemm_batch_symbol", lambda dtype: None)
+    assert not grouped_gemm.available(x)
+    torch.testing.assert_close(get_executor("gathered")(w, AttentionInputs(x=x), plan), want)
+    assert calls == []
+    monkeypatch.undo()
+    monkeypatch.setattr(grouped_gemm, "_passes_self_test", lambda dtype: False)
+    assert not grouped_gemm.available(x)
