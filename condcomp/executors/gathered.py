@@ -1,7 +1,11 @@
 """The gathered-sparse executor: only the selected (example, head) or (token, head) pairs are computed.
 
 Sequence plans (one head set per example, variable ``k``): when every example chose the same heads, one plain
-k-head block on those heads' weight slices. Otherwise examples are bucketed by ``(k, k_kv)``: the number of
+k-head block on those heads' weight slices. Otherwise, on CPU in float32/float64 for self-attention without GQA
+or a KV cache, grouped GEMMs over the selected (example, head) pairs read input rows and weight blocks in place
+(:func:`condcomp.executors.gathered_pairs.sequence_pairs_grouped`, MKL through
+:mod:`condcomp.executors.grouped_gemm`): no copies and no padding. Everywhere else examples are bucketed by
+``(k, k_kv)``: the number of
 active query heads and of key/value heads they use. Inside a bucket every example has the same shape of work, so
 the selected heads' weight slices are gathered per example and the block runs as batched matmuls (``torch.bmm``)
 and one SDPA call over ``(n, k, T, Dh)``; the output projection sums over the selected heads inside its matmul
@@ -250,7 +254,8 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
 class GatheredExecutor:
     """Computes only the selected heads: the work scales with the number of (row, head) pairs chosen.
 
-    Sequence plans run as batched matmuls per bucket of equal head count (no padding); token plans gather
+    Sequence plans run as grouped GEMMs over the selected (example, head) pairs on CPU (float32/float64, no
+    copies), elsewhere as batched matmuls per bucket of equal head count (no padding); token plans gather
     each head's selected tokens (padding bounded by the spread of per-example counts). Same semantics as the
     ``reference`` executor: outputs and gradients agree with it. One host synchronisation per call for sizing.
 

@@ -1,7 +1,7 @@
 """The gathered executor's packed-pairs path for sequence plans whose examples use different numbers of heads.
 
-Every selected (example, head) pair is one batch entry: its input rows, its head's fused q/k/v weight slice and
-its head's fused q/k/v weight slice are gathered, and the projections and attention run as one ``baddbmm`` and one
+Every selected (example, head) pair is one batch entry: its input rows and its head's fused q/k/v weight slice
+are gathered, and the projections and attention run as one ``baddbmm`` and one
 SDPA call over ``(P, 1, T, Dh)``. The output projection puts each example's heads side by side in ``max_k`` slots
 and runs one ``bmm`` per example (zero slots waste at most ``PAD_LIMIT`` times the needed work), or past that
 bound one ``bmm`` per pair summed into the examples with ``scatter_add_``. The number of
@@ -9,6 +9,11 @@ kernels is the same whatever the spread of k (bucketing by k repeats the whole b
 scheduling round per kernel on a loaded CPU); the price is ``P * T * D`` extra memory traffic for the gathered
 inputs and the per-pair outputs, with no padding (P is the exact number of selected pairs).
 Used for self-attention without GQA or a KV cache (the fused layout); other sequence calls use the buckets.
+
+:func:`sequence_pairs_grouped` is the same packing without the copies: on CPU (MKL's batch GEMM), each pair's
+projections read its example's input rows and its head's weights in place and each pair's output projection adds
+into its example's rows. It is the default there for variable-k plans; the copying version above stays for
+other devices when ``PACK_PAIRS`` is set.
 """
 
 from __future__ import annotations

@@ -131,20 +131,23 @@ class _PairProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, d_out: Tensor) -> tuple[Tensor | None, ...]:
         x, w, b_idx, h_idx = ctx.saved_tensors
-        (_, T, D), (H, N, _) = x.shape, w.shape
+        (_, T, D), (H, N, _), P = x.shape, w.shape, b_idx.numel()
         d_out = d_out.contiguous()  # (P, T, N)
-        pair = torch.arange(b_idx.numel(), device=x.device)
+        pair = torch.arange(P, device=x.device)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # dx[b] += d_out[p] @ w[h_p], one round per head slot of the examples
             dx = torch.zeros_like(x)
             for r in rounds(b_idx):
                 gemm_batch(d_out, pair[r] * (T * N), N, False, w, h_idx[r] * (N * D), D, False,
                            dx, b_idx[r] * (T * D), D, T, D, N, beta=1.0)
-        if ctx.needs_input_grad[1]:  # dw[h] += d_out[p]^T @ x[b_p], one round per example rank within a head
-            dw = torch.zeros_like(w)
-            for r in rounds(h_idx):
-                gemm_batch(d_out, pair[r] * (T * N), N, True, x, b_idx[r] * (T * D), D, False,
-                           dw, h_idx[r] * (N * D), D, N, D, T, beta=1.0)
+        if ctx.needs_input_grad[1]:  # dw[h] = sum over the pairs p of head h of d_out[p]^T @ x[b_p]
+            # Each pair's product into its own block, then a sum per head. Adding into dw in place needs one call
+            # per rank of a pair within its head (GEMMs of one call must not write the same block): measured
+            # slower at every shape tried (docs/performance.md, "Fifth round").
+            per_pair = x.new_empty(P, N, D)
+            gemm_batch(d_out, pair * (T * N), N, True, x, b_idx * (T * D), D, False, per_pair, pair * (N * D), D,
+                       N, D, T)
+            dw = torch.zeros_like(w).index_add_(0, h_idx, per_pair)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = d_out.new_zeros(H, N).index_add_(0, h_idx, d_out.sum(1))
         return dx, dw, db, None, None
@@ -178,11 +181,11 @@ class _PairOutput(torch.autograd.Function):
             do = o.new_empty(P, T, Dh)
             gemm_batch(dy, b_idx * (T * D), D, False, w_o, h_idx * Dh, HDh, False, do, pair * (T * Dh), Dh,
                        T, Dh, D)
-        if ctx.needs_input_grad[1]:  # dw_o[:, h block] += dy[b_p]^T @ o[p], one round per rank within a head
-            dw_o = torch.zeros_like(w_o)
-            for r in rounds(h_idx):
-                gemm_batch(dy, b_idx[r] * (T * D), D, True, o, pair[r] * (T * Dh), Dh, False,
-                           dw_o, h_idx[r] * Dh, HDh, D, Dh, T, beta=1.0)
+        if ctx.needs_input_grad[1]:  # dw_o[:, h block] = sum over the pairs p of head h of dy[b_p]^T @ o[p]
+            per_pair = o.new_empty(P, D, Dh)  # as for dw in _PairProjection: per pair, then a sum per head
+            gemm_batch(dy, b_idx * (T * D), D, True, o, pair * (T * Dh), Dh, False, per_pair, pair * (D * Dh), Dh,
+                       D, Dh, T)
+            dw_o = o.new_zeros(HDh // Dh, D, Dh).index_add_(0, h_idx, per_pair).transpose(0, 1).reshape(D, HDh)
         return do, dw_o, dy if ctx.needs_input_grad[2] else None, None, None
 
 
