@@ -95,14 +95,16 @@ def use_sequence_path(path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ran
 
 
-@pytest.mark.parametrize(("Hkv", "path", "causal"), [(8, "grouped", False), (8, "grouped", True), (8, "padded", False),
-                                                     (8, "scatter", True), (8, "buckets", False), (8, "buckets", True),
-                                                     (4, "buckets", True), (2, "buckets", False)])
+@pytest.mark.parametrize(("Hkv", "path", "causal"), [(8, "grouped", False), (8, "grouped", True), (4, "grouped", True),
+                                                     (2, "grouped", False), (8, "padded", False), (8, "scatter", True),
+                                                     (8, "buckets", False), (8, "buckets", True), (4, "buckets", True),
+                                                     (2, "buckets", False)])
 def test_sequence_many_buckets(Hkv: int, path: str, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Variable k (0, 1, 3, 3, 5, H) and, with GQA, variable key/value head counts: several buckets in one call.
 
-    Without GQA the fused layout runs as grouped GEMMs over the pairs, or (forced) as packed pairs with the
-    output projection padded per example or scattered per pair, or as one block per bucket. With GQA: buckets.
+    Grouped GEMMs over the pairs (with GQA: keys and values once per example and key/value head), or, forced,
+    one block per bucket, or (fused layout only) packed pairs with the output projection padded per example or
+    scattered per pair.
     """
     ran = use_sequence_path(path, monkeypatch)
     w, x, leaves = setup(Hkv=Hkv, causal=causal)
@@ -114,7 +116,7 @@ def test_sequence_many_buckets(Hkv: int, path: str, causal: bool, monkeypatch: p
     assert sum(n for _, _, n in sizes.buckets) == 6 and len(sizes.buckets) >= 5
     y = check(w, AttentionInputs(x=x, mask=mask, key_mask=mask), plan, {**leaves, "gates": gates})
     assert torch.equal(y[0], torch.zeros_like(y[0]))  # k = 0: exactly zero, no output bias
-    assert bool(ran) == (path == "grouped" and Hkv == 8)
+    assert bool(ran) == (path == "grouped")
 
 
 @pytest.mark.parametrize("path", ["grouped", "buckets", "padded", "scatter"])
@@ -176,9 +178,11 @@ def test_sequence_same_head_set_for_every_example(Hkv: int) -> None:
     check(w, inputs, plan, {**leaves, "gates": gates})
 
 
+@pytest.mark.parametrize("path", ["grouped", "buckets"])
 @pytest.mark.parametrize("Hkv", [8, 2])
-def test_sequence_rotary_kv_cache_and_bias(Hkv: int) -> None:
+def test_sequence_rotary_kv_cache_and_bias(Hkv: int, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rotary tables indexed per example, a KV cache (bottom-right causal) and a per-head additive bias."""
+    ran = use_sequence_path(path, monkeypatch)
     w, x, leaves = setup(Hkv=Hkv, causal=True)
     B, T, S = 6, 7, 10
     ks_ = torch.randn(B, Hkv, S, 4, dtype=torch.float64).requires_grad_()
@@ -193,6 +197,28 @@ def test_sequence_rotary_kv_cache_and_bias(Hkv: int) -> None:
     assert torch.equal(y[2, 3], torch.zeros_like(y[2, 3]))
     x2, leaves2 = x, {**leaves, "gates": gates}
     check(w, AttentionInputs(x=x2, rotary=rotary_tables(B, T, 4, torch.float64)), plan, leaves2)
+    assert len(ran) == (2 if path == "grouped" else 0)  # one gathered call per check
+
+
+@pytest.mark.parametrize("path", ["grouped", "buckets"])
+@pytest.mark.parametrize("one_source", [False, True])
+def test_sequence_cross_attention(path: str, one_source: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cross-attention with GQA: keys and values from separate tensors (widths 12 and 10), or both from one
+    (then grouped GEMMs project them together), S != T, a key padding mask with an all-padding example."""
+    ran = use_sequence_path(path, monkeypatch)
+    B, T, S = 4, 5, 8
+    w = make_weights(make_layout(H=4, Hkv=2, Dh=4, D=16, kdim=12, vdim=12 if one_source else 10))
+    x = torch.randn(B, T, 16, dtype=torch.float64).requires_grad_()
+    key = torch.randn(B, S, 12, dtype=torch.float64).requires_grad_()
+    value = None if one_source else torch.randn(B, S, 10, dtype=torch.float64).requires_grad_()
+    key_mask = torch.ones(B, S, dtype=torch.bool)
+    key_mask[1, 5:] = False
+    key_mask[3] = False
+    plan, gates = leaf_plan(seq_active([2, 0, 3, 1], 4))
+    leaves = {"x": x, "key": key, "gates": gates, **weight_leaves(w), **({} if value is None else {"value": value})}
+    y = check(w, AttentionInputs(x=x, key=key, value=value, key_mask=key_mask), plan, leaves)
+    assert torch.equal(y[3], torch.zeros_like(y[3]))  # no key to attend to: exactly zero
+    assert bool(ran) == (path == "grouped")
 
 
 @pytest.fixture(params=["by_set", "per_head"])

@@ -121,11 +121,11 @@ def spy_grouped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize(("dtype", "Hkv", "autocast", "grouped"), [
     (torch.float64, 8, False, True), (torch.float32, 8, False, True), (torch.bfloat16, 8, False, False),
-    (torch.float64, 2, False, False), (torch.float32, 8, True, False)])
+    (torch.float64, 2, False, True), (torch.float32, 8, True, False)])
 def test_executor_takes_grouped_gemms_only_where_they_run(dtype: torch.dtype, Hkv: int, autocast: bool,
                                                           grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Self-attention without GQA in float32/float64: grouped GEMMs. bfloat16 (MKL has no batch GEMM for it),
-    GQA and CPU autocast: the batched-matmul buckets. The answer matches the reference either way."""
+    """float32/float64, with or without GQA: grouped GEMMs. bfloat16 (MKL has no batch GEMM for it) and CPU
+    autocast: the batched-matmul buckets. The answer matches the reference either way."""
     calls = spy_grouped(monkeypatch)
     w = make_weights(make_layout(H=8, Hkv=Hkv, Dh=4, D=24), dtype)
     x = torch.randn(6, 7, 24, dtype=torch.float64).to(dtype)

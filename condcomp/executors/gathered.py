@@ -211,6 +211,16 @@ def _sequence_bucket(
     return torch.baddbmm(w.o_bias.expand(n, 1, -1), out, wo)  # every row of a k > 0 bucket gets the bias
 
 
+def grouped_gemm_runs(w: AttentionWeights, inputs: AttentionInputs) -> bool:
+    """Whether this call can take the grouped-GEMM path: CPU, float32/float64 (MKL's batch GEMMs), no autocast,
+    and every input, cache and weight in the query input's dtype."""
+    x = inputs.x
+    tensors = [inputs.key, inputs.value, inputs.key_states, inputs.value_states, w.q_weight, w.k_weight,
+               w.v_weight, w.o_weight]
+    return (grouped_gemm.available(x) and not torch.is_autocast_enabled(x.device.type)
+            and all(t.dtype == x.dtype and t.device == x.device for t in tensors if t is not None))
+
+
 def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, sizes: GatherSizes) -> Tensor:
     """``(B, T, D)`` for a sequence plan: each bucket of equal ``(k, k_kv)`` runs as one batched block."""
     x = inputs.x
@@ -226,7 +236,7 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
         from condcomp.executors.gathered_token import shared_set
 
         return zero_dead_rows(shared_set(w, inputs, plan, mask, list(sizes.shared_heads)), dead_rows(mask, B, T))
-    if fused and pairs > 0 and grouped_gemm.available(x) and not torch.is_autocast_enabled(x.device.type):
+    if pairs > 0 and grouped_gemm_runs(w, inputs):
         # CPU with MKL: grouped GEMMs read the pairs' input rows and weight blocks in place (no copies at all)
         return sequence_pairs_grouped(w, inputs, plan, mask, pairs)
     if len(sizes.buckets) == 1 and sizes.buckets[0][0] > 0:  # one shape of work: no gather of examples at all
