@@ -147,9 +147,12 @@ def test_falls_back_when_the_library_has_no_batch_gemm(monkeypatch: pytest.Monke
     plan, _ = leaf_plan(top_k_mask(torch.rand(6, 8), torch.tensor([0, 1, 3, 3, 5, 8])))
     want = get_executor("reference")(w, AttentionInputs(x=x), plan)
     monkeypatch.setattr(grouped_gemm, "_gemm_batch_symbol", lambda dtype: None)
+    assert grouped_gemm._detect() == frozenset()
+    monkeypatch.setattr(grouped_gemm, "_READY", grouped_gemm._detect())
     assert not grouped_gemm.available(x)
     torch.testing.assert_close(get_executor("gathered")(w, AttentionInputs(x=x), plan), want)
     assert calls == []
     monkeypatch.undo()
-    monkeypatch.setattr(grouped_gemm, "_passes_self_test", lambda dtype: False)
-    assert not grouped_gemm.available(x)
+    assert grouped_gemm._detect() == {torch.float32, torch.float64}
+    monkeypatch.setattr(grouped_gemm, "_passes_self_test", lambda dtype: dtype != torch.float64)
+    assert grouped_gemm._detect() == {torch.float32}

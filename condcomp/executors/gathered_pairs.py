@@ -107,6 +107,7 @@ def _output_per_pair(w: AttentionWeights, plan: HeadPlan, out: Tensor, b_idx: Te
     return y.scatter_add_(0, b_idx[:, None, None].expand(P, T, D), yp)  # (B, T, D)
 
 
+@torch.compiler.disable  # ctypes calls on raw pointers cannot be traced: one graph break, this part runs eagerly
 def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
                            pairs: int) -> Tensor:
     """``(B, T, D)`` through grouped GEMMs (CPU, MKL; grouped_gemm.py): every selected (example, head) pair's

@@ -65,10 +65,15 @@ def _passes_self_test(dtype: torch.dtype) -> bool:
     return torch.allclose(c, expect) and torch.allclose(ct.transpose(1, 2), a @ b)
 
 
+def _detect() -> frozenset[torch.dtype]:
+    """The dtypes whose batch GEMM this torch exports and passes the self-test."""
+    return frozenset(d for d in _SYMBOLS if _gemm_batch_symbol(d) is not None and _passes_self_test(d))
+
+
 def available(t: Tensor) -> bool:
-    """Whether grouped GEMMs can run on ``t``'s device and dtype here (CPU, float32/float64, MKL present)."""
-    return (ENABLED and t.device.type == "cpu" and t.dtype in _SYMBOLS and _gemm_batch_symbol(t.dtype) is not None
-            and _passes_self_test(t.dtype))
+    """Whether grouped GEMMs can run on ``t``'s device and dtype here (CPU, float32/float64, MKL present).
+    A plain lookup (detection ran at import), so that torch.compile traces it without a graph break."""
+    return ENABLED and t.device.type == "cpu" and t.dtype in _READY
 
 
 def gemm_batch(
@@ -96,6 +101,10 @@ def gemm_batch(
        ctypes.byref(_INT(k)), ctypes.byref(scalar(1.0)), ctypes.c_void_p(ptrs[0].data_ptr()), ctypes.byref(_INT(lda)),
        ctypes.c_void_p(ptrs[1].data_ptr()), ctypes.byref(_INT(ldb)), ctypes.byref(scalar(beta)),
        ctypes.c_void_p(ptrs[2].data_ptr()), ctypes.byref(_INT(ldc)), _INT(1), ctypes.byref(_INT(count)))
+
+
+# Detected once at import: loading the symbol (PyTorch's own library, already loaded) and two tiny GEMMs per dtype.
+_READY = _detect()
 
 
 def rounds(keys: Tensor) -> list[Tensor]:
