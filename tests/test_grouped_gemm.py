@@ -54,15 +54,28 @@ def test_gemm_batch_matches_mm_at_offsets_and_leading_dims(dtype: torch.dtype, t
 @pytest.mark.parametrize("keys", [[0, 0, 1, 2, 2, 2, 1], [3], [], [5, 5, 5, 5], [0, 1, 2, 3]])
 def test_rounds_put_each_key_once_per_round_in_order(keys: list[int]) -> None:
     t = torch.tensor(keys, dtype=torch.long)
-    got = rounds(t)
-    seen = torch.cat(got).tolist() if got else []
-    assert sorted(seen) == list(range(len(keys)))  # every position exactly once
-    for r, idx in enumerate(got):
-        ks = t[idx].tolist()
-        assert len(ks) == len(set(ks))  # no key twice in a round
-        for pos, key in zip(idx.tolist(), ks):  # round r holds the r-th occurrence of its key
+    order, sizes = rounds(t)
+    assert sorted(order.tolist()) == list(range(len(keys)))  # every position exactly once
+    assert sum(sizes) == len(keys) and len(sizes) == (max(keys.count(k) for k in keys) if keys else 0)
+    start = 0
+    for r, n in enumerate(sizes):
+        idx = order[start:start + n].tolist()
+        start += n
+        ks = [keys[pos] for pos in idx]
+        assert len(ks) == len(set(ks)) and ks == sorted(ks)  # no key twice in a round, in key order
+        for pos, key in zip(idx, ks):  # round r holds the r-th occurrence of its key
             assert keys[:pos].count(key) == r
-    assert len(got) == (max(keys.count(k) for k in keys) if keys else 0)
+
+
+def test_gemm_batch_chunks_accumulate_in_order() -> None:
+    """Three GEMMs adding into the same C, one per chunk: C = C0 + sum of the products."""
+    gen = torch.Generator().manual_seed(4)
+    A, Bm, C = (torch.randn(3, 4, 5, generator=gen), torch.randn(3, 5, 2, generator=gen),
+                torch.randn(1, 4, 2, generator=gen))
+    want = C[0] + sum(A[i] @ Bm[i] for i in range(3))
+    gemm_batch(A, torch.arange(3) * 20, 5, False, Bm, torch.arange(3) * 10, 2, False, C, torch.zeros(3).long(), 2,
+               4, 2, 5, beta=1.0, chunks=[1, 1, 1])
+    torch.testing.assert_close(C[0], want)
 
 
 def pairs_of(B: int, H: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -156,3 +169,20 @@ def test_falls_back_when_the_library_has_no_batch_gemm(monkeypatch: pytest.Monke
     assert grouped_gemm._detect() == {torch.float32, torch.float64}
     monkeypatch.setattr(grouped_gemm, "_passes_self_test", lambda dtype: dtype != torch.float64)
     assert grouped_gemm._detect() == {torch.float32}
+
+
+@pytest.mark.parametrize("min_copy", [0, 10**9])
+def test_one_bucket_plans_take_grouped_gemms_only_when_the_block_would_copy_enough(
+        min_copy: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every example with k = 3 (different heads): the single batched block unless the weights it would gather
+    reach ``MIN_GROUPED_COPY``; plans with several k take the grouped GEMMs at any size. Both equal the reference."""
+    monkeypatch.setattr(gathered_module, "MIN_GROUPED_COPY", min_copy)
+    calls = spy_grouped(monkeypatch)
+    w = make_weights(make_layout(H=8, Dh=4, D=24), torch.float64)
+    x = torch.randn(6, 7, 24, dtype=torch.float64)
+    for ks, grouped in (([3] * 6, min_copy == 0), ([1, 3, 3, 2, 3, 3], True)):
+        calls.clear()
+        plan, _ = leaf_plan(top_k_mask(torch.rand(6, 8), torch.tensor(ks)))
+        want = get_executor("reference")(w, AttentionInputs(x=x), plan)
+        torch.testing.assert_close(get_executor("gathered")(w, AttentionInputs(x=x), plan), want)
+        assert bool(calls) == grouped

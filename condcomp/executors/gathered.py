@@ -40,6 +40,13 @@ PACK_PAIRS = False
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# When every example uses the same number of heads, the buckets are one batched block that gathers no input rows,
+# only the selected heads' q/k/v weight slices (about pairs * 3 * Dh * D floats). Below this many the block beats
+# the grouped GEMMs' fixed cost: grouped/block measured 1.07-1.35x at 0.2-0.8 million floats, 0.96-1.17x at 1.6
+# million and 0.85-0.91x at 3.1 million (CPU, forward; docs/performance.md, "Fifth round"). Plans whose examples
+# use different numbers of heads take the grouped GEMMs at every size (0.78-0.97x the buckets).
+MIN_GROUPED_COPY = 2_000_000
+
 # Token plans over at most this many heads also read back how many rows chose each head set (a 2**H-bin
 # histogram in the same read), so the routed heads can be projected per head set (gathered_token.py).
 MAX_SET_HEADS = 12
@@ -236,10 +243,12 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
         from condcomp.executors.gathered_token import shared_set
 
         return zero_dead_rows(shared_set(w, inputs, plan, mask, list(sizes.shared_heads)), dead_rows(mask, B, T))
-    if pairs > 0 and grouped_gemm_runs(w, inputs):
+    one_bucket = len(sizes.buckets) == 1 and sizes.buckets[0][0] > 0
+    weights_copied = pairs * 3 * L.head_dim * x.shape[-1]  # what one bucket's block would gather
+    if pairs > 0 and grouped_gemm_runs(w, inputs) and (not one_bucket or weights_copied >= MIN_GROUPED_COPY):
         # CPU with MKL: grouped GEMMs read the pairs' input rows and weight blocks in place (no copies at all)
         return sequence_pairs_grouped(w, inputs, plan, mask, pairs)
-    if len(sizes.buckets) == 1 and sizes.buckets[0][0] > 0:  # one shape of work: no gather of examples at all
+    if one_bucket:  # one shape of work: no gather of examples at all
         k, kkv, _ = sizes.buckets[0]
         y = _sequence_bucket(w, inputs, plan, mask, None, k, kkv, fused_w)
     elif fused and pairs > 0 and PACK_PAIRS:  # variable k: one packed block instead of one block per bucket

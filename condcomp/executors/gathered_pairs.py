@@ -119,7 +119,7 @@ def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: H
     B, T, D_in = x.shape
     L = w.layout
     H, Dh = L.num_heads, L.head_dim
-    pid = torch.argsort((~plan.active.reshape(-1)).byte(), stable=True)[:pairs]  # (P,) b * H + h, ascending
+    pid = plan.active.reshape(-1).nonzero().squeeze(1)  # (P,) b * H + h, ascending (CPU: no synchronisation)
     b_idx = torch.div(pid, H, rounding_mode="floor")
     h_idx = pid - b_idx * H
     fresh_kv = inputs.key_states is None or inputs.value_states is None
@@ -144,7 +144,7 @@ def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: H
                                          is_causal=m.is_causal, scale=L.scale)  # (P, 1, T, Dh)
     if m.dead is not None:
         out = out.masked_fill(m.dead.unsqueeze(-1), 0.0)
-    gates = plan.gates[b_idx, h_idx].to(out.dtype)[:, None, None]  # (P, 1, 1)
+    gates = plan.gates.reshape(-1).index_select(0, pid).to(out.dtype)[:, None, None]  # (P, 1, 1)
     if torch.is_grad_enabled() and (out.requires_grad or gates.requires_grad):
         out = out.reshape(pairs, T, Dh) * gates
     else:  # inference: scale in place, no second (P, T, Dh) buffer

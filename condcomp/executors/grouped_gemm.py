@@ -80,11 +80,13 @@ def gemm_batch(
     a: Tensor, a_off: Tensor, lda: int, trans_a: bool,
     b: Tensor, b_off: Tensor, ldb: int, trans_b: bool,
     c: Tensor, c_off: Tensor, ldc: int,
-    m: int, n: int, k: int, beta: float = 0.0,
+    m: int, n: int, k: int, beta: float = 0.0, chunks: list[int] | None = None,
 ) -> None:
     """For every i: ``C_i = op(A_i) @ op(B_i) + beta * C_i`` with ``op(A_i)`` (m, k), ``op(B_i)`` (k, n) and
     ``C_i`` (m, n), row-major. ``X_i`` starts at element ``x_off[i]`` of contiguous tensor ``x`` and its rows are
-    ``ldx`` elements apart. The ``C_i`` must not overlap (MKL runs the GEMMs of a batch in parallel).
+    ``ldx`` elements apart. The GEMMs of one batch call run in parallel, so their ``C_i`` must not overlap;
+    ``chunks`` splits the GEMMs, in order, into consecutive batch calls of these sizes (GEMMs adding into the same
+    C go into different chunks; see :func:`rounds`). Default: one call.
 
     Offsets are int64 tensors; the caller guarantees every matrix lies inside its tensor (not checked per GEMM,
     which would cost a host loop)."""
@@ -94,28 +96,35 @@ def gemm_batch(
     fn = _gemm_batch_symbol(c.dtype)
     scalar = _SYMBOLS[c.dtype][1]
     size = c.element_size()
-    # pointer arrays: one int64 address per GEMM, read by MKL as `const float **`
+    # pointer arrays: one int64 address per GEMM, read by MKL as `const float **`; a chunk is a slice of them
     ptrs = [(t.data_ptr() + off * size).contiguous() for t, off in ((a, a_off), (b, b_off), (c, c_off))]
-    fn(_INT(_ROW_MAJOR), ctypes.byref(_INT(_TRANS if trans_a else _NO_TRANS)),
-       ctypes.byref(_INT(_TRANS if trans_b else _NO_TRANS)), ctypes.byref(_INT(m)), ctypes.byref(_INT(n)),
-       ctypes.byref(_INT(k)), ctypes.byref(scalar(1.0)), ctypes.c_void_p(ptrs[0].data_ptr()), ctypes.byref(_INT(lda)),
-       ctypes.c_void_p(ptrs[1].data_ptr()), ctypes.byref(_INT(ldb)), ctypes.byref(scalar(beta)),
-       ctypes.c_void_p(ptrs[2].data_ptr()), ctypes.byref(_INT(ldc)), _INT(1), ctypes.byref(_INT(count)))
+    start = 0
+    for n_gemms in chunks if chunks is not None else [count]:
+        pa, pb, pc = (ctypes.c_void_p(p.data_ptr() + start * 8) for p in ptrs)
+        fn(_INT(_ROW_MAJOR), ctypes.byref(_INT(_TRANS if trans_a else _NO_TRANS)),
+           ctypes.byref(_INT(_TRANS if trans_b else _NO_TRANS)), ctypes.byref(_INT(m)), ctypes.byref(_INT(n)),
+           ctypes.byref(_INT(k)), ctypes.byref(scalar(1.0)), pa, ctypes.byref(_INT(lda)), pb,
+           ctypes.byref(_INT(ldb)), ctypes.byref(scalar(beta)), pc, ctypes.byref(_INT(ldc)), _INT(1),
+           ctypes.byref(_INT(n_gemms)))
+        start += n_gemms
 
 
 # Detected once at import: loading the symbol (PyTorch's own library, already loaded) and two tiny GEMMs per dtype.
 _READY = _detect()
 
 
-def rounds(keys: Tensor) -> list[Tensor]:
-    """Positions of ``keys (P,)`` split into rounds in which no key repeats: round r holds the r-th occurrence of
-    every key (in order). GEMMs that accumulate into the matrix a key names run one round per batch call."""
+def rounds(keys: Tensor) -> tuple[Tensor, list[int]]:
+    """Positions of ``keys (P,)`` ordered round by round, and each round's size: round r holds the r-th occurrence
+    of every key that has one (in key order), so no key repeats within a round. GEMMs that add into the matrix a
+    key names run one batch call per round (``gemm_batch(..., chunks=sizes)``)."""
+    if not keys.numel():
+        return keys, []
     order = torch.argsort(keys, stable=True)
     sorted_keys = keys.index_select(0, order)
     counts = torch.bincount(sorted_keys)
     rank = torch.arange(keys.numel(), device=keys.device) - (torch.cumsum(counts, 0) - counts).index_select(
-        0, sorted_keys)
-    return [order[rank == r] for r in range(int(counts.max()))] if keys.numel() else []
+        0, sorted_keys)  # rank of order[i] among its key's occurrences
+    return order.index_select(0, torch.argsort(rank, stable=True)), torch.bincount(rank).tolist()
 
 
 class _PairProjection(torch.autograd.Function):
@@ -144,11 +153,11 @@ class _PairProjection(torch.autograd.Function):
         d_out = d_out.contiguous()  # (P, T, N)
         pair = torch.arange(P, device=x.device)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # dx[b] += d_out[p] @ w[h_p], one round per head slot of the examples
+        if ctx.needs_input_grad[0]:  # dx[b] += d_out[p] @ w[h_p], one call per head slot of the examples
             dx = torch.zeros_like(x)
-            for r in rounds(b_idx):
-                gemm_batch(d_out, pair[r] * (T * N), N, False, w, h_idx[r] * (N * D), D, False,
-                           dx, b_idx[r] * (T * D), D, T, D, N, beta=1.0)
+            order, sizes = rounds(b_idx)
+            gemm_batch(d_out, order * (T * N), N, False, w, h_idx.index_select(0, order) * (N * D), D, False,
+                       dx, b_idx.index_select(0, order) * (T * D), D, T, D, N, beta=1.0, chunks=sizes)
         if ctx.needs_input_grad[1]:  # dw[h] = sum over the pairs p of head h of d_out[p]^T @ x[b_p]
             # Each pair's product into its own block, then a sum per head. Adding into dw in place needs one call
             # per rank of a pair within its head (GEMMs of one call must not write the same block): measured
@@ -172,10 +181,9 @@ class _PairOutput(torch.autograd.Function):
         D, HDh = w_o.shape
         y = torch.empty(base.shape, dtype=o.dtype, device=o.device)
         y.copy_(base)  # a fresh tensor whatever base is (an expanded bias, a contiguous tensor)
-        pair = torch.arange(P, device=o.device)
-        for r in rounds(b_idx):  # one round per head slot: no two GEMMs of a call add into the same example
-            gemm_batch(o, pair[r] * (T * Dh), Dh, False, w_o, h_idx[r] * Dh, HDh, True,
-                       y, b_idx[r] * (T * D), D, T, D, Dh, beta=1.0)
+        order, sizes = rounds(b_idx)  # one call per head slot: no two GEMMs of a call add into the same example
+        gemm_batch(o, order * (T * Dh), Dh, False, w_o, h_idx.index_select(0, order) * Dh, HDh, True,
+                   y, b_idx.index_select(0, order) * (T * D), D, T, D, Dh, beta=1.0, chunks=sizes)
         ctx.save_for_backward(o, w_o, b_idx, h_idx)
         return y
 
