@@ -131,7 +131,7 @@ def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: H
         qkv = pair_projection(x, w_heads, b_heads, b_idx, h_idx)  # (P, T, 3Dh)
         q, k, v = qkv.view(pairs, T, 3, Dh).permute(2, 0, 1, 3).unsqueeze(2).unbind(0)  # each (P, 1, T, Dh)
     else:
-        q = pair_projection(x, w.q_weight.view(H, Dh, D_in), _per_head(w.q_bias, H, Dh), b_idx, h_idx)
+        q = pair_projection(x, w.q_weight.reshape(H, Dh, D_in), _per_head(w.q_bias, H, Dh), b_idx, h_idx)
         q = q.unsqueeze(1)  # (P, 1, T, Dh)
         k, v = _pair_keys_values(w, inputs, b_idx, h_idx)  # each (P, 1, S, Dh), rotary not yet applied
     if inputs.rotary is not None:
@@ -156,8 +156,8 @@ def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: H
 
 
 def _per_head(t: Tensor | None, n_heads: int, head_dim: int) -> Tensor | None:
-    """A ``(n_heads * Dh,)`` projection bias as ``(n_heads, Dh)`` (a view; None stays None)."""
-    return None if t is None else t.view(n_heads, head_dim, *t.shape[1:])
+    """A ``(n_heads * Dh,)`` projection bias as ``(n_heads, Dh)`` (None stays None)."""
+    return None if t is None else t.reshape(n_heads, head_dim)
 
 
 def _pair_keys_values(w: AttentionWeights, inputs: AttentionInputs, b_idx: Tensor,
@@ -172,7 +172,7 @@ def _pair_keys_values(w: AttentionWeights, inputs: AttentionInputs, b_idx: Tenso
     # pairs are sorted by example, then head, so their (example, key/value head) ids are non-decreasing
     kv_ids, which = torch.unique_consecutive(b_idx * Hkv + g_idx, return_inverse=True)  # (Pkv,), (P,)
     kb, kg = torch.div(kv_ids, Hkv, rounding_mode="floor"), kv_ids % Hkv
-    wk, wv = w.k_weight.view(Hkv, Dh, -1), w.v_weight.view(Hkv, Dh, -1)  # (Hkv, Dh, Dk), (Hkv, Dh, Dv)
+    wk, wv = w.k_weight.reshape(Hkv, Dh, -1), w.v_weight.reshape(Hkv, Dh, -1)  # (Hkv, Dh, Dk), (Hkv, Dh, Dv)
     if inputs.key_input is inputs.value_input:  # one GEMM per (example, kv head) for both: (Hkv, 2*Dh, Dk)
         bk, bv = _per_head(w.k_bias, Hkv, Dh), _per_head(w.v_bias, Hkv, Dh)
         bias = None

@@ -7,8 +7,9 @@ batched matmuls and a k-head block (docs/performance.md, "Fifth round"). PyTorch
 takes pointers (``torch._grouped_mm`` has no CPU backward in 2.13), but its x86 wheels link MKL statically and
 export the CBLAS symbols; this module calls them with ``ctypes``.
 
-Used only where it is safe to: CPU tensors, float32 or float64, and a library that passes a self-test against
-``torch.mm`` when first used (:func:`available`). Anywhere else the executor keeps its batched-matmul path.
+Used only where it is safe to: CPU tensors, float32 or float64, and a library that exports the symbol and passes
+a self-test against ``torch.mm`` at import (:func:`available`). Anywhere else the executor keeps its
+batched-matmul path.
 
 Two differentiable ops are built on it (``torch.autograd.Function``; their backward passes are grouped GEMMs too):
 
