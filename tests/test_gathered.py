@@ -1,9 +1,10 @@
 """The gathered executor against the per-head reference on the situations its packing has to get right.
 
 The registry-driven suite (test_core_executors.py) already compares it on the common cases; these add the
-paths specific to packing: several (k, k_kv) buckets at once, one bucket covering the batch, every example at
-k = 0, token plans whose shared heads run densely next to gathered routed heads, token plans with causal masks,
-rotary, GQA, per-head additive biases and a KV cache, and half-precision dtypes.
+paths specific to packing: the sequence plans' grouped GEMMs and buckets (each forced in turn), several (k, k_kv)
+buckets at once, one bucket covering the batch, every example at k = 0, cross-attention, token plans whose shared
+heads run densely next to gathered routed heads, token plans with causal masks, rotary, GQA, per-head additive
+biases and a KV cache, and half-precision dtypes.
 
 Tolerances (atol, rtol) per dtype: float64 (1e-10, 1e-9): only the summation order differs; float32 (2e-5, 1e-4);
 bfloat16 and float16 (3e-2, 3e-2) on outputs, ten times looser on gradients (conftest.TOLERANCES plus float16).
