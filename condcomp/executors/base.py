@@ -22,6 +22,11 @@ def project_kv(w: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Te
     return k, v
 
 
+def per_head(t: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """An ``(n_heads * Dh, ...)`` projection weight or bias as ``(n_heads, Dh, ...)`` (a view when contiguous)."""
+    return t.reshape(n_heads, head_dim, *t.shape[1:])
+
+
 def qkv_head_rows(w: AttentionWeights) -> tuple[Tensor, Tensor | None]:
     """Self-attention's q, k, v projections as ``(3H, Dh * D)`` head blocks (every head's q, then k, then v) and
     their biases ``(3H, Dh)`` (a missing one, e.g. no key bias, is zeros; None when there is none at all).

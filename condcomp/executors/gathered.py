@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from condcomp.executors import grouped_gemm
-from condcomp.executors.base import keep_gates_in_graph, qkv_head_rows, zero_dead_rows
+from condcomp.executors.base import keep_gates_in_graph, per_head, qkv_head_rows, zero_dead_rows
 from condcomp.executors.gathered_pairs import sequence_pairs, sequence_pairs_grouped
 from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, dead_rows
 from condcomp.registry import register_executor
@@ -123,11 +123,6 @@ def head_set_keys(active: Tensor) -> Tensor:
     return (active.long() * bits).sum(-1)
 
 
-def _per_head(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
-    """An ``(n_heads * Dh, D)`` projection as ``(n_heads, Dh, D)``."""
-    return w.view(n_heads, head_dim, w.shape[-1])
-
-
 def _project(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """``x (n, T, D) @ w (n, F, D)^T (+ b (n, F))`` -> ``(n, T, F)``."""
     if b is None:
@@ -177,7 +172,7 @@ def _sequence_bucket(
         q, kk, v = qkv.view(n, T, k, 3, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # each (n, k, T, Dh)
     else:
         q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, flat_heads).view(n, k * Dh)
-        q = _project(x, _per_head(w.q_weight, H, Dh).index_select(0, flat_heads).view(n, k * Dh, -1), q_bias)
+        q = _project(x, per_head(w.q_weight, H, Dh).index_select(0, flat_heads).view(n, k * Dh, -1), q_bias)
         q = q.view(n, T, k, Dh).transpose(1, 2)  # (n, k, T, Dh)
         kv_heads = heads if G == 1 else pick(torch.argsort((~kv_active(plan.active, Hkv)).byte(), dim=1, stable=True))
         kv_heads = kv_heads[:, :kkv]  # (n, kkv) the key/value heads this bucket needs, ascending
@@ -187,7 +182,7 @@ def _sequence_bucket(
         else:
             flat_kv = kv_heads.reshape(-1)  # (n*kkv,)
             kk, v = (
-                _project(pick(src), _per_head(wt, Hkv, Dh).index_select(0, flat_kv).view(n, kkv * Dh, -1),
+                _project(pick(src), per_head(wt, Hkv, Dh).index_select(0, flat_kv).view(n, kkv * Dh, -1),
                          None if bt is None else bt.view(Hkv, Dh).index_select(0, flat_kv).view(n, kkv * Dh))
                 .view(n, -1, kkv, Dh).transpose(1, 2)  # (n, kkv, S, Dh)
                 for src, wt, bt in ((inputs.key_input, w.k_weight, w.k_bias),
@@ -236,7 +231,6 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
     L = w.layout
     mask = build_attention_mask(inputs, L.causal, x.dtype)
     fused = inputs.key is None and inputs.value is None and inputs.key_states is None and L.group_size == 1
-    fused_w = qkv_head_rows(w) if fused else None
     Hkv = L.num_kv_heads
     pairs = sum(k * n for k, _, n in sizes.buckets)
     if sizes.shared_heads:  # one head set for the whole batch: a plain k-head block on shared weight slices
@@ -248,6 +242,7 @@ def sequence_gathered(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
     if pairs > 0 and grouped_gemm_runs(w, inputs) and (not one_bucket or weights_copied >= MIN_GROUPED_COPY):
         # CPU with MKL: grouped GEMMs read the pairs' input rows and weight blocks in place (no copies at all)
         return sequence_pairs_grouped(w, inputs, plan, mask, pairs)
+    fused_w = qkv_head_rows(w) if fused else None  # only now: the grouped path makes its own (separate q/k/v: a copy)
     if one_bucket:  # one shape of work: no gather of examples at all
         k, kkv, _ = sizes.buckets[0]
         y = _sequence_bucket(w, inputs, plan, mask, None, k, kkv, fused_w)

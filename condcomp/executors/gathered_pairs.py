@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.executors.base import qkv_head_rows, zero_dead_rows
+from condcomp.executors.base import per_head, qkv_head_rows, zero_dead_rows
 from condcomp.executors.grouped_gemm import pair_output, pair_projection
 from condcomp.masks import AttentionMask, apply_rotary, dead_rows
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
@@ -131,7 +131,7 @@ def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: H
         qkv = pair_projection(x, w_heads, b_heads, b_idx, h_idx)  # (P, T, 3Dh)
         q, k, v = qkv.view(pairs, T, 3, Dh).permute(2, 0, 1, 3).unsqueeze(2).unbind(0)  # each (P, 1, T, Dh)
     else:
-        q = pair_projection(x, w.q_weight.reshape(H, Dh, D_in), _per_head(w.q_bias, H, Dh), b_idx, h_idx)
+        q = pair_projection(x, per_head(w.q_weight, H, Dh), _bias_per_head(w.q_bias, H, Dh), b_idx, h_idx)
         q = q.unsqueeze(1)  # (P, 1, T, Dh)
         k, v = _pair_keys_values(w, inputs, b_idx, h_idx)  # each (P, 1, S, Dh), rotary not yet applied
     if inputs.rotary is not None:
@@ -155,9 +155,9 @@ def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: H
     return zero_dead_rows(y, dead_rows(mask, B, T))
 
 
-def _per_head(t: Tensor | None, n_heads: int, head_dim: int) -> Tensor | None:
-    """A ``(n_heads * Dh,)`` projection bias as ``(n_heads, Dh)`` (None stays None)."""
-    return None if t is None else t.reshape(n_heads, head_dim)
+def _bias_per_head(b: Tensor | None, n_heads: int, head_dim: int) -> Tensor | None:
+    """A ``(n_heads * Dh,)`` projection bias as ``(n_heads, Dh)``; a missing bias stays None."""
+    return None if b is None else per_head(b, n_heads, head_dim)
 
 
 def _pair_keys_values(w: AttentionWeights, inputs: AttentionInputs, b_idx: Tensor,
@@ -172,17 +172,17 @@ def _pair_keys_values(w: AttentionWeights, inputs: AttentionInputs, b_idx: Tenso
     # pairs are sorted by example, then head, so their (example, key/value head) ids are non-decreasing
     kv_ids, which = torch.unique_consecutive(b_idx * Hkv + g_idx, return_inverse=True)  # (Pkv,), (P,)
     kb, kg = torch.div(kv_ids, Hkv, rounding_mode="floor"), kv_ids % Hkv
-    wk, wv = w.k_weight.reshape(Hkv, Dh, -1), w.v_weight.reshape(Hkv, Dh, -1)  # (Hkv, Dh, Dk), (Hkv, Dh, Dv)
+    wk, wv = per_head(w.k_weight, Hkv, Dh), per_head(w.v_weight, Hkv, Dh)  # (Hkv, Dh, Dk), (Hkv, Dh, Dv)
     if inputs.key_input is inputs.value_input:  # one GEMM per (example, kv head) for both: (Hkv, 2*Dh, Dk)
-        bk, bv = _per_head(w.k_bias, Hkv, Dh), _per_head(w.v_bias, Hkv, Dh)
+        bk, bv = _bias_per_head(w.k_bias, Hkv, Dh), _bias_per_head(w.v_bias, Hkv, Dh)
         bias = None
         if bk is not None or bv is not None:  # a missing bias (e.g. no key bias) is zeros
             bias = torch.cat([wk.new_zeros(Hkv, Dh) if b is None else b for b in (bk, bv)], 1)
         kv = pair_projection(inputs.key_input, torch.cat([wk, wv], 1), bias, kb, kg)  # (Pkv, S, 2*Dh)
         k, v = kv.split(Dh, -1)
     else:
-        k = pair_projection(inputs.key_input, wk, _per_head(w.k_bias, Hkv, Dh), kb, kg)  # (Pkv, S, Dh)
-        v = pair_projection(inputs.value_input, wv, _per_head(w.v_bias, Hkv, Dh), kb, kg)
+        k = pair_projection(inputs.key_input, wk, _bias_per_head(w.k_bias, Hkv, Dh), kb, kg)  # (Pkv, S, Dh)
+        v = pair_projection(inputs.value_input, wv, _bias_per_head(w.v_bias, Hkv, Dh), kb, kg)
     if kv_ids.numel() < b_idx.numel():  # GQA: query heads of one example that share a key/value head
         k, v = k.index_select(0, which), v.index_select(0, which)
     return k.unsqueeze(1), v.unsqueeze(1)
