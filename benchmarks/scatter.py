@@ -1,0 +1,118 @@
+"""Native scatter-adds (``index_add_``, ``scatter_add_``) against torch-scatter on the gathered executor's shapes.
+
+The gathered executor sums packed rows back into their tokens or examples with native ``index_add_`` /
+``scatter_add_``. torch-scatter is an optional dependency only where it measurably wins; this script is the
+measurement (docs/performance.md, "Scatter"). torch-scatter has no wheels for current torch, so build it first
+(about 10 minutes on 2 cores):
+
+    pip install --no-build-isolation torch-scatter
+    python benchmarks/scatter.py --out results/scatter_cpu
+
+Every variant is checked against a float64 ``index_add`` before it is timed. Times are medians of ``--reps`` calls,
+each including a clone of the destination (timed alone as ``clone``), repeated ``--rounds`` times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+def median_ms(fn: Callable[[], Tensor], reps: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cases(gen: torch.Generator) -> list[tuple[str, Tensor, Tensor, Tensor]]:
+    """``(name, destination, index, source)``: destination rows ``index[i]`` receive ``source[i]``."""
+    def rows(n: int, d: int) -> Tensor:
+        return torch.randn(n, d, generator=gen)
+
+    B, T, D = 16, 256, 512
+    pairs = torch.sort(torch.randint(0, B, (64,), generator=gen)).values
+    return [
+        # token plans per head set: every token with a routed head once (a permutation of B*T rows)
+        ("token, per head set: B*T rows, each once", rows(B * T, D), torch.randperm(B * T, generator=gen),
+         rows(B * T, D)),
+        # token plans per head: two (token, head) pairs per token
+        ("token, per head: 2*B*T rows, each token twice", rows(B * T, D),
+         torch.randperm(2 * B * T, generator=gen) % (B * T), rows(2 * B * T, D)),
+        # sequence plans, one matmul per pair: 64 pairs' (T, D) outputs into their examples
+        ("sequence, per pair: 64 x (T, D) into B examples", torch.randn(B, T, D, generator=gen), pairs,
+         torch.randn(64, T, D, generator=gen)),
+    ]
+
+
+def variants(dest: Tensor, index: Tensor, src: Tensor) -> dict[str, Callable[[], Tensor]]:
+    """The timed calls of one case; each clones the destination first (the executor adds into a fresh tensor)."""
+    import torch_scatter  # optional: see the module docstring
+
+    expanded = index.view(-1, *[1] * (src.dim() - 1)).expand_as(src)
+    return {
+        "index_add_": lambda: dest.clone().index_add_(0, index, src),
+        "scatter_add_": lambda: dest.clone().scatter_add_(0, expanded, src),
+        "torch_scatter.scatter": lambda: torch_scatter.scatter(src, index, dim=0, out=dest.clone(), reduce="sum"),
+        "clone": lambda: dest.clone(),
+    }
+
+
+def run(reps: int, rounds: int) -> list[dict[str, object]]:
+    gen = torch.Generator().manual_seed(0)
+    records: list[dict[str, object]] = []
+    for name, dest, index, src in cases(gen):
+        calls = variants(dest, index, src)
+        expect = dest.double().index_add(0, index, src.double())
+        for variant, fn in calls.items():
+            if variant != "clone" and not torch.allclose(fn().double(), expect, atol=1e-4):
+                raise AssertionError(f"{variant} disagrees with the float64 reference on {name!r}")
+        for variant, fn in calls.items():
+            ms = [median_ms(fn, reps) for _ in range(rounds)]
+            records.append({"case": name, "variant": variant, "ms": [round(t, 3) for t in ms],
+                            "threads": torch.get_num_threads()})
+    return records
+
+
+def table(records: list[dict[str, object]]) -> str:
+    lines = ["| case | variant | ms (median per round) |", "|---|---|---|"]
+    lines += [f"| {r['case']} | {r['variant']} | {', '.join(f'{t:.2f}' for t in r['ms'])} |"  # type: ignore[attr-defined]
+              for r in records]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for metrics.json")
+    parser.add_argument("--reps", type=int, default=41)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    try:
+        import torch_scatter  # noqa: F401
+    except ImportError:
+        print("torch-scatter is not installed: pip install --no-build-isolation torch-scatter (compiles for about "
+              "10 minutes; there are no wheels for current torch)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    records = run(args.reps, args.rounds)
+    print(table(records))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "metrics.json").write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
