@@ -1,15 +1,16 @@
 """Native scatter-adds (``index_add_``, ``scatter_add_``) against torch-scatter on the gathered executor's shapes.
 
 The gathered executor sums packed rows back into their tokens or examples with native ``index_add_`` /
-``scatter_add_``. torch-scatter is an optional dependency only where it measurably wins; this script is the
-measurement (docs/performance.md, "Scatter"). torch-scatter has no wheels for current torch, so build it first
-(about 10 minutes on 2 cores):
+``scatter_add_``. It would take torch-scatter, as an optional dependency, only where that measurably wins; this
+script is the measurement (it does not: docs/performance.md, "Scatter"). torch-scatter has no wheels for current
+torch, so build it first (about 10 minutes on 2 cores):
 
     pip install --no-build-isolation torch-scatter
     python benchmarks/scatter.py --out results/scatter_cpu
 
-Every variant is checked against a float64 ``index_add`` before it is timed. Times are medians of ``--reps`` calls,
-each including a clone of the destination (timed alone as ``clone``), repeated ``--rounds`` times.
+Every variant is checked against a float64 ``index_add`` before it is timed. The variants are interleaved within each
+of ``--reps`` repetitions; a time is the median over them, each call including a clone of the destination (timed
+alone as ``clone``), and the whole is repeated ``--rounds`` times.
 """
 
 from __future__ import annotations
@@ -18,23 +19,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-
-def median_ms(fn: Callable[[], Tensor], reps: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from condcomp.bench_attention import time_group
 
 
 def cases(gen: torch.Generator) -> list[tuple[str, Tensor, Tensor, Tensor]]:
@@ -79,10 +70,11 @@ def run(reps: int, rounds: int) -> list[dict[str, object]]:
         for variant, fn in calls.items():
             if variant != "clone" and not torch.allclose(fn().double(), expect, atol=1e-4):
                 raise AssertionError(f"{variant} disagrees with the float64 reference on {name!r}")
-        for variant, fn in calls.items():
-            ms = [median_ms(fn, reps) for _ in range(rounds)]
-            records.append({"case": name, "variant": variant, "ms": [round(t, 3) for t in ms],
-                            "threads": torch.get_num_threads()})
+        # variants interleaved within each repetition (the attention benchmark's timer), medians per round
+        medians = [{v: statistics.median(times) for (v, _), (times, _) in
+                    time_group(calls, ("fwd",), reps, 5, torch.device("cpu"), []).items()} for _ in range(rounds)]
+        records += [{"case": name, "variant": v, "ms": [round(m[v], 3) for m in medians],
+                     "threads": torch.get_num_threads()} for v in calls]
     return records
 
 
