@@ -1,17 +1,18 @@
 """The gathered-sparse executor: only the selected (example, head) or (token, head) pairs are computed.
 
 Sequence plans (one head set per example, variable ``k``): when every example chose the same heads, one plain
-k-head block on those heads' weight slices. Otherwise, on CPU in float32/float64 for self-attention without GQA
-or a KV cache, grouped GEMMs over the selected (example, head) pairs read input rows and weight blocks in place
-(:func:`condcomp.executors.gathered_pairs.sequence_pairs_grouped`, MKL through
-:mod:`condcomp.executors.grouped_gemm`): no copies and no padding. Everywhere else examples are bucketed by
-``(k, k_kv)``: the number of
-active query heads and of key/value heads they use. Inside a bucket every example has the same shape of work, so
-the selected heads' weight slices are gathered per example and the block runs as batched matmuls (``torch.bmm``)
-and one SDPA call over ``(n, k, T, Dh)``; the output projection sums over the selected heads inside its matmul
-and each example's output row lands in place with ``index_copy_`` (examples belong to exactly one bucket: no
-scatter-add). There is no padding at all: the overhead over a k-head block is gathering ``4 * k * Dh * D``
-weights and the input rows per example. (``PACK_PAIRS`` switches to :mod:`condcomp.executors.gathered_pairs`.)
+k-head block on those heads' weight slices. Otherwise, on CPU in float32/float64 without autocast (self- and
+cross-attention, GQA, KV cache), grouped GEMMs over the selected (example, head) pairs read input rows and weight
+blocks in place (:func:`condcomp.executors.gathered_pairs.sequence_pairs_grouped`, MKL through
+:mod:`condcomp.executors.grouped_gemm`): no copies and no padding; a plan whose examples all have the same ``k``
+keeps the single bucket below while its weight copy is under ``MIN_GROUPED_COPY``. Everywhere else examples are
+bucketed by ``(k, k_kv)``: the number of active query heads and of key/value heads they use. Inside a bucket every
+example has the same shape of work, so the selected heads' weight slices are gathered per example and the block
+runs as batched matmuls (``torch.bmm``) and one SDPA call over ``(n, k, T, Dh)``; the output projection sums over
+the selected heads inside its matmul and each example's output row lands in place with ``index_copy_`` (examples
+belong to exactly one bucket: no scatter-add). There is no padding at all: the overhead over a k-head block is
+gathering ``4 * k * Dh * D`` weights and the input rows per example. (``PACK_PAIRS`` switches to
+:mod:`condcomp.executors.gathered_pairs`.)
 
 Token plans (MoH) are in :mod:`condcomp.executors.gathered_token`.
 

@@ -12,8 +12,9 @@ Used for self-attention without GQA or a KV cache (the fused layout); other sequ
 
 :func:`sequence_pairs_grouped` is the same packing without the copies: on CPU (MKL's batch GEMM), each pair's
 projections read its example's input rows and its head's weights in place and each pair's output projection adds
-into its example's rows. It is the default there for variable-k plans; the copying version above stays for
-other devices when ``PACK_PAIRS`` is set.
+into its example's rows. It is the default there (float32/float64, no autocast) for every plan with different
+head sets, and for one-k plans whose single bucket would copy at least ``gathered.MIN_GROUPED_COPY`` weight
+floats; the copying version above stays for other devices when ``PACK_PAIRS`` is set.
 """
 
 from __future__ import annotations

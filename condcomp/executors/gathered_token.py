@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.executors.base import add_output_bias, keep_gates_in_graph, zero_dead_rows
+from condcomp.executors.base import add_output_bias, keep_gates_in_graph, per_head, zero_dead_rows
 from condcomp.executors.gathered import GatherSizes, head_set_keys
 from condcomp.masks import AttentionMask, apply_rotary, build_attention_mask, causal_allowed, dead_rows, rotate_half
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
@@ -34,10 +34,15 @@ MAX_HEAD_SETS = 32
 MIN_SET_WORK = 100_000
 
 
+def _is_range(ix: list[int]) -> bool:
+    """Whether ``ix`` is a non-empty contiguous ascending range (then a slice selects it: a view, no copy)."""
+    return bool(ix) and ix == list(range(ix[0], ix[0] + len(ix)))
+
+
 def _rows(w: Tensor, heads: list[int], Dh: int) -> Tensor:
     """The ``Dh``-row blocks of ``heads`` of an ``(n * Dh, ...)`` weight or bias, concatenated (a view when the
     heads are a contiguous ascending range)."""
-    if heads and heads == list(range(heads[0], heads[0] + len(heads))):
+    if _is_range(heads):
         return w[heads[0] * Dh:(heads[0] + len(heads)) * Dh]
     return torch.cat([w[h * Dh:(h + 1) * Dh] for h in heads]) if heads else w[:0]
 
@@ -90,7 +95,7 @@ def _index(ix: list[int], device: torch.device) -> Tensor:
 
 def _take(t: Tensor, ix: list[int]) -> Tensor:
     """``t[:, ix]``, as a view when ``ix`` is a contiguous ascending range."""
-    if ix and ix == list(range(ix[0], ix[0] + len(ix))):
+    if _is_range(ix):
         return t[:, ix[0]:ix[0] + len(ix)]
     return t.index_select(1, _index(ix, t.device))
 
@@ -197,8 +202,8 @@ def _routed_by_set(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
     tok = by_set[sum(n for m, n in sets if not m):]  # (M,) rows with some routed head, grouped by set, ascending
     set_heads = [[j for j in range(nR) if m >> j & 1] for m, _ in chosen]
     heads = R.index_select(0, _index([j for hs in set_heads for j in hs], x.device))  # (sum r,) heads per set
-    wq = w.q_weight.view(H, Dh, D_in).index_select(0, heads)  # (sum r, Dh, D_in)
-    bq = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, heads)  # (sum r, Dh)
+    wq = per_head(w.q_weight, H, Dh).index_select(0, heads)  # (sum r, Dh, D_in)
+    bq = None if w.q_bias is None else per_head(w.q_bias, H, Dh).index_select(0, heads)  # (sum r, Dh)
     xs = x.reshape(B * T, D_in).index_select(0, tok)  # (M, D_in)
     # split (not slicing) so that backward joins the pieces' gradients with one cat instead of one full-size
     # zero-filled gradient per slice
