@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from condcomp.bench_attention import run, table
-from condcomp.executors import gathered_token
 from condcomp.executors.auto import get_executor
+from condcomp.executors.gathered import GatheredExecutor, tuning_for
 from condcomp.plans import plan_from_active, top_k_mask
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
@@ -57,23 +58,20 @@ def case(name: str, dtype: torch.dtype, dev: torch.device) -> tuple[AttentionWei
 
 def checks(dev: torch.device) -> list[dict]:
     results = []
-    ref, gat = get_executor("reference"), get_executor("gathered")
+    ref = get_executor("reference")
+    # token plans: the per-set route at these sizes (its size rule lifted), and forced per head
+    by_set = GatheredExecutor(tuning=replace(tuning_for(dev), min_set_work=0))
+    routes = {"token_per_head": GatheredExecutor(route="token.per_head")}
     for dtype in (torch.float32, torch.bfloat16):
         for name in CASES:
             torch.manual_seed(0)
             w, inputs, plan, leaves = case(name, dtype, dev)
             outs = []
-            kept = gathered_token.MAX_HEAD_SETS
-            if name == "token_per_head":  # the routed heads per head, not per head set (the path of larger H)
-                gathered_token.MAX_HEAD_SETS = 0
-            try:
-                for ex in (ref, gat):
-                    y = ex(w, inputs, plan)
-                    # the plan's gates are one graph shared by both executors: keep it for the second backward
-                    grads = torch.autograd.grad(y.float().square().sum(), leaves, retain_graph=True)
-                    outs.append([y, *grads])
-            finally:
-                gathered_token.MAX_HEAD_SETS = kept
+            for ex in (ref, routes.get(name, by_set)):
+                y = ex(w, inputs, plan)
+                # the plan's gates are one graph shared by both executors: keep it for the second backward
+                grads = torch.autograd.grad(y.float().square().sum(), leaves, retain_graph=True)
+                outs.append([y, *grads])
             for label, a, b in zip(["y", "x", "q_weight", "k_weight", "o_weight", "o_bias", "gates"], *outs):
                 a, b = a.detach().float(), b.detach().float()
                 err = float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))

@@ -10,7 +10,7 @@ from condcomp.api import apply_, aux_loss, head_usage, remove_, routed_modules, 
 from condcomp.attention import HeadAttention
 from condcomp.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_config, save_checkpoint
 from condcomp.config import CondCompConfig
-from condcomp.executors.auto import get_executor
+from condcomp.executors.auto import explain, get_executor
 from condcomp.plans import budget_k, full_plan, plan_from_active, plan_top_k, top_k_mask
 from condcomp.protocols import BudgetPolicy, Executor, Router
 from condcomp.registry import (
@@ -31,7 +31,7 @@ __all__ = [
     "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "CheckpointError",
     "CondCompConfig", "load_checkpoint", "read_checkpoint_config", "save_checkpoint",
     "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "RoutedAttention", "Router",
-    "apply_", "aux_loss", "budget_k", "full_plan", "get_executor", "head_usage", "list_executors",
+    "apply_", "aux_loss", "budget_k", "explain", "full_plan", "get_executor", "head_usage", "list_executors",
     "list_policies", "list_routers", "make_schedule", "plan_from_active", "plan_top_k", "register_adapter",
     "register_executor", "register_policy", "register_router", "remove_", "routed_modules", "set_progress",
     "top_k_mask",

@@ -23,6 +23,8 @@ class LastForward:
     mask: Tensor | None  # (B, T)
     T: int
     S: int
+    executor: str | None = None  # the executor (and gathered route) that ran
+    route: str | None = None
 
 
 class RoutedAttention(nn.Module):
@@ -110,7 +112,8 @@ class RoutedAttention(nn.Module):
         plan = plan.with_aux(budget.aux_losses)
         executor = resolve_executor(self.executor, weights, inputs, plan)
         y = executor(weights, inputs, plan)
-        self.last = LastForward(budget.s.detach(), _detached(plan), inputs.mask, inputs.x.shape[1], inputs.num_keys)
+        self.last = LastForward(budget.s.detach(), _detached(plan), inputs.mask, inputs.x.shape[1], inputs.num_keys,
+                                getattr(executor, "name", None), getattr(executor, "route", None))
         self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
         return y
 
@@ -132,7 +135,8 @@ class RoutedAttention(nn.Module):
         else:
             s_mean = float(s.mean()) if s.numel() else 0.0
         extra = routing_flops(self.condcomp_policy, last.T) + routing_flops(self.condcomp_router, last.T)
-        return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra))
+        return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra), last.executor,
+                         last.route)
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The last forward's (weighted) auxiliary losses, with their autograd graph."""

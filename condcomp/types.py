@@ -73,12 +73,16 @@ class HeadUsage:
     """Statistics of one layer's last forward, kept apart on purpose (see docs/concepts.md).
 
     ``s_mean``: predicted budget fraction; ``k_frac``: realised fraction of heads computed; ``flop_frac``:
-    analytic FLOPs of the plan (routing included) relative to dense attention.
+    analytic FLOPs of the plan (routing included) relative to dense attention; ``executor``: the executor that
+    ran it and ``route``: the gathered executor's route (why a plan did or did not run faster:
+    ``condcomp.explain`` says more).
     """
 
     s_mean: float
     k_frac: float
     flop_frac: float
+    executor: str | None = None
+    route: str | None = None
 
 
 @dataclass(frozen=True)

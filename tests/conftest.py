@@ -28,16 +28,6 @@ def _keep_torch_threads() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
-@pytest.fixture(autouse=True)
-def _per_set_token_path_at_toy_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gathered token path projects routed heads per head set only when the sets' matmuls are large
-    (``MIN_SET_WORK``); the tests' toy shapes never are. Lift the size rule so that every token test runs the
-    per-set path; ``test_gathered.routed_path`` forces the per-head path, and the rule has its own test."""
-    from condcomp.executors import gathered_token
-
-    monkeypatch.setattr(gathered_token, "MIN_SET_WORK", 0)
-
-
 @pytest.fixture
 def restore_registries() -> Iterator[None]:
     """Lets a test register throw-away components; the registries are put back afterwards."""

@@ -8,6 +8,7 @@ import json
 import statistics
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,30 +18,32 @@ from test_gathered import moh_active, seq_active
 
 import condcomp
 from condcomp.bench_attention import add_arguments, main, paired_ratio
-from condcomp.executors import auto
-from condcomp.executors.auto import get_executor, resolve_executor
-from condcomp.executors.gathered import gather_sizes
+from condcomp.executors.auto import explain, get_executor, resolve_executor
+from condcomp.executors.gathered import CPU, GatheredExecutor, gather_sizes
+from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs
 
 
-def test_auto_runs_dense_at_full_budget_and_gathered_below(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auto, "MIN_SKIPPED_WORK", {})  # toy sizes: the size rule is tested below
+def test_auto_runs_dense_at_full_budget_and_gathered_below() -> None:
+    """At toy sizes (the size rule lifted by the pool's tuning): dense attention at full budget, gathered below;
+    the dense-work bound of the tuning is where the choice flips."""
+    toy = replace(CPU, min_skipped_work_sequence=0, min_skipped_work_token=0)
+    pool = [GatheredExecutor(tuning=toy), get_executor("masked"), get_executor("reference")]
     w = make_weights(make_layout(H=8, Dh=4, D=32))
     x = torch.randn(4, 6, 32, dtype=torch.float64)
     full = condcomp.full_plan(4, 8, x.device)
-    assert resolve_executor("auto", w, AttentionInputs(x=x), full).name == "masked"
+    assert resolve_executor("auto", w, AttentionInputs(x=x), full, pool).name == "masked"
     sparse, _ = leaf_plan(seq_active([1, 2, 3, 2], 8))
-    chosen = resolve_executor("auto", w, AttentionInputs(x=x), sparse)
+    chosen = resolve_executor("auto", w, AttentionInputs(x=x), sparse, pool)
     assert chosen.name == "gathered"
     want = get_executor("reference")(w, AttentionInputs(x=x), sparse)
     torch.testing.assert_close(chosen(w, AttentionInputs(x=x), sparse), want, atol=1e-10, rtol=1e-9)
     token, _ = leaf_plan(moh_active(4, 6, 8, 1, 1))
-    assert resolve_executor("auto", w, AttentionInputs(x=x), token).name == "gathered"
-    assert auto.prefer_dense(1.0, "token") and not auto.prefer_dense(0.25, "sequence")
-    inference, training = auto.DENSE_WORK_FRACTION["sequence"]
-    for bound, train in ((inference, False), (training, True)):
-        assert auto.prefer_dense(bound, "sequence", train) and not auto.prefer_dense(bound - 0.01, "sequence", train)
+    assert resolve_executor("auto", w, AttentionInputs(x=x), token, pool).name == "gathered"
+    assert toy.prefers_dense(1.0, "token") and not toy.prefers_dense(0.25, "sequence")
+    bound = toy.dense_work_sequence
+    assert toy.prefers_dense(bound, "sequence") and not toy.prefers_dense(bound - 0.01, "sequence")
 
 
 @pytest.mark.parametrize("granularity", ["sequence", "token"])
@@ -59,9 +62,51 @@ def test_auto_runs_dense_when_the_call_is_too_small_to_pay(granularity: str) -> 
         share = gather_sizes(w, AttentionInputs(x=x), plan).work_fraction
         skipped[T] = (1 - share) * x.numel()
         picked[T] = resolve_executor("auto", w, AttentionInputs(x=x), plan).name
-    assert skipped[4] < auto.MIN_SKIPPED_WORK[granularity] <= skipped[1024]
+    bound = CPU.min_skipped_work_token if granularity == "token" else CPU.min_skipped_work_sequence
+    assert skipped[4] < bound <= skipped[1024]
     assert picked == {4: "masked", 1024: "gathered"}
-    assert auto.prefer_dense(0.25, granularity, size=None) is False  # no size given: the share alone decides
+    assert CPU.prefers_dense(0.25, granularity, size=None) is False  # no size given: the share alone decides
+
+
+def test_a_third_party_executor_competes_on_cost_and_explain_says_why(restore_registries: None) -> None:
+    """An executor that declares capabilities and a cost below everyone else's runs under auto; one whose
+    capabilities exclude the call is rejected with the capability named; ``explain`` lists every verdict and the
+    gathered executor's routes."""
+    w = make_weights(make_layout(H=8, Dh=8, D=64), torch.float32)
+    x = torch.randn(8, 256, 64)
+    plan, _ = leaf_plan(seq_active([2, 1, 3, 2, 1, 2, 2, 1], 8))
+    choice = explain(w, AttentionInputs(x=x), plan)
+    assert choice.executor == "gathered" and choice.route == "sequence.grouped"
+    assert dict(choice.routes)["sequence.shared_set"] == ["the examples chose different head sets"]
+    assert "masked: cost 1.00" in str(choice) and "route sequence.buckets: can run" in str(choice)
+
+    @register_executor("cheap")
+    class Cheap:
+        name = "cheap"
+        capabilities = Capabilities(granularities=("sequence",), devices=("cpu",))
+
+        def supports(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            return None
+
+        def estimate(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            return Estimate(0.01, note="made up")
+
+        def __call__(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            return get_executor("reference")(weights, inputs, plan)
+
+    assert resolve_executor("auto", w, AttentionInputs(x=x), plan).name == "cheap"
+    token, _ = leaf_plan(moh_active(8, 256, 8, 1, 1))
+    choice = explain(w, AttentionInputs(x=x), token)
+    assert choice.executor == "masked" and "cheap: cannot run: granularity 'token'" in str(choice)
+
+
+def test_head_usage_names_the_executor_and_route() -> None:
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.25}), router="random", executor="gathered")
+    layer = condcomp.RoutedAttention.wrap(condcomp.HeadAttention(64, 8), cfg)
+    layer(torch.randn(4, 64, 64))
+    usage = layer.head_usage()
+    assert usage is not None and usage.executor == "gathered"
+    assert usage.route in {"sequence.one_bucket", "sequence.grouped"}
 
 
 def test_auto_skips_executors_that_reject_and_lists_reasons(restore_registries: None) -> None:

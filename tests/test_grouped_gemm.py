@@ -8,14 +8,18 @@ then keeps its batched-matmul path, which test_gathered.py covers on its own.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from dataclasses import replace
+
 import pytest
 import torch
 from core_helpers import leaf_plan, make_layout, make_weights
 from torch import Tensor
 
-from condcomp.executors import gathered as gathered_module
 from condcomp.executors import grouped_gemm
 from condcomp.executors.auto import get_executor
+from condcomp.executors.gathered import CPU, GatheredExecutor
 from condcomp.executors.grouped_gemm import gemm_batch, pair_output, pair_projection, rounds
 from condcomp.plans import top_k_mask
 from condcomp.types import AttentionInputs
@@ -120,69 +124,59 @@ def test_pair_ops_gradients_by_finite_differences() -> None:
                                     (leaf(P, T, Dh), leaf(D, H * Dh), leaf(B, T, D)))
 
 
-def spy_grouped(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    real = gathered_module.sequence_pairs_grouped
-
-    def spy(*args: object) -> Tensor:
-        calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(gathered_module, "sequence_pairs_grouped", spy)
-    return calls
-
-
 @pytest.mark.parametrize(("dtype", "Hkv", "autocast", "grouped"), [
     (torch.float64, 8, False, True), (torch.float32, 8, False, True), (torch.bfloat16, 8, False, False),
     (torch.float64, 2, False, True), (torch.float32, 8, True, False)])
 def test_executor_takes_grouped_gemms_only_where_they_run(dtype: torch.dtype, Hkv: int, autocast: bool,
-                                                          grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                          grouped: bool) -> None:
     """float32/float64, with or without GQA: grouped GEMMs. bfloat16 (MKL has no batch GEMM for it) and CPU
     autocast: the batched-matmul buckets. The answer matches the reference either way."""
-    calls = spy_grouped(monkeypatch)
     w = make_weights(make_layout(H=8, Hkv=Hkv, Dh=4, D=24), dtype)
     x = torch.randn(6, 7, 24, dtype=torch.float64).to(dtype)
     plan, _ = leaf_plan(top_k_mask(torch.rand(6, 8), torch.tensor([0, 1, 3, 3, 5, 8])), dtype)
     with torch.no_grad():
         want = get_executor("reference")(w, AttentionInputs(x=x), plan).float()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            got = get_executor("gathered")(w, AttentionInputs(x=x), plan).float()
+            run = get_executor("gathered").prepare(w, AttentionInputs(x=x), plan)
+            got = run(w, AttentionInputs(x=x), plan).float()
     tol = 3e-2 if dtype == torch.bfloat16 or autocast else 1e-5
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    assert bool(calls) == grouped
+    assert (run.route == "sequence.grouped") == grouped
 
 
-def test_falls_back_when_the_library_has_no_batch_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A torch without the MKL symbol (or one failing the self-test): the batched-matmul path, same answers."""
-    calls = spy_grouped(monkeypatch)
+def test_falls_back_when_the_library_has_no_batch_gemm() -> None:
+    """A torch without the MKL symbol (or one failing the self-test) detects no dtype; with grouped GEMMs off the
+    executor takes the batched-matmul buckets, same answers."""
+    assert grouped_gemm._detect(symbol=lambda dtype: None) == frozenset()
+    assert grouped_gemm._detect() == {torch.float32, torch.float64}
+    assert grouped_gemm._detect(self_test=lambda dtype: dtype != torch.float64) == {torch.float32}
     w = make_weights(make_layout(H=8, Dh=4, D=24), torch.float64)
     x = torch.randn(6, 7, 24, dtype=torch.float64)
     plan, _ = leaf_plan(top_k_mask(torch.rand(6, 8), torch.tensor([0, 1, 3, 3, 5, 8])))
     want = get_executor("reference")(w, AttentionInputs(x=x), plan)
-    monkeypatch.setattr(grouped_gemm, "_gemm_batch_symbol", lambda dtype: None)
-    assert grouped_gemm._detect() == frozenset()
-    monkeypatch.setattr(grouped_gemm, "_READY", grouped_gemm._detect())
-    assert not grouped_gemm.available(x)
-    torch.testing.assert_close(get_executor("gathered")(w, AttentionInputs(x=x), plan), want)
-    assert calls == []
-    monkeypatch.undo()
-    assert grouped_gemm._detect() == {torch.float32, torch.float64}
-    monkeypatch.setattr(grouped_gemm, "_passes_self_test", lambda dtype: dtype != torch.float64)
-    assert grouped_gemm._detect() == {torch.float32}
+    run = GatheredExecutor(tuning=replace(CPU, grouped_gemm=False)).prepare(w, AttentionInputs(x=x), plan)
+    assert run.route == "sequence.buckets"
+    torch.testing.assert_close(run(w, AttentionInputs(x=x), plan), want)
+
+
+def test_self_test_runs_at_first_use_not_at_import() -> None:
+    """``import condcomp`` loads no library and runs no GEMM; ``ENABLED = False`` never runs the self-test."""
+    code = ("import torch, condcomp; from condcomp.executors import grouped_gemm as g; assert g._READY is None; "
+            "g.ENABLED = False; assert not g.available(torch.zeros(1)); assert g._READY is None; "
+            "g.ENABLED = True; assert g.available(torch.zeros(1)) and g._READY")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("min_copy", [0, 10**9])
-def test_one_bucket_plans_take_grouped_gemms_only_when_the_block_would_copy_enough(
-        min_copy: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_bucket_plans_take_grouped_gemms_only_when_the_block_would_copy_enough(min_copy: int) -> None:
     """Every example with k = 3 (different heads): the single batched block unless the weights it would gather
-    reach ``MIN_GROUPED_COPY``; plans with several k take the grouped GEMMs at any size. Both equal the reference."""
-    monkeypatch.setattr(gathered_module, "MIN_GROUPED_COPY", min_copy)
-    calls = spy_grouped(monkeypatch)
+    reach ``min_grouped_copy``; plans with several k take the grouped GEMMs at any size. Both equal the reference."""
+    gathered = GatheredExecutor(tuning=replace(CPU, min_grouped_copy=min_copy))
     w = make_weights(make_layout(H=8, Dh=4, D=24), torch.float64)
     x = torch.randn(6, 7, 24, dtype=torch.float64)
     for ks, grouped in (([3] * 6, min_copy == 0), ([1, 3, 3, 2, 3, 3], True)):
-        calls.clear()
         plan, _ = leaf_plan(top_k_mask(torch.rand(6, 8), torch.tensor(ks)))
         want = get_executor("reference")(w, AttentionInputs(x=x), plan)
-        torch.testing.assert_close(get_executor("gathered")(w, AttentionInputs(x=x), plan), want)
-        assert bool(calls) == grouped
+        run = gathered.prepare(w, AttentionInputs(x=x), plan)
+        torch.testing.assert_close(run(w, AttentionInputs(x=x), plan), want)
+        assert (run.route == "sequence.grouped") == grouped

@@ -1,38 +1,28 @@
-"""Executor lookup and ``executor="auto"``: the fastest registered executor that can run the call.
+"""Executor lookup and ``executor="auto"``: the cheapest registered executor that can run the call.
 
-``auto`` walks ``AUTO_PREFERENCE`` and keeps the executors whose ``supports()`` accepts the call (the error lists
-every rejection and its reason when none does). Between ``gathered`` and ``masked`` it decides from the plan:
-the gathered path reads back its packed sizes once per call anyway, and from them ``auto`` knows the share of the
-dense (query row, head) work the plan keeps. At or above ``DENSE_WORK_FRACTION`` of it (for example every head
-active, as in training under soft gates; the bound is set separately for calls where autograd records, whose
-backward changes the balance) there is nothing worth skipping and ``masked`` (= dense attention, one
-fused SDPA call) is faster; so it is when the call is so small that the work skipped, ``(1 - share) * B*T*D``,
-is below ``MIN_SKIPPED_WORK``. Otherwise ``gathered`` runs with the sizes already read, so ``auto`` costs no
-extra host synchronisation. The thresholds come from ``condcomp bench attention`` and timings at small sizes
-(docs/performance.md).
+``auto`` asks every registered executor whether it can run the call (its declared ``capabilities``, then
+``supports``) and, of those that can, for an ``estimate`` of its cost relative to dense attention: ``masked`` is
+dense attention (1.0), ``reference`` a loop over heads, ``gathered`` the share of the dense work the plan keeps (or
+just above 1.0 where its tuning says dense is faster: a high share, or a call too small to pay for packing). The
+cheapest runs, ties in ``AUTO_PREFERENCE`` order; executors without an estimate run only when no estimated one can.
+The gathered executor's estimate reads its sizes once, and the executor ``auto`` returns reuses them: ``auto`` costs
+no extra host synchronisation. :func:`explain` says what was chosen and why the others were not.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor
-
+from condcomp.protocols import Estimate
 from condcomp.registry import EXECUTORS
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
-# Preference of "auto", fastest first where it can run (docs/performance.md has the measurements).
+logger = logging.getLogger("condcomp")
+
+# Order of executors with equal estimated cost (and of those without an estimate); others follow by name.
 AUTO_PREFERENCE = ("gathered", "masked", "reference")
-
-# Kept share of the dense work at or above which "auto" runs "masked" instead of "gathered", per granularity,
-# (without autograd, with autograd): crossovers measured by `condcomp bench attention` (docs/performance.md).
-DENSE_WORK_FRACTION = {"sequence": (0.8, 0.8), "token": (0.65, 0.65)}
-
-# Skipped work, (1 - kept share) * B * T * D, below which "auto" runs "masked" whatever the share: in small calls
-# gathered's fixed cost (its host read, the kernels that pack and unpack) outweighs what it skips. Per
-# granularity, crossovers measured on CPU at toy-to-small sizes (docs/performance.md); the token path packs more.
-MIN_SKIPPED_WORK = {"sequence": 60_000, "token": 300_000}
 
 _INSTANCES: dict[str, Any] = {}
 
@@ -45,30 +35,81 @@ def get_executor(name: str) -> Any:
     return _INSTANCES[key]
 
 
-class _Sized:
-    """The gathered executor bound to the sizes ``auto`` already read back (no second host sync)."""
-
-    def __init__(self, executor: Any, sizes: Any) -> None:
-        self.executor, self.sizes, self.name = executor, sizes, executor.name
-
-    def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
-        return self.executor.run(weights, inputs, plan, self.sizes)
+def rejection(executor: Any, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> str | None:
+    """Why ``executor`` cannot run the call (its declared capabilities first), or None."""
+    caps = getattr(executor, "capabilities", None)
+    reasons = caps.reasons(inputs.x, plan.granularity) if caps is not None else []
+    return "; ".join(reasons) if reasons else executor.supports(weights, inputs, plan)
 
 
-def prefer_dense(work_fraction: float, granularity: str, training: bool = False, size: int | None = None) -> bool:
-    """Whether a plan keeping ``work_fraction`` of the dense work should run densely (``masked``).
+@dataclass
+class Choice:
+    """What ``auto`` (or a named executor) decided for one call; ``str()`` is the explanation."""
 
-    ``training``: autograd is recording, so a backward pass will follow (its crossover is measured separately).
-    ``size``: ``B * T * D`` of the call; when the work skipped is below ``MIN_SKIPPED_WORK``, dense it is.
-    """
-    inference, backward = DENSE_WORK_FRACTION.get(granularity, (1.0, 1.0))
-    if size is not None and (1.0 - work_fraction) * size < MIN_SKIPPED_WORK.get(granularity, 0):
-        return True
-    return work_fraction >= (backward if training else inference)
+    executor: str
+    instance: Any  # the executor object
+    run: Any  # what to call: (weights, inputs, plan) -> (B, T, D)
+    verdicts: list[tuple[str, str]] = field(default_factory=list)  # (executor, why it ran or did not)
+    routes: list[tuple[str, list[str]]] = field(default_factory=list)  # the chosen executor's routes, if any
+
+    @property
+    def route(self) -> str | None:
+        return getattr(self.run, "route", None)
+
+    def __str__(self) -> str:
+        lines = [f"runs {self.executor}" + (f" (route {self.route})" if self.route else "")]
+        lines += [f"  {name}: {why}" for name, why in self.verdicts]
+        lines += [f"  route {name}: {'; '.join(why) if why else 'can run'}" for name, why in self.routes]
+        return "\n".join(lines)
 
 
-def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
-    """The executor to run this call; raises with every rejection and its reason when none can.
+def _pool() -> list[Any]:
+    names = [n for n in AUTO_PREFERENCE if n in EXECUTORS.names()]
+    return [get_executor(n) for n in names + [n for n in EXECUTORS.names() if n not in names]]
+
+
+def choose(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
+           pool: list[Any] | None = None) -> Choice:
+    """The executor to run this call and why; raises with every rejection and its reason when none can.
+    ``pool``: the executors ``auto`` chooses among (default: every registered one)."""
+    if name != "auto":
+        executor = get_executor(name)
+        reason = rejection(executor, weights, inputs, plan)
+        if reason is not None:
+            raise RuntimeError(f"executor {name!r} cannot run this call: {reason}")
+        prepare = getattr(executor, "prepare", None)  # size and route now (the gathered executor)
+        return Choice(executor.name, executor, prepare(weights, inputs, plan) if callable(prepare) else executor)
+    verdicts: list[tuple[str, str]] = []
+    ranked: list[tuple[float, int, Any, Any]] = []
+    unranked = []
+    for order, executor in enumerate(pool if pool is not None else _pool()):
+        reason = rejection(executor, weights, inputs, plan)
+        estimate = getattr(executor, "estimate", None)
+        if reason is not None:
+            verdicts.append((executor.name, f"cannot run: {reason}"))
+        elif callable(estimate):
+            e: Estimate = estimate(weights, inputs, plan)
+            verdicts.append((executor.name, f"cost {e.cost:.2f}" + (f" ({e.note})" if e.note else "")))
+            ranked.append((e.cost, order, executor, e.run or executor))
+        else:
+            verdicts.append((executor.name, "no cost estimate"))
+            unranked.append(executor)
+    if ranked:
+        _, _, executor, run = min(ranked, key=lambda r: (r[0], r[1]))
+    elif unranked:
+        executor = run = unranked[0]
+    else:
+        raise RuntimeError("no executor can run this call:\n  " + "\n  ".join(f"{n}: {v}" for n, v in verdicts))
+    choice = Choice(executor.name, executor, run, verdicts)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("auto: %s", str(choice).replace("\n", ";"))
+    return choice
+
+
+def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
+                     pool: list[Any] | None = None) -> Any:
+    """The executor to run this call (called as ``executor(weights, inputs, plan)``; its ``name`` and, for the
+    gathered executor, ``route`` say what runs); raises with every rejection and its reason when none can.
 
     >>> import torch, condcomp
     >>> from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
@@ -78,34 +119,23 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
     >>> resolve_executor("auto", w, AttentionInputs(x=torch.randn(1, 3, 8)), full).name
     'masked'
     """
-    if name != "auto":
-        executor = get_executor(name)
-        reason = executor.supports(weights, inputs, plan)
-        if reason is not None:
-            raise RuntimeError(f"executor {name!r} cannot run this call: {reason}")
-        return executor
-    rejections = []
-    candidates = [n for n in AUTO_PREFERENCE if n in EXECUTORS.names()]
-    candidates += [n for n in EXECUTORS.names() if n not in candidates]
-    usable = []
-    for candidate in candidates:
-        executor = get_executor(candidate)
-        reason = executor.supports(weights, inputs, plan)
-        if reason is None:
-            usable.append(executor)
-        else:
-            rejections.append(f"{candidate}: {reason}")
-    if not usable:
-        raise RuntimeError("no executor can run this call:\n  " + "\n  ".join(rejections))
-    first = usable[0]
-    if first.name == "gathered" and hasattr(first, "sizes"):
-        dense = next((e for e in usable if e.name == "masked"), None)
-        if dense is not None and prefer_dense(0.0, plan.granularity, size=inputs.x.numel()):
-            return dense  # too small even if every head were skipped: no need for the sizes read
-        sizes = first.sizes(weights, inputs, plan)  # the one host read the gathered path needs anyway
-        training = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (inputs.x, weights.q_weight, plan.gates))
-        if dense is not None and prefer_dense(sizes.work_fraction, plan.granularity, training, inputs.x.numel()):
-            return dense
-        return _Sized(first, sizes)
-    return first
+    return choose(name, weights, inputs, plan, pool).run
+
+
+def explain(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, executor: str = "auto",
+            pool: list[Any] | None = None) -> Choice:
+    """Which executor (and route) runs this call and why every other did not; print it to read it.
+
+    >>> import torch, condcomp
+    >>> from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+    >>> L = HeadLayout(d_model=8, num_heads=2, num_kv_heads=2, head_dim=4, scale=0.5)
+    >>> w = AttentionWeights(L, torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8))
+    >>> plan = condcomp.plan_from_active(torch.tensor([[True, False]]))
+    >>> print(condcomp.explain(w, AttentionInputs(x=torch.randn(1, 3, 8)), plan).executor)
+    masked
+    """
+    choice = choose(executor, weights, inputs, plan, pool)
+    routes = getattr(choice.instance, "explain", None)
+    if callable(routes):
+        choice.routes = routes(weights, inputs, plan)
+    return choice

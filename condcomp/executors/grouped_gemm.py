@@ -8,8 +8,9 @@ takes pointers (``torch._grouped_mm`` has no CPU backward in 2.13), but its x86 
 export the CBLAS symbols; this module calls them with ``ctypes``.
 
 Used only where it is safe to: CPU tensors, float32 or float64, and a library that exports the symbol and passes
-a self-test against ``torch.mm`` at import (:func:`available`). Anywhere else the executor keeps its
-batched-matmul path.
+a self-test against ``torch.mm`` (:func:`available`; the self-test runs at the first call that asks, never at
+``import condcomp``, and not at all while ``ENABLED`` is False). Anywhere else the executor keeps its
+batched-matmul routes.
 
 Two differentiable ops are built on it (``torch.autograd.Function``; their backward passes are grouped GEMMs too):
 
@@ -33,7 +34,8 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values
 _SYMBOLS = {torch.float32: ("cblas_sgemm_batch", ctypes.c_float), torch.float64: ("cblas_dgemm_batch", ctypes.c_double)}
 _INT = ctypes.c_int  # MKL_INT of the LP64 interface PyTorch links (checked by the self-test)
 
-# Set to False to keep the gathered executor on its batched-matmul path everywhere (for A/B timing).
+# Set to False to keep the gathered executor on its batched-matmul routes everywhere (and skip the self-test).
+# Tests do not flip it: they choose a route by name or pass a GatheredTuning(grouped_gemm=False).
 ENABLED = True
 
 
@@ -66,15 +68,40 @@ def _passes_self_test(dtype: torch.dtype) -> bool:
     return torch.allclose(c, expect) and torch.allclose(ct.transpose(1, 2), a @ b)
 
 
-def _detect() -> frozenset[torch.dtype]:
-    """The dtypes whose batch GEMM this torch exports and passes the self-test."""
-    return frozenset(d for d in _SYMBOLS if _gemm_batch_symbol(d) is not None and _passes_self_test(d))
+def _detect(symbol: Any = None, self_test: Any = None) -> frozenset[torch.dtype]:
+    """The dtypes whose batch GEMM this torch exports and passes the self-test (``symbol`` and ``self_test``
+    replace the real lookups in tests: a build without MKL, a failing ABI check)."""
+    symbol, self_test = symbol or _gemm_batch_symbol, self_test or _passes_self_test
+    return frozenset(d for d in _SYMBOLS if symbol(d) is not None and self_test(d))
+
+
+_READY: frozenset[torch.dtype] | None = None  # set by the first call of available() (detection runs once)
+
+
+@torch.compiler.disable  # loads a library and runs GEMMs through ctypes: runs eagerly, once
+def _detect_once() -> frozenset[torch.dtype]:
+    global _READY
+    if _READY is None:
+        _READY = _detect()
+    return _READY
+
+
+def unavailable_reason(t: Tensor) -> str | None:
+    """Why grouped GEMMs cannot run on ``t``'s device and dtype here, or None when they can (CPU,
+    float32/float64, MKL's batch GEMM exported and passing its self-test, ``ENABLED``)."""
+    if not ENABLED:
+        return "grouped_gemm.ENABLED is False"
+    if t.device.type != "cpu" or t.dtype not in _SYMBOLS:
+        return f"grouped GEMMs run on CPU in float32/float64, not {t.device.type} {t.dtype}"
+    ready = _READY if _READY is not None else _detect_once()  # after the first call: a plain lookup (traceable)
+    if t.dtype not in ready:
+        return f"this torch build has no working MKL cblas batch GEMM for {t.dtype}"
+    return None
 
 
 def available(t: Tensor) -> bool:
-    """Whether grouped GEMMs can run on ``t``'s device and dtype here (CPU, float32/float64, MKL present).
-    A plain lookup (detection ran at import), so that torch.compile traces it without a graph break."""
-    return ENABLED and t.device.type == "cpu" and t.dtype in _READY
+    """Whether grouped GEMMs can run on ``t``'s device and dtype here (CPU, float32/float64, MKL present)."""
+    return unavailable_reason(t) is None
 
 
 def gemm_batch(
@@ -108,10 +135,6 @@ def gemm_batch(
            ctypes.byref(_INT(ldb)), ctypes.byref(scalar(beta)), pc, ctypes.byref(_INT(ldc)), _INT(1),
            ctypes.byref(_INT(n_gemms)))
         start += n_gemms
-
-
-# Detected once at import: loading the symbol (PyTorch's own library, already loaded) and two tiny GEMMs per dtype.
-_READY = _detect()
 
 
 def rounds(keys: Tensor) -> tuple[Tensor, list[int]]:

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from condcomp.executors.base import add_output_bias, project_kv, zero_dead_rows
 from condcomp.masks import apply_rotary, build_attention_mask, dead_rows
+from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
@@ -42,9 +43,13 @@ class MaskedExecutor:
 
     name = "masked"
     granularities = ("sequence", "token")
+    capabilities = Capabilities()
 
     def supports(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> str | None:
         return None
+
+    def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
+        return Estimate(1.0, note="dense attention over every head")
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         out, dead = all_heads_attention(weights, inputs)  # (B, H, T, Dh)

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from condcomp.executors.base import add_output_bias, gate_of_head, project_kv, zero_dead_rows
 from condcomp.masks import apply_rotary, build_attention_mask, dead_rows
+from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
@@ -26,9 +27,14 @@ class ReferenceExecutor:
 
     name = "reference"
     granularities = ("sequence", "token")
+    capabilities = Capabilities()
 
     def supports(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> str | None:
         return None
+
+    def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
+        # every head, one kernel sequence per head with an explicit softmax: several times dense attention
+        return Estimate(2.0 * weights.layout.num_heads, note="one head at a time (the oracle)")
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         x = inputs.x

@@ -1,0 +1,74 @@
+"""The gathered executor's tuning: every threshold that picks a route, as one frozen object per device.
+
+The CPU values were measured on a 2-core x86 CPU with MKL (``condcomp bench attention`` and the A/B scripts in
+benchmarks/; docs/performance.md has the tables). No GPU run has set the CUDA values yet: they are the CPU values,
+marked ``measured=False`` so reports can say so. A :class:`GatheredExecutor` holds one (``tuning=``) or picks the
+one of the call's device; tests pass their own instead of rewriting module globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class GatheredTuning:
+    """Thresholds of the gathered executor's routes and of its cost estimate for ``executor="auto"``.
+
+    - ``min_grouped_copy``: a sequence plan whose examples all use the same number of heads runs as one batched
+      block, gathering about ``pairs * 3 * Dh * D`` weight floats, while that is below this; at or above it, grouped
+      GEMMs (grouped/block measured 1.07-1.35x at 0.2-0.8 million floats, 0.85-0.91x at 3.1 million).
+    - ``grouped_gemm``: use MKL's grouped GEMMs where the build has them (False: the batched-matmul routes only).
+    - ``dense_head_rows``: token plans: a head chosen by at least this share of the query rows runs densely.
+    - ``max_set_heads``: token plans with at most this many heads also count rows per head set (a ``2**H``-bin
+      histogram in the one host read), which the per-set route needs.
+    - ``max_head_sets``: the per-set route runs while the rows chose at most this many distinct routed-head sets
+      (MoH's top-2 of 6 makes 15).
+    - ``min_set_work``: ... and while mean rows per set times the model width is at least this (per-set/per-head
+      measured 0.99-1.08x at about 70,000, 0.81-0.98x from 140,000 on).
+    - ``dense_work_sequence`` / ``dense_work_token``: ``auto`` prefers dense attention (``masked``) when the plan
+      keeps at least this share of the dense (query row, head) work.
+    - ``min_skipped_work_sequence`` / ``min_skipped_work_token``: ... or when the work it skips,
+      ``(1 - share) * B*T*D``, is below this (gathered's fixed cost outweighs it in small calls).
+    - ``measured``: whether these values were measured on this kind of device.
+
+    >>> tuning_for(torch.device("cpu")).measured
+    True
+    """
+
+    device: str = "cpu"
+    measured: bool = True
+    min_grouped_copy: int = 2_000_000
+    grouped_gemm: bool = True
+    dense_head_rows: float = 0.8
+    max_set_heads: int = 12
+    max_head_sets: int = 32
+    min_set_work: int = 100_000
+    dense_work_sequence: float = 0.8
+    dense_work_token: float = 0.65
+    min_skipped_work_sequence: int = 60_000
+    min_skipped_work_token: int = 300_000
+
+    def prefers_dense(self, work_fraction: float, granularity: str, size: int | None = None) -> bool:
+        """Whether a plan keeping ``work_fraction`` of the dense work runs faster densely; ``size`` is ``B*T*D``
+        (None: the share alone decides)."""
+        token = granularity == "token"
+        min_skipped = self.min_skipped_work_token if token else self.min_skipped_work_sequence
+        if size is not None and (1.0 - work_fraction) * size < min_skipped:
+            return True
+        return work_fraction >= (self.dense_work_token if token else self.dense_work_sequence)
+
+
+CPU = GatheredTuning()
+CUDA = replace(CPU, device="cuda", measured=False)  # not measured: the CPU values until a GPU run sets them
+
+
+def tuning_for(device: torch.device) -> GatheredTuning:
+    """The tuning of a device type (an unmeasured copy of the CPU values for anything but CPU and CUDA)."""
+    if device.type == "cpu":
+        return CPU
+    if device.type == "cuda":
+        return CUDA
+    return replace(CPU, device=device.type, measured=False)
