@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
-from condcomp.registry import POLICIES, ROUTERS
-from condcomp.routed import RoutedAttention
+from condcomp.registry import POLICIES
+from condcomp.routed import RoutedAttention, layer_facts, wrap_module  # noqa: F401  (wrap_module: its old home)
 from condcomp.types import HeadUsage
 
 
@@ -23,44 +22,10 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern
 
 
-def _layer_facts(adapter: Any) -> dict[str, int]:
-    L = adapter.layout
-    return {"d_model": L.d_model, "num_heads": L.num_heads, "num_kv_heads": L.num_kv_heads, "head_dim": L.head_dim}
-
-
 def _head_count(module: nn.Module) -> int:
     adapter_cls = find_adapter(module)
     assert adapter_cls is not None
     return adapter_cls(module).layout.num_heads
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module") -> RoutedAttention:
-    """One supported attention module -> RoutedAttention (components built from ``config``)."""
-    adapter_cls = find_adapter(module)
-    if adapter_cls is None:
-        raise TypeError(f"{name} ({type(module).__qualname__}) is not a supported attention module; "
-                        f"supported: {', '.join(supported_classes())}")
-    reason = adapter_cls.unsupported_reason(module)
-    if reason is not None:
-        raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): {reason}")
-    adapter = adapter_cls(module)
-    facts = _layer_facts(adapter)
-    device = _module_device(module)
-    if policy is None:
-        policy = POLICIES.build(config.policy[0], config.policy[1], facts)
-    router = ROUTERS.build(config.router[0], config.router[1], facts)
-    for component in (policy, router):
-        if isinstance(component, nn.Module):
-            component.to(device)  # routing stays float32 whatever the model's dtype (decisions need the range)
-    routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
-    routed.condcomp_config = config  # what built it: saving a wrapped model needs no config passed back in
-    return routed
 
 
 def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
@@ -131,7 +96,7 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
             first = model.get_submodule(chosen[0])
             adapter_cls = find_adapter(first)
             assert adapter_cls is not None
-            shared = POLICIES.build(config.policy[0], config.policy[1], _layer_facts(adapter_cls(first)))
+            shared = POLICIES.build(config.policy[0], config.policy[1], layer_facts(adapter_cls(first)))
         built = {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
     except Exception:
         if not wrapped:  # an earlier apply_'s preparation must survive this call's failure

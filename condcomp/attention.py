@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter, register_adapter
-from condcomp.executors.masked import all_heads_attention
+from condcomp.dense import all_heads_attention
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from condcomp.registry import EXECUTORS, POLICIES, ROUTERS
@@ -63,7 +63,6 @@ class CondCompConfig:
     exclude_modules: Any = None
     share_policy: bool = False
     check_inputs: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.policy = normalize_spec(self.policy, "policy")
@@ -86,6 +85,8 @@ class CondCompConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CondCompConfig:
+        if d.get("extra") == {}:  # configs written by 0.1 carry an always-empty ``extra`` that nothing read
+            d = {k: v for k, v in d.items() if k != "extra"}
         return dataclass_from_dict(cls, d, "CondCompConfig")
 
     def to_json(self) -> str:

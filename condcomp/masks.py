@@ -1,4 +1,4 @@
-"""Attention masks and rotary embeddings in the one form every executor consumes."""
+"""Attention masks in the one form every executor consumes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from condcomp.rotary import apply_rotary, rotate_half  # noqa: F401  (their old home: kept importable)
 from condcomp.types import AttentionInputs
 
 
@@ -83,13 +84,3 @@ def dead_rows(mask: AttentionMask, B: int, T: int) -> Tensor | None:
     if mask.dead is None:
         return None
     return mask.dead.all(1).expand(B, T)
-
-
-def rotate_half(t: Tensor) -> Tensor:
-    a, b = t.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def apply_rotary(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half rotary embedding of ``t (N, h, T, Dh)`` with ``cos``/``sin`` ``(N, T, Dh)``."""
-    return t * cos.unsqueeze(1) + rotate_half(t) * sin.unsqueeze(1)

@@ -8,9 +8,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from condcomp.adapters import AttentionAdapter
+from condcomp.adapters import AttentionAdapter, find_adapter, supported_classes
+from condcomp.config import CondCompConfig
 from condcomp.executors.auto import resolve_executor
 from condcomp.flops import flop_fraction, routing_flops
+from condcomp.registry import POLICIES, ROUTERS
 from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 
 
@@ -79,9 +81,6 @@ class RoutedAttention(nn.Module):
     @classmethod
     def wrap(cls, module: nn.Module, config: Any = None, policy: Any = None) -> RoutedAttention:
         """Wrap one supported attention module (``policy`` lets several layers share one)."""
-        from condcomp.api import wrap_module
-        from condcomp.config import CondCompConfig
-
         return wrap_module(module, config or CondCompConfig(), policy)
 
     @property
@@ -214,3 +213,38 @@ def _check_context(inputs: AttentionInputs, L: HeadLayout, B: int, T: int, S: in
     for t in inputs.rotary or ():
         if t.dim() != 3 or t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (T, L.head_dim):
             raise ValueError(f"rotary cos/sin must be (B, T, Dh) = {(B, T, L.head_dim)}, got {tuple(t.shape)}")
+
+
+def layer_facts(adapter: Any) -> dict[str, int]:
+    """The layer facts a component constructor may ask for (``registry.LAYER_FACTS``)."""
+    L = adapter.layout
+    return {"d_model": L.d_model, "num_heads": L.num_heads, "num_kv_heads": L.num_kv_heads, "head_dim": L.head_dim}
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module") -> RoutedAttention:
+    """One supported attention module -> RoutedAttention (components built from ``config``)."""
+    adapter_cls = find_adapter(module)
+    if adapter_cls is None:
+        raise TypeError(f"{name} ({type(module).__qualname__}) is not a supported attention module; "
+                        f"supported: {', '.join(supported_classes())}")
+    reason = adapter_cls.unsupported_reason(module)
+    if reason is not None:
+        raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): {reason}")
+    adapter = adapter_cls(module)
+    facts = layer_facts(adapter)
+    device = _module_device(module)
+    if policy is None:
+        policy = POLICIES.build(config.policy[0], config.policy[1], facts)
+    router = ROUTERS.build(config.router[0], config.router[1], facts)
+    for component in (policy, router):
+        if isinstance(component, nn.Module):
+            component.to(device)  # routing stays float32 whatever the model's dtype (decisions need the range)
+    routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
+    routed.condcomp_config = config  # what built it: saving a wrapped model needs no config passed back in
+    return routed

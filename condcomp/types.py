@@ -12,6 +12,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from condcomp.rotary import apply_rotary
+
 Granularity = Literal["sequence", "token"]
 
 
@@ -135,8 +137,6 @@ class AttentionWeights:
         q = torch.nn.functional.linear(x, self.q_weight, self.q_bias)
         q = q.unflatten(-1, (self.layout.num_heads, self.layout.head_dim))  # (B, T, H, Dh)
         if rotary is not None:
-            from condcomp.masks import apply_rotary
-
             q = apply_rotary(q.transpose(1, 2), *rotary).transpose(1, 2)
         return q
 

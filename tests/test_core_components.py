@@ -184,3 +184,11 @@ def test_config_json_round_trip_for_every_component(kind: str) -> None:
         again = condcomp.CondCompConfig.from_json(cfg.to_json())
         assert again == cfg, name
         assert condcomp.CondCompConfig.from_dict(cfg.to_dict()) == cfg, name
+
+
+def test_config_from_a_0_1_file_with_the_empty_extra_field() -> None:
+    """0.1 wrote an always-empty ``extra`` field (nothing read it; it is gone): such configs still load."""
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random")
+    assert condcomp.CondCompConfig.from_dict({**cfg.to_dict(), "extra": {}}) == cfg
+    with pytest.raises(ValueError, match="extra"):
+        condcomp.CondCompConfig.from_dict({**cfg.to_dict(), "extra": {"x": 1}})

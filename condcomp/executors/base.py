@@ -1,25 +1,12 @@
-"""Steps every executor shares: key/value projection, output bias and dead-row handling."""
+"""Steps every executor shares: per-head weight views, output bias and dead-row handling (the key/value
+projection is in condcomp/dense.py)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.masks import apply_rotary
-from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
-
-
-def project_kv(w: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
-    """Keys and values of every key/value head, ``(B, Hkv, S, Dh)`` each (rotary applied to keys)."""
-    if inputs.key_states is not None and inputs.value_states is not None:
-        return inputs.key_states, inputs.value_states
-    Hkv, Dh = w.layout.num_kv_heads, w.layout.head_dim
-    k = F.linear(inputs.key_input, w.k_weight, w.k_bias).unflatten(-1, (Hkv, Dh)).transpose(1, 2)
-    v = F.linear(inputs.value_input, w.v_weight, w.v_bias).unflatten(-1, (Hkv, Dh)).transpose(1, 2)
-    if inputs.rotary is not None:
-        k = apply_rotary(k, *inputs.rotary)
-    return k, v
+from condcomp.types import AttentionWeights, HeadPlan
 
 
 def per_head(t: Tensor, n_heads: int, head_dim: int) -> Tensor:

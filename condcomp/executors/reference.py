@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.executors.base import add_output_bias, gate_of_head, project_kv, zero_dead_rows
-from condcomp.masks import apply_rotary, build_attention_mask, dead_rows
+from condcomp.dense import project_kv
+from condcomp.executors.base import add_output_bias, gate_of_head, zero_dead_rows
+from condcomp.masks import build_attention_mask, dead_rows
 from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
+from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.masks import AttentionMask, apply_rotary
+from condcomp.masks import AttentionMask
+from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, AttentionWeights
 
 

@@ -22,7 +22,8 @@ from condcomp.executors.gathered.blocks import batched_project, heads_block, pro
 from condcomp.executors.gathered.call import GatheredCall, Route
 from condcomp.executors.gathered.sequence_grouped import sequence_pairs_grouped
 from condcomp.executors.gathered.sizing import kv_active
-from condcomp.masks import AttentionMask, apply_rotary, dead_rows
+from condcomp.masks import AttentionMask, dead_rows
+from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from condcomp.executors.base import per_head, qkv_head_rows, zero_dead_rows
 from condcomp.executors.grouped_gemm import pair_output, pair_projection
-from condcomp.masks import AttentionMask, apply_rotary, dead_rows
+from condcomp.masks import AttentionMask, dead_rows
+from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 

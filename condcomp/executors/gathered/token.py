@@ -27,7 +27,8 @@ from condcomp.executors.base import add_output_bias, keep_gates_in_graph, per_he
 from condcomp.executors.gathered.blocks import heads_block, heads_of, index, project_heads, take
 from condcomp.executors.gathered.call import GatheredCall, Route
 from condcomp.executors.gathered.sizing import head_set_keys
-from condcomp.masks import causal_allowed, dead_rows, rotate_half
+from condcomp.masks import causal_allowed, dead_rows
+from condcomp.rotary import rotate_half
 
 RoutedPart = Callable[[GatheredCall, int, Tensor, Tensor, Tensor], None]  # call, slots, keys, values, y
 

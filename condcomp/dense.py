@@ -1,0 +1,44 @@
+"""Dense multi-head attention over every head: what the unwrapped ``HeadAttention`` computes and what the
+``masked`` executor gates afterwards (one place, so the two cannot drift apart)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from condcomp.masks import build_attention_mask, dead_rows
+from condcomp.rotary import apply_rotary
+from condcomp.types import AttentionInputs, AttentionWeights
+
+
+def project_kv(w: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+    """Keys and values of every key/value head, ``(B, Hkv, S, Dh)`` each (rotary applied to keys)."""
+    if inputs.key_states is not None and inputs.value_states is not None:
+        return inputs.key_states, inputs.value_states
+    Hkv, Dh = w.layout.num_kv_heads, w.layout.head_dim
+    k = F.linear(inputs.key_input, w.k_weight, w.k_bias).unflatten(-1, (Hkv, Dh)).transpose(1, 2)
+    v = F.linear(inputs.value_input, w.v_weight, w.v_bias).unflatten(-1, (Hkv, Dh)).transpose(1, 2)
+    if inputs.rotary is not None:
+        k = apply_rotary(k, *inputs.rotary)
+    return k, v
+
+
+def all_heads_attention(weights: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
+    """Every head's attention output ``(B, H, T, Dh)`` and the dead query rows ``(B, T)`` (or None)."""
+    x = inputs.x
+    B, T, _ = x.shape
+    L = weights.layout
+    mask = build_attention_mask(inputs, L.causal, x.dtype)
+    q = F.linear(x, weights.q_weight, weights.q_bias).unflatten(-1, (L.num_heads, L.head_dim)).transpose(1, 2)
+    if inputs.rotary is not None:
+        q = apply_rotary(q, *inputs.rotary)
+    k, v = project_kv(weights, inputs)  # (B, Hkv, S, Dh)
+    if L.group_size > 1:
+        k = k.repeat_interleave(L.group_size, dim=1)
+        v = v.repeat_interleave(L.group_size, dim=1)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.mask, dropout_p=inputs.dropout_p, is_causal=mask.is_causal, scale=L.scale
+    )  # (B, H, T, Dh)
+    if mask.dead is not None:
+        out = out.masked_fill(mask.dead.unsqueeze(-1), 0.0)
+    return out, dead_rows(mask, B, T)
