@@ -5,9 +5,10 @@ import`` resolves to whichever was loaded first."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from condcomp.plans import plan_from_active, top_k_mask
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
@@ -96,3 +97,34 @@ def run_and_grads(executor: object, weights: AttentionWeights, inputs: Attention
     for (name, leaf), g in zip(leaves.items(), grads):
         out[name] = torch.zeros_like(leaf) if g is None else g
     return y.detach(), out
+
+
+def seq_active(ks: list[int], H: int) -> Tensor:
+    return top_k_mask(torch.rand(len(ks), H), torch.tensor(ks))
+
+
+def moh_active(B: int, T: int, H: int, shared: int, top: int, mask: Tensor | None = None) -> Tensor:
+    """MoH-style: the first ``shared`` heads always, plus the top ``top`` of the others per token."""
+    routed = top_k_mask(torch.rand(B, T, H - shared), top)
+    active = torch.cat([torch.ones(B, T, shared, dtype=torch.bool), routed], -1)
+    return active if mask is None else active & mask.unsqueeze(-1)
+
+
+class Holder(nn.Module):
+    """A model holding one ``nn.MultiheadAttention`` as ``attn`` that returns the attention output only."""
+
+    def __init__(self, d_model: int = 16, num_heads: int = 4, **mha_kwargs: Any) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d_model, num_heads, **mha_kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.attn(*args, need_weights=False, **kwargs)[0]
+
+
+def state_snapshot(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def state_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
+    """Same keys in the same order, bit-identical tensors."""
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)

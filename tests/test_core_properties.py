@@ -71,7 +71,7 @@ def test_executor_equals_reference_on_random_problems(executor_name: str, p: dic
     inputs = AttentionInputs(x=x, mask=mask, key_mask=mask)
     ex = get_executor(executor_name)
     if ex.supports(w, inputs, plan) is not None:
-        return  # a declared limitation (checked in test_core_executors); nothing to compare here
+        return  # a declared limitation (checked in executors/test_against_reference.py); nothing to compare here
     leaves = {"x": x, "gates": gates, **wleaves}
     probe = torch.randn(B, T, p["D"], dtype=torch.float64)
     y_ref, g_ref = run_and_grads(get_executor("reference"), w, inputs, plan, leaves, probe)

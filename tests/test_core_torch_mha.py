@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from core_helpers import Holder
 from torch import Tensor, nn
 
 import condcomp
@@ -24,15 +25,6 @@ def full_cfg(executor: str = "auto") -> condcomp.CondCompConfig:
 
 def half_cfg() -> condcomp.CondCompConfig:
     return condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random")
-
-
-class Holder(nn.Module):
-    def __init__(self, **mha_kwargs: Any) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(D, H, **mha_kwargs)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        return self.attn(*args, need_weights=False, **kwargs)[0]
 
 
 def mha_case(name: str) -> tuple[dict[str, Any], tuple[Tensor, ...], dict[str, Any]]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from core_helpers import state_equal  # noqa: F401  (the integration tests import it from here)
 from torch import Tensor, nn
 
 import condcomp
@@ -59,7 +60,3 @@ def zero_heads_(linear: nn.Linear, keep: list[int], head_dim: int) -> None:
         for h in keep:
             cols[h * head_dim:(h + 1) * head_dim] = False
         linear.weight[:, cols] = 0.0
-
-
-def state_equal(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
-    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -9,21 +9,13 @@ from typing import Any
 
 import pytest
 import torch
+from core_helpers import Holder
 from integration_helpers import kept_heads, zero_heads_
 from torch import Tensor, nn
 
 import condcomp
 
 D, H, T, S = 16, 4, 5, 6
-
-
-class Holder(nn.Module):
-    def __init__(self, **kw: Any) -> None:
-        super().__init__()
-        self.attn = nn.MultiheadAttention(D, H, **kw)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        return self.attn(*args, need_weights=False, **kwargs)[0]
 
 
 def case(name: str) -> tuple[dict[str, Any], tuple[Tensor, ...], dict[str, Any]]:

@@ -1,6 +1,6 @@
 """The gathered executor against the per-head reference on the situations its packing has to get right.
 
-The registry-driven suite (test_core_executors.py) already compares it on the common cases; these add the
+The registry-driven suite (test_against_reference.py) already compares it on the common cases; these add the
 routes specific to packing: the sequence plans' grouped GEMMs and buckets (each forced by name), several (k, k_kv)
 buckets at once, one bucket covering the batch, every example at k = 0, cross-attention, token plans whose shared
 heads run densely next to gathered routed heads, token plans with causal masks, rotary, GQA, per-head additive
@@ -22,8 +22,10 @@ from core_helpers import (
     leaf_plan,
     make_layout,
     make_weights,
+    moh_active,
     rotary_tables,
     run_and_grads,
+    seq_active,
     weight_leaves,
 )
 from torch import Tensor
@@ -64,17 +66,6 @@ def setup(B: int = 6, T: int = 7, H: int = 8, Hkv: int | None = None, Dh: int = 
     w = make_weights(make_layout(H=H, Hkv=Hkv, Dh=Dh, D=D, causal=causal), dtype)
     x = torch.randn(B, T, D, dtype=torch.float64).to(dtype).requires_grad_()
     return w, x, {"x": x, **weight_leaves(w)}
-
-
-def seq_active(ks: list[int], H: int) -> Tensor:
-    return top_k_mask(torch.rand(len(ks), H), torch.tensor(ks))
-
-
-def moh_active(B: int, T: int, H: int, shared: int, top: int, mask: Tensor | None = None) -> Tensor:
-    """MoH-style: the first ``shared`` heads always, plus the top ``top`` of the others per token."""
-    routed = top_k_mask(torch.rand(B, T, H - shared), top)
-    active = torch.cat([torch.ones(B, T, shared, dtype=torch.bool), routed], -1)
-    return active if mask is None else active & mask.unsqueeze(-1)
 
 
 def sequence_route(path: str) -> GatheredExecutor:

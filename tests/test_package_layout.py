@@ -26,8 +26,8 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The package modules ``name`` imports: a ``from pkg import x`` counts ``pkg`` only when some ``x`` is not a
     submodule (then it runs pkg's ``__init__`` for a name defined there)."""
     tree = ast.parse(path.read_text())
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-               for n in ast.walk(node)}
+    skipped = {id(n) for node in ast.walk(tree)
+               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     out: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skipped:

@@ -1,6 +1,6 @@
 """Every route of the gathered executor's dispatch table, forced by name, against the per-head reference.
 
-Each route runs every case of the executor matrix (test_core_executors.CASES) of its granularity that it
+Each route runs every case of the executor matrix (test_against_reference.CASES) of its granularity that it
 supports, outputs and gradients in float64; where it declines, the reasons are sentences and forcing it raises
 with them. The tuning lifts the size rules so that the toy shapes reach every route.
 """
@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from core_helpers import TOLERANCES, run_and_grads
-from test_core_executors import CASES, build_case
+from test_against_reference import CASES, build_case
 
 from condcomp.executors import grouped_gemm
 from condcomp.executors.auto import get_executor
