@@ -12,7 +12,7 @@ from condcomp.checkpoint import CheckpointError, load_checkpoint, read_checkpoin
 from condcomp.config import CondCompConfig
 from condcomp.executors.auto import explain, get_executor
 from condcomp.plans import budget_k, full_plan, plan_from_active, plan_top_k, top_k_mask
-from condcomp.protocols import BudgetPolicy, Executor, Router
+from condcomp.protocols import BudgetPolicy, Capabilities, Estimate, Executor, Router
 from condcomp.registry import (
     list_executors,
     list_policies,
@@ -28,7 +28,8 @@ from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "CheckpointError",
+    "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "Capabilities",
+    "CheckpointError", "Estimate",
     "CondCompConfig", "load_checkpoint", "read_checkpoint_config", "save_checkpoint",
     "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "RoutedAttention", "Router",
     "apply_", "aux_loss", "budget_k", "explain", "full_plan", "get_executor", "head_usage", "list_executors",

@@ -28,7 +28,7 @@ def test_extending_md_snippets_run(restore_registries: None) -> None:
 
     assert {"example_l2"} <= set(condcomp.list_routers())
     assert {"example_length"} <= set(condcomp.list_policies())
-    assert {"example_union"} <= set(condcomp.list_executors())
+    assert {"example_union", "example_union_costed", "example_gathered"} <= set(condcomp.list_executors())
 
 
 @pytest.mark.parametrize("page", ["concepts.md"])

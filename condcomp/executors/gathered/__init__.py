@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from condcomp.executors.gathered.call import GatheredCall, Route
-from condcomp.executors.gathered.routes import ROUTES, choose, get_route, rejections, route_names
+from condcomp.executors.gathered.routes import ROUTES, Table, choose, get_route, rejections, route_names
 from condcomp.executors.gathered.sizing import GatherSizes, gather_sizes, head_set_keys, kv_active
 from condcomp.executors.gathered.tuning import CPU, CUDA, GatheredTuning, tuning_for
 from condcomp.protocols import Capabilities, Estimate
@@ -37,10 +37,8 @@ class Prepared:
     """A call sized and routed by :meth:`GatheredExecutor.prepare`: calling it runs the chosen route.
     ``route`` is that route's name (what ``HeadUsage.route`` reports)."""
 
-    name = "gathered"
-
-    def __init__(self, call: GatheredCall, chosen: Route) -> None:
-        self.call, self.chosen, self.route = call, chosen, chosen.name
+    def __init__(self, call: GatheredCall, chosen: Route, name: str = "gathered") -> None:
+        self.call, self.chosen, self.route, self.name = call, chosen, chosen.name, name
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         call = self.call
@@ -56,7 +54,8 @@ class GatheredExecutor:
     Each call is sized once (one host synchronisation) and run by the first route of the dispatch table
     (:data:`condcomp.executors.gathered.ROUTES`) that can run it. Same semantics as the ``reference`` executor:
     outputs and gradients agree with it. ``tuning``: thresholds (default: those of the call's device);
-    ``route``: run only this route (an error names why it cannot run a call), for tests and A/B timing.
+    ``route``: run only this route (an error names why it cannot run a call), for tests and A/B timing;
+    ``routes``: the dispatch table (default :data:`ROUTES`; docs/extending.md adds a route).
 
     >>> from condcomp.executors import get_executor
     >>> get_executor("gathered").name
@@ -69,10 +68,11 @@ class GatheredExecutor:
     granularities = ("sequence", "token")
     capabilities = Capabilities(dtypes=_FLOAT_DTYPES, skips_work=True)
 
-    def __init__(self, tuning: GatheredTuning | None = None, route: str | None = None) -> None:
+    def __init__(self, tuning: GatheredTuning | None = None, route: str | None = None,
+                 routes: Table | None = None) -> None:
+        self.tuning, self.route, self.routes = tuning, route, routes or ROUTES
         if route is not None:
-            get_route(route)  # a typo fails here, not at the first call
-        self.tuning, self.route = tuning, route
+            get_route(route, self.routes)  # a typo fails here, not at the first call
 
     def tuning_of(self, x: Tensor) -> GatheredTuning:
         return self.tuning or tuning_for(x.device)
@@ -97,17 +97,17 @@ class GatheredExecutor:
         if sizes is None:
             sizes = gather_sizes(weights, inputs, plan, tuning)
         call = GatheredCall(weights, inputs, plan, sizes, tuning)
-        route = choose(call, self.route)
+        route = choose(call, self.route, self.routes)
         if logger.isEnabledFor(logging.DEBUG):
-            tried = "; ".join(f"{name}: {', '.join(why)}" for name, why in rejections(call) if why)
-            logger.debug("gathered runs %s (not: %s)", route.name, tried or "-")
-        return Prepared(call, route)
+            tried = "; ".join(f"{name}: {', '.join(why)}" for name, why in rejections(call, self.routes) if why)
+            logger.debug("%s runs %s (not: %s)", self.name, route.name, tried or "-")
+        return Prepared(call, route, self.name)
 
     def explain(self, weights: AttentionWeights, inputs: AttentionInputs,
                 plan: HeadPlan) -> list[tuple[str, list[str]]]:
         """Every route of the plan's granularity, in table order, with its reasons against this call."""
         return rejections(GatheredCall(weights, inputs, plan, self.sizes(weights, inputs, plan),
-                                       self.tuning_of(inputs.x)))
+                                       self.tuning_of(inputs.x)), self.routes)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         """Cost relative to dense attention: the share of the dense (query row, head) work the plan keeps, or

@@ -16,35 +16,38 @@ ROUTES: dict[str, tuple[Route, ...]] = {
 }
 
 
-def route_names() -> list[str]:
+Table = dict[str, tuple[Route, ...]]
+
+
+def route_names(table: Table | None = None) -> list[str]:
     """Every route's name, in table order."""
-    return [r.name for routes in ROUTES.values() for r in routes]
+    return [r.name for routes in (table or ROUTES).values() for r in routes]
 
 
-def get_route(name: str) -> Route:
-    for routes in ROUTES.values():
+def get_route(name: str, table: Table | None = None) -> Route:
+    for routes in (table or ROUTES).values():
         for r in routes:
             if r.name == name:
                 return r
-    raise KeyError(f"unknown gathered route {name!r}; routes: {', '.join(route_names())}")
+    raise KeyError(f"unknown gathered route {name!r}; routes: {', '.join(route_names(table))}")
 
 
-def choose(call: GatheredCall, only: str | None = None) -> Route:
+def choose(call: GatheredCall, only: str | None = None, table: Table | None = None) -> Route:
     """The first route of the plan's granularity that can run ``call`` (``only``: that route or an error)."""
     if only is not None:
-        route = get_route(only)
+        route = get_route(only, table)
         if route.granularity != call.plan.granularity:
             raise RuntimeError(f"route {only!r} runs {route.granularity} plans, not {call.plan.granularity} plans")
         reasons = route.supports(call)
         if reasons:
             raise RuntimeError(f"route {only!r} cannot run this call: {'; '.join(reasons)}")
         return route
-    for route in ROUTES[call.plan.granularity]:
+    for route in (table or ROUTES)[call.plan.granularity]:
         if not route.supports(call):
             return route
     raise AssertionError("the last route of each granularity runs every call")  # pragma: no cover
 
 
-def rejections(call: GatheredCall) -> list[tuple[str, list[str]]]:
+def rejections(call: GatheredCall, table: Table | None = None) -> list[tuple[str, list[str]]]:
     """Every route of the plan's granularity with its reasons against ``call`` (empty: it could run)."""
-    return [(route.name, route.supports(call)) for route in ROUTES[call.plan.granularity]]
+    return [(route.name, route.supports(call)) for route in (table or ROUTES)[call.plan.granularity]]
