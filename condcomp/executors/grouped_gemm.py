@@ -3,9 +3,9 @@
 Each GEMM of a batch reads its operands in place, at its own offset in a tensor (an example's input rows, a head's
 weight block, one (example, head) pair's output), so the gathered executor multiplies the selected (example, head)
 pairs without copying input rows or weight slices first: the copies were the whole gap between the bucketed
-batched matmuls and a k-head block (docs/performance.md, "Fifth round"). PyTorch exposes no CPU grouped GEMM that
-takes pointers (``torch._grouped_mm`` has no CPU backward in 2.13), but its x86 wheels link MKL statically and
-export the CBLAS symbols; this module calls them with ``ctypes``.
+batched matmuls and a k-head block (measured in the fifth round of docs/performance.md, in its git history).
+PyTorch exposes no CPU grouped GEMM that takes pointers (``torch._grouped_mm`` has no CPU backward in 2.13), but
+its x86 wheels link MKL statically and export the CBLAS symbols; this module calls them with ``ctypes``.
 
 Used only where it is safe to: CPU tensors, float32 or float64, and a library that exports the symbol and passes
 a self-test against ``torch.mm`` (:func:`available`; the self-test runs at the first call that asks, never at
@@ -185,7 +185,7 @@ class _PairProjection(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # dw[h] = sum over the pairs p of head h of d_out[p]^T @ x[b_p]
             # Each pair's product into its own block, then a sum per head. Adding into dw in place needs one call
             # per rank of a pair within its head (GEMMs of one call must not write the same block): measured
-            # slower at every shape tried (docs/performance.md, "Fifth round").
+            # slower at every shape tried (fifth round; docs/performance.md in git history).
             per_pair = x.new_empty(P, N, D)
             gemm_batch(d_out, pair * (T * N), N, True, x, b_idx * (T * D), D, False, per_pair, pair * (N * D), D,
                        N, D, T)
