@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
 from condcomp.masks import AttentionMask
@@ -72,7 +73,7 @@ def project_heads(w: AttentionWeights, inputs: AttentionInputs, q_heads: list[in
         return None if b is None else head_rows(b, heads, Dh)
 
     def heads_first(t: Tensor, n: int) -> Tensor:
-        return t.unflatten(-1, (n, Dh)).transpose(1, 2)  # (B, n, T|S, Dh)
+        return rearrange(t, "b t (n d) -> b n t d", n=n, d=Dh)  # a view; n = 0 is allowed
 
     cached = inputs.key_states is not None and inputs.value_states is not None
     if inputs.key is None and inputs.value is None and not cached:  # self-attention: one fused projection
@@ -114,4 +115,4 @@ def heads_block(w: AttentionWeights, inputs: AttentionInputs, mask: AttentionMas
         out = out.masked_fill(heads_of(mask.dead, heads).unsqueeze(-1), 0.0)
     out = out * gates.to(out.dtype)
     wo = take(w.o_weight.view(-1, w.layout.num_heads, Dh), heads).flatten(1)  # (D, n*Dh)
-    return F.linear(out.transpose(1, 2).reshape(B, T, len(heads) * Dh), wo, o_bias).to(x.dtype)
+    return F.linear(rearrange(out, "b n t d -> b t (n d)"), wo, o_bias).to(x.dtype)

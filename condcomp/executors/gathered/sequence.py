@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from typing_extensions import override
 
 from condcomp.executors import grouped_gemm
 from condcomp.executors.base import keep_gates_in_graph, per_head, qkv_head_rows, zero_dead_rows
@@ -121,12 +122,14 @@ def _finish(call: GatheredCall, y: Tensor) -> Tensor:
 class SharedSet(Route):
     name, granularity = "sequence.shared_set", "sequence"
 
+    @override
     def supports(self, call: GatheredCall) -> list[str]:
         shared = call.sizes.shared_heads
         if shared is None:
             return ["the examples chose different head sets"]
         return [] if shared else ["no example chose a head"]
 
+    @override
     def run(self, call: GatheredCall) -> Tensor:
         w, inputs, plan = call.weights, call.inputs, call.plan
         heads = list(call.sizes.shared_heads or ())
@@ -161,6 +164,7 @@ def grouped_gemm_reasons(call: GatheredCall) -> list[str]:
 class Grouped(Route):
     name, granularity = "sequence.grouped", "sequence"
 
+    @override
     def supports(self, call: GatheredCall) -> list[str]:
         if call.pairs == 0:
             return ["no (example, head) pair is selected"]
@@ -173,6 +177,7 @@ class Grouped(Route):
                                f"below tuning.min_grouped_copy = {call.tuning.min_grouped_copy:,}")
         return reasons
 
+    @override
     def run(self, call: GatheredCall) -> Tensor:
         return sequence_pairs_grouped(call.weights, call.inputs, call.plan, call.mask, call.pairs)
 
@@ -180,12 +185,14 @@ class Grouped(Route):
 class OneBucket(Route):
     name, granularity = "sequence.one_bucket", "sequence"
 
+    @override
     def supports(self, call: GatheredCall) -> list[str]:
         buckets = call.sizes.buckets
         if len(buckets) != 1:
             return [f"{len(buckets)} buckets of (k, k_kv)"]
         return [] if buckets[0][0] > 0 else ["every example has k = 0"]
 
+    @override
     def run(self, call: GatheredCall) -> Tensor:
         k, kkv, _ = call.sizes.buckets[0]
         fused_w = qkv_head_rows(call.weights) if _fused_layout(call) else None
@@ -195,6 +202,7 @@ class OneBucket(Route):
 class Buckets(Route):
     name, granularity = "sequence.buckets", "sequence"
 
+    @override
     def run(self, call: GatheredCall) -> Tensor:
         w, inputs, plan = call.weights, call.inputs, call.plan
         x = inputs.x

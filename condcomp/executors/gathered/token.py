@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from typing_extensions import override
 
 from condcomp.executors.base import add_output_bias, keep_gates_in_graph, per_head, zero_dead_rows
 from condcomp.executors.gathered.blocks import heads_block, heads_of, index, project_heads, take
@@ -192,10 +193,12 @@ def _token(call: GatheredCall, routed_part: RoutedPart | None) -> Tensor:
 class Dense(Route):
     name, granularity = "token.dense", "token"
 
+    @override
     def supports(self, call: GatheredCall) -> list[str]:
         routed = call.token_split.routed
         return [f"heads {routed} are routed (chosen by under tuning.dense_head_rows of the rows)"] if routed else []
 
+    @override
     def run(self, call: GatheredCall) -> Tensor:
         return _token(call, None)
 
@@ -203,6 +206,7 @@ class Dense(Route):
 class BySet(Route):
     name, granularity = "token.by_set", "token"
 
+    @override
     def supports(self, call: GatheredCall) -> list[str]:
         t, split = call.tuning, call.token_split
         if not split.routed:
@@ -219,6 +223,7 @@ class BySet(Route):
             return [f"mean rows per set x width = {work:,.0f}, below tuning.min_set_work = {t.min_set_work:,}"]
         return []
 
+    @override
     def run(self, call: GatheredCall) -> Tensor:
         return _token(call, _routed_by_set)
 
@@ -226,5 +231,6 @@ class BySet(Route):
 class PerHead(Route):
     name, granularity = "token.per_head", "token"
 
+    @override
     def run(self, call: GatheredCall) -> Tensor:
         return _token(call, _routed)
