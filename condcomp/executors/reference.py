@@ -36,7 +36,7 @@ class ReferenceExecutor:
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         # every head, one kernel sequence per head with an explicit softmax: several times dense attention
-        return Estimate(2.0 * weights.layout.num_heads, note="one head at a time (the oracle)")
+        return Estimate(2.0 * weights.layout.num_heads, note="one head at a time: the oracle")
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         x = inputs.x
