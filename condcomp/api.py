@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -11,11 +12,13 @@ from torch import Tensor, nn
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
 from condcomp.registry import POLICIES, ROUTERS
+from condcomp.host import RoutingHost, check_progress
 from condcomp.routed import RoutedAttention
 from condcomp.types import HeadUsage
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches_pattern(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches a target pattern: exact name, ``".suffix"`` or ``"re:<regex>"``."""
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], name) is not None
     if pattern.startswith("."):
@@ -57,9 +60,10 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
     router = ROUTERS.build(config.router[0], config.router[1], facts)
     for component in (policy, router):
         if isinstance(component, nn.Module):
-            component.to(device)  # routing stays float32 whatever the model's dtype (decisions need the range)
+            component.to(device)  # on the layer's device; float32 whatever the model's dtype (RoutingHost's rule)
     routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
-    routed.condcomp_config = config  # what built it: saving a wrapped model needs no config passed back in
+    # What built it (a copy: editing the caller's config object later must not change what a save writes).
+    routed.condcomp_config = copy.deepcopy(config)  # what built it: saving a wrapped model needs no config passed back in
     return routed
 
 
@@ -87,7 +91,7 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     targets, excludes = config.target_modules, config.exclude_modules
     if targets is not None:
         for pattern in targets:
-            hits = [n for n, _ in model.named_modules() if _matches(n, pattern)]
+            hits = [n for n, _ in model.named_modules() if matches_pattern(n, pattern)]
             again = [n for n in hits if n in wrapped]
             if again:
                 raise ValueError(f"target {pattern!r} matches modules that are already wrapped: {again}; "
@@ -100,8 +104,8 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
                 raise ValueError(f"target {pattern!r} matches modules that are not supported attention modules: "
                                  f"{kinds}; supported classes: {', '.join(supported_classes())}")
     chosen = [n for n in candidates
-              if (targets is None or any(_matches(n, p) for p in targets))
-              and not (excludes and any(_matches(n, p) for p in excludes))]
+              if (targets is None or any(matches_pattern(n, p) for p in targets))
+              and not (excludes and any(matches_pattern(n, p) for p in excludes))]
     if not chosen and wrapped and targets is None:
         raise ValueError(f"every supported attention module is already wrapped ({len(wrapped)}: {wrapped[:3]}...); "
                          "call condcomp.remove_(model) first to change the routing")
@@ -154,6 +158,9 @@ def remove_(model: nn.Module) -> list[str]:
     """Put every original attention module back (with any parameter the wrapper received since)."""
     found = routed_modules(model)
     if not found:
+        if routing_hosts(model):
+            raise ValueError("remove_: the model is routed through transformers' AttentionInterface; undo it with "
+                             "condcomp.integrations.hf_interface.remove_interface_(model)")
         raise ValueError("remove_: the model contains no RoutedAttention (was condcomp.apply_ called on it?)")
     for name, routed in found.items():
         base = routed.base
@@ -171,24 +178,28 @@ def remove_(model: nn.Module) -> list[str]:
     return list(found)
 
 
+def routing_hosts(model: nn.Module) -> dict[str, RoutingHost]:
+    """Every module holding condcomp routing, by name: the module swap's ``RoutedAttention`` modules and the
+    AttentionInterface route's ``condcomp_core`` children alike."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, RoutingHost)}
+
+
 def set_progress(model: nn.Module, progress: float) -> None:
-    """Step every schedule (temperature, noise, entropy coefficient) to training progress in [0, 1]."""
-    if not 0.0 <= float(progress) <= 1.0:
-        raise ValueError(f"progress must be in [0, 1], got {progress}")
-    seen: set[int] = set()
-    for routed in routed_modules(model).values():
-        for component in (routed.condcomp_policy, routed.condcomp_router):
-            step = getattr(component, "set_progress", None)
-            if id(component) not in seen and callable(step):
-                seen.add(id(component))
-                step(float(progress))
+    """Step every schedule (temperature, noise, entropy coefficient) to training progress in [0, 1].
+
+    The progress is saved with the model (``state_dict``, checkpoints), so a resumed run continues its schedules.
+    """
+    p = check_progress(progress)
+    stepped: set[int] = set()  # a policy shared by every layer is stepped once
+    for host in routing_hosts(model).values():
+        host.set_progress(p, stepped)
 
 
 def aux_loss(model: nn.Module) -> Tensor:
     """Sum of the last forward's (already weighted) auxiliary losses; a zero tensor when there are none."""
     total: Tensor | None = None
-    for routed in routed_modules(model).values():
-        for value in routed.aux_losses().values():
+    for host in routing_hosts(model).values():
+        for value in host.aux_losses().values():
             total = value if total is None else total + value
     if total is None:
         p = next(model.parameters(), None)
@@ -197,10 +208,10 @@ def aux_loss(model: nn.Module) -> Tensor:
 
 
 def head_usage(model: nn.Module) -> dict[str, HeadUsage]:
-    """Per wrapped layer: ``HeadUsage(s_mean, k_frac, flop_frac)`` of the last forward."""
+    """Per routed layer: ``HeadUsage(s_mean, k_frac, flop_frac)`` of the last forward."""
     out = {}
-    for name, routed in routed_modules(model).items():
-        usage = routed.head_usage()
+    for name, host in routing_hosts(model).items():
+        usage = host.head_usage()
         if usage is not None:
             out[name] = usage
     return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,22 +9,11 @@ from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter
 from condcomp.executors.auto import resolve_executor
-from condcomp.flops import flop_fraction, routing_flops
-from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
+from condcomp.host import RoutingHost
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 
-@dataclass(frozen=True)
-class LastForward:
-    """What the last forward decided, detached; turned into numbers only when someone asks (no device sync)."""
-
-    s: Tensor  # (B,) or (B, T)
-    plan: HeadPlan
-    mask: Tensor | None  # (B, T)
-    T: int
-    S: int
-
-
-class RoutedAttention(nn.Module):
+class RoutedAttention(RoutingHost):
     """A wrapped attention module whose heads are chosen per input (or per token).
 
     It holds the original module's parameters, buffers and children under their original names (so
@@ -50,11 +38,9 @@ class RoutedAttention(nn.Module):
         for name, child in base.named_children():
             self.add_module(name, child)
         self.adapter = adapter
-        self.condcomp_policy = policy
-        self.condcomp_router = router
+        self.attach_routing(policy, router)
         self.executor = executor
         self.check_inputs = check_inputs
-        self.last: LastForward | None = None
         self.condcomp_config: Any = None  # the CondCompConfig it was built from (set by apply_; not `config`,
         # which third-party attention modules use for their own)
         for attr, value in adapter.attribute_overrides().items():
@@ -101,48 +87,9 @@ class RoutedAttention(nn.Module):
         """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``."""
         self._validate(inputs)
         weights = self.weights()
-        # Routing decisions (budgets, softmax, top-k) stay in float32 under autocast: a bf16 s or score can move
-        # floor(s * H) or flip a top-k tie. Components cast their inputs to float32 themselves.
-        with torch.autocast(inputs.x.device.type, enabled=False):
-            budget: Budget = self.condcomp_policy(inputs.x, inputs.mask)
-            plan: HeadPlan = self.condcomp_router(inputs.x, inputs.mask, budget, weights)
-        self._validate_plan(plan, inputs)
-        plan = plan.with_aux(budget.aux_losses)
+        plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys)
         executor = resolve_executor(self.executor, weights, inputs, plan)
-        y = executor(weights, inputs, plan)
-        self.last = LastForward(budget.s.detach(), _detached(plan), inputs.mask, inputs.x.shape[1], inputs.num_keys)
-        self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
-        return y
-
-    def head_usage(self) -> HeadUsage | None:
-        """``HeadUsage`` of the last forward, or None before the first one."""
-        last = self.last
-        if last is None:
-            return None
-        s, plan, mask = last.s.float(), last.plan, last.mask
-        H = plan.num_heads
-        counts = plan.counts.float() / H
-        if plan.granularity == "token" and mask is not None:
-            m = mask.bool()
-            k_frac = float(counts[m].mean()) if bool(m.any()) else 0.0
-        else:
-            k_frac = float(counts.mean()) if counts.numel() else 0.0
-        if s.dim() == 2 and mask is not None and bool(mask.any()):
-            s_mean = float(s[mask.bool()].mean())
-        else:
-            s_mean = float(s.mean()) if s.numel() else 0.0
-        extra = routing_flops(self.condcomp_policy, last.T) + routing_flops(self.condcomp_router, last.T)
-        return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra))
-
-    def aux_losses(self) -> dict[str, Tensor]:
-        """The last forward's (weighted) auxiliary losses, with their autograd graph."""
-        return self.__dict__.get("_last_aux", {})
-
-    def set_progress(self, progress: float) -> None:
-        for component in (self.condcomp_policy, self.condcomp_router):
-            step = getattr(component, "set_progress", None)
-            if callable(step):
-                step(progress)
+        return executor(weights, inputs, plan)  # type: ignore[no-any-return]
 
     def _validate(self, inputs: AttentionInputs) -> None:
         x, L = inputs.x, self.layout
@@ -166,20 +113,8 @@ class RoutedAttention(nn.Module):
             raise ValueError(f"non-finite values (NaN or inf) in the attention input of examples {bad}; "
                              "check_inputs=True rejects them (set it False to let them propagate)")
 
-    def _validate_plan(self, plan: HeadPlan, inputs: AttentionInputs) -> None:
-        B, T = inputs.x.shape[:2]
-        H = self.layout.num_heads
-        want = (B, H) if plan.granularity == "sequence" else (B, T, H)
-        if tuple(plan.gates.shape) != want:
-            raise ValueError(f"router {type(self.condcomp_router).__name__} returned a {plan.granularity} plan "
-                             f"with gates {tuple(plan.gates.shape)}; expected {want}")
-
     def extra_repr(self) -> str:
         return f"base={type(self.base).__name__}, executor={self.executor!r}"
-
-
-def _detached(plan: HeadPlan) -> HeadPlan:
-    return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {})
 
 
 def _check_context(inputs: AttentionInputs, L: HeadLayout, B: int, T: int, S: int) -> None:

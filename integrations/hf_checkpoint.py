@@ -24,7 +24,7 @@ from condcomp.config import CondCompConfig
 
 CONFIG_FILE = "condcomp_config.json"
 ROUTING_FILE = "condcomp_routing.safetensors"
-_MARKERS = ("condcomp_policy.", "condcomp_router.")
+_MARKERS = ("condcomp_policy.", "condcomp_router.", "condcomp_progress")
 
 
 def _is_routing(key: str) -> bool:

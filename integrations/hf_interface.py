@@ -28,29 +28,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
-from condcomp.api import _matches
+from condcomp.api import aux_loss, head_usage, matches_pattern, set_progress
 from condcomp.config import CondCompConfig
+from condcomp.host import RoutingHost
 from condcomp.registry import POLICIES, ROUTERS
-from condcomp.routed import LastForward, RoutedAttention, _detached
-from condcomp.types import HeadPlan, HeadUsage
+from condcomp.types import HeadPlan
 
 from .hf import BertStyleAttentionAdapter, ProjectionAttentionAdapter, _mask_parts
 
 ATTN_NAME = "condcomp"
 
 
-class CoreRouting(nn.Module):
+class CoreRouting(RoutingHost):
     """Policy + router attached to one attention module for the AttentionInterface route."""
 
     def __init__(self, policy: Any, router: Any, adapter: Any, owner: nn.Module) -> None:
         super().__init__()
-        self.condcomp_policy = policy
-        self.condcomp_router = router
         self.adapter = adapter
+        self.attach_routing(policy, router)
         object.__setattr__(self, "_owner", owner)  # not a submodule: it is our parent's parent (no cycle)
         self._x: Tensor | None = None
-        self.last: LastForward | None = None
-        self.aux: dict[str, Tensor] = {}
         self.hook: Any = None
 
     @property
@@ -59,10 +56,6 @@ class CoreRouting(nn.Module):
 
     def capture(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._x = args[0] if args else kwargs["hidden_states"]
-
-    def head_usage(self) -> HeadUsage | None:
-        # Same fields as RoutedAttention, same arithmetic: reuse it rather than copy it.
-        return RoutedAttention.head_usage(self)  # type: ignore[arg-type]
 
 
 def _core_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, plan: HeadPlan,
@@ -112,13 +105,8 @@ def condcomp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if mask is None and key_mask is not None:
         mask = key_mask[:, None, None, :]  # (B, 1, 1, S)
     is_causal = bool(T > 1 and mask is None and getattr(module, "is_causal", False))
-    weights = routing.adapter.weights(routing._owner)
-    with torch.autocast(x.device.type, enabled=False):
-        budget = routing.condcomp_policy(x, query_mask)
-        plan = routing.condcomp_router(x, query_mask, budget, weights).with_aux(budget.aux_losses)
+    plan = routing.route(x, query_mask, routing.adapter.weights(routing._owner), S)
     out = _core_attention(query, key, value, mask, plan, scaling, dropout if module.training else 0.0, is_causal)
-    routing.aux = plan.aux_losses
-    routing.last = LastForward(budget.s.detach(), _detached(plan), query_mask, T, S)
     return out, None
 
 
@@ -151,9 +139,9 @@ def apply_interface_(model: nn.Module, config: CondCompConfig | None = None) -> 
         adapter_cls = find_adapter(module)
         if adapter_cls not in (BertStyleAttentionAdapter, ProjectionAttentionAdapter):
             continue
-        if config.target_modules is not None and not any(_matches(name, p) for p in config.target_modules):
+        if config.target_modules is not None and not any(matches_pattern(name, p) for p in config.target_modules):
             continue
-        if config.exclude_modules and any(_matches(name, p) for p in config.exclude_modules):
+        if config.exclude_modules and any(matches_pattern(name, p) for p in config.exclude_modules):
             continue
         reason = adapter_cls.unsupported_reason(module)  # type: ignore[union-attr]
         if reason is not None:
@@ -200,31 +188,7 @@ def remove_interface_(model: nn.Module) -> list[str]:
     return list(found)
 
 
-def interface_head_usage(model: nn.Module) -> dict[str, HeadUsage]:
-    """``HeadUsage`` of each routed attention module's last forward (like ``condcomp.head_usage``)."""
-    out = {}
-    for name, routing in cores(model).items():
-        usage = routing.head_usage()
-        if usage is not None:
-            out[name] = usage
-    return out
-
-
-def interface_aux_loss(model: nn.Module) -> Tensor:
-    """Sum of the last forward's auxiliary losses (like ``condcomp.aux_loss``)."""
-    total = torch.zeros((), device=next(model.parameters()).device)
-    for routing in cores(model).values():
-        for value in routing.aux.values():
-            total = total + value
-    return total
-
-
-def interface_set_progress(model: nn.Module, progress: float) -> None:
-    """Step every routing schedule to training progress in [0, 1] (like ``condcomp.set_progress``)."""
-    seen: set[int] = set()
-    for routing in cores(model).values():
-        for component in (routing.condcomp_policy, routing.condcomp_router):
-            step = getattr(component, "set_progress", None)
-            if callable(step) and id(component) not in seen:
-                seen.add(id(component))
-                step(float(progress))
+# Kept for code written against v0.1: the core functions serve this route too.
+interface_head_usage = head_usage
+interface_aux_loss = aux_loss
+interface_set_progress = set_progress
