@@ -11,8 +11,8 @@ from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
-from condcomp.registry import POLICIES, ROUTERS
 from condcomp.host import RoutingHost, check_progress
+from condcomp.registry import POLICIES, ROUTERS
 from condcomp.routed import RoutedAttention
 from condcomp.types import HeadUsage
 
@@ -62,8 +62,9 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
         if isinstance(component, nn.Module):
             component.to(device)  # on the layer's device; float32 whatever the model's dtype (RoutingHost's rule)
     routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
-    # What built it (a copy: editing the caller's config object later must not change what a save writes).
-    routed.condcomp_config = copy.deepcopy(config)  # what built it: saving a wrapped model needs no config passed back in
+    # What built it, so saving needs no config passed back in (a copy: editing the caller's config object later
+    # must not change what a save writes).
+    routed.condcomp_config = copy.deepcopy(config)
     return routed
 
 
