@@ -78,3 +78,18 @@ def test_a_model_wrapped_with_two_configs_needs_the_config_named(tmp_path: Path)
     condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random"))
     with pytest.raises(ValueError, match="2 different configs; pass config= explicitly"):
         save_pretrained(model, tmp_path)
+
+
+def test_round_trip_restores_schedule_progress(tmp_path: Path) -> None:
+    """Weighted gates make eval outputs depend on the temperature schedule: a progress lost to 0.0 shows."""
+    model = build("bert")
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=("topk", {"gates": "weighted"}))
+    condcomp.apply_(model, cfg)
+    _perturb_routing_(model)
+    condcomp.set_progress(model, 0.9)
+    inputs = batch("bert")
+    want = output(model, inputs)
+    save_pretrained(model, tmp_path)
+    loaded = from_pretrained(type(model), tmp_path, torch_dtype=torch.float64).eval()
+    assert [h.progress for h in condcomp.api.routing_hosts(loaded).values()] == [0.9, 0.9]
+    torch.testing.assert_close(output(loaded, inputs), want, atol=1e-12, rtol=1e-12)
