@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
 from condcomp.host import RoutingHost, check_progress
+from condcomp.projections import ProjectionError
 from condcomp.registry import POLICIES, ROUTERS
 from condcomp.routed import RoutedAttention
 from condcomp.types import HeadUsage
@@ -43,6 +44,15 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def check_projections(adapter: Any, module: nn.Module, name: str) -> None:
+    """Read the module's projections once, so one condcomp cannot read exactly is refused now, by name."""
+    try:
+        with torch.no_grad():
+            adapter.weights(module)
+    except ProjectionError as e:
+        raise ProjectionError(f"cannot wrap {name} ({type(module).__qualname__}): {e}") from None
+
+
 def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module") -> RoutedAttention:
     """One supported attention module -> RoutedAttention (components built from ``config``)."""
     adapter_cls = find_adapter(module)
@@ -53,6 +63,7 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
     if reason is not None:
         raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): {reason}")
     adapter = adapter_cls(module)
+    check_projections(adapter, module, name)
     facts = _layer_facts(adapter)
     device = _module_device(module)
     if policy is None:

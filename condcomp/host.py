@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from condcomp.flops import flop_fraction, routing_flops
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
+from condcomp.versions import tensor_version
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,8 @@ class RoutingHost(nn.Module):
         self.condcomp_policy = policy
         self.condcomp_router = router
         self.register_buffer("condcomp_progress", _progress_bits(0.0))
-        self._progress_seen: tuple[Tensor, int] = (self.condcomp_progress, self.condcomp_progress._version)
+        self._progress_seen: tuple[Tensor, int | None] = (self.condcomp_progress,
+                                                          tensor_version(self.condcomp_progress))
         self.last: LastForward | None = None
         self._last_aux: dict[str, Tensor] = {}
         self._keep_routing_float32()
@@ -94,15 +96,27 @@ class RoutingHost(nn.Module):
                 stepped.add(id(component))
                 step(p)
         buf = self.condcomp_progress
-        self._progress_seen = (buf, buf._version)
+        self._progress_seen = (buf, tensor_version(buf))
 
     def _sync_progress(self) -> None:
         # A buffer replaced or written since the last push (load_state_dict, from_pretrained, .to(device)) is
         # pushed to the components; otherwise nothing is read (no device sync per forward).
+        if torch.compiler.is_compiling():  # compiled graphs read no version counters; set_progress pushes anyway
+            return
         buf = self.condcomp_progress
         seen, version = self._progress_seen
-        if (seen is not buf or version != buf._version) and not torch.compiler.is_compiling():
+        now = tensor_version(buf)
+        if seen is not buf or now is None or version != now:
             self._push_progress(_progress_value(buf), set())
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        # A state_dict of the unwrapped model (or of condcomp 0.1) has no progress: loading it keeps the current one.
+        if prefix + "condcomp_progress" in missing_keys:
+            missing_keys.remove(prefix + "condcomp_progress")
 
     # --------------------------------------------------------------------------------------------- dtype rule
     def _apply(self, fn: Any, recurse: bool = True) -> RoutingHost:

@@ -105,6 +105,10 @@ class RoutedAttention(RoutingHost):
         if inputs.mask is not None and tuple(inputs.mask.shape) != (B, T):
             raise ValueError(f"padding mask must be (B, T) = {(B, T)}, got {tuple(inputs.mask.shape)}")
         S = inputs.num_keys
+        for name, m in (("padding mask", inputs.mask), ("key padding mask", inputs.key_mask)):
+            if m is not None and m.is_floating_point():
+                raise TypeError(f"the {name} must be bool (True = real token), got {m.dtype}; an additive float "
+                                "mask goes in attn_bias")
         if inputs.key_mask is not None and tuple(inputs.key_mask.shape) != (B, S):
             raise ValueError(f"key padding mask must be (B, S) = {(B, S)}, got {tuple(inputs.key_mask.shape)}")
         _check_context(inputs, L, B, T, S)

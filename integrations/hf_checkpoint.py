@@ -5,7 +5,9 @@ routing parameters are left out of ``model.safetensors``); condcomp adds two fil
 
 - ``condcomp_config.json``: the :class:`~condcomp.CondCompConfig` (policy, router, executor, targets);
 - ``condcomp_routing.safetensors``: the routing parameters and buffers (``...condcomp_policy.*``,
-  ``...condcomp_router.*``), each distinct tensor once (a shared policy is stored under its first name).
+  ``...condcomp_router.*``, ``...condcomp_progress``), each distinct tensor once (a shared policy is stored under
+  its first name);
+- ``condcomp_manifest.json``: the size and SHA-256 of the routing file, checked before it is loaded.
 
 :func:`from_pretrained` is the one-call restore: load the weights, wrap with the saved config, load the routing.
 """
@@ -14,16 +16,19 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
 
 from condcomp.api import apply_, routed_modules
+from condcomp.checkpoint import CheckpointError, file_digest, verify_digest
 from condcomp.config import CondCompConfig
 
 CONFIG_FILE = "condcomp_config.json"
 ROUTING_FILE = "condcomp_routing.safetensors"
+MANIFEST_FILE = "condcomp_manifest.json"  # size and SHA-256 of the routing file, written after it
 _MARKERS = ("condcomp_policy.", "condcomp_router.", "condcomp_progress")
 
 
@@ -67,6 +72,9 @@ def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: C
     directory.mkdir(parents=True, exist_ok=True)
     save_file(routing_state(model), str(directory / ROUTING_FILE), metadata={"format": "condcomp-routing"})
     (directory / CONFIG_FILE).write_text(config.to_json())
+    digest = file_digest(directory / ROUTING_FILE)
+    manifest = {"format": "condcomp-routing", "version": 1, "files": {ROUTING_FILE: digest}}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return directory
 
 
@@ -86,8 +94,12 @@ def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[s
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: was the model saved with "
                                     "condcomp.integrations.hf_checkpoint.save_pretrained / save_condcomp?")
+    _verify_routing_file(directory)
     config = CondCompConfig.from_json(cfg_path.read_text())
-    saved = load_file(str(routing_path))
+    try:
+        saved = load_file(str(routing_path))
+    except Exception as e:  # safetensors raises its own error type for malformed headers
+        raise CheckpointError(f"{routing_path}: unreadable safetensors file ({e})") from e
     names = apply_(model, config)
     try:
         expected = routing_state(model)
@@ -102,6 +114,22 @@ def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[s
         remove_(model)
         raise
     return names
+
+
+def _verify_routing_file(directory: Path) -> None:
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        warnings.warn(f"{directory} has no {MANIFEST_FILE} (saved by condcomp 0.1): the routing file's integrity "
+                      "cannot be checked; save it again to add one", stacklevel=3)
+        return
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: not a condcomp routing manifest")
+    verify_digest(directory / ROUTING_FILE, files.get(ROUTING_FILE), MANIFEST_FILE)
 
 
 def save_pretrained(model: Any, directory: str | os.PathLike[str], config: CondCompConfig | None = None,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
-from condcomp.api import aux_loss, head_usage, matches_pattern, set_progress
+from condcomp.api import aux_loss, check_projections, head_usage, matches_pattern, set_progress
 from condcomp.config import CondCompConfig
 from condcomp.host import RoutingHost
 from condcomp.registry import POLICIES, ROUTERS
@@ -146,7 +146,9 @@ def apply_interface_(model: nn.Module, config: CondCompConfig | None = None) -> 
         reason = adapter_cls.unsupported_reason(module)  # type: ignore[union-attr]
         if reason is not None:
             raise ValueError(f"cannot route {name} ({type(module).__qualname__}): {reason}")
-        chosen.append((name, module, adapter_cls(module)))  # type: ignore[misc]
+        adapter = adapter_cls(module)  # type: ignore[misc]
+        check_projections(adapter, module, name)
+        chosen.append((name, module, adapter))
     if not chosen:
         raise ValueError("apply_interface_ matched no transformers attention module; supported classes: "
                          f"{', '.join(supported_classes())}; target_modules={config.target_modules}")

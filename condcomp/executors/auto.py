@@ -34,15 +34,17 @@ DENSE_WORK_FRACTION = {"sequence": (0.8, 0.8), "token": (0.65, 0.65)}
 # granularity, crossovers measured on CPU at toy-to-small sizes (docs/performance.md); the token path packs more.
 MIN_SKIPPED_WORK = {"sequence": 60_000, "token": 300_000}
 
-_INSTANCES: dict[str, Any] = {}
+_INSTANCES: dict[str, tuple[Any, Any]] = {}  # name -> (registered factory, its shared instance)
 
 
 def get_executor(name: str) -> Any:
     """The shared instance of a registered executor (executors are stateless)."""
     key = name.lower()
-    if key not in _INSTANCES:
-        _INSTANCES[key] = EXECUTORS.get(key)()
-    return _INSTANCES[key]
+    factory = EXECUTORS.get(key)
+    cached = _INSTANCES.get(key)
+    if cached is None or cached[0] is not factory:  # a name registered again (override=True) takes effect at once
+        cached = _INSTANCES[key] = (factory, factory())
+    return cached[1]
 
 
 class _Sized:

@@ -93,3 +93,19 @@ def test_round_trip_restores_schedule_progress(tmp_path: Path) -> None:
     loaded = from_pretrained(type(model), tmp_path, torch_dtype=torch.float64).eval()
     assert [h.progress for h in condcomp.api.routing_hosts(loaded).values()] == [0.9, 0.9]
     torch.testing.assert_close(output(loaded, inputs), want, atol=1e-12, rtol=1e-12)
+
+
+def test_a_flipped_byte_in_the_routing_file_is_detected(tmp_path: Path) -> None:
+    from condcomp.checkpoint import CheckpointError
+
+    model = build("bert")
+    condcomp.apply_(model, condcomp.CondCompConfig(policy="budgetformer", router="topk"))
+    save_pretrained(model, tmp_path)
+    f = tmp_path / ROUTING_FILE
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01  # inside the tensor data: safetensors still parses it, only a checksum can tell
+    f.write_bytes(bytes(data))
+    fresh = build("bert")
+    with pytest.raises(CheckpointError, match="corrupt: SHA-256"):
+        load_condcomp(fresh, tmp_path)
+    assert not condcomp.routed_modules(fresh)
