@@ -57,9 +57,16 @@ def check_progress(progress: float) -> float:
 
 
 class RoutingHost(nn.Module):
-    """Base of the modules that hold a policy and a router (``condcomp_policy``, ``condcomp_router``)."""
+    """Base of the modules that hold a policy and a router (``condcomp_policy``, ``condcomp_router``) for an
+    attention module read through ``adapter`` (an :class:`~condcomp.AttentionAdapter`)."""
 
-    layout: HeadLayout
+    adapter: Any
+    condcomp_progress: Tensor
+
+    @property
+    def layout(self) -> HeadLayout:
+        """The attention module's :class:`~condcomp.HeadLayout`."""
+        return self.adapter.layout  # type: ignore[no-any-return]
 
     def attach_routing(self, policy: Any, router: Any) -> None:
         """Register the components and the progress buffer (call once, from ``__init__``)."""

@@ -73,10 +73,6 @@ class RoutedAttention(RoutingHost):
         """The original module (its parameters are the ones this module trains)."""
         return self._base  # type: ignore[no-any-return]
 
-    @property
-    def layout(self):  # noqa: ANN201 - HeadLayout
-        return self.adapter.layout
-
     def weights(self) -> AttentionWeights:
         return self.adapter.weights(self)
 

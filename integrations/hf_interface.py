@@ -50,10 +50,6 @@ class CoreRouting(RoutingHost):
         self._x: Tensor | None = None
         self.hook: Any = None
 
-    @property
-    def layout(self) -> Any:
-        return self.adapter.layout
-
     def capture(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._x = args[0] if args else kwargs["hidden_states"]
 
