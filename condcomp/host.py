@@ -73,6 +73,7 @@ class RoutingHost(nn.Module):
         self.condcomp_policy = policy
         self.condcomp_router = router
         self.register_buffer("condcomp_progress", _progress_bits(0.0))
+        self._progress_pushed = 0.0  # what the components were last stepped to
         self._progress_seen: tuple[Tensor, int | None] = (self.condcomp_progress,
                                                           tensor_version(self.condcomp_progress))
         self.last: LastForward | None = None
@@ -97,6 +98,7 @@ class RoutingHost(nn.Module):
         return _progress_value(self.condcomp_progress)
 
     def _push_progress(self, p: float, stepped: set[int]) -> None:
+        self._progress_pushed = p
         for component in (self.condcomp_policy, self.condcomp_router):
             step = getattr(component, "set_progress", None)
             if callable(step) and id(component) not in stepped:
@@ -127,7 +129,14 @@ class RoutingHost(nn.Module):
 
     # --------------------------------------------------------------------------------------------- dtype rule
     def _apply(self, fn: Any, recurse: bool = True) -> RoutingHost:
+        if not self.condcomp_progress.is_meta:
+            self._sync_progress()
         super()._apply(fn, recurse)
+        # The progress is written back from what the components hold: a move keeps it, and to_empty (deferred
+        # initialisation), which leaves buffers uninitialised, does not turn it into garbage.
+        with torch.no_grad():
+            self.condcomp_progress.copy_(_progress_bits(self._progress_pushed))
+        self._progress_seen = (self.condcomp_progress, tensor_version(self.condcomp_progress))
         self._keep_routing_float32()
         return self
 

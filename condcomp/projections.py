@@ -8,7 +8,7 @@ wrong (``.weight`` is the base weight), so the LoRA update is added: ``W + scali
 changes, so decoding does not merge again at every step.
 
 Everything else is refused with the module's name: quantized layers (bitsandbytes, torchao tensor subclasses),
-weights on the meta device (offloaded), Linear subclasses condcomp does not know, DoRA and other LoRA variants,
+offloaded weights (accelerate), Linear subclasses condcomp does not know, DoRA and other LoRA variants,
 LoRA dropout while training, mixed-adapter batches. Reading those as plain weights would silently compute
 something else.
 """
@@ -47,9 +47,6 @@ def tensor_problem(t: Any, what: str) -> str | None:
                 "dequantize the model or load it unquantized before condcomp.apply_")
     if not t.is_floating_point():
         return f"{what} has dtype {t.dtype} (quantized storage); load the model in a floating dtype"
-    if t.is_meta:
-        return (f"{what} is on the meta device (offloaded with accelerate's device_map, or not loaded yet); "
-                "load the model fully onto one device before condcomp.apply_")
     if t.layout != torch.strided:
         return f"{what} has layout {t.layout}; condcomp reads dense weights"
     return None
@@ -62,6 +59,9 @@ def projection_problem(module: Any) -> str | None:
         return f"base_layer: {problem}" if problem else _lora_problem(module, training_check=False)
     if not isinstance(module, nn.Module):
         return f"expected a Linear layer, found {type(module).__name__}"
+    if getattr(module, "_hf_hook", None) is not None and module.weight.is_meta:
+        return ("its weight is offloaded (accelerate's device_map moves it in only when the layer is called, and "
+                "condcomp reads weights without calling it); load the model onto one device before condcomp.apply_")
     if type(module) not in PLAIN_LINEARS:
         return (f"{type(module).__module__}.{type(module).__qualname__} is not a plain nn.Linear (quantized or "
                 "custom layers compute something condcomp cannot read from .weight); supported: nn.Linear and PEFT "

@@ -158,6 +158,21 @@ def test_unknown_linear_subclasses_and_packed_weights_are_refused_by_name() -> N
     model[0].v_proj.weight = nn.Parameter(torch.zeros(16, 16, dtype=torch.int8), requires_grad=False)
     with pytest.raises(ProjectionError, match=r"v_proj.*int8"):
         condcomp.apply_(model, condcomp.CondCompConfig())
-    meta = nn.Sequential(condcomp.HeadAttention(16, 2, bias=False).to("meta"))
-    with pytest.raises(ProjectionError, match="meta device"):
-        condcomp.apply_(meta, condcomp.CondCompConfig())
+    offloaded = nn.Sequential(condcomp.HeadAttention(16, 2, bias=False).to("meta"))
+    offloaded[0].q_proj._hf_hook = object()  # what accelerate's dispatch leaves on an offloaded layer
+    with pytest.raises(ProjectionError, match=r"q_proj: its weight is offloaded"):
+        condcomp.apply_(offloaded, condcomp.CondCompConfig())
+
+
+def test_a_model_built_on_the_meta_device_wraps_and_materialises() -> None:
+    """Deferred initialisation (FSDP2's habit): wrap on meta, then to_empty and load the real weights."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(condcomp.HeadAttention(16, 2)).eval()
+    with torch.device("meta"):
+        model = nn.Sequential(condcomp.HeadAttention(16, 2))
+    condcomp.apply_(model, condcomp.CondCompConfig(policy="full", router="random"))
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())  # an unwrapped state_dict: the progress buffer keeps its value
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), ref(x))
