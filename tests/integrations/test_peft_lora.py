@@ -176,3 +176,11 @@ def test_a_model_built_on_the_meta_device_wraps_and_materialises() -> None:
     x = torch.randn(2, 3, 16)
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(x), ref(x))
+
+
+def test_mixed_adapter_batches_are_refused() -> None:
+    """PEFT passes ``adapter_names`` to the LoRA layers through forward hooks, which a weight read cannot honour."""
+    cfg = condcomp.CondCompConfig(policy="full", router="random")
+    _, model = _pair("llama", "lora_first", cfg)
+    with pytest.raises(ProjectionError, match="adapter_names"):
+        model.eval()(input_ids=_ids(), adapter_names=["default", "__base__"])
