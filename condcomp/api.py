@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import difflib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,12 +22,21 @@ from condcomp.types import HeadUsage
 
 
 def matches_pattern(name: str, pattern: str) -> bool:
-    """Whether module ``name`` matches a target pattern: exact name, ``".suffix"`` or ``"re:<regex>"``."""
+    """Whether module ``name`` matches a target pattern: ``"re:<regex>"`` (full match), ``".suffix"``, or a name
+    (that module, or one whose name ends with ``"." + name``, as in PEFT)."""
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], name) is not None
     if pattern.startswith("."):
         return name.endswith(pattern)
-    return name == pattern
+    return name == pattern or name.endswith("." + pattern)
+
+
+def _did_you_mean(pattern: str, names: list[str]) -> str:
+    stem = pattern.removeprefix("re:").lstrip(".")
+    close = difflib.get_close_matches(stem, names, n=3, cutoff=0.5)
+    close += [n for n in difflib.get_close_matches(stem, [n.rsplit(".", 1)[-1] for n in names], n=3, cutoff=0.5)
+              if n not in close]
+    return f"; did you mean {close}?" if close else ""
 
 
 def _layer_facts(adapter: Any) -> dict[str, int]:
@@ -104,6 +116,9 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     if targets is not None:
         for pattern in targets:
             hits = [n for n, _ in model.named_modules() if matches_pattern(n, pattern)]
+            if not hits and len(targets) > 1:  # (one pattern matching nothing is the error below, with a list)
+                raise ValueError(f"target {pattern!r} matches no module (a typo?); attention modules that would "
+                                 f"match: {candidates[:6]}{_did_you_mean(pattern, candidates + wrapped)}")
             again = [n for n in hits if n in wrapped]
             if again:
                 raise ValueError(f"target {pattern!r} matches modules that are already wrapped: {again}; "
@@ -124,9 +139,11 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     if not chosen:
         seen = sorted({f"{n or '<root>'} ({type(m).__qualname__})" for n, m in model.named_modules()
                        if "attention" in type(m).__name__.lower() or "attn" in n.split(".")[-1].lower()})
+        hint = _did_you_mean(targets[0], candidates) if targets else ""
         raise ValueError("apply_ matched no attention module. Attention-like modules in the model: "
                          f"{seen or 'none'}; supported classes: {', '.join(supported_classes())}; "
-                         f"target_modules={targets}, exclude_modules={excludes}")
+                         f"target_modules={targets}, exclude_modules={excludes}{hint}. A module of another class "
+                         "can be supported with an AttentionAdapter (docs/extending.md)")
     if config.share_policy:
         # A shared budget's k is computed for one head count; another count would silently get the wrong k.
         heads = {n: _head_count(model.get_submodule(n)) for n in chosen}
@@ -175,14 +192,7 @@ def remove_(model: nn.Module) -> list[str]:
                              "condcomp.integrations.hf_interface.remove_interface_(model)")
         raise ValueError("remove_: the model contains no RoutedAttention (was condcomp.apply_ called on it?)")
     for name, routed in found.items():
-        base = routed.base
-        for pname, p in routed.named_parameters(recurse=False):
-            if pname in base._parameters and base._parameters[pname] is not p:
-                base._parameters[pname] = p
-        for cname, child in routed.named_children():
-            if cname in base._modules and base._modules[cname] is not child:
-                base._modules[cname] = child
-        base.train(routed.training)
+        base = routed.sync_base()
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, base)
     for adapter_cls in {type(r.adapter) for r in found.values()}:
@@ -194,6 +204,27 @@ def routing_hosts(model: nn.Module) -> dict[str, RoutingHost]:
     """Every module holding condcomp routing, by name: the module swap's ``RoutedAttention`` modules and the
     AttentionInterface route's ``condcomp_core`` children alike."""
     return {n: m for n, m in model.named_modules() if isinstance(m, RoutingHost)}
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block every routed layer runs its original dense module, exactly (the same parameters and
+    projections, the original forward): an A/B of dense vs routed without unwrapping.
+
+    >>> with condcomp.disabled(model):  # doctest: +SKIP
+    ...     dense_out = model(**batch)
+    """
+    hosts = list(routing_hosts(model).values())
+    if not hosts:
+        raise ValueError("condcomp.disabled: the model has no condcomp routing (was condcomp.apply_ called on it?)")
+    before = [h.condcomp_disabled for h in hosts]
+    for h in hosts:
+        h.condcomp_disabled = True
+    try:
+        yield model
+    finally:
+        for h, was in zip(hosts, before):
+            h.condcomp_disabled = was
 
 
 def set_progress(model: nn.Module, progress: float) -> None:

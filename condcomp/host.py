@@ -78,6 +78,7 @@ class RoutingHost(nn.Module):
                                                           tensor_version(self.condcomp_progress))
         self.last: LastForward | None = None
         self._last_aux: dict[str, Tensor] = {}
+        self.condcomp_disabled = False  # set by condcomp.disabled(model): run the original module instead
         self._keep_routing_float32()
 
     # --------------------------------------------------------------------------------------------- progress

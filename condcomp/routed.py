@@ -77,7 +77,21 @@ class RoutedAttention(RoutingHost):
         return self.adapter.weights(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.condcomp_disabled:  # condcomp.disabled(model): the original module, exactly
+            return self.sync_base()(*args, **kwargs)
         return self.adapter.forward(self, *args, **kwargs)
+
+    def sync_base(self) -> nn.Module:
+        """The original module with every parameter, buffer and child this wrapper holds now (a cast or a move
+        replaces buffers, PEFT replaces projections: the original must see them); returns it."""
+        base = self.base
+        for table, mine in ((base._parameters, self._parameters), (base._buffers, self._buffers),
+                            (base._modules, self._modules)):
+            for name in table:
+                if name in mine and table[name] is not mine[name]:
+                    table[name] = mine[name]  # type: ignore[assignment]
+        base.train(self.training)
+        return base
 
     def attend(self, inputs: AttentionInputs) -> Tensor:
         """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``."""

@@ -85,7 +85,9 @@ def condcomp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
                        scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
     """The function registered as ``attn_implementation="condcomp"`` (modules without routing run plain SDPA)."""
     routing = module._modules.get("condcomp_core")
-    if not isinstance(routing, CoreRouting):
+    if isinstance(routing, CoreRouting) and routing.condcomp_disabled:
+        routing._x = None  # condcomp.disabled(model): plain SDPA below
+    if not isinstance(routing, CoreRouting) or routing.condcomp_disabled:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
