@@ -42,7 +42,7 @@ def dataclass_from_dict(cls: Any, d: dict[str, Any], label: str) -> Any:
 
 @dataclass
 class CondCompConfig:
-    """What to wrap and how.
+    r"""What to wrap and how.
 
     - ``policy``: budget policy key or ``(key, kwargs)``: ``"full"``, ``("fixed", {"fraction": 0.5})``, ...
     - ``router``: router key or ``(key, kwargs)``.
