@@ -16,6 +16,7 @@ from condcomp.adapters import find_adapter, load_integrations_for, supported_cla
 from condcomp.config import CondCompConfig
 from condcomp.host import RoutingHost, check_progress
 from condcomp.projections import ProjectionError
+from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES, ROUTERS
 from condcomp.routed import RoutedAttention
 from condcomp.types import HeadUsage
@@ -175,6 +176,7 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     for name, routed in built.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, routed)
+    store_record_in_config(model)  # a transformers model's save_pretrained then writes how to rebuild it
     return chosen
 
 
@@ -197,6 +199,7 @@ def remove_(model: nn.Module) -> list[str]:
         setattr(model.get_submodule(parent_name), child_name, base)
     for adapter_cls in {type(r.adapter) for r in found.values()}:
         adapter_cls.restore(model)
+    store_record_in_config(model)
     return list(found)
 
 

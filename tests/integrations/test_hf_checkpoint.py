@@ -109,3 +109,37 @@ def test_a_flipped_byte_in_the_routing_file_is_detected(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="corrupt: SHA-256"):
         load_condcomp(fresh, tmp_path)
     assert not condcomp.routed_modules(fresh)
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_native_save_pretrained_round_trip(arch: str, tmp_path: Path) -> None:
+    """transformers' own save_pretrained (what Trainer and push_to_hub call) writes everything needed; two apply_
+    calls with different configs and the schedule progress come back."""
+    model = build(arch)
+    layer0 = "re:.*layers?\\.0\\..*" if arch == "llama" else "re:.*layer\\.0\\..*"
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("budgetformer", {}), router=("topk", {"gates": "weighted"}),
+                                                   target_modules=layer0))
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk"))
+    _perturb_routing_(model)
+    condcomp.set_progress(model, 0.6)
+    inputs = batch(arch)
+    want = output(model, inputs)
+    model.save_pretrained(str(tmp_path))
+    torch.manual_seed(321)
+    loaded = from_pretrained(type(model), tmp_path, torch_dtype=torch.float64).eval()
+    assert sorted(condcomp.routed_modules(loaded)) == sorted(condcomp.routed_modules(model))
+    assert [h.progress for h in condcomp.api.routing_hosts(loaded).values()] == [0.6, 0.6]
+    torch.testing.assert_close(output(loaded, inputs), want, atol=1e-12, rtol=1e-12)
+    assert state_equal(loaded.state_dict(), model.state_dict())
+    # A plain from_pretrained loads the dense weights (the routing keys are reported as unexpected, left out).
+    plain, info = type(model).from_pretrained(str(tmp_path), torch_dtype=torch.float64, output_loading_info=True)
+    assert any("condcomp_policy" in k for k in info["unexpected_keys"]) and not info["missing_keys"]
+    condcomp.remove_(model)
+    assert not hasattr(model.config, "condcomp")  # the record goes with the routing
+    assert state_equal(plain.state_dict(), model.state_dict())
+
+
+def test_from_pretrained_of_a_folder_without_routing_says_so(tmp_path: Path) -> None:
+    build("bert").save_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="holds no condcomp routing"):
+        from_pretrained(transformers.BertModel, tmp_path)
