@@ -337,3 +337,12 @@ def register_transformers_attention(cls: type, family: str) -> None:
 def supported_transformers_classes() -> list[str]:
     """Names of the transformers attention classes the module swap recognises."""
     return sorted(t.__name__ for a in (BertStyleAttentionAdapter, ProjectionAttentionAdapter) for t in a.module_types)
+
+
+def __getattr__(name: str) -> Any:
+    # The Trainer callback imports transformers' trainer machinery: only when asked for.
+    if name == "CondCompCallback":
+        from .hf_trainer import CondCompCallback
+
+        return CondCompCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
