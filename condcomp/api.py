@@ -71,7 +71,8 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
     adapter_cls = find_adapter(module)
     if adapter_cls is None:
         raise TypeError(f"{name} ({type(module).__qualname__}) is not a supported attention module; "
-                        f"supported: {', '.join(supported_classes())}")
+                        f"supported: {', '.join(supported_classes())}; support another class with an "
+                        "AttentionAdapter (docs/extending.md)")
     reason = adapter_cls.unsupported_reason(module)
     if reason is not None:
         raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): {reason}")
