@@ -105,7 +105,8 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
         new_tokens: int = 16, reps: int = 3, threads: int = 2) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
     models = variants(load_model(model_name))
-    vocab = int(models["dense"].config.vocab_size)
+    config: Any = models["dense"].config
+    vocab = int(config.vocab_size)
     records = []
     cells = [(P, B) for P in prompts for B in batches]
     bar = progress_bar(total=len(cells) * reps * len(models), desc=f"bench decode {model_name}")
