@@ -6,7 +6,7 @@ which, an executor computes only those. See docs/concepts.md.
 
 from condcomp import executors, integrations, policies, routers  # noqa: F401  (fill the registries)
 from condcomp.adapters import AttentionAdapter, register_adapter
-from condcomp.api import apply_, aux_loss, head_usage, remove_, routed_modules, set_progress
+from condcomp.api import apply_, aux_loss, disabled, head_usage, remove_, routed_modules, set_progress
 from condcomp.attention import HeadAttention
 from condcomp.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_config, save_checkpoint
 from condcomp.config import CondCompConfig
@@ -29,11 +29,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "Capabilities",
-    "CheckpointError", "Estimate",
-    "CondCompConfig", "load_checkpoint", "read_checkpoint_config", "save_checkpoint",
-    "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "RoutedAttention", "Router",
-    "apply_", "aux_loss", "budget_k", "explain", "full_plan", "get_executor", "head_usage", "list_executors",
+    "CheckpointError", "Estimate", "CondCompConfig", "load_checkpoint", "read_checkpoint_config", "save_checkpoint",
+    "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "RoutedAttention", "Router", "apply_",
+    "aux_loss", "budget_k", "disabled", "explain", "full_plan", "get_executor", "head_usage", "list_executors",
     "list_policies", "list_routers", "make_schedule", "plan_from_active", "plan_top_k", "register_adapter",
     "register_executor", "register_policy", "register_router", "remove_", "routed_modules", "set_progress",
-    "top_k_mask",
+    "top_k_mask"
 ]

@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import re
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
+from condcomp.host import RoutingHost, check_progress
+from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
-from condcomp.routed import RoutedAttention, layer_facts, wrap_module  # noqa: F401  (wrap_module: its old home)
+from condcomp.routed import (  # noqa: F401  (wrap_module, check_projections: their old home)
+    RoutedAttention,
+    check_projections,
+    layer_facts,
+    wrap_module,
+)
 from condcomp.types import HeadUsage
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches_pattern(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches a target pattern: ``"re:<regex>"`` (full match), ``".suffix"``, or a name
+    (that module, or one whose name ends with ``"." + name``, as in PEFT)."""
     if pattern.startswith("re:"):
         return re.fullmatch(pattern[3:], name) is not None
     if pattern.startswith("."):
         return name.endswith(pattern)
-    return name == pattern
+    return name == pattern or name.endswith("." + pattern)
+
+
+def _did_you_mean(pattern: str, names: list[str]) -> str:
+    stem = pattern.removeprefix("re:").lstrip(".")
+    close = difflib.get_close_matches(stem, names, n=3, cutoff=0.5)
+    close += [n for n in difflib.get_close_matches(stem, [n.rsplit(".", 1)[-1] for n in names], n=3, cutoff=0.5)
+              if n not in close]
+    return f"; did you mean {close}?" if close else ""
 
 
 def _head_count(module: nn.Module) -> int:
@@ -52,7 +72,10 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     targets, excludes = config.target_modules, config.exclude_modules
     if targets is not None:
         for pattern in targets:
-            hits = [n for n, _ in model.named_modules() if _matches(n, pattern)]
+            hits = [n for n, _ in model.named_modules() if matches_pattern(n, pattern)]
+            if not hits and len(targets) > 1:  # (one pattern matching nothing is the error below, with a list)
+                raise ValueError(f"target {pattern!r} matches no module (a typo?); attention modules that would "
+                                 f"match: {candidates[:6]}{_did_you_mean(pattern, candidates + wrapped)}")
             again = [n for n in hits if n in wrapped]
             if again:
                 raise ValueError(f"target {pattern!r} matches modules that are already wrapped: {again}; "
@@ -65,17 +88,19 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
                 raise ValueError(f"target {pattern!r} matches modules that are not supported attention modules: "
                                  f"{kinds}; supported classes: {', '.join(supported_classes())}")
     chosen = [n for n in candidates
-              if (targets is None or any(_matches(n, p) for p in targets))
-              and not (excludes and any(_matches(n, p) for p in excludes))]
+              if (targets is None or any(matches_pattern(n, p) for p in targets))
+              and not (excludes and any(matches_pattern(n, p) for p in excludes))]
     if not chosen and wrapped and targets is None:
         raise ValueError(f"every supported attention module is already wrapped ({len(wrapped)}: {wrapped[:3]}...); "
                          "call condcomp.remove_(model) first to change the routing")
     if not chosen:
         seen = sorted({f"{n or '<root>'} ({type(m).__qualname__})" for n, m in model.named_modules()
                        if "attention" in type(m).__name__.lower() or "attn" in n.split(".")[-1].lower()})
+        hint = _did_you_mean(targets[0], candidates) if targets else ""
         raise ValueError("apply_ matched no attention module. Attention-like modules in the model: "
                          f"{seen or 'none'}; supported classes: {', '.join(supported_classes())}; "
-                         f"target_modules={targets}, exclude_modules={excludes}")
+                         f"target_modules={targets}, exclude_modules={excludes}{hint}. A module of another class "
+                         "can be supported with an AttentionAdapter (docs/extending.md)")
     if config.share_policy:
         # A shared budget's k is computed for one head count; another count would silently get the wrong k.
         heads = {n: _head_count(model.get_submodule(n)) for n in chosen}
@@ -107,6 +132,7 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     for name, routed in built.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, routed)
+    store_record_in_config(model)  # a transformers model's save_pretrained then writes how to rebuild it
     return chosen
 
 
@@ -119,41 +145,63 @@ def remove_(model: nn.Module) -> list[str]:
     """Put every original attention module back (with any parameter the wrapper received since)."""
     found = routed_modules(model)
     if not found:
+        if routing_hosts(model):
+            raise ValueError("remove_: the model is routed through transformers' AttentionInterface; undo it with "
+                             "condcomp.integrations.hf_interface.remove_interface_(model)")
         raise ValueError("remove_: the model contains no RoutedAttention (was condcomp.apply_ called on it?)")
     for name, routed in found.items():
-        base = routed.base
-        for pname, p in routed.named_parameters(recurse=False):
-            if pname in base._parameters and base._parameters[pname] is not p:
-                base._parameters[pname] = p
-        for cname, child in routed.named_children():
-            if cname in base._modules and base._modules[cname] is not child:
-                base._modules[cname] = child
-        base.train(routed.training)
+        base = routed.sync_base()
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, base)
     for adapter_cls in {type(r.adapter) for r in found.values()}:
         adapter_cls.restore(model)
+    store_record_in_config(model)
     return list(found)
 
 
+def routing_hosts(model: nn.Module) -> dict[str, RoutingHost]:
+    """Every module holding condcomp routing, by name: the module swap's ``RoutedAttention`` modules and the
+    AttentionInterface route's ``condcomp_core`` children alike."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, RoutingHost)}
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block every routed layer runs its original dense module, exactly (the same parameters and
+    projections, the original forward): an A/B of dense vs routed without unwrapping.
+
+    >>> with condcomp.disabled(model):  # doctest: +SKIP
+    ...     dense_out = model(**batch)
+    """
+    hosts = list(routing_hosts(model).values())
+    if not hosts:
+        raise ValueError("condcomp.disabled: the model has no condcomp routing (was condcomp.apply_ called on it?)")
+    before = [h.condcomp_disabled for h in hosts]
+    for h in hosts:
+        h.condcomp_disabled = True
+    try:
+        yield model
+    finally:
+        for h, was in zip(hosts, before):
+            h.condcomp_disabled = was
+
+
 def set_progress(model: nn.Module, progress: float) -> None:
-    """Step every schedule (temperature, noise, entropy coefficient) to training progress in [0, 1]."""
-    if not 0.0 <= float(progress) <= 1.0:
-        raise ValueError(f"progress must be in [0, 1], got {progress}")
-    seen: set[int] = set()
-    for routed in routed_modules(model).values():
-        for component in (routed.condcomp_policy, routed.condcomp_router):
-            step = getattr(component, "set_progress", None)
-            if id(component) not in seen and callable(step):
-                seen.add(id(component))
-                step(float(progress))
+    """Step every schedule (temperature, noise, entropy coefficient) to training progress in [0, 1].
+
+    The progress is saved with the model (``state_dict``, checkpoints), so a resumed run continues its schedules.
+    """
+    p = check_progress(progress)
+    stepped: set[int] = set()  # a policy shared by every layer is stepped once
+    for host in routing_hosts(model).values():
+        host.set_progress(p, stepped)
 
 
 def aux_loss(model: nn.Module) -> Tensor:
     """Sum of the last forward's (already weighted) auxiliary losses; a zero tensor when there are none."""
     total: Tensor | None = None
-    for routed in routed_modules(model).values():
-        for value in routed.aux_losses().values():
+    for host in routing_hosts(model).values():
+        for value in host.aux_losses().values():
             total = value if total is None else total + value
     if total is None:
         p = next(model.parameters(), None)
@@ -162,10 +210,10 @@ def aux_loss(model: nn.Module) -> Tensor:
 
 
 def head_usage(model: nn.Module) -> dict[str, HeadUsage]:
-    """Per wrapped layer: ``HeadUsage(s_mean, k_frac, flop_frac)`` of the last forward."""
+    """Per routed layer: ``HeadUsage(s_mean, k_frac, flop_frac)`` of the last forward."""
     out = {}
-    for name, routed in routed_modules(model).items():
-        usage = routed.head_usage()
+    for name, host in routing_hosts(model).items():
+        usage = host.head_usage()
         if usage is not None:
             out[name] = usage
     return out

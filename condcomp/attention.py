@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter, register_adapter
 from condcomp.dense import all_heads_attention
+from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 if TYPE_CHECKING:
@@ -76,8 +77,9 @@ class HeadAttention(nn.Module):
 
 def linear_weights(owner: Any, layout: HeadLayout) -> AttentionWeights:
     """Canonical weights of a module with ``q_proj``/``k_proj``/``v_proj``/``o_proj`` linear children."""
-    q, k, v, o = owner.q_proj, owner.k_proj, owner.v_proj, owner.o_proj
-    return AttentionWeights(layout, q.weight, k.weight, v.weight, o.weight, q.bias, k.bias, v.bias, o.bias)
+    (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_parts(getattr(owner, n), n)
+                                              for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    return AttentionWeights(layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
 
 def native_inputs(

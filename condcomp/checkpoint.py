@@ -77,18 +77,27 @@ def _encode(obj: Any, prefix: str, tensors: dict[str, Tensor]) -> Any:
 
 
 def _decode(obj: Any, tensors: dict[str, Tensor], file: str) -> Any:
+    try:
+        return _decode_value(obj, tensors, file)
+    except (TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{file}: the structure recorded in {MANIFEST} is malformed ({e})") from e
+
+
+def _decode_value(obj: Any, tensors: dict[str, Tensor], file: str) -> Any:
     if isinstance(obj, dict):
         if set(obj) == {"__tensor__"}:
             if obj["__tensor__"] not in tensors:
                 raise CheckpointError(f"{file}: tensor {obj['__tensor__']!r} named in {MANIFEST} is missing")
             return tensors[obj["__tensor__"]]
         if set(obj) == {"__items__"}:
-            return {k: _decode(v, tensors, file) for k, v in obj["__items__"]}
+            return {k: _decode_value(v, tensors, file) for k, v in obj["__items__"]}
         if set(obj) == {"__tuple__"}:
-            return tuple(_decode(v, tensors, file) for v in obj["__tuple__"])
-        return {k: _decode(v, tensors, file) for k, v in obj.items()}
+            return tuple(_decode_value(v, tensors, file) for v in obj["__tuple__"])
+        return {k: _decode_value(v, tensors, file) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_decode(v, tensors, file) for v in obj]
+        return [_decode_value(v, tensors, file) for v in obj]
     return obj
 
 
@@ -114,6 +123,24 @@ def _dedupe(state: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 def _index(tensors: dict[str, Tensor]) -> dict[str, dict[str, Any]]:
     return {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in tensors.items()}
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex}`` of a file (what manifests record to detect truncation and corruption)."""
+    return _digest(path)
+
+
+def verify_digest(path: Path, expected: Any, manifest_name: str) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` has the size and SHA-256 recorded in ``expected``."""
+    if not (isinstance(expected, dict) and _is_int(expected.get("bytes")) and isinstance(expected.get("sha256"), str)):
+        raise CheckpointError(f"{manifest_name}: the record of {path.name} is malformed")
+    actual = _digest(path)
+    if actual["bytes"] != expected["bytes"]:
+        raise CheckpointError(f"{path}: truncated or replaced: {actual['bytes']} bytes, {manifest_name} records "
+                              f"{expected['bytes']}")
+    if actual["sha256"] != expected["sha256"]:
+        raise CheckpointError(f"{path}: corrupt: SHA-256 {actual['sha256'][:16]}... does not match the "
+                              f"{expected['sha256'][:16]}... recorded in {manifest_name}")
 
 
 def _digest(path: Path) -> dict[str, Any]:
@@ -226,7 +253,33 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     for key in ("files", "tensors", "aliases"):
         if not isinstance(manifest.get(key), dict):
             raise CheckpointError(f"{path}: field {key!r} is missing or malformed")
+    _check_manifest_fields(manifest, path)
     return manifest
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_manifest_fields(manifest: dict[str, Any], path: Path) -> None:
+    """Every field of the manifest has the type the loader reads (a hand-edited or corrupted manifest is named)."""
+    for name, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and _is_int(entry.get("bytes")) and isinstance(entry.get("sha256"), str)):
+            raise CheckpointError(f"{path}: files[{name!r}] is malformed (expected bytes: int, sha256: str)")
+    for name, index in manifest["tensors"].items():
+        if not isinstance(index, dict):
+            raise CheckpointError(f"{path}: tensors[{name!r}] is malformed (expected a name -> shape/dtype table)")
+        for key, want in index.items():
+            shape = want.get("shape") if isinstance(want, dict) else None
+            if (not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape)
+                    or want.get("dtype") not in _DTYPES):
+                raise CheckpointError(f"{path}: tensors[{name!r}][{key!r}] is malformed (expected shape: list of "
+                                      f"int, dtype: one of {sorted(_DTYPES)})")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["aliases"].items()):
+        raise CheckpointError(f"{path}: aliases is malformed (expected name -> name)")
+    for key in ("config", "optimizer"):
+        if manifest.get(key) is not None and not isinstance(manifest[key], dict):
+            raise CheckpointError(f"{path}: field {key!r} is malformed (expected an object or null)")
 
 
 def read_checkpoint_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -240,14 +293,7 @@ def _read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[
     path = directory / name
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (listed in {MANIFEST})")
-    expected = manifest["files"].get(name, {})
-    actual = _digest(path)
-    if actual["bytes"] != expected.get("bytes"):
-        raise CheckpointError(f"{path}: truncated or replaced: {actual['bytes']} bytes, {MANIFEST} records "
-                              f"{expected.get('bytes')}")
-    if actual["sha256"] != expected.get("sha256"):
-        raise CheckpointError(f"{path}: corrupt: SHA-256 {actual['sha256'][:16]}... does not match the "
-                              f"{expected.get('sha256', '')[:16]}... recorded in {MANIFEST}")
+    verify_digest(path, manifest["files"].get(name), MANIFEST)
     try:
         tensors = st.load_file(str(path), device="cpu")
     except Exception as e:  # safetensors raises its own SafetensorError for malformed headers
@@ -290,6 +336,9 @@ def _check_optimizer(path: Path, state: dict[str, Any], optimizer: torch.optim.O
     saved = state.get("param_groups") if isinstance(state, dict) else None
     if not isinstance(saved, list) or not isinstance(state.get("state"), dict):
         raise CheckpointError(f"{path}: malformed optimizer state")
+    if not all(isinstance(s, dict) for s in saved) or not all(isinstance(e, dict) for e in state["state"].values()):
+        raise CheckpointError(f"{path}: malformed optimizer state (parameter groups and per-parameter state must "
+                              "be objects)")
     if len(saved) != len(groups):
         raise CheckpointError(f"{path}: {len(saved)} parameter groups, the optimizer has {len(groups)}")
     params: dict[int, Tensor] = {}

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 # Modules that contribute commands, imported only when the command line is built (import condcomp stays light).
 COMMAND_MODULES = ("condcomp.experiments.commands",)
-BENCH_MODULES = ("condcomp.bench_attention", "condcomp.bench_compile")
+BENCH_MODULES = ("condcomp.bench_attention", "condcomp.bench_compile", "condcomp.bench_decode")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,7 +24,8 @@ def _patterns(value: Any, name: str) -> list[str] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return [value]
+        # PEFT's habit: one string is a regular expression over the full name (an exact name is one too).
+        return [value if value.startswith(("re:", ".")) else "re:" + value]
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return list(value)
     raise TypeError(f"{name} must be None, a string or a list of strings, got {value!r}")
@@ -41,13 +42,15 @@ def dataclass_from_dict(cls: Any, d: dict[str, Any], label: str) -> Any:
 
 @dataclass
 class CondCompConfig:
-    """What to wrap and how.
+    r"""What to wrap and how.
 
     - ``policy``: budget policy key or ``(key, kwargs)``: ``"full"``, ``("fixed", {"fraction": 0.5})``, ...
     - ``router``: router key or ``(key, kwargs)``.
     - ``executor``: ``"reference" | "masked" | "gathered" | "auto"``.
-    - ``target_modules`` / ``exclude_modules``: None (every supported attention module) or patterns: an exact
-      module name, ``".suffix"`` (name ends with it) or ``"re:<regex>"`` (full match).
+    - ``target_modules`` / ``exclude_modules``: None (every supported attention module) or patterns, as PEFT
+      users write them: a list of names, each matching that module or any module whose name ends with
+      ``"." + name`` (``["self_attn"]``), or one string, a regular expression over the full name
+      (``r".*\.layers\.[0-3]\.self_attn"``); also ``".suffix"`` and ``"re:<regex>"`` entries.
     - ``share_policy``: one budget policy for all wrapped layers (one budget per example for the whole model).
     - ``check_inputs``: reject NaN/inf inputs with a clear error instead of letting them propagate.
 

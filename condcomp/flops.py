@@ -50,7 +50,10 @@ def routing_flops(component: object, T: int) -> float:
 def flop_fraction(layout: HeadLayout, plan: HeadPlan, T: int, S: int, extra_per_example: float) -> float:
     """Plan FLOPs plus routing FLOPs, relative to dense attention, over the batch."""
     B = plan.gates.shape[0]
+    dense = dense_flops(layout, T, S) * B
+    if dense == 0:  # no examples or no tokens: nothing to compute, nothing computed
+        return 0.0
     total = plan_flops(layout, plan, T, S).sum() + extra_per_example * B
-    return float(total / (dense_flops(layout, T, S) * B)) if B else 0.0
+    return float(total / dense)
 
 

@@ -41,6 +41,14 @@ class AttentionMask:
         return AttentionMask(m[b, h].unsqueeze(1), self.is_causal, dead)
 
 
+def check_mask_dtype(mask: Tensor | None, name: str) -> None:
+    """Refuse a mask that is neither bool nor floating point, as torch's attention does (an integer mask would
+    otherwise be read as an additive bias, or as bool with a different meaning than the caller's)."""
+    if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"only bool and floating types of {name} are supported (as in torch), got {mask.dtype}; "
+                        f"convert it: {name}.bool() for True/False, or a float additive mask")
+
+
 def causal_allowed(T: int, S: int, device: torch.device) -> Tensor:
     """Bottom-right aligned causal mask ``(T, S)``: query i sees keys ``j <= i + S - T`` (KV-cache decoding)."""
     i = torch.arange(T, device=device).unsqueeze(1)

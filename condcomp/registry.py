@@ -19,10 +19,14 @@ class Registry(Generic[T]):
         self.role = role
         self._entries: dict[str, Any] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
+    def register(self, name: str, override: bool = False) -> Callable[[T], T]:
         key = name.lower()
 
         def decorator(obj: T) -> T:
+            existing = self._entries.get(key)
+            if existing is not None and not override and not _same_definition(existing, obj):
+                raise ValueError(f"{self.role} {key!r} is already registered ({_qualname(existing)}); choose another "
+                                 f"name, or pass override=True to replace it")
             self._entries[key] = obj
             try:
                 obj.registry_key = key  # type: ignore[attr-defined]
@@ -66,29 +70,42 @@ class Registry(Generic[T]):
         return cls(**wanted, **kwargs)
 
 
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _same_definition(a: Any, b: Any) -> bool:
+    # The same object, or the same definition run again (a reloaded module, a re-run notebook cell).
+    return a is b or _qualname(a) == _qualname(b)
+
+
 POLICIES: Registry[Any] = Registry("policy")
 ROUTERS: Registry[Any] = Registry("router")
 EXECUTORS: Registry[Any] = Registry("executor")
 
 
-def register_policy(name: str) -> Callable[[T], T]:
+def register_policy(name: str, *, override: bool = False) -> Callable[[T], T]:
     """Class decorator: make a budget policy available as ``CondCompConfig(policy=name)``.
+
+    A name already taken is an error unless ``override=True`` (then the new class serves every later ``apply_``).
 
     >>> import condcomp
     >>> "fixed" in condcomp.list_policies()
     True
     """
-    return POLICIES.register(name)
+    return POLICIES.register(name, override)
 
 
-def register_router(name: str) -> Callable[[T], T]:
-    """Class decorator: make a router available as ``CondCompConfig(router=name)``."""
-    return ROUTERS.register(name)
+def register_router(name: str, *, override: bool = False) -> Callable[[T], T]:
+    """Class decorator: make a router available as ``CondCompConfig(router=name)`` (``override=True`` to replace
+    a registered one)."""
+    return ROUTERS.register(name, override)
 
 
-def register_executor(name: str) -> Callable[[T], T]:
-    """Class decorator: make an executor available as ``CondCompConfig(executor=name)``."""
-    return EXECUTORS.register(name)
+def register_executor(name: str, *, override: bool = False) -> Callable[[T], T]:
+    """Class decorator: make an executor available as ``CondCompConfig(executor=name)`` (``override=True`` to
+    replace a registered one; it takes effect at the next call)."""
+    return EXECUTORS.register(name, override)
 
 
 def list_policies() -> list[str]:

@@ -17,9 +17,27 @@ def masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
     A row with no real token pools to zeros instead of NaN.
     """
     if mask is None:
-        return x.mean(1)
+        return x.mean(1) if x.shape[1] else x.sum(1)  # T = 0: zeros, not 0/0
     w = mask.to(x.dtype).unsqueeze(-1)  # (B, T, 1)
     return (x * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
+def rows_with_tokens(x: Tensor, mask: Tensor | None) -> Tensor | None:
+    """``(B,)`` True for the rows of ``x (B, T, D)`` with a real token; None when every row has one (no mask, T > 0)."""
+    if mask is not None:
+        return mask.bool().any(1)
+    return x.new_zeros(x.shape[0], dtype=torch.bool) if x.shape[1] == 0 else None
+
+
+def weighted_mean(values: Tensor, weights: Tensor | None = None) -> Tensor:
+    """Mean of ``values`` over the entries where ``weights`` (same shape, bool or float) is nonzero.
+
+    No entry (an empty batch, every row padding) gives 0 with a graph, not NaN: an empty batch trains nothing.
+    """
+    if weights is None:
+        return values.mean() if values.numel() else values.sum()
+    w = weights.to(values.dtype)
+    return (values * w).sum() / w.sum().clamp_min(1.0)
 
 
 def soft_ranks(logits: Tensor) -> Tensor:
@@ -55,7 +73,4 @@ def soft_topk_mask(logits: Tensor, threshold: Tensor, tau: float) -> Tensor:
 def entropy(probs: Tensor, mask: Tensor | None = None) -> Tensor:
     """Mean Shannon entropy (nats) of the distributions along the last dim; rows where ``mask`` is False skipped."""
     h = -(probs * torch.log(probs.clamp_min(1e-12))).sum(-1)  # (B,) or (B, T)
-    if mask is None:
-        return h.mean()
-    m = mask.to(h.dtype)
-    return (h * m).sum() / m.sum().clamp_min(1.0)
+    return weighted_mean(h, mask)

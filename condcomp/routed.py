@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -11,25 +12,13 @@ from torch import Tensor, nn
 from condcomp.adapters import AttentionAdapter, find_adapter, supported_classes
 from condcomp.config import CondCompConfig
 from condcomp.executors.auto import resolve_executor
-from condcomp.flops import flop_fraction, routing_flops
+from condcomp.host import RoutingHost
+from condcomp.projections import ProjectionError
 from condcomp.registry import POLICIES, ROUTERS
-from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 
-@dataclass(frozen=True)
-class LastForward:
-    """What the last forward decided, detached; turned into numbers only when someone asks (no device sync)."""
-
-    s: Tensor  # (B,) or (B, T)
-    plan: HeadPlan
-    mask: Tensor | None  # (B, T)
-    T: int
-    S: int
-    executor: str | None = None  # the executor (and gathered route) that ran
-    route: str | None = None
-
-
-class RoutedAttention(nn.Module):
+class RoutedAttention(RoutingHost):
     """A wrapped attention module whose heads are chosen per input (or per token).
 
     It holds the original module's parameters, buffers and children under their original names (so
@@ -54,11 +43,9 @@ class RoutedAttention(nn.Module):
         for name, child in base.named_children():
             self.add_module(name, child)
         self.adapter = adapter
-        self.condcomp_policy = policy
-        self.condcomp_router = router
+        self.attach_routing(policy, router)
         self.executor = executor
         self.check_inputs = check_inputs
-        self.last: LastForward | None = None
         self.condcomp_config: Any = None  # the CondCompConfig it was built from (set by apply_; not `config`,
         # which third-party attention modules use for their own)
         for attr, value in adapter.attribute_overrides().items():
@@ -88,64 +75,36 @@ class RoutedAttention(nn.Module):
         """The original module (its parameters are the ones this module trains)."""
         return self._base  # type: ignore[no-any-return]
 
-    @property
-    def layout(self):  # noqa: ANN201 - HeadLayout
-        return self.adapter.layout
-
     def weights(self) -> AttentionWeights:
         return self.adapter.weights(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.condcomp_disabled:  # condcomp.disabled(model): the original module, exactly
+            return self.sync_base()(*args, **kwargs)
         return self.adapter.forward(self, *args, **kwargs)
+
+    def sync_base(self) -> nn.Module:
+        """The original module with every parameter, buffer and child this wrapper holds now (a cast or a move
+        replaces buffers, PEFT replaces projections: the original must see them); returns it."""
+        base = self.base
+        for table, mine in ((base._parameters, self._parameters), (base._buffers, self._buffers),
+                            (base._modules, self._modules)):
+            for name in table:
+                if name in mine and table[name] is not mine[name]:
+                    table[name] = mine[name]  # type: ignore[assignment]
+        base.train(self.training)
+        return base
 
     def attend(self, inputs: AttentionInputs) -> Tensor:
         """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``."""
         self._validate(inputs)
         weights = self.weights()
-        # Routing decisions (budgets, softmax, top-k) stay in float32 under autocast: a bf16 s or score can move
-        # floor(s * H) or flip a top-k tie. Components cast their inputs to float32 themselves.
-        with torch.autocast(inputs.x.device.type, enabled=False):
-            budget: Budget = self.condcomp_policy(inputs.x, inputs.mask)
-            plan: HeadPlan = self.condcomp_router(inputs.x, inputs.mask, budget, weights)
-        self._validate_plan(plan, inputs)
-        plan = plan.with_aux(budget.aux_losses)
+        plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys)
         executor = resolve_executor(self.executor, weights, inputs, plan)
-        y = executor(weights, inputs, plan)
-        self.last = LastForward(budget.s.detach(), _detached(plan), inputs.mask, inputs.x.shape[1], inputs.num_keys,
-                                getattr(executor, "name", None), getattr(executor, "route", None))
-        self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
-        return y
-
-    def head_usage(self) -> HeadUsage | None:
-        """``HeadUsage`` of the last forward, or None before the first one."""
-        last = self.last
-        if last is None:
-            return None
-        s, plan, mask = last.s.float(), last.plan, last.mask
-        H = plan.num_heads
-        counts = plan.counts.float() / H
-        if plan.granularity == "token" and mask is not None:
-            m = mask.bool()
-            k_frac = float(counts[m].mean()) if bool(m.any()) else 0.0
-        else:
-            k_frac = float(counts.mean()) if counts.numel() else 0.0
-        if s.dim() == 2 and mask is not None and bool(mask.any()):
-            s_mean = float(s[mask.bool()].mean())
-        else:
-            s_mean = float(s.mean()) if s.numel() else 0.0
-        extra = routing_flops(self.condcomp_policy, last.T) + routing_flops(self.condcomp_router, last.T)
-        return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra), last.executor,
-                         last.route)
-
-    def aux_losses(self) -> dict[str, Tensor]:
-        """The last forward's (weighted) auxiliary losses, with their autograd graph."""
-        return self.__dict__.get("_last_aux", {})
-
-    def set_progress(self, progress: float) -> None:
-        for component in (self.condcomp_policy, self.condcomp_router):
-            step = getattr(component, "set_progress", None)
-            if callable(step):
-                step(progress)
+        if self.last is not None:  # which executor (and gathered route) ran: HeadUsage reports it
+            self.last = replace(self.last, executor=getattr(executor, "name", None),
+                                route=getattr(executor, "route", None))
+        return executor(weights, inputs, plan)  # type: ignore[no-any-return]
 
     def _validate(self, inputs: AttentionInputs) -> None:
         x, L = inputs.x, self.layout
@@ -161,6 +120,10 @@ class RoutedAttention(nn.Module):
         if inputs.mask is not None and tuple(inputs.mask.shape) != (B, T):
             raise ValueError(f"padding mask must be (B, T) = {(B, T)}, got {tuple(inputs.mask.shape)}")
         S = inputs.num_keys
+        for name, m in (("padding mask", inputs.mask), ("key padding mask", inputs.key_mask)):
+            if m is not None and m.is_floating_point():
+                raise TypeError(f"the {name} must be bool (True = real token), got {m.dtype}; an additive float "
+                                "mask goes in attn_bias")
         if inputs.key_mask is not None and tuple(inputs.key_mask.shape) != (B, S):
             raise ValueError(f"key padding mask must be (B, S) = {(B, S)}, got {tuple(inputs.key_mask.shape)}")
         _check_context(inputs, L, B, T, S)
@@ -169,20 +132,8 @@ class RoutedAttention(nn.Module):
             raise ValueError(f"non-finite values (NaN or inf) in the attention input of examples {bad}; "
                              "check_inputs=True rejects them (set it False to let them propagate)")
 
-    def _validate_plan(self, plan: HeadPlan, inputs: AttentionInputs) -> None:
-        B, T = inputs.x.shape[:2]
-        H = self.layout.num_heads
-        want = (B, H) if plan.granularity == "sequence" else (B, T, H)
-        if tuple(plan.gates.shape) != want:
-            raise ValueError(f"router {type(self.condcomp_router).__name__} returned a {plan.granularity} plan "
-                             f"with gates {tuple(plan.gates.shape)}; expected {want}")
-
     def extra_repr(self) -> str:
         return f"base={type(self.base).__name__}, executor={self.executor!r}"
-
-
-def _detached(plan: HeadPlan) -> HeadPlan:
-    return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {})
 
 
 def _check_context(inputs: AttentionInputs, L: HeadLayout, B: int, T: int, S: int) -> None:
@@ -227,16 +178,27 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def check_projections(adapter: Any, module: nn.Module, name: str) -> None:
+    """Read the module's projections once, so one condcomp cannot read exactly is refused now, by name."""
+    try:
+        with torch.no_grad():
+            adapter.weights(module)
+    except ProjectionError as e:
+        raise ProjectionError(f"cannot wrap {name} ({type(module).__qualname__}): {e}") from None
+
+
 def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module") -> RoutedAttention:
     """One supported attention module -> RoutedAttention (components built from ``config``)."""
     adapter_cls = find_adapter(module)
     if adapter_cls is None:
         raise TypeError(f"{name} ({type(module).__qualname__}) is not a supported attention module; "
-                        f"supported: {', '.join(supported_classes())}")
+                        f"supported: {', '.join(supported_classes())}; support another class with an "
+                        "AttentionAdapter (docs/extending.md)")
     reason = adapter_cls.unsupported_reason(module)
     if reason is not None:
         raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): {reason}")
     adapter = adapter_cls(module)
+    check_projections(adapter, module, name)
     facts = layer_facts(adapter)
     device = _module_device(module)
     if policy is None:
@@ -244,7 +206,9 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
     router = ROUTERS.build(config.router[0], config.router[1], facts)
     for component in (policy, router):
         if isinstance(component, nn.Module):
-            component.to(device)  # routing stays float32 whatever the model's dtype (decisions need the range)
+            component.to(device)  # on the layer's device; float32 whatever the model's dtype (RoutingHost's rule)
     routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
-    routed.condcomp_config = config  # what built it: saving a wrapped model needs no config passed back in
+    # What built it, so saving needs no config passed back in (a copy: editing the caller's config object later
+    # must not change what a save writes).
+    routed.condcomp_config = copy.deepcopy(config)
     return routed

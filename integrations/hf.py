@@ -22,11 +22,14 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter, register_adapter
+from condcomp.attention import linear_weights
+from condcomp.masks import check_mask_dtype
+from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.versions import tensor_version
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -66,8 +69,10 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tupl
     """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask."""
     if mask is None:
         return None, None, None
+    # Keyed by identity and version: a mask edited in place between forwards is derived again.
+    key = (T, S, self_attention, tensor_version(mask) if isinstance(mask, Tensor) else None)
     cached = _LAST_MASK[0]
-    if cached is not None and cached[0] is mask and cached[1] == (T, S, self_attention):
+    if cached is not None and cached[0] is mask and cached[1] == key and key[3] is not None:
         return cached[2]  # type: ignore[no-any-return]
     if not isinstance(mask, Tensor):
         raise TypeError(f"condcomp received an attention mask of type {type(mask).__name__} (flex attention's "
@@ -78,6 +83,7 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tupl
         key_mask = mask.bool()
         parts: tuple[Tensor | None, ...] = (key_mask[:, S - T:] if self_attention else None, key_mask, None)
     elif mask.dim() == 4:
+        check_mask_dtype(mask, "a 4-D attention_mask")
         if mask.dtype == torch.bool:
             allowed = mask
             bias = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
@@ -90,7 +96,7 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tupl
         parts = (query_mask, None, bias)
     else:
         raise ValueError(f"attention mask must be 2-D (B, S) or 4-D (B, 1, T, S), got shape {tuple(mask.shape)}")
-    _LAST_MASK[0] = (mask, (T, S, self_attention), parts)
+    _LAST_MASK[0] = (mask, key, parts)
     return parts  # type: ignore[return-value]
 
 
@@ -162,12 +168,12 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
         core, out = getattr(module, "self", None), getattr(module, "output", None)
         if core is None or out is None:
             return "no .self / .output children"
-        want_core = {f"{p}.{w}" for p in ("query", "key", "value") for w in ("weight", "bias")}
-        if _param_names(core) != want_core:
-            return f".self has parameters {sorted(_param_names(core))}, expected {sorted(want_core)}"
-        want_out = {"dense.weight", "dense.bias", "LayerNorm.weight", "LayerNorm.bias"}
-        if _param_names(out) != want_out:
-            return f".output has parameters {sorted(_param_names(out))}, expected {sorted(want_out)}"
+        prefixes = {n.split(".")[0] for n in _param_names(core)}
+        if prefixes != {"query", "key", "value"}:
+            return f".self has parameters under {sorted(prefixes)}, expected only query/key/value"
+        prefixes = {n.split(".")[0] for n in _param_names(out)}
+        if prefixes != {"dense", "LayerNorm"} or _param_names(out.LayerNorm) != {"weight", "bias"}:
+            return f".output has parameters under {sorted(prefixes)}, expected dense and LayerNorm (weight, bias)"
         if not hasattr(core, "attention_head_size") or not hasattr(core, "num_attention_heads"):
             return ".self lacks num_attention_heads / attention_head_size"
         return None
@@ -186,9 +192,10 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
         self.module_cls = type(module)
 
     def weights(self, owner: Any) -> AttentionWeights:
-        core, dense = owner.self, owner.output.dense
-        return AttentionWeights(self.layout, core.query.weight, core.key.weight, core.value.weight, dense.weight,
-                                core.query.bias, core.key.bias, core.value.bias, dense.bias)
+        core = owner.self
+        (qw, qb), (kw, kb), (vw, vb) = (linear_parts(getattr(core, n), f"self.{n}") for n in ("query", "key", "value"))
+        ow, ob = linear_parts(owner.output.dense, "output.dense")
+        return AttentionWeights(self.layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
     def _kv(self, core: Any, source: Tensor) -> tuple[Tensor, Tensor]:
         shape = (*source.shape[:-1], -1, self.layout.head_dim)
@@ -269,8 +276,7 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
         self.module_cls = type(module)
 
     def weights(self, owner: Any) -> AttentionWeights:
-        q, k, v, o = owner.q_proj, owner.k_proj, owner.v_proj, owner.o_proj
-        return AttentionWeights(self.layout, q.weight, k.weight, v.weight, o.weight, q.bias, k.bias, v.bias, o.bias)
+        return linear_weights(owner, self.layout)
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
         a = _bind(self.module_cls, args, kwargs)
@@ -288,8 +294,9 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
         key_states = value_states = None
         if cache is not None:
             # Every key/value head is projected and cached: a head a token skips now may be chosen by a later one.
-            k = F.linear(x, routed.k_proj.weight, routed.k_proj.bias).view(B, T, L.num_kv_heads, L.head_dim)
-            v = F.linear(x, routed.v_proj.weight, routed.v_proj.bias).view(B, T, L.num_kv_heads, L.head_dim)
+            # The projections' own forward: exact for LoRA layers too.
+            k = routed.k_proj(x).view(B, T, L.num_kv_heads, L.head_dim)
+            v = routed.v_proj(x).view(B, T, L.num_kv_heads, L.head_dim)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, Dh)
             if rotary is not None:
                 from condcomp.masks import apply_rotary
@@ -330,3 +337,12 @@ def register_transformers_attention(cls: type, family: str) -> None:
 def supported_transformers_classes() -> list[str]:
     """Names of the transformers attention classes the module swap recognises."""
     return sorted(t.__name__ for a in (BertStyleAttentionAdapter, ProjectionAttentionAdapter) for t in a.module_types)
+
+
+def __getattr__(name: str) -> Any:
+    # The Trainer callback imports transformers' trainer machinery: only when asked for.
+    if name == "CondCompCallback":
+        from .hf_trainer import CondCompCallback
+
+        return CondCompCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,9 @@ routing parameters are left out of ``model.safetensors``); condcomp adds two fil
 
 - ``condcomp_config.json``: the :class:`~condcomp.CondCompConfig` (policy, router, executor, targets);
 - ``condcomp_routing.safetensors``: the routing parameters and buffers (``...condcomp_policy.*``,
-  ``...condcomp_router.*``), each distinct tensor once (a shared policy is stored under its first name).
+  ``...condcomp_router.*``, ``...condcomp_progress``), each distinct tensor once (a shared policy is stored under
+  its first name);
+- ``condcomp_manifest.json``: the size and SHA-256 of the routing file, checked before it is loaded.
 
 :func:`from_pretrained` is the one-call restore: load the weights, wrap with the saved config, load the routing.
 """
@@ -14,17 +16,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
 
-from condcomp.api import apply_, routed_modules
+from condcomp.api import apply_, remove_, routed_modules
+from condcomp.checkpoint import CheckpointError, file_digest, verify_digest
 from condcomp.config import CondCompConfig
+from condcomp.record import RECORD_VERSION, store_record_in_config
 
 CONFIG_FILE = "condcomp_config.json"
 ROUTING_FILE = "condcomp_routing.safetensors"
-_MARKERS = ("condcomp_policy.", "condcomp_router.")
+MANIFEST_FILE = "condcomp_manifest.json"  # size and SHA-256 of the routing file, written after it
+_MARKERS = ("condcomp_policy.", "condcomp_router.", "condcomp_progress")
 
 
 def _is_routing(key: str) -> bool:
@@ -67,6 +74,9 @@ def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: C
     directory.mkdir(parents=True, exist_ok=True)
     save_file(routing_state(model), str(directory / ROUTING_FILE), metadata={"format": "condcomp-routing"})
     (directory / CONFIG_FILE).write_text(config.to_json())
+    digest = file_digest(directory / ROUTING_FILE)
+    manifest = {"format": "condcomp-routing", "version": 1, "files": {ROUTING_FILE: digest}}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return directory
 
 
@@ -78,29 +88,80 @@ def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[s
     """
     from safetensors.torch import load_file
 
-    from condcomp.api import remove_
-
     directory = Path(directory)
     cfg_path, routing_path = directory / CONFIG_FILE, directory / ROUTING_FILE
     for path in (cfg_path, routing_path):
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: was the model saved with "
                                     "condcomp.integrations.hf_checkpoint.save_pretrained / save_condcomp?")
+    _verify_routing_file(directory)
     config = CondCompConfig.from_json(cfg_path.read_text())
-    saved = load_file(str(routing_path))
+    try:
+        saved = load_file(str(routing_path))
+    except Exception as e:  # safetensors raises its own error type for malformed headers
+        raise CheckpointError(f"{routing_path}: unreadable safetensors file ({e})") from e
     names = apply_(model, config)
+    _load_routing(model, saved, str(routing_path))
+    return names
+
+
+def _load_routing(model: nn.Module, saved: dict[str, Tensor], source: str) -> None:
+    """Load the routing tensors ``saved`` into the freshly wrapped ``model``; on any mismatch unwrap and raise."""
+    from condcomp.api import remove_
+
     try:
         expected = routing_state(model)
         missing = sorted(set(expected) - set(saved))
         unexpected = sorted(set(saved) - set(expected))
         bad = sorted(k for k in set(saved) & set(expected) if saved[k].shape != expected[k].shape)
         if missing or unexpected or bad:
-            raise ValueError(f"{routing_path} does not match the wrapped model: missing {missing}, "
+            raise ValueError(f"{source} does not match the wrapped model: missing {missing}, "
                              f"unexpected {unexpected}, shape mismatch {bad}")
         model.load_state_dict(saved, strict=False)
     except BaseException:
         remove_(model)
         raise
+
+
+def _verify_routing_file(directory: Path) -> None:
+    path = directory / MANIFEST_FILE
+    if not path.is_file():
+        warnings.warn(f"{directory} has no {MANIFEST_FILE} (saved by condcomp 0.1): the routing file's integrity "
+                      "cannot be checked; save it again to add one", stacklevel=3)
+        return
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: not a condcomp routing manifest")
+    verify_digest(directory / ROUTING_FILE, files.get(ROUTING_FILE), MANIFEST_FILE)
+
+
+def apply_record(model: nn.Module, record: Any) -> list[str]:
+    """Wrap an unwrapped ``model`` as ``record`` says (each group's exact modules with its config)."""
+    if not isinstance(record, dict) or record.get("version") != RECORD_VERSION or not isinstance(
+            record.get("groups"), list):
+        raise ValueError(f"not a condcomp routing record of version {RECORD_VERSION}: {str(record)[:200]}")
+    names: list[str] = []
+    try:
+        for group in record["groups"]:
+            config = CondCompConfig.from_dict(group["config"])
+            exact = CondCompConfig.from_dict({**group["config"], "exclude_modules": None, "target_modules": [
+                "re:" + re.escape(n) for n in group["modules"]]})
+            wrapped = apply_(model, exact)
+            if sorted(wrapped) != sorted(group["modules"]):
+                raise ValueError(f"the record names modules {group['modules']}, the model wrapped {wrapped}")
+            routed = routed_modules(model)
+            for n in wrapped:
+                routed[n].condcomp_config = config  # what the user wrapped with, for the next save
+            names += wrapped
+    except BaseException:
+        if routed_modules(model):
+            remove_(model)
+        raise
+    store_record_in_config(model)
     return names
 
 
@@ -117,10 +178,56 @@ def save_pretrained(model: Any, directory: str | os.PathLike[str], config: CondC
 
 
 def from_pretrained(model_cls: Any, directory: str | os.PathLike[str], **kwargs: Any) -> Any:
-    """Load ``model_cls.from_pretrained(directory, **kwargs)`` and re-apply the condcomp config saved beside it."""
-    model = model_cls.from_pretrained(str(directory), **kwargs)
-    load_condcomp(model, directory)
+    """Load a wrapped model saved by its own ``save_pretrained`` (or Trainer, or :func:`save_pretrained` here).
+
+    ``model_cls.from_pretrained(directory, **kwargs)`` loads the dense weights; the routing is then rebuilt from
+    the record in ``config.json`` (``model.config.condcomp``, written by ``apply_``) and loaded from the same
+    weight files, or from ``condcomp_config.json`` + ``condcomp_routing.safetensors`` where those exist.
+
+    >>> model.save_pretrained("out/")  # doctest: +SKIP  (a wrapped model: routing, config and progress included)
+    >>> model2 = from_pretrained(BertModel, "out/")  # doctest: +SKIP
+    """
+    directory = Path(directory)
+    # The routing tensors are expected in the weight files: keep transformers from reporting them as unexpected.
+    ignored = getattr(model_cls, "_keys_to_ignore_on_load_unexpected", None)
+    patched = ignored is not None or hasattr(model_cls, "_keys_to_ignore_on_load_unexpected")
+    if patched:
+        model_cls._keys_to_ignore_on_load_unexpected = [*(ignored or []), r".*condcomp_(policy|router|progress).*"]
+    try:
+        model = model_cls.from_pretrained(str(directory), **kwargs)
+    finally:
+        if patched:
+            model_cls._keys_to_ignore_on_load_unexpected = ignored
+    if (directory / CONFIG_FILE).is_file():
+        load_condcomp(model, directory)
+        return model
+    record = getattr(model.config, "condcomp", None)
+    if record is None:
+        raise FileNotFoundError(f"{directory} holds no condcomp routing: no {CONFIG_FILE} and no 'condcomp' entry in "
+                                "config.json (was the model wrapped with condcomp.apply_ before save_pretrained?)")
+    apply_record(model, record)
+    _load_routing(model, _routing_from_weight_files(directory), str(directory))
     return model
+
+
+def _routing_from_weight_files(directory: Path) -> dict[str, Tensor]:
+    """The routing tensors among the weights ``save_pretrained`` wrote (one file or shards)."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{directory}: no model.safetensors (or index) to read the routing tensors from")
+    out: dict[str, Tensor] = {}
+    for name in files:
+        with safe_open(str(directory / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
+                if _is_routing(key):
+                    out[key] = f.get_tensor(key)
+    return out
 
 
 def saved_config(directory: str | os.PathLike[str]) -> CondCompConfig:

@@ -18,7 +18,8 @@ from timm.layers import Attention as TimmAttention
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter, register_adapter
-from condcomp.masks import causal_allowed
+from condcomp.masks import causal_allowed, check_mask_dtype
+from condcomp.projections import linear_parts, projection_problem
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 if TYPE_CHECKING:
@@ -42,9 +43,10 @@ class TimmAttentionAdapter(AttentionAdapter):
                         "executors do not apply per-head normalisation")
         if getattr(module, "gate", None) is not None:
             return "gated=True multiplies the attention output by a learned gate; not supported"
-        if not isinstance(getattr(module, "qkv", None), nn.Linear) or not isinstance(getattr(module, "proj", None),
-                                                                                     nn.Linear):
-            return "expected fused qkv and proj nn.Linear layers"
+        for name in ("qkv", "proj"):
+            problem = projection_problem(getattr(module, name, None))
+            if problem is not None:
+                return f"{name}: {problem}"
         return None
 
     def __init__(self, module: Any) -> None:
@@ -55,10 +57,10 @@ class TimmAttentionAdapter(AttentionAdapter):
 
     def weights(self, owner: Any) -> AttentionWeights:
         A = self.attn_dim
-        w, b = owner.qkv.weight, owner.qkv.bias
+        w, b = linear_parts(owner.qkv, "qkv")
+        ow, ob = linear_parts(owner.proj, "proj")
         qb, kb, vb = (None, None, None) if b is None else (b[:A], b[A:2 * A], b[2 * A:])
-        return AttentionWeights(self.layout, w[:A], w[A:2 * A], w[2 * A:], owner.proj.weight, qb, kb, vb,
-                                owner.proj.bias)
+        return AttentionWeights(self.layout, w[:A], w[A:2 * A], w[2 * A:], ow, qb, kb, vb, ob)
 
     def forward(self, routed: RoutedAttention, x: Tensor, attn_mask: Tensor | None = None,
                 is_causal: bool = False) -> Tensor:
@@ -70,6 +72,7 @@ class TimmAttentionAdapter(AttentionAdapter):
             bias = torch.zeros(N, N, dtype=x.dtype, device=x.device).masked_fill(
                 ~causal_allowed(N, N, x.device), float("-inf"))[None, None]
         elif attn_mask is not None:
+            check_mask_dtype(attn_mask, "attn_mask")
             if attn_mask.dtype == torch.bool:
                 allowed = attn_mask
                 bias = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill(~attn_mask,

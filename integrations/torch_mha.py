@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter, register_adapter
-from condcomp.masks import causal_allowed
+from condcomp.masks import causal_allowed, check_mask_dtype
+from condcomp.projections import linear_parts, tensor_problem
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 if TYPE_CHECKING:
@@ -40,6 +41,12 @@ class TorchMultiheadAttentionAdapter(AttentionAdapter):
             return "add_bias_kv=True appends learned key/value rows shared by all heads; condcomp does not route them"
         if module.add_zero_attn:
             return "add_zero_attn=True appends a zero key/value row; condcomp does not support it"
+        names = ("in_proj_weight", "in_proj_bias") if module._qkv_same_embed_dim else (
+            "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
+        for name in names:
+            problem = tensor_problem(getattr(module, name), name)
+            if problem is not None:
+                return problem
         return None
 
     def __init__(self, module: nn.Module) -> None:
@@ -83,8 +90,8 @@ class TorchMultiheadAttentionAdapter(AttentionAdapter):
             q, k, v = owner.q_proj_weight, owner.k_proj_weight, owner.v_proj_weight
         b = owner.in_proj_bias
         qb, kb, vb = (None, None, None) if b is None else (b[:D], b[D:2 * D], b[2 * D:])
-        o = owner.out_proj
-        return AttentionWeights(self.layout, q, k, v, o.weight, qb, kb, vb, o.bias)
+        ow, ob = linear_parts(owner.out_proj, "out_proj")
+        return AttentionWeights(self.layout, q, k, v, ow, qb, kb, vb, ob)
 
     def forward(self, routed: RoutedAttention, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Tensor | None = None, need_weights: bool = True, attn_mask: Tensor | None = None,
@@ -106,6 +113,8 @@ class TorchMultiheadAttentionAdapter(AttentionAdapter):
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         B, T = query.shape[:2]
         S = key.shape[1]
+        check_mask_dtype(key_padding_mask, "key_padding_mask")
+        check_mask_dtype(attn_mask, "attn_mask")
         key_mask = bias = None
         if key_padding_mask is not None:
             if tuple(key_padding_mask.shape) != (B, S):

@@ -10,24 +10,22 @@ from torch import Tensor, nn
 
 from condcomp.plans import Rounding, budget_k
 from condcomp.registry import register_policy
-from condcomp.relaxations import masked_mean
+from condcomp.relaxations import masked_mean, rows_with_tokens, weighted_mean
 from condcomp.types import Budget
 
 
 def budget_hinge(s: Tensor, s_min: float, s_max: float, mask: Tensor | None = None) -> Tensor:
     """Mean quadratic hinge ``relu(s_min - s)^2 + relu(s - s_max)^2`` (zero inside [s_min, s_max]).
 
-    ``s`` is ``(B,)`` or ``(B, T)``; with ``mask (B, T)`` only real tokens count (per-token budgets).
+    ``s`` is ``(B,)`` or ``(B, T)``; ``mask`` (same shape, True = counts) leaves out rows without a real token
+    or padding tokens. Nothing to count (an empty batch) gives 0, not NaN.
 
     >>> float(budget_hinge(torch.tensor([0.5, 0.95, 0.0]), 0.1, 0.9))  # (0 + 0.05**2 + 0.1**2) / 3
     0.004166...
     """
     s = s.float()
     per_row = torch.relu(s_min - s) ** 2 + torch.relu(s - s_max) ** 2
-    if mask is None or s.dim() == 1:
-        return per_row.mean()
-    m = mask.to(per_row.dtype)
-    return (per_row * m).sum() / m.sum().clamp_min(1.0)
+    return weighted_mean(per_row, mask)
 
 
 def validate_budget_options(owner: str, s_min: float, s_max: float, init_s: float, budget_weight: float,
@@ -115,7 +113,7 @@ class BudgetFormerPolicy(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
         s = self.mlp(masked_mean(x.float(), mask))  # (B,)
         k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
-        hinge = self.budget_weight * budget_hinge(s, self.s_min, self.s_max)
+        hinge = self.budget_weight * budget_hinge(s, self.s_min, self.s_max, rows_with_tokens(x, mask))
         return Budget(s=s, k=k, aux_losses={"budget": hinge})
 
     def routing_flops(self, T: int) -> float:

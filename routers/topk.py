@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from condcomp.plans import plan_from_active, plan_top_k, top_k_mask
 from condcomp.registry import register_router
-from condcomp.relaxations import entropy, masked_mean, soft_threshold, soft_topk_mask
+from condcomp.relaxations import entropy, masked_mean, rows_with_tokens, soft_threshold, soft_topk_mask
 from condcomp.schedules import ScheduleSpec, make_schedule, schedule_range
 from condcomp.types import AttentionWeights, Budget, HeadPlan
 
@@ -111,7 +111,8 @@ class TopKRouter(nn.Module):
                 z = z + sigma * torch.randn_like(z)
         logits = z / tau
         probs = torch.softmax(logits, dim=-1)
-        aux = {"entropy": self.entropy_beta(self.progress) * entropy(probs, rows)}
+        counted = rows if token_level else rows_with_tokens(x, mask)  # an empty row or batch trains nothing
+        aux = {"entropy": self.entropy_beta(self.progress) * entropy(probs, counted)}
         if not self.training:
             return plan_top_k(z, budget.k, gates=self.gates, temperature=tau, mask=rows,  # type: ignore[arg-type]
                               aux_losses=aux)

@@ -241,3 +241,16 @@ def test_attention_dropout_only_in_training(executor: str) -> None:
     assert torch.equal(net(x), net(x))  # eval: no dropout, no other randomness in executors
     net.train()
     assert not torch.allclose(net(x), net(x))
+
+
+def test_peft_style_targets_and_unmatched_names() -> None:
+    """What PEFT users write: bare names match as suffixes, one string is a regex; a typo is named, with guesses."""
+    cfg = dict(policy="full", router="random")
+    assert condcomp.apply_(Net(layers=3), condcomp.CondCompConfig(**cfg, target_modules=["attn"])) == [
+        "blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
+    assert condcomp.apply_(Net(layers=3), condcomp.CondCompConfig(**cfg, target_modules=r"blocks\.[12]\.attn")) == [
+        "blocks.1.attn", "blocks.2.attn"]
+    with pytest.raises(ValueError, match=r"target 'atn' matches no module.*did you mean .*'attn'"):
+        condcomp.apply_(Net(layers=2), condcomp.CondCompConfig(**cfg, target_modules=["attn", "atn"]))
+    with pytest.raises(ValueError, match=r"matched no attention module.*did you mean .*AttentionAdapter"):
+        condcomp.apply_(Net(layers=2), condcomp.CondCompConfig(**cfg, target_modules=["blocks.0.atn"]))

@@ -108,7 +108,7 @@ def test_apply_matching_nothing_lists_the_attention_modules_it_saw() -> None:
     with pytest.raises(ValueError, match="matched no attention module. Attention-like modules in the model: none"):
         condcomp.apply_(nn.Sequential(nn.Linear(4, 4)), condcomp.CondCompConfig(policy="full", router="random"))
     cfg = condcomp.CondCompConfig(policy="full", router="random", target_modules="ff")
-    with pytest.raises(ValueError, match=r"target 'ff' matches modules that are not supported attention modules: "
+    with pytest.raises(ValueError, match=r"target 're:ff' matches modules that are not supported attention modules: "
                                          r"\{'ff': 'Linear'\}"):
         condcomp.apply_(model, cfg)
     # A broad regex that selects an attention module may match other modules too: only the attention is wrapped.

@@ -221,7 +221,8 @@ def test_state_dict_keys_and_parameter_identity(restore_registries: None) -> Non
     new_keys = list(model.state_dict())
     added = [k for k in new_keys if k not in keys]
     assert [k for k in new_keys if k in keys] == keys
-    assert added == ["layers.0.self_attn.condcomp_policy.logit", "layers.1.self_attn.condcomp_policy.logit"]
+    assert sorted(added) == ["layers.0.self_attn.condcomp_policy.logit", "layers.0.self_attn.condcomp_progress",
+                             "layers.1.self_attn.condcomp_policy.logit", "layers.1.self_attn.condcomp_progress"]
     wrapped = dict(model.named_parameters())
     for name, p in params.items():
         assert wrapped[name] is p, f"{name} was copied instead of viewed"

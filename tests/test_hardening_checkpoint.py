@@ -204,3 +204,29 @@ def test_unsaveable_values_fail_before_writing(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="without pickle"):
         save_checkpoint(tmp_path / "d", _model(), train_state={"f": object()})
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("field,value", [
+    ("files", {"model.safetensors": "abc"}),
+    ("files", {"model.safetensors": {"bytes": "10", "sha256": "x"}}),
+    ("tensors", {"model.safetensors": []}),
+    ("tensors", {"model.safetensors": {"w": {"shape": "3", "dtype": "float32"}}}),
+    ("tensors", {"model.safetensors": {"w": {"shape": [3], "dtype": "complex64"}}}),
+    ("aliases", {"a": 3}),
+    ("config", [1, 2]),
+    ("optimizer", "adam"),
+    ("optimizer", {"state": {"0": 5}, "param_groups": [3]}),
+    ("train_state", {"__items__": 7}),
+    ("train_state", {"__tensor__": ["not", "a", "name"]}),
+])
+def test_malformed_manifest_fields_raise_checkpoint_error(tmp_path: Path, field: str, value: object) -> None:
+    """Every hand-edited or corrupted manifest field is a CheckpointError naming the file, never a bare
+    AttributeError/TypeError from deep inside the loader."""
+    path = _saved(tmp_path)
+    manifest = json.loads((path / "condcomp.json").read_text())
+    if field == "files":  # keep the other files' records: only the edited one is malformed
+        manifest["files"].update(value)  # type: ignore[arg-type]
+    else:
+        manifest[field] = value
+    (path / "condcomp.json").write_text(json.dumps(manifest))
+    _expect_untouched(path, r"condcomp\.json|malformed")

@@ -24,15 +24,17 @@ logger = logging.getLogger("condcomp")
 # Order of executors with equal estimated cost (and of those without an estimate); others follow by name.
 AUTO_PREFERENCE = ("gathered", "masked", "reference")
 
-_INSTANCES: dict[str, Any] = {}
+_INSTANCES: dict[str, tuple[Any, Any]] = {}  # name -> (registered factory, its shared instance)
 
 
 def get_executor(name: str) -> Any:
     """The shared instance of a registered executor (executors are stateless)."""
     key = name.lower()
-    if key not in _INSTANCES:
-        _INSTANCES[key] = EXECUTORS.get(key)()
-    return _INSTANCES[key]
+    factory = EXECUTORS.get(key)
+    cached = _INSTANCES.get(key)
+    if cached is None or cached[0] is not factory:  # a name registered again (override=True) takes effect at once
+        cached = _INSTANCES[key] = (factory, factory())
+    return cached[1]
 
 
 def rejection(executor: Any, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> str | None:

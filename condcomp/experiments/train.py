@@ -117,8 +117,8 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
     for h in hooks:
         h.remove()
     state["seconds"] = time.perf_counter() - t0
+    condcomp.set_progress(model, 1.0)  # before the save: the final checkpoint is the trained model, schedules done
     save()
-    condcomp.set_progress(model, 1.0)
     model.eval()
     return state
 

@@ -40,8 +40,8 @@ def test_auto_runs_dense_at_full_budget_and_gathered_below() -> None:
 
 @pytest.mark.parametrize("granularity", ["sequence", "token"])
 def test_auto_runs_dense_when_the_call_is_too_small_to_pay(granularity: str) -> None:
-    """Same plan shape, two sizes: where ``(1 - kept share) * B*T*D`` is below ``MIN_SKIPPED_WORK`` auto runs
-    masked, above it gathered; the bound sits between the two."""
+    """Same plan shape, two sizes: where ``(1 - kept share) * B*T*D`` is below the tuning's ``min_skipped_work``
+    auto runs masked, above it gathered; the bound sits between the two."""
     H, D = 8, 64
     w = make_weights(make_layout(H=H, Dh=D // H, D=D), torch.float32)
     picked, skipped = {}, {}

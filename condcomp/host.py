@@ -1,0 +1,198 @@
+"""RoutingHost: what every route that attaches routing to a model shares.
+
+Two routes attach a budget policy and a router to a model: the module swap (:class:`~condcomp.RoutedAttention`)
+and transformers' AttentionInterface (``condcomp.integrations.hf_interface``). Both are ``RoutingHost``s, so the
+model-level functions (``aux_loss``, ``set_progress``, ``head_usage``) have one code path for both, and both follow
+the same rules:
+
+- **Routing stays float32.** Casting a wrapped model (``.to(torch.bfloat16)``, ``.half()``, ``.double()``, FSDP
+  mixed precision) casts the attention weights and leaves the policy's and router's parameters in float32:
+  decisions (budgets, softmax, top-k) need the range, and the components cast their inputs to float32.
+- **Training progress is state.** ``set_progress`` writes it into the ``condcomp_progress`` buffer, so
+  ``state_dict`` round trips, condcomp and Hugging Face checkpoints, ``deepcopy`` and DDP carry it; a buffer
+  changed by loading is pushed to the components at the next forward (schedules resume where they were).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from condcomp.flops import flop_fraction, routing_flops
+from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
+from condcomp.versions import tensor_version
+
+
+@dataclass(frozen=True)
+class LastForward:
+    """What the last forward decided, detached; turned into numbers only when someone asks (no device sync)."""
+
+    s: Tensor  # (B,) or (B, T)
+    plan: HeadPlan
+    mask: Tensor | None  # (B, T)
+    T: int
+    S: int
+    executor: str | None = None  # the executor (and gathered route) that ran, when an executor ran
+    route: str | None = None
+
+
+def _progress_bits(progress: float) -> Tensor:
+    # The float64 bit pattern in an int64 buffer: exact, and no dtype cast of the model (.half(), .to(bf16))
+    # touches integer buffers.
+    return torch.tensor(progress, dtype=torch.float64).view(torch.int64)
+
+
+def _progress_value(bits: Tensor) -> float:
+    return float(bits.detach().cpu().view(torch.float64))
+
+
+def check_progress(progress: float) -> float:
+    """``progress`` as a float, or a ValueError when it is not a number in [0, 1]."""
+    p = float(progress)
+    if not (math.isfinite(p) and 0.0 <= p <= 1.0):
+        raise ValueError(f"progress must be in [0, 1], got {progress}")
+    return p
+
+
+class RoutingHost(nn.Module):
+    """Base of the modules that hold a policy and a router (``condcomp_policy``, ``condcomp_router``) for an
+    attention module read through ``adapter`` (an :class:`~condcomp.AttentionAdapter`)."""
+
+    adapter: Any
+    condcomp_progress: Tensor
+
+    @property
+    def layout(self) -> HeadLayout:
+        """The attention module's :class:`~condcomp.HeadLayout`."""
+        return self.adapter.layout  # type: ignore[no-any-return]
+
+    def attach_routing(self, policy: Any, router: Any) -> None:
+        """Register the components and the progress buffer (call once, from ``__init__``)."""
+        self.condcomp_policy = policy
+        self.condcomp_router = router
+        self.register_buffer("condcomp_progress", _progress_bits(0.0))
+        self._progress_pushed = 0.0  # what the components were last stepped to
+        self._progress_seen: tuple[Tensor, int | None] = (self.condcomp_progress,
+                                                          tensor_version(self.condcomp_progress))
+        self.last: LastForward | None = None
+        self._last_aux: dict[str, Tensor] = {}
+        self.condcomp_disabled = False  # set by condcomp.disabled(model): run the original module instead
+        self._keep_routing_float32()
+
+    # --------------------------------------------------------------------------------------------- progress
+    def set_progress(self, progress: float, stepped: set[int] | None = None) -> None:
+        """Step the components' schedules to training progress in [0, 1] and record it in the buffer.
+
+        ``stepped``: ids of components already stepped to this progress (a policy shared by several layers is
+        stepped once).
+        """
+        p = check_progress(progress)
+        with torch.no_grad():
+            self.condcomp_progress.copy_(_progress_bits(p))
+        self._push_progress(p, stepped if stepped is not None else set())
+
+    @property
+    def progress(self) -> float:
+        """The training progress last set (or loaded)."""
+        return _progress_value(self.condcomp_progress)
+
+    def _push_progress(self, p: float, stepped: set[int]) -> None:
+        self._progress_pushed = p
+        for component in (self.condcomp_policy, self.condcomp_router):
+            step = getattr(component, "set_progress", None)
+            if callable(step) and id(component) not in stepped:
+                stepped.add(id(component))
+                step(p)
+        buf = self.condcomp_progress
+        self._progress_seen = (buf, tensor_version(buf))
+
+    def _sync_progress(self) -> None:
+        # A buffer replaced or written since the last push (load_state_dict, from_pretrained, .to(device)) is
+        # pushed to the components; otherwise nothing is read (no device sync per forward).
+        if torch.compiler.is_compiling():  # compiled graphs read no version counters; set_progress pushes anyway
+            return
+        buf = self.condcomp_progress
+        seen, version = self._progress_seen
+        now = tensor_version(buf)
+        if seen is not buf or now is None or version != now:
+            self._push_progress(_progress_value(buf), set())
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        # A state_dict of the unwrapped model (or of condcomp 0.1) has no progress: loading it keeps the current one.
+        if prefix + "condcomp_progress" in missing_keys:
+            missing_keys.remove(prefix + "condcomp_progress")
+
+    # --------------------------------------------------------------------------------------------- dtype rule
+    def _apply(self, fn: Any, recurse: bool = True) -> RoutingHost:
+        if not self.condcomp_progress.is_meta:
+            self._sync_progress()
+        super()._apply(fn, recurse)
+        # The progress is written back from what the components hold: a move keeps it, and to_empty (deferred
+        # initialisation), which leaves buffers uninitialised, does not turn it into garbage.
+        with torch.no_grad():
+            self.condcomp_progress.copy_(_progress_bits(self._progress_pushed))
+        self._progress_seen = (self.condcomp_progress, tensor_version(self.condcomp_progress))
+        self._keep_routing_float32()
+        return self
+
+    def _keep_routing_float32(self) -> None:
+        for component in (self.condcomp_policy, self.condcomp_router):
+            if isinstance(component, nn.Module) and any(
+                t.is_floating_point() and t.dtype != torch.float32
+                for t in (*component.parameters(), *component.buffers())
+            ):
+                component.float()
+
+    # --------------------------------------------------------------------------------------------- routing
+    def route(self, x: Tensor, mask: Tensor | None, weights: AttentionWeights, num_keys: int) -> HeadPlan:
+        """Policy then router on ``x (B, T, D)``; records the decisions for ``head_usage`` and ``aux_loss``."""
+        self._sync_progress()
+        # Routing decisions (budgets, softmax, top-k) stay in float32 under autocast: a bf16 s or score can move
+        # floor(s * H) or flip a top-k tie. Components cast their inputs to float32 themselves.
+        with torch.autocast(x.device.type, enabled=False):
+            budget: Budget = self.condcomp_policy(x, mask)
+            plan: HeadPlan = self.condcomp_router(x, mask, budget, weights)
+        B, T = x.shape[:2]
+        want = (B, self.layout.num_heads) if plan.granularity == "sequence" else (B, T, self.layout.num_heads)
+        if tuple(plan.gates.shape) != want:
+            raise ValueError(f"router {type(self.condcomp_router).__name__} returned a {plan.granularity} plan "
+                             f"with gates {tuple(plan.gates.shape)}; expected {want}")
+        plan = plan.with_aux(budget.aux_losses)
+        self.last = LastForward(budget.s.detach(), detached(plan), mask, T, num_keys)
+        self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
+        return plan
+
+    def aux_losses(self) -> dict[str, Tensor]:
+        """The last forward's (weighted) auxiliary losses, with their autograd graph."""
+        return self.__dict__.get("_last_aux", {})
+
+    def head_usage(self) -> HeadUsage | None:
+        """``HeadUsage`` of the last forward, or None before the first one."""
+        last = self.last
+        if last is None:
+            return None
+        s, plan, mask = last.s.float(), last.plan, last.mask
+        counts = plan.counts.float() / plan.num_heads
+        real = mask.bool() if mask is not None else None
+        if plan.granularity == "token" and real is not None:
+            counts = counts[real]
+        k_frac = float(counts.mean()) if counts.numel() else 0.0
+        if s.dim() == 2 and real is not None:
+            s = s[real]
+        s_mean = float(s.mean()) if s.numel() else 0.0
+        extra = routing_flops(self.condcomp_policy, last.T) + routing_flops(self.condcomp_router, last.T)
+        return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra), last.executor,
+                         last.route)
+
+
+def detached(plan: HeadPlan) -> HeadPlan:
+    """The plan without autograd history or auxiliary losses (what ``head_usage`` keeps)."""
+    return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {})

@@ -1,0 +1,98 @@
+"""``CondCompCallback``: condcomp's training side channels wired into ``transformers.Trainer``.
+
+With ``Trainer(..., callbacks=[CondCompCallback()])`` and nothing else:
+
+- the loss Trainer optimizes is the task loss + ``condcomp.aux_loss(model)`` (budget hinge, entropy, load
+  balance): a forward hook adds the auxiliary loss to ``outputs.loss`` of every training forward, the way
+  transformers' MoE models add their router loss inside the model (so DDP, gradient accumulation and mixed
+  precision see one loss, as they do for those models). The model must compute its loss (labels in the batch);
+  a training forward without ``loss`` is warned about once;
+- ``condcomp.set_progress`` follows ``global_step / max_steps`` (temperature, noise, entropy schedules), and is
+  1.0 when training ends;
+- every log gets the head usage of the last forward: ``condcomp/s_mean``, ``condcomp/k_frac`` and
+  ``condcomp/flop_frac`` (means over the routed layers; ``per_layer=True`` adds one entry per layer). They go into
+  ``state.log_history`` (``trainer_state.json``) and reach the callbacks after this one.
+
+>>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[CondCompCallback()])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback
+
+from condcomp.api import aux_loss, head_usage, routing_hosts, set_progress
+
+
+class CondCompCallback(TrainerCallback):  # type: ignore[misc]
+    """Adds ``condcomp.aux_loss`` to the training loss, steps the schedules, logs head usage."""
+
+    def __init__(self, per_layer: bool = False) -> None:
+        self.per_layer = per_layer
+        self._hook: Any = None
+        self._warned = False
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        if model is None or not routing_hosts(model):
+            raise ValueError("CondCompCallback: the Trainer's model has no condcomp routing; call "
+                             "condcomp.apply_(model, cfg) before building the Trainer")
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook = model.register_forward_hook(self._add_aux_loss)
+        set_progress(model, _progress(state))
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                      **kwargs: Any) -> None:
+        if model is not None:
+            set_progress(model, _progress(state))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                     **kwargs: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if model is not None:
+            set_progress(model, 1.0)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               model: nn.Module | None = None, **kwargs: Any) -> None:
+        if model is None or logs is None:
+            return
+        usage = head_usage(model)
+        if not usage:
+            return
+        extra: dict[str, float] = {}
+        for field in ("s_mean", "k_frac", "flop_frac"):
+            values = [getattr(u, field) for u in usage.values()]
+            extra[f"condcomp/{field}"] = sum(values) / len(values)
+            if self.per_layer:
+                extra.update({f"condcomp/{name}/{field}": getattr(u, field) for name, u in usage.items()})
+        logs.update(extra)
+        # Trainer appended this log to its history before calling the callbacks: complete that entry too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
+
+    def _add_aux_loss(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not module.training:
+            return None
+        loss = output.get("loss") if isinstance(output, dict) else None
+        if loss is None and isinstance(output, tuple) and output and getattr(output[0], "dim", None) is not None:
+            if output[0].dim() == 0:  # return_dict=False: (loss, logits, ...)
+                return (output[0] + aux_loss(module), *output[1:])
+        if loss is None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn("CondCompCallback: a training forward returned no loss (no labels in the batch?), so "
+                              "condcomp.aux_loss could not be added; the budget and balance terms are not trained",
+                              stacklevel=2)
+            return None
+        output["loss"] = loss + aux_loss(module)
+        return output
+
+
+def _progress(state: Any) -> float:
+    return min(1.0, state.global_step / state.max_steps) if state.max_steps else 0.0

