@@ -40,7 +40,9 @@ _BERT_CLASSES = [("transformers.models.bert.modeling_bert", "BertAttention"),
 _PROJ_CLASSES = [("transformers.models.vit.modeling_vit", "ViTAttention"),
                  ("transformers.models.llama.modeling_llama", "LlamaAttention"),
                  ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"),
-                 ("transformers.models.mistral.modeling_mistral", "MistralAttention")]
+                 ("transformers.models.mistral.modeling_mistral", "MistralAttention"),
+                 ("transformers.models.mixtral.modeling_mixtral", "MixtralAttention"),  # Mistral's attention
+                 ("transformers.models.gemma.modeling_gemma", "GemmaAttention")]  # head_dim may differ from D/H
 
 
 def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
@@ -337,3 +339,7 @@ def register_transformers_attention(cls: type, family: str) -> None:
 def supported_transformers_classes() -> list[str]:
     """Names of the transformers attention classes the module swap recognises."""
     return sorted(t.__name__ for a in (BertStyleAttentionAdapter, ProjectionAttentionAdapter) for t in a.module_types)
+
+
+# Adapters of further architectures, one module each (they import the helpers above, hence at the end).
+from condcomp.integrations import hf_clip, hf_distilbert, hf_gpt2, hf_t5  # noqa: E402,F401
