@@ -156,3 +156,15 @@ def test_conv1d_is_read_exactly_and_subclasses_are_refused() -> None:
 
     with pytest.raises(ProjectionError, match="not a plain nn.Linear"):
         linear_parts(Scaled(6, 4), "c_attn")
+
+
+def test_gpt2_without_scaled_attention_weights() -> None:
+    # scale_attn_weights=False: scores unscaled (module.scaling = 1 / (layer_idx + 1) with the inverse-layer option)
+    t = pytest.importorskip("transformers")
+    model = t.GPT2LMHeadModel(t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, scale_attn_weights=False,
+                                           scale_attn_by_inverse_layer_idx=True)).double().eval()
+    inputs = batch("gpt2", left_pad=False)
+    want = output(model, inputs)
+    names = condcomp.apply_(model, FULL)
+    assert [model.get_submodule(n).layout.scale for n in names] == [1.0, 0.5]
+    torch.testing.assert_close(output(model, inputs), want, atol=ATOL, rtol=RTOL)
