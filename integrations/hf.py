@@ -317,6 +317,10 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
         return routed.attend(inputs), None
 
 
+# Adapters of further architectures, one module each; imported here because they use the helpers above.
+from condcomp.integrations import hf_clip, hf_distilbert, hf_gpt2, hf_t5  # noqa: E402,F401
+
+
 def register_transformers_attention(cls: type, family: str) -> None:
     """Make ``apply_`` wrap another transformers attention class that copies a supported one.
 
@@ -339,7 +343,3 @@ def register_transformers_attention(cls: type, family: str) -> None:
 def supported_transformers_classes() -> list[str]:
     """Names of the transformers attention classes the module swap recognises."""
     return sorted(t.__name__ for a in (BertStyleAttentionAdapter, ProjectionAttentionAdapter) for t in a.module_types)
-
-
-# Adapters of further architectures, one module each (they import the helpers above, hence at the end).
-from condcomp.integrations import hf_clip, hf_distilbert, hf_gpt2, hf_t5  # noqa: E402,F401
