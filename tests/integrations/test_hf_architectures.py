@@ -111,7 +111,7 @@ def test_eager_masks_are_read_like_sdpa_masks(arch: str) -> None:
 def test_t5_position_bias_is_returned_and_shared_like_t5() -> None:
     # Wrap only the layers that compute the relative position bias: the unwrapped later layers must receive the
     # bias the wrapped first layer returns (and the reverse with only the later layers wrapped).
-    for target in ["re:.*block\\.0\\..*", "re:.*block\\.1\\..*"]:
+    for target in [["re:.*block\\.0\\..*"], ["re:.*block\\.1\\..*"]]:
         model = build("t5")
         inputs = batch("t5")
         want = output(model, inputs)
