@@ -12,7 +12,7 @@ from typing import Any
 
 from condcomp.adapters import register_adapter
 
-from .hf import _import_classes
+from .hf_base import _import_classes
 from .hf_plain import PlainSelfAttentionAdapter
 
 

@@ -17,7 +17,7 @@ from condcomp.masks import causal_allowed
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
-from .hf import _bind, _mask_parts, _param_names, _TransformersAdapter
+from .hf_base import _bind, _mask_parts, _param_names, _TransformersAdapter
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention

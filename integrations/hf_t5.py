@@ -19,7 +19,7 @@ from condcomp.adapters import register_adapter
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
-from .hf import _bind, _import_classes, _mask_parts, _param_names, _TransformersAdapter
+from .hf_base import _bind, _import_classes, _mask_parts, _param_names, _TransformersAdapter
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
