@@ -4,13 +4,15 @@ Self-attention reads q, k, v as the three row blocks of ``c_attn.weight.T`` (vie
 Conv1D and LoRA on it); cross-attention (``add_cross_attention=True``) reads q from ``q_attn`` and k, v from the two
 blocks of its ``c_attn``. ``scaling`` already folds ``scale_attn_weights`` and ``scale_attn_by_inverse_layer_idx``
 (1/sqrt(Dh), then / (layer_idx + 1)). ``reorder_and_upcast_attn`` only acts under eager attention, where it computes
-the scores in float32 whatever the model's dtype: that is refused rather than computed differently.
+the scores in float32 whatever the model's dtype: refused for models in other dtypes rather than computed differently
+(a float32 model computes the same scores).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -24,12 +26,12 @@ if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
 
 
-def _upcast_problem(module: Any) -> str | None:
+def _upcast_problem(module: Any, dtype: torch.dtype) -> str | None:
     impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    if getattr(module, "reorder_and_upcast_attn", False) and impl == "eager":
-        return ("reorder_and_upcast_attn=True under eager attention computes the attention scores in float32 "
-                "whatever the model's dtype, which condcomp's executors do not reproduce; use "
-                "attn_implementation='sdpa' (where transformers ignores the option) or set it False")
+    if getattr(module, "reorder_and_upcast_attn", False) and impl == "eager" and dtype != torch.float32:
+        return (f"reorder_and_upcast_attn=True under eager attention computes the attention scores in float32, "
+                f"not in the model's {dtype}, which condcomp's executors do not reproduce; use "
+                "attn_implementation='sdpa' (where transformers ignores the option), a float32 model, or set it False")
     return None
 
 
@@ -51,7 +53,7 @@ class GPT2AttentionAdapter(_TransformersAdapter):
 
     @classmethod
     def unsupported_reason(cls, module: nn.Module) -> str | None:
-        return super().unsupported_reason(module) or _upcast_problem(module)
+        return super().unsupported_reason(module) or _upcast_problem(module, module.c_proj.weight.dtype)
 
     def __init__(self, module: Any) -> None:
         D, H, Dh = int(module.embed_dim), int(module.num_heads), int(module.head_dim)
@@ -80,11 +82,11 @@ class GPT2AttentionAdapter(_TransformersAdapter):
         return k, v
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-        problem = _upcast_problem(routed.base)  # the implementation can be switched after wrapping
-        if problem is not None:
-            raise ValueError(f"{self.module_cls.__name__}: {problem}")
         a = _bind(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
+        problem = _upcast_problem(routed.base, x.dtype)  # implementation and dtype can change after wrapping
+        if problem is not None:
+            raise ValueError(f"{self.module_cls.__name__}: {problem}")
         cache, extra = a.get("cache"), a["kwargs"]
         B, T = x.shape[:2]
         enc = a.get("encoder_hidden_states")

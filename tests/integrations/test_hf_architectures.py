@@ -126,17 +126,25 @@ def test_t5_position_bias_is_returned_and_shared_like_t5() -> None:
         assert torch.equal(bias, want_bias) and weights is None
 
 
-def test_gpt2_reorder_and_upcast_attn_is_refused_under_eager_only() -> None:
+def test_gpt2_reorder_and_upcast_attn_is_refused_where_it_changes_the_scores() -> None:
+    # It computes the scores in float32 under eager attention only: float64 (or half) eager models are refused
     t = pytest.importorskip("transformers")
     cfg = dict(n_embd=32, n_layer=1, n_head=4, vocab_size=100, reorder_and_upcast_attn=True)
-    eager = t.GPT2Model(t.GPT2Config(**cfg, attn_implementation="eager"))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    eager = t.GPT2Model(t.GPT2Config(**cfg, attn_implementation="eager")).eval()
+    want = eager(input_ids=ids).last_hidden_state
     with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
-        condcomp.apply_(eager, FULL)
+        condcomp.apply_(eager.double(), FULL)
+    condcomp.apply_(eager.float(), FULL)  # float32: the same scores
+    torch.testing.assert_close(eager(input_ids=ids).last_hidden_state, want, atol=1e-5, rtol=1e-5)
+    eager.double()  # cast after wrapping: refused at the call
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
+        eager(input_ids=ids)
     sdpa = t.GPT2Model(t.GPT2Config(**cfg, attn_implementation="sdpa")).double().eval()
     condcomp.apply_(sdpa, FULL)  # transformers ignores the option under sdpa
     sdpa.set_attn_implementation("eager")  # switched after wrapping: refused at the call
     with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
-        sdpa(input_ids=torch.tensor([[3, 4, 5]]))
+        sdpa(input_ids=ids)
 
 
 def test_conv1d_is_read_exactly_and_subclasses_are_refused() -> None:
