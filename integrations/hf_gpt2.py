@@ -53,7 +53,8 @@ class GPT2AttentionAdapter(_TransformersAdapter):
 
     @classmethod
     def unsupported_reason(cls, module: nn.Module) -> str | None:
-        return super().unsupported_reason(module) or _upcast_problem(module, module.c_proj.weight.dtype)
+        dtype = next(module.parameters()).dtype
+        return super().unsupported_reason(module) or _upcast_problem(module, dtype)
 
     def __init__(self, module: Any) -> None:
         D, H, Dh = int(module.embed_dim), int(module.num_heads), int(module.head_dim)
