@@ -7,6 +7,10 @@ wrong (``.weight`` is the base weight), so the LoRA update is added: ``W + scali
 ``A`` and ``B`` through it. Without autograd the merged weight is cached until a tensor or the adapter state
 changes, so decoding does not merge again at every step.
 
+transformers' ``Conv1D`` (GPT-2's projections) computes ``x @ weight + bias`` with ``weight (in, out)``: it is read
+as ``weight.T`` (a view), and PEFT LoRA on it (``fan_in_fan_out=True``, delta in the same ``(in, out)`` layout)
+has its delta transposed back.
+
 Everything else is refused with the module's name: quantized layers (bitsandbytes, torchao tensor subclasses),
 offloaded weights (accelerate), Linear subclasses condcomp does not know, DoRA and other LoRA variants,
 LoRA dropout while training, mixed-adapter batches. Reading those as plain weights would silently compute
@@ -29,6 +33,13 @@ PLAIN_LINEARS: tuple[type, ...] = (nn.Linear, nn.modules.linear.NonDynamicallyQu
 
 class ProjectionError(TypeError):
     """A projection condcomp cannot read exactly; the message names the module and what to do."""
+
+
+def _is_hf_conv1d(module: Any) -> bool:
+    # The exact class, recognised without importing transformers (``import condcomp`` must not); subclasses may
+    # compute something else and are refused like unknown Linear subclasses.
+    cls = type(module)
+    return cls.__module__ == "transformers.pytorch_utils" and cls.__qualname__ == "Conv1D"
 
 
 def _is_peft_lora(module: nn.Module) -> bool:
@@ -62,10 +73,10 @@ def projection_problem(module: Any) -> str | None:
     if getattr(module, "_hf_hook", None) is not None and module.weight.is_meta:
         return ("its weight is offloaded (accelerate's device_map moves it in only when the layer is called, and "
                 "condcomp reads weights without calling it); load the model onto one device before condcomp.apply_")
-    if type(module) not in PLAIN_LINEARS:
+    if type(module) not in PLAIN_LINEARS and not _is_hf_conv1d(module):
         return (f"{type(module).__module__}.{type(module).__qualname__} is not a plain nn.Linear (quantized or "
-                "custom layers compute something condcomp cannot read from .weight); supported: nn.Linear and PEFT "
-                "LoRA on nn.Linear")
+                "custom layers compute something condcomp cannot read from .weight); supported: nn.Linear, "
+                "transformers' Conv1D and PEFT LoRA on them")
     return tensor_problem(module.weight, "weight") or tensor_problem(module.bias, "bias")
 
 
@@ -82,6 +93,8 @@ def linear_parts(module: Any, name: str) -> tuple[Tensor, Tensor | None]:
     if problem is not None:
         raise ProjectionError(f"{name}: {problem}")
     _warn_hooks(module, name)
+    if _is_hf_conv1d(module):
+        return module.weight.T, module.bias  # Conv1D stores (in, out): x @ weight + bias
     return module.weight, module.bias
 
 
@@ -129,7 +142,8 @@ def _lora_parts(layer: Any, name: str) -> tuple[Tensor, Tensor | None]:
     if cacheable and cached is not None and cached[0] == key:
         return cached[1], cached[2]
     for a in adapters:
-        weight = weight + layer.get_delta_weight(a).to(weight.dtype)  # scaling * B @ A
+        delta = layer.get_delta_weight(a).to(weight.dtype)  # scaling * B @ A, in the base weight's storage layout
+        weight = weight + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)  # (out, in)
         lora_b = layer.lora_B[a].bias
         if lora_b is not None:
             scaled = (lora_b * layer.scaling[a]).to(weight.dtype)

@@ -5,9 +5,13 @@ Two structural families cover the supported classes:
 - **BERT-style** (``BertAttention``, ``RobertaAttention``): the wrapped module owns ``.self`` (``query``/``key``/
   ``value``) and ``.output`` (``dense`` -> dropout -> ``LayerNorm(. + residual)``); the adapter replays that output
   block exactly, so a row with no active head becomes ``LayerNorm(residual)``.
-- **Projection-style** (``ViTAttention``, ``LlamaAttention``, ``Qwen2Attention``, ``MistralAttention``):
-  ``q_proj``/``k_proj``/``v_proj``/``o_proj``, grouped-query heads, rotary ``position_embeddings=(cos, sin)``,
-  optional sliding window and KV cache.
+- **Projection-style** (``ViTAttention``, ``LlamaAttention``, ``Qwen2Attention``, ``MistralAttention``,
+  ``MixtralAttention``, ``GemmaAttention``): ``q_proj``/``k_proj``/``v_proj``/``o_proj``, grouped-query heads,
+  rotary ``position_embeddings=(cos, sin)``, optional sliding window and KV cache.
+
+Other architectures have their own modules, imported from here: :mod:`.hf_gpt2`, :mod:`.hf_t5`,
+:mod:`.hf_distilbert`, :mod:`.hf_clip` (CLIP and SigLIP); the helpers they share with this module are in
+:mod:`.hf_base`.
 
 A class is recognised when it is one of the known classes (or one registered with
 :func:`register_transformers_attention`) *and* its parameters have exactly the expected structure; anything else
@@ -16,20 +20,18 @@ is refused with the reason. Importing this module imports transformers (``import
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 
-from condcomp.adapters import AttentionAdapter, register_adapter
+from condcomp.adapters import register_adapter
 from condcomp.attention import linear_weights
-from condcomp.masks import check_mask_dtype
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
-from condcomp.versions import tensor_version
+
+# The other architectures' adapters, one module each (they share hf_base's helpers with the two families here).
+from . import hf_clip, hf_distilbert, hf_gpt2, hf_t5  # noqa: F401
+from .hf_base import _bind, _import_classes, _mask_parts, _param_names, _sliding_bias, _TransformersAdapter
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -40,121 +42,9 @@ _BERT_CLASSES = [("transformers.models.bert.modeling_bert", "BertAttention"),
 _PROJ_CLASSES = [("transformers.models.vit.modeling_vit", "ViTAttention"),
                  ("transformers.models.llama.modeling_llama", "LlamaAttention"),
                  ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"),
-                 ("transformers.models.mistral.modeling_mistral", "MistralAttention")]
-
-
-def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
-    found = []
-    for module_name, cls_name in table:
-        try:
-            found.append(getattr(importlib.import_module(module_name), cls_name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(found)
-
-
-def _param_names(module: nn.Module) -> set[str]:
-    return {n for n, _ in module.named_parameters()}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Masks: transformers hands attention modules a 4-D bool (sdpa) or additive float (eager) mask, a 2-D padding
-# mask (flash attention) or None. The derived forms are cached for the last mask seen, because every layer of a
-# forward receives the same tensor and the reduction below is O(B*T*S).
-_LAST_MASK: list[Any] = [None]  # one (mask, key, parts) tuple, replaced whole (safe if threads share the model)
-
-
-def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tuple[Tensor | None, Tensor | None,
-                                                                                  Tensor | None]:
-    """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask."""
-    if mask is None:
-        return None, None, None
-    # Keyed by identity and version: a mask edited in place between forwards is derived again.
-    key = (T, S, self_attention, tensor_version(mask) if isinstance(mask, Tensor) else None)
-    cached = _LAST_MASK[0]
-    if cached is not None and cached[0] is mask and cached[1] == key and key[3] is not None:
-        return cached[2]  # type: ignore[no-any-return]
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"condcomp received an attention mask of type {type(mask).__name__} (flex attention's "
-                        "BlockMask?); load or set the model with attn_implementation='sdpa' or 'eager'")
-    if mask.dim() == 2:  # flash-attention style (B, S) padding mask, 1 = real token
-        if tuple(mask.shape) != (B, S):
-            raise ValueError(f"2-D attention mask must be (B, S) = {(B, S)}, got {tuple(mask.shape)}")
-        key_mask = mask.bool()
-        parts: tuple[Tensor | None, ...] = (key_mask[:, S - T:] if self_attention else None, key_mask, None)
-    elif mask.dim() == 4:
-        check_mask_dtype(mask, "a 4-D attention_mask")
-        if mask.dtype == torch.bool:
-            allowed = mask
-            bias = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
-        else:
-            # eager masks use the dtype's most negative finite number, not -inf (rows stay finite, as in HF)
-            allowed = mask > torch.finfo(mask.dtype).min / 2
-            bias = mask
-        key_ok = allowed.any(dim=1).any(dim=1).expand(B, S)  # (B, S): a key some query may attend
-        query_mask = key_ok[:, S - T:] if self_attention and S >= T else None
-        parts = (query_mask, None, bias)
-    else:
-        raise ValueError(f"attention mask must be 2-D (B, S) or 4-D (B, 1, T, S), got shape {tuple(mask.shape)}")
-    _LAST_MASK[0] = (mask, key, parts)
-    return parts  # type: ignore[return-value]
-
-
-def _sliding_bias(T: int, S: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Additive ``(1, 1, T, S)`` bias forbidding keys more than ``window`` positions back (bottom-right aligned)."""
-    i = torch.arange(T, device=device).unsqueeze(1) + (S - T)
-    j = torch.arange(S, device=device).unsqueeze(0)
-    return torch.zeros(T, S, device=device, dtype=dtype).masked_fill(j <= i - window, float("-inf"))[None, None]
-
-
-@functools.cache
-def _signature(module_cls: Any) -> inspect.Signature:
-    return inspect.signature(inspect.unwrap(module_cls.forward))
-
-
-def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``)."""
-    kwargs = dict(kwargs)
-    if "past_key_values" in kwargs and "cache" not in kwargs:
-        kwargs["cache"] = kwargs.pop("past_key_values")
-    sig = _signature(module_cls)
-    bound = sig.bind(None, *args, **kwargs)
-    bound.apply_defaults()
-    named = dict(bound.arguments)
-    named.pop(next(iter(sig.parameters)))  # self
-    extra = {}
-    for name, p in sig.parameters.items():
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            extra = named.pop(name, {})
-    named["kwargs"] = extra
-    return named
-
-
-class _TransformersAdapter(AttentionAdapter):
-    """Shared parts: class + structure matching and the ``attn_implementation`` check."""
-
-    required: set[str] = set()
-
-    @classmethod
-    def matches(cls, module: nn.Module) -> bool:
-        return isinstance(module, cls.module_types) if cls.module_types else False
-
-    @classmethod
-    def structure_problem(cls, module: nn.Module) -> str | None:
-        raise NotImplementedError
-
-    @classmethod
-    def unsupported_reason(cls, module: nn.Module) -> str | None:
-        problem = cls.structure_problem(module)
-        if problem is not None:
-            return (f"{type(module).__qualname__} does not have the structure condcomp's transformers adapter "
-                    f"expects ({problem}); this transformers version may have changed it")
-        config = getattr(module, "config", None) or getattr(getattr(module, "self", None), "config", None)
-        impl = getattr(config, "_attn_implementation", None)
-        if impl is not None and "flex" in str(impl):
-            return (f"attn_implementation={impl!r} passes BlockMasks; use 'sdpa' or 'eager' "
-                    "(model.set_attn_implementation('sdpa'))")
-        return None
+                 ("transformers.models.mistral.modeling_mistral", "MistralAttention"),
+                 ("transformers.models.mixtral.modeling_mixtral", "MixtralAttention"),  # Mistral's attention
+                 ("transformers.models.gemma.modeling_gemma", "GemmaAttention")]  # head_dim may differ from D/H
 
 
 @register_adapter

@@ -1,0 +1,134 @@
+"""What every transformers adapter shares: class tables, mask reading, argument binding, the base adapter.
+
+Kept apart from :mod:`.hf` (the BERT-style and projection-style families) so that the adapter modules of other
+architectures (:mod:`.hf_gpt2`, :mod:`.hf_t5`, :mod:`.hf_distilbert`, :mod:`.hf_clip`) and :mod:`.hf` import it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from condcomp.adapters import AttentionAdapter
+from condcomp.masks import check_mask_dtype
+from condcomp.versions import tensor_version
+
+
+def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
+    found = []
+    for module_name, cls_name in table:
+        try:
+            found.append(getattr(importlib.import_module(module_name), cls_name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def _param_names(module: nn.Module) -> set[str]:
+    return {n for n, _ in module.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Masks: transformers hands attention modules a 4-D bool (sdpa) or additive float (eager) mask, a 2-D padding
+# mask (flash attention) or None. The derived forms are cached for the last mask seen, because every layer of a
+# forward receives the same tensor and the reduction below is O(B*T*S).
+_LAST_MASK: list[Any] = [None]  # one (mask, key, parts) tuple, replaced whole (safe if threads share the model)
+
+
+def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tuple[Tensor | None, Tensor | None,
+                                                                                  Tensor | None]:
+    """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask."""
+    if mask is None:
+        return None, None, None
+    # Keyed by identity and version: a mask edited in place between forwards is derived again.
+    key = (T, S, self_attention, tensor_version(mask) if isinstance(mask, Tensor) else None)
+    cached = _LAST_MASK[0]
+    if cached is not None and cached[0] is mask and cached[1] == key and key[3] is not None:
+        return cached[2]  # type: ignore[no-any-return]
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"condcomp received an attention mask of type {type(mask).__name__} (flex attention's "
+                        "BlockMask?); load or set the model with attn_implementation='sdpa' or 'eager'")
+    if mask.dim() == 2:  # flash-attention style (B, S) padding mask, 1 = real token
+        if tuple(mask.shape) != (B, S):
+            raise ValueError(f"2-D attention mask must be (B, S) = {(B, S)}, got {tuple(mask.shape)}")
+        key_mask = mask.bool()
+        parts: tuple[Tensor | None, ...] = (key_mask[:, S - T:] if self_attention else None, key_mask, None)
+    elif mask.dim() == 4:
+        check_mask_dtype(mask, "a 4-D attention_mask")
+        if mask.dtype == torch.bool:
+            allowed = mask
+            bias = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+        else:
+            # eager masks use the dtype's most negative finite number, not -inf (rows stay finite, as in HF)
+            allowed = mask > torch.finfo(mask.dtype).min / 2
+            bias = mask
+        key_ok = allowed.any(dim=1).any(dim=1).expand(B, S)  # (B, S): a key some query may attend
+        query_mask = key_ok[:, S - T:] if self_attention and S >= T else None
+        parts = (query_mask, None, bias)
+    else:
+        raise ValueError(f"attention mask must be 2-D (B, S) or 4-D (B, 1, T, S), got shape {tuple(mask.shape)}")
+    _LAST_MASK[0] = (mask, key, parts)
+    return parts  # type: ignore[return-value]
+
+
+def _sliding_bias(T: int, S: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Additive ``(1, 1, T, S)`` bias forbidding keys more than ``window`` positions back (bottom-right aligned)."""
+    i = torch.arange(T, device=device).unsqueeze(1) + (S - T)
+    j = torch.arange(S, device=device).unsqueeze(0)
+    return torch.zeros(T, S, device=device, dtype=dtype).masked_fill(j <= i - window, float("-inf"))[None, None]
+
+
+@functools.cache
+def _signature(module_cls: Any) -> inspect.Signature:
+    return inspect.signature(inspect.unwrap(module_cls.forward))
+
+
+def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``)."""
+    kwargs = dict(kwargs)
+    if "past_key_values" in kwargs and "cache" not in kwargs:
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    sig = _signature(module_cls)
+    bound = sig.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    named.pop(next(iter(sig.parameters)))  # self
+    extra = {}
+    for name, p in sig.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            extra = named.pop(name, {})
+    named["kwargs"] = extra
+    return named
+
+
+class _TransformersAdapter(AttentionAdapter):
+    """Shared parts: class + structure matching and the ``attn_implementation`` check."""
+
+    required: set[str] = set()
+
+    @classmethod
+    def matches(cls, module: nn.Module) -> bool:
+        return isinstance(module, cls.module_types) if cls.module_types else False
+
+    @classmethod
+    def structure_problem(cls, module: nn.Module) -> str | None:
+        raise NotImplementedError
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> str | None:
+        problem = cls.structure_problem(module)
+        if problem is not None:
+            return (f"{type(module).__qualname__} does not have the structure condcomp's transformers adapter "
+                    f"expects ({problem}); this transformers version may have changed it")
+        config = getattr(module, "config", None) or getattr(getattr(module, "self", None), "config", None)
+        impl = getattr(config, "_attn_implementation", None)
+        if impl is not None and "flex" in str(impl):
+            return (f"attn_implementation={impl!r} passes BlockMasks; use 'sdpa' or 'eager' "
+                    "(model.set_attn_implementation('sdpa'))")
+        return None
