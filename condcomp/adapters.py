@@ -95,5 +95,10 @@ def find_adapter(module: nn.Module) -> type[AttentionAdapter] | None:
     return None
 
 
+def registered_adapters() -> list[type[AttentionAdapter]]:
+    """Every registered adapter class, in registration order."""
+    return list(_ADAPTERS)
+
+
 def supported_classes() -> list[str]:
     return sorted({t.__qualname__ for cls in _ADAPTERS for t in cls.module_types})

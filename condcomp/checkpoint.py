@@ -125,16 +125,11 @@ def _index(tensors: dict[str, Tensor]) -> dict[str, dict[str, Any]]:
     return {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in tensors.items()}
 
 
-def file_digest(path: Path) -> dict[str, Any]:
-    """``{"bytes": size, "sha256": hex}`` of a file (what manifests record to detect truncation and corruption)."""
-    return _digest(path)
-
-
 def verify_digest(path: Path, expected: Any, manifest_name: str) -> None:
     """Raise :class:`CheckpointError` unless ``path`` has the size and SHA-256 recorded in ``expected``."""
     if not (isinstance(expected, dict) and _is_int(expected.get("bytes")) and isinstance(expected.get("sha256"), str)):
         raise CheckpointError(f"{manifest_name}: the record of {path.name} is malformed")
-    actual = _digest(path)
+    actual = file_digest(path)
     if actual["bytes"] != expected["bytes"]:
         raise CheckpointError(f"{path}: truncated or replaced: {actual['bytes']} bytes, {manifest_name} records "
                               f"{expected['bytes']}")
@@ -143,7 +138,8 @@ def verify_digest(path: Path, expected: Any, manifest_name: str) -> None:
                               f"{expected['sha256'][:16]}... recorded in {manifest_name}")
 
 
-def _digest(path: Path) -> dict[str, Any]:
+def file_digest(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex}`` of a file (what manifests record to detect truncation and corruption)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -209,7 +205,7 @@ def save_checkpoint(directory: str | os.PathLike[str], model: nn.Module, config:
             tmp = work / f".{name}.tmp-{os.getpid()}"
             st.save_file(tensors, str(tmp), metadata={"format": FORMAT})
             _fsync(tmp)
-            manifest["files"][name] = _digest(tmp)
+            manifest["files"][name] = file_digest(tmp)
             staged.append((tmp, work / name))
         tmp = work / f".{MANIFEST}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))

@@ -225,8 +225,11 @@ def register_transformers_attention(cls: type, family: str) -> None:
 
 
 def supported_transformers_classes() -> list[str]:
-    """Names of the transformers attention classes the module swap recognises."""
-    return sorted(t.__name__ for a in (BertStyleAttentionAdapter, ProjectionAttentionAdapter) for t in a.module_types)
+    """Names of the transformers attention classes the module swap recognises (every family)."""
+    from condcomp.adapters import registered_adapters
+
+    return sorted({t.__name__ for a in registered_adapters() for t in a.module_types
+                   if t.__module__.startswith("transformers.")})
 
 
 def __getattr__(name: str) -> Any:
