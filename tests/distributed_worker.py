@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hardening_common import TinyNet  # noqa: E402
+from tiny_models import TinyNet  # noqa: E402
 
 import condcomp  # noqa: E402
 

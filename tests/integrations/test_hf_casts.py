@@ -1,4 +1,4 @@
-"""Casting a wrapped transformers model after ``apply_`` (the rule and the grid: tests/test_hardening_casts.py).
+"""Casting a wrapped transformers model after ``apply_`` (the rule and the grid: tests/test_casts.py).
 
 Reference: the unwrapped model cast the same way.
 """

@@ -1,4 +1,4 @@
-"""nn.MultiheadAttention layouts beyond tests/test_core_torch_mha.py: unbatched masks, decoder layers (self- and
+"""nn.MultiheadAttention layouts beyond tests/integrations/test_torch_mha.py: unbatched masks, decoder layers (self- and
 cross-attention), separate q/k/v weights without bias, 3-D bool masks, and partial budgets against the unwrapped
 module with the skipped heads' output columns zeroed."""
 

@@ -3,7 +3,7 @@ follows all heads. Peak resident memory (VmHWM, reset after a short warm-up call
 process per variant, above the resident size after the warm-up, so allocator caches of other variants
 cannot blur it. Linux only (/proc).
 
-``python tests/test_hardening_memory.py`` prints the table quoted in docs/reliability.md.
+``python tests/executors/test_memory.py`` prints the table quoted in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = r"""
 import json, sys, torch

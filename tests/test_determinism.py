@@ -86,7 +86,7 @@ def test_seeded_training_reproduces_exactly(executor: str) -> None:
 def test_eval_is_bit_identical_across_processes() -> None:
     here = {e: digest(e) for e in EXECUTORS}
     tests = str(ROOT / "tests")
-    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_hardening_determinism as t; "
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_determinism as t; "
             "print({e: t.digest(e) for e in t.EXECUTORS})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]

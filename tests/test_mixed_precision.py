@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from hardening_common import TinyNet, set_executor
+from tiny_models import TinyNet, set_executor
 from torch import nn
 
 import condcomp

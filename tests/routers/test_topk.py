@@ -173,7 +173,7 @@ def test_methods_md_snippets_run() -> None:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "methods.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "methods.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
     assert len(blocks) >= 2, "docs/methods.md lost its examples"
     namespace: dict[str, object] = {"__name__": "docs_methods"}

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 from core_helpers import make_layout, make_weights
-from hardening_common import TinyNet
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import TinyNet
 from torch import Tensor, nn
 
 import condcomp

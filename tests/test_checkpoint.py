@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hardening_common import TinyNet
+from tiny_models import TinyNet
 
 import condcomp
 from condcomp.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_config, save_checkpoint
