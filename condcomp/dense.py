@@ -18,6 +18,7 @@ def project_kv(w: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Te
     Hkv, Dh = w.layout.num_kv_heads, w.layout.head_dim
     k = F.linear(inputs.key_input, w.k_weight, w.k_bias).unflatten(-1, (Hkv, Dh)).transpose(1, 2)
     v = F.linear(inputs.value_input, w.v_weight, w.v_bias).unflatten(-1, (Hkv, Dh)).transpose(1, 2)
+    k = w.norm_keys(k)
     if inputs.rotary is not None:
         k = apply_rotary(k, *inputs.rotary)
     return k, v
@@ -30,6 +31,7 @@ def all_heads_attention(weights: AttentionWeights, inputs: AttentionInputs) -> t
     L = weights.layout
     mask = build_attention_mask(inputs, L.causal, x.dtype)
     q = F.linear(x, weights.q_weight, weights.q_bias).unflatten(-1, (L.num_heads, L.head_dim)).transpose(1, 2)
+    q = weights.norm_queries(q)
     if inputs.rotary is not None:
         q = apply_rotary(q, *inputs.rotary)
     k, v = project_kv(weights, inputs)  # (B, Hkv, S, Dh)

@@ -6,6 +6,7 @@ Dh head width, k active heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -131,11 +132,23 @@ class AttentionWeights:
     k_bias: Tensor | None = None
     v_bias: Tensor | None = None
     o_bias: Tensor | None = None
+    # Per-head normalisation of queries / keys over Dh, after the projection and before rotary (Qwen3's and
+    # Gemma3's q_norm / k_norm): one module shared by every head, so it applies to any selection of heads.
+    q_norm: Callable[[Tensor], Tensor] | None = None
+    k_norm: Callable[[Tensor], Tensor] | None = None
+
+    def norm_queries(self, q: Tensor) -> Tensor:
+        """``q (..., Dh)`` through ``q_norm`` (unchanged without one)."""
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def norm_keys(self, k: Tensor) -> Tensor:
+        """Freshly projected keys ``k (..., Dh)`` through ``k_norm`` (a KV cache holds them normalised already)."""
+        return k if self.k_norm is None else self.k_norm(k)
 
     def project_queries(self, x: Tensor, rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """All heads' queries ``(B, T, H, Dh)`` for routers that score heads by their queries."""
         q = torch.nn.functional.linear(x, self.q_weight, self.q_bias)
-        q = q.unflatten(-1, (self.layout.num_heads, self.layout.head_dim))  # (B, T, H, Dh)
+        q = self.norm_queries(q.unflatten(-1, (self.layout.num_heads, self.layout.head_dim)))  # (B, T, H, Dh)
         if rotary is not None:
             q = apply_rotary(q.transpose(1, 2), *rotary).transpose(1, 2)
         return q

@@ -20,6 +20,7 @@ is refused with the reason. Importing this module imports transformers (``import
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -42,6 +43,7 @@ _BERT_CLASSES = [("transformers.models.bert.modeling_bert", "BertAttention"),
 _PROJ_CLASSES = [("transformers.models.vit.modeling_vit", "ViTAttention"),
                  ("transformers.models.llama.modeling_llama", "LlamaAttention"),
                  ("transformers.models.qwen2.modeling_qwen2", "Qwen2Attention"),
+                 ("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),  # + per-head q_norm/k_norm
                  ("transformers.models.mistral.modeling_mistral", "MistralAttention"),
                  ("transformers.models.mixtral.modeling_mixtral", "MixtralAttention"),  # Mistral's attention
                  ("transformers.models.gemma.modeling_gemma", "GemmaAttention")]  # head_dim may differ from D/H
@@ -134,8 +136,9 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
 
 @register_adapter
 class ProjectionAttentionAdapter(_TransformersAdapter):
-    """``ViTAttention``, ``LlamaAttention``, ``Qwen2Attention``, ``MistralAttention``: q/k/v/o projections, GQA,
-    rotary ``position_embeddings``, sliding window, KV cache (``cache`` / ``past_key_values``)."""
+    """``ViTAttention``, ``LlamaAttention``, ``Qwen2Attention``, ``Qwen3Attention``, ``MistralAttention``, ...:
+    q/k/v/o projections, GQA, per-head q/k norms (Qwen3), rotary ``position_embeddings``, sliding window, KV cache
+    (``cache`` / ``past_key_values``)."""
 
     module_types = _import_classes(_PROJ_CLASSES)
 
@@ -143,13 +146,19 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
     def structure_problem(cls, module: nn.Module) -> str | None:
         names = _param_names(module)
         prefixes = {n.split(".")[0] for n in names}
-        if prefixes != {"q_proj", "k_proj", "v_proj", "o_proj"}:
-            return f"parameters under {sorted(prefixes)}, expected only q_proj/k_proj/v_proj/o_proj"
+        projections = {"q_proj", "k_proj", "v_proj", "o_proj"}
+        if prefixes not in (projections, projections | {"q_norm", "k_norm"}):
+            return (f"parameters under {sorted(prefixes)}, expected q_proj/k_proj/v_proj/o_proj (and optionally "
+                    "q_norm/k_norm)")
         if not hasattr(module, "head_dim"):
             return "no head_dim attribute"
-        for attr in ("attn_logit_softcapping", "q_norm", "k_norm"):
-            if getattr(module, attr, None) is not None:
-                return f"{attr} is set (not supported)"
+        if getattr(module, "attn_logit_softcapping", None) is not None:
+            return "attn_logit_softcapping is set (not supported)"
+        Dh = int(getattr(module, "head_dim"))  # noqa: B009 (nn.Module's type hides the attribute)
+        for attr in ("q_norm", "k_norm"):  # per-head norms over Dh (Qwen3): every parameter has Dh entries
+            norm = getattr(module, attr, None)
+            if norm is not None and any(p.shape != (Dh,) for p in norm.parameters()):
+                return f"{attr} has parameters of shapes {[tuple(p.shape) for p in norm.parameters()]}, not (Dh,)"
         return None
 
     def __init__(self, module: Any) -> None:
@@ -166,7 +175,9 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
         self.module_cls = type(module)
 
     def weights(self, owner: Any) -> AttentionWeights:
-        return linear_weights(owner, self.layout)
+        w = linear_weights(owner, self.layout)
+        q_norm, k_norm = getattr(owner, "q_norm", None), getattr(owner, "k_norm", None)
+        return w if q_norm is None and k_norm is None else dataclasses.replace(w, q_norm=q_norm, k_norm=k_norm)
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
         a = _bind(self.module_cls, args, kwargs)
@@ -186,6 +197,8 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
             # Every key/value head is projected and cached: a head a token skips now may be chosen by a later one.
             # The projections' own forward: exact for LoRA layers too.
             k = routed.k_proj(x).view(B, T, L.num_kv_heads, L.head_dim)
+            if getattr(routed, "k_norm", None) is not None:  # Qwen3: per-head norm before rotary
+                k = routed.k_norm(k)
             v = routed.v_proj(x).view(B, T, L.num_kv_heads, L.head_dim)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, Dh)
             if rotary is not None:

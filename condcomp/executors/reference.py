@@ -49,7 +49,7 @@ class ReferenceExecutor:
         for h in range(L.num_heads):
             rows = slice(h * Dh, (h + 1) * Dh)
             q_bias = None if weights.q_bias is None else weights.q_bias[rows]
-            q = F.linear(x, weights.q_weight[rows], q_bias)  # (B, T, Dh)
+            q = weights.norm_queries(F.linear(x, weights.q_weight[rows], q_bias))  # (B, T, Dh)
             if inputs.rotary is not None:
                 q = apply_rotary(q.unsqueeze(1), *inputs.rotary).squeeze(1)
             g = h // L.group_size

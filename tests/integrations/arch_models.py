@@ -1,4 +1,5 @@
-"""Tiny random models of the architectures added for issue 16, and the partial-budget reference for them.
+"""Tiny random models of the architectures added for issue 16 (GPT-2, Gemma, Mixtral, Qwen3, DistilBERT, CLIP,
+SigLIP, T5), and the partial-budget reference for them.
 
 Built from transformers' config classes (nothing downloaded), float64. The reference for a partial budget is the
 *unwrapped* model with the skipped heads' output-projection columns zeroed (integration_helpers explains why).
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 t = pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
 
-DECODERS = ["gpt2", "gemma", "mixtral"]  # causal LMs: left padding, greedy generation through the KV cache
+DECODERS = ["gpt2", "gemma", "mixtral", "qwen3"]  # causal LMs: left padding, greedy generation through the KV cache
 ARCHS = [*DECODERS, "gpt2_cross", "distilbert", "clip_text", "clip_vision", "siglip_text", "siglip_vision", "t5"]
 LAYERS = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
 
@@ -34,6 +35,13 @@ def build(arch: str, impl: str = "sdpa") -> nn.Module:
         model = t.MixtralForCausalLM(t.MixtralConfig(**kw, **LAYERS, hidden_size=32, num_key_value_heads=2,
                                                      vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
                                                      sliding_window=4, experts_implementation="eager"))
+    elif arch == "qwen3":  # per-head q_norm / k_norm before rotary; head_dim 16 != hidden_size / heads
+        model = t.Qwen3ForCausalLM(t.Qwen3Config(**kw, **LAYERS, hidden_size=32, num_key_value_heads=2, head_dim=16,
+                                                 vocab_size=100))
+        with torch.no_grad():  # norms that are not the identity, so a skipped or misplaced norm shows
+            for m in model.modules():
+                if type(m).__name__ == "Qwen3RMSNorm" and m.weight.shape == (16,):
+                    m.weight.uniform_(0.5, 1.5)
     elif arch == "distilbert":
         model = t.DistilBertModel(t.DistilBertConfig(**kw, dim=32, n_layers=2, n_heads=4, hidden_dim=37,
                                                      vocab_size=100))

@@ -218,27 +218,29 @@ def test_default_targets_one_module_per_layer_and_patterns() -> None:
                                                                target_modules="encoder.layer.0.attention.self"))
 
 
-def test_model_without_supported_attention_names_found_and_supported_classes() -> None:
+def _phi3() -> nn.Module:  # fused qkv_proj: no adapter reads it (the interface route does)
     t = transformers
-    qwen3 = t.Qwen3Model(t.Qwen3Config(**COMMON, num_key_value_heads=2, vocab_size=100, head_dim=8))
-    with pytest.raises(ValueError) as err:  # Qwen3 (q_norm/k_norm) is not supported: see docs/integrations.md
-        condcomp.apply_(qwen3, condcomp.CondCompConfig(policy="full", router="random"))
+    return t.Phi3Model(t.Phi3Config(**COMMON, num_key_value_heads=2, vocab_size=100, pad_token_id=0,
+                                    eos_token_id=1, bos_token_id=1))
+
+
+def test_model_without_supported_attention_names_found_and_supported_classes() -> None:
+    with pytest.raises(ValueError) as err:
+        condcomp.apply_(_phi3(), condcomp.CondCompConfig(policy="full", router="random"))
     message = str(err.value)
-    assert "Qwen3Attention" in message and "BertAttention" in message and "LlamaAttention" in message
+    assert "Phi3Attention" in message and "BertAttention" in message and "LlamaAttention" in message
 
 
 def test_lookalike_class_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     from condcomp.integrations import hf
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    from transformers.models.phi3.modeling_phi3 import Phi3Attention
 
     monkeypatch.setattr(hf.ProjectionAttentionAdapter, "module_types", hf.ProjectionAttentionAdapter.module_types)
-    hf.register_transformers_attention(Qwen3Attention, "projection")
-    t = transformers
-    qwen3 = t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, num_key_value_heads=2, vocab_size=100, head_dim=8))
-    with pytest.raises(ValueError, match="q_norm"):
-        condcomp.apply_(qwen3, condcomp.CondCompConfig(policy="full", router="random"))
+    hf.register_transformers_attention(Phi3Attention, "projection")
+    with pytest.raises(ValueError, match="qkv_proj"):
+        condcomp.apply_(_phi3(), condcomp.CondCompConfig(policy="full", router="random"))
     with pytest.raises(ValueError, match="family"):
-        hf.register_transformers_attention(Qwen3Attention, "gpt")
+        hf.register_transformers_attention(Phi3Attention, "gpt")
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

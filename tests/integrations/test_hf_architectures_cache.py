@@ -32,7 +32,7 @@ def _prompt(arch: str) -> dict[str, Tensor]:
 
 
 # Mixtral's attention is Mistral's (test_hf_adapters decodes Mistral); its eager experts are slow: two cases only.
-CASES = [(arch, executor, fraction) for arch in ("gpt2", "gemma", "t5") for executor in ("masked", "gathered")
+CASES = [(arch, executor, fraction) for arch in ("gpt2", "gemma", "qwen3", "t5") for executor in ("masked", "gathered")
          for fraction in (1.0, 0.5)] + [("mixtral", "masked", 1.0), ("mixtral", "gathered", 0.5)]
 
 

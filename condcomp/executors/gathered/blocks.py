@@ -94,6 +94,9 @@ def project_heads(w: AttentionWeights, inputs: AttentionInputs, q_heads: list[in
                                      bias(w.k_bias, kv_heads)), nkv)
             v = heads_first(F.linear(inputs.value_input, head_rows(w.v_weight, kv_heads, Dh),
                                      bias(w.v_bias, kv_heads)), nkv)
+    q = w.norm_queries(q)
+    if inputs.key_states is None:
+        k = w.norm_keys(k)
     if inputs.rotary is not None:
         q = apply_rotary(q, *inputs.rotary)
         if inputs.key_states is None:

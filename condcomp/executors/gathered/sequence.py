@@ -89,6 +89,9 @@ def _bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
                 for src, wt, bt in ((inputs.key_input, w.k_weight, w.k_bias),
                                     (inputs.value_input, w.v_weight, w.v_bias))
             )
+    q = w.norm_queries(q)
+    if inputs.key_states is None:
+        kk = w.norm_keys(kk)
     if inputs.rotary is not None:
         cos, sin = (pick(t) for t in inputs.rotary)  # (n, T, Dh)
         q = apply_rotary(q, cos, sin)

@@ -53,6 +53,9 @@ def sequence_pairs_grouped(w: AttentionWeights, inputs: AttentionInputs, plan: H
         q = pair_projection(x, per_head(w.q_weight, H, Dh), _bias_per_head(w.q_bias, H, Dh), b_idx, h_idx)
         q = q.unsqueeze(1)  # (P, 1, T, Dh)
         k, v = _pair_keys_values(w, inputs, b_idx, h_idx)  # each (P, 1, S, Dh), rotary not yet applied
+    q = w.norm_queries(q)
+    if fresh_kv:
+        k = w.norm_keys(k)
     if inputs.rotary is not None:
         cos, sin = (t.index_select(0, b_idx) for t in inputs.rotary)  # (P, T, Dh)
         q = apply_rotary(q, cos, sin)

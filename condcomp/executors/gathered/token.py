@@ -57,7 +57,7 @@ def _routed(call: GatheredCall, slots: int, keys: Tensor, values: Tensor, y: Ten
     else:
         q = torch.baddbmm(w.q_bias.view(H, 1, Dh).index_select(0, R), xr, wq)  # (nR, B*L, Dh)
     del xr  # (nR*B*L, D_in) is the largest temporary: free it before the output projection allocates as much
-    q = q.view(nR, B, slots, Dh)
+    q = w.norm_queries(q.view(nR, B, slots, Dh))
     if inputs.rotary is not None:
         cos, sin = (t.reshape(B * T, Dh).index_select(0, flat).view(nR, B, slots, Dh) for t in inputs.rotary)
         q = q * cos + rotate_half(q) * sin
@@ -130,6 +130,7 @@ def _routed_by_set(call: GatheredCall, slots: int, keys: Tensor, values: Tensor,
     token = tok.index_select(0, torch.div(pair, nR, rounding_mode="floor"))  # (P,) row of x viewed (B*T, D)
     b = torch.div(token, T, rounding_mode="floor")
     rank = (active.cumsum(1) - 1).reshape(-1).index_select(0, token * nR + j)  # (P,) among its example's rows
+    q = w.norm_queries(q)
     if inputs.rotary is not None:
         cos, sin = (t.reshape(B * T, Dh).index_select(0, token) for t in inputs.rotary)
         q = q * cos + rotate_half(q) * sin
