@@ -87,7 +87,14 @@ def linear_parts(module: Any, name: str) -> tuple[Tensor, Tensor | None]:
     >>> tuple(w.shape), tuple(b.shape)
     ((2, 4), (2,))
     """
-    if _is_peft_lora(module):
+    if type(module) in PLAIN_LINEARS:
+        weight, bias = module._parameters["weight"], module._parameters.get("bias")
+        # Checked before with these very tensors and no hooks since: skip the checks (every decode step reads
+        # every projection of every layer).
+        if (module.__dict__.get("_condcomp_checked") == (id(weight), id(bias))
+                and not module._forward_hooks and not module._forward_pre_hooks):
+            return weight, bias
+    elif _is_peft_lora(module):
         return _lora_parts(module, name)
     problem = projection_problem(module)
     if problem is not None:
@@ -95,6 +102,7 @@ def linear_parts(module: Any, name: str) -> tuple[Tensor, Tensor | None]:
     _warn_hooks(module, name)
     if _is_hf_conv1d(module):
         return module.weight.T, module.bias  # Conv1D stores (in, out): x @ weight + bias
+    module.__dict__["_condcomp_checked"] = (id(module.weight), id(module.bias))
     return module.weight, module.bias
 
 
