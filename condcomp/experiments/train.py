@@ -28,7 +28,8 @@ from condcomp.experiments.runconfig import RunConfig
 def build_model(mcfg: ModelConfig, cfg: RunConfig) -> EncoderClassifier:
     """The dense classifier made routed with the run's method (routing parameters from torch's generator)."""
     model = EncoderClassifier(mcfg)
-    condcomp.apply_(model, method_config(cfg.method, mcfg.num_heads, cfg.method_options))
+    condcomp.apply_(model, method_config(cfg.method, mcfg.num_heads, cfg.method_options,
+                                         num_layers=mcfg.num_layers))
     return model
 
 
