@@ -1,9 +1,9 @@
-"""The ablation on one dataset: trained methods, and inference-time controls on the learned BudgetFormer model.
+"""The building block of an ablation on one dataset and seed: :class:`Study` trains arms (reusing finished
+ones), evaluates inference-time controls on a trained model, and re-times the arms round-robin.
 
-Trained: standard, BudgetFormer, fixed top-k at given fractions and at BudgetFormer's realised mean head count,
-MoH. Controls on the trained BudgetFormer model (no retraining): forced to each fixed fraction, random heads at
-its own learned budget, all heads. A finished run (its ``metrics.json`` present) is reused, so an interrupted
-ablation restarts where it stopped.
+The multi-seed study (``condcomp ablate``) is :mod:`condcomp.experiments.study`. A finished run (its
+``metrics.json`` and checkpoint present, same settings) is reused, so an interrupted study restarts where it
+stopped.
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ class Study:
         self.rows: dict[str, dict[str, Any]] = {}
         self.models: dict[str, EncoderClassifier] = {}
         self.swaps: dict[str, tuple[str, dict[str, Any]]] = {}
+        self.reused: dict[str, bool] = {}
 
     def train(self, name: str, method: str, options: dict[str, Any] | None = None,
-              keep: bool = True) -> dict[str, Any]:
-        """Train ``method`` as run ``name`` (or reuse its finished metrics and checkpoint)."""
-        cfg = RunConfig.from_dict({**self.cfg.to_dict(), "method": method, "method_options": options or {}})
+              keep: bool = True, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Train ``method`` as run ``name`` (or reuse its finished metrics and checkpoint); ``overrides``: other
+        run settings of this arm (e.g. ``{"budget_cost": 0.3}``)."""
+        cfg = RunConfig.from_dict({**self.cfg.to_dict(), **(overrides or {}), "method": method,
+                                   "method_options": options or {}})
         d = self.out / name
+        self.reused[name] = False
         if self.reuse and (d / "metrics.json").is_file() and (d / "checkpoint" / "condcomp.json").is_file():
+            self.reused[name] = True
             row = json.loads((d / "metrics.json").read_text())
             if row.get("config") != cfg.to_dict():
                 changed = sorted(k for k in cfg.to_dict() if (row.get("config") or {}).get(k) != cfg.to_dict()[k])
@@ -69,9 +74,15 @@ class Study:
         model = self.models[base]
         d = self.out / name
         cfg = RunConfig.from_dict({**self.rows[base]["config"]})
+        self.swaps[name] = (base, {"policy": policy, "fraction": fraction, "router": router})
+        if self.reuse and (d / "metrics.json").is_file() and self.reused.get(base):
+            row = json.loads((d / "metrics.json").read_text())
+            if row.get("swap") == [base, self.swaps[name][1]] and row.get("config") == cfg.to_dict():
+                self.rows[name], self.reused[name] = row, True
+                return row
+        self.reused[name] = False
         with swapped(model, policy=policy, fraction=fraction, router=router):
             row = finish(model, self.prep, cfg, d, name)
-        self.swaps[name] = (base, {"policy": policy, "fraction": fraction, "router": router})
         row.update({"control_of": base, "swap": self.swaps[name]})
         write_json(d / "metrics.json", row)
         self.rows[name] = row
@@ -107,34 +118,6 @@ def matched_fraction(k_frac: float, num_heads: int) -> float:
     """The fixed fraction with the smallest head count >= a realised mean (ceil: fixed top-k never gets fewer
     heads than the learned budget used on average, so "learned beats fixed" is not an artefact of rounding)."""
     return max(1, math.ceil(k_frac * num_heads - 1e-6)) / num_heads
-
-
-def run_ablation(cfg: RunConfig, out: Path, fractions: tuple[float, ...] = (0.25, 0.5),
-                 moh: dict[str, Any] | None = None, train_fractions: tuple[float, ...] | None = None) -> dict[str, Any]:
-    """All arms of the ablation on ``cfg.dataset``; writes ``out/metrics.json`` and returns it.
-
-    ``fractions``: fixed budgets the learned model is forced to at inference; ``train_fractions`` (default: the
-    same): fixed budgets trained as such. The fraction matched to BudgetFormer's realised mean is always both.
-    """
-    t0 = time.perf_counter()
-    study = Study(cfg, out)
-    study.train("standard", "standard")
-    bf = study.train("budgetformer", "budgetformer", cfg.method_options if cfg.method == "budgetformer" else None)
-    H = int(bf["model"]["num_heads"])
-    matched = matched_fraction(bf["k_frac"], H)
-    trained = fractions if train_fractions is None else train_fractions
-    for f in sorted(set(trained) | {matched}):
-        study.train(f"fixed_{f:g}", "fixed", {"fraction": f})
-    study.train("moh", "moh", moh)
-    for f in sorted(set(fractions) | {matched}):
-        study.control(f"budgetformer_forced_{f:g}", "budgetformer", policy="fixed", fraction=f)
-    study.control("budgetformer_random_heads", "budgetformer", router="random")
-    study.control("budgetformer_all_heads", "budgetformer", policy="full")
-    study.paired_timing(cfg.latency_reps)
-    result = collect(study, matched)
-    result["wall_seconds"] = time.perf_counter() - t0
-    write_json(out / "metrics.json", result)
-    return result
 
 
 def collect(study: Study, matched: float) -> dict[str, Any]:

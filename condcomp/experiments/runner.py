@@ -114,7 +114,7 @@ def eval_checkpoint(ckpt: Path, out: Path, overrides: dict[str, Any] | None = No
         raise ValueError(f"{ckpt}: not a condcomp experiments checkpoint (its config has no 'run'/'model')")
     cfg = RunConfig.from_dict({**meta["run"], **(overrides or {})})
     tokenizer = None
-    if cfg.tokenizer == "trained" and cfg.dataset != "synthetic":
+    if cfg.tokenizer == "trained" and cfg.dataset not in ("synthetic", "digits"):
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))

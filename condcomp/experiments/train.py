@@ -127,16 +127,24 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
 @torch.no_grad()
 def evaluate(model: EncoderClassifier, split: EncodedSplit, batch_size: int = 128,
              desc: str | None = None) -> dict[str, Any]:
-    """Accuracy, per-layer usage and per-example budget/heads/correctness over a split (eval mode)."""
+    """Accuracy, per-layer usage, per-head selection frequency (``head_freq``: layer -> H fractions) and
+    per-example budget/heads/correctness/prediction/loss/length over a split (eval mode)."""
     model.eval()
     correct: list[Tensor] = []
     prob_true: list[Tensor] = []
+    preds: list[Tensor] = []
+    losses: list[Tensor] = []
+    lengths: list[Tensor] = []
     per_layer: dict[str, list[dict[str, Tensor]]] = {n: [] for n in routed_modules(model)}
     bar = progress_bar(total=math.ceil(len(split) / batch_size), desc=desc) if desc else None
     for ids, mask, seg, labels in split.batches(batch_size):
         logits = model(ids, mask, seg).float()
         correct.append(logits.argmax(-1) == labels)
-        prob_true.append(logits.softmax(-1).gather(1, labels[:, None]).squeeze(1))
+        preds.append(logits.argmax(-1))
+        logp = logits.double().log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
+        prob_true.append(logp.exp().float())
+        losses.append(-logp)
+        lengths.append(mask.sum(1))
         for name, r in routed_modules(model).items():
             per_layer[name].append(layer_plan_stats(r))
         if bar:
@@ -154,8 +162,10 @@ def evaluate(model: EncoderClassifier, split: EncodedSplit, batch_size: int = 12
         "k_frac": float(k_ex.mean()),
         "layers": {n: {"s_mean": float(st["s"].mean()), "k_frac": float(st["k_frac"].mean())}
                    for n, st in stats.items()},
+        "head_freq": {n: st["head_frac"].mean(0).tolist() for n, st in stats.items()},
         "examples": {"s": s_ex.tolist(), "k_frac": k_ex.tolist(), "correct": ok.tolist(),
-                     "prob_true": torch.cat(prob_true).tolist()},
+                     "prob_true": torch.cat(prob_true).tolist(), "pred": torch.cat(preds).tolist(),
+                     "loss": torch.cat(losses).tolist(), "length": torch.cat(lengths).tolist()},
         "_stats": stats,
     }
     if split.tags is not None:
