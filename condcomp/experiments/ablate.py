@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from condcomp.experiments.batches import on_device
 from condcomp.experiments.methods import swapped
 from condcomp.experiments.metrics import inference_executor, restore_executor, set_executor
 from condcomp.experiments.model import EncoderClassifier, ModelConfig
@@ -94,7 +95,8 @@ class Study:
         medians replace the per-run latencies (a shared machine's load drifts over minutes)."""
         arms = [n for n in self.rows if n in self.models or n in self.swaps]
         for bs in (1, 64):
-            ids, mask, seg, _ = next(self.prep.test.batches(min(bs, len(self.prep.test))))
+            batch = next(self.prep.test.batches(min(bs, len(self.prep.test))))
+            ids, mask, seg, _ = on_device(batch, torch.device(self.cfg.device))
             times: dict[str, list[float]] = {n: [] for n in arms}
             with torch.no_grad():
                 for rep in range(reps + 2):

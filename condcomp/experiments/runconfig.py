@@ -59,6 +59,7 @@ class RunConfig:
     checkpoint_every: int = 0  # steps; 0 = only at the end
     carbon_country: str | None = None
     threads: int | None = None  # torch.set_num_threads; 1 is much faster on a loaded shared machine
+    device: str = "cpu"  # where the model trains and runs ("cuda" on a GPU machine)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "max_len", "eval_batch_size", "latency_reps"):

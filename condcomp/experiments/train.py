@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 import condcomp
 from condcomp.api import routed_modules
-from condcomp.experiments.batches import EncodedSplit
+from condcomp.experiments.batches import EncodedSplit, on_device
 from condcomp.experiments.methods import method_config
 from condcomp.experiments.metrics import layer_plan_stats
 from condcomp.experiments.model import EncoderClassifier, ModelConfig
@@ -30,7 +30,7 @@ def build_model(mcfg: ModelConfig, cfg: RunConfig) -> EncoderClassifier:
     model = EncoderClassifier(mcfg)
     condcomp.apply_(model, method_config(cfg.method, mcfg.num_heads, cfg.method_options,
                                          num_layers=mcfg.num_layers))
-    return model
+    return model.to(torch.device(cfg.device))
 
 
 def total_steps(cfg: RunConfig, n_train: int) -> int:
@@ -77,6 +77,7 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
     if rng is not None:
         torch.set_rng_state(rng)  # last: nothing above may draw from the restored stream
     model.train()
+    device = next(model.parameters()).device
     t0 = time.perf_counter() - float(state["seconds"])
 
     def save() -> None:
@@ -92,9 +93,10 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
         epoch = state["step"] // per_epoch
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)  # same order when resumed mid-epoch
         skip = state["step"] - epoch * per_epoch
-        for i, (ids, mask, seg, labels) in enumerate(split.batches(cfg.batch_size, shuffle=True, generator=g)):
+        for i, batch in enumerate(split.batches(cfg.batch_size, shuffle=True, generator=g)):
             if i < skip:
                 continue
+            ids, mask, seg, labels = on_device(batch, device)
             condcomp.set_progress(model, state["step"] / steps)
             logits = model(ids, mask, seg)
             loss = F.cross_entropy(logits, labels) + condcomp.aux_loss(model)
@@ -137,7 +139,9 @@ def evaluate(model: EncoderClassifier, split: EncodedSplit, batch_size: int = 12
     lengths: list[Tensor] = []
     per_layer: dict[str, list[dict[str, Tensor]]] = {n: [] for n in routed_modules(model)}
     bar = progress_bar(total=math.ceil(len(split) / batch_size), desc=desc) if desc else None
-    for ids, mask, seg, labels in split.batches(batch_size):
+    device = next(model.parameters()).device
+    for batch in split.batches(batch_size):
+        ids, mask, seg, labels = on_device(batch, device)
         logits = model(ids, mask, seg).float()
         correct.append(logits.argmax(-1) == labels)
         preds.append(logits.argmax(-1))
