@@ -183,6 +183,9 @@ class CarbonTracker:
         except ImportError:
             self.reason = "codecarbon not installed (pip install 'condcomp[carbon]')"
             return
+        import os
+
+        os.makedirs(out_dir, exist_ok=True)  # codecarbon refuses a folder that does not exist yet
         self.tracker = OfflineEmissionsTracker(country_iso_code=country, output_dir=out_dir, log_level="error",
                                                save_to_file=False)
 
