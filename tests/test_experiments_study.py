@@ -111,10 +111,19 @@ def test_ablate_seeds_is_resumable_and_writes_the_summary(tmp_path: Path, capsys
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())
     assert len(json.loads(summary.read_text())) == 3 * len(arms)
     # The results page from the summary alone.
-    assert main(["report", str(summary.parent), "--doc", str(tmp_path / "doc" / "results.md"), "--no-plots"]) == 0
+    try:
+        import matplotlib  # noqa: F401
+        plots: list[str] = []
+    except ImportError:
+        plots = ["--no-plots"]
+    assert main(["report", str(summary.parent), "--doc", str(tmp_path / "doc" / "results.md"), *plots]) == 0
     page = (tmp_path / "doc" / "results.md").read_text()
     assert "Learned budget vs fixed top-k" in page and comp["verdict"] in page
     assert "ag_news: not run yet" in page
+    if not plots:  # one Pareto plot, one heatmap, one difficulty plot per dataset, linked from the page
+        for name in ("pareto_synthetic.png", "heads_synthetic.png", "difficulty_synthetic.png"):
+            assert (summary.parent / "plots" / name).stat().st_size > 1000
+            assert f"../res/plots/{name}" in page
 
 
 def test_ablate_rejects_unknown_arms(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
