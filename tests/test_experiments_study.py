@@ -90,9 +90,11 @@ def test_ablate_seeds_is_resumable_and_writes_the_summary(tmp_path: Path, capsys
         assert r["inference_gco2"] is None and "carbon" in r["inference_gco2_note"]
     fm = [r for r in records if r["arm"] == "fixed_matched"]
     bf = {r["seed"]: r for r in records if r["arm"] == "budgetformer"}
-    for r in fm:  # matched: the smallest count >= the same seed's learned mean
+    for r in fm:  # matched: the head count nearest to the same seed's learned mean; run folder fixed_<f>
         H = r["model"]["num_heads"]
-        assert r["matched_fraction"] == math.ceil(bf[r["seed"]]["heads"] * H - 1e-6) / H
+        k = bf[r["seed"]]["heads"] * H
+        assert abs(r["matched_fraction"] * H - k) <= 0.5 and r["matched_fraction"] * H == int(r["matched_fraction"] * H)
+        assert r["run_dir"].endswith(f"fixed_{r['matched_fraction']:g}")
     assert all(r["difficulty"] is not None for r in bf.values())
     st = json.loads((summary.parent / "statistics.json").read_text())
     comp = st["synthetic"]["comparisons"]["budgetformer_vs_fixed_matched"]
@@ -178,3 +180,14 @@ def test_digits_without_scikit_learn_is_a_clear_error(monkeypatch: pytest.Monkey
 
     with pytest.raises(RuntimeError, match="scikit-learn"):
         load_digits_arrays()
+
+
+def test_matched_fraction_rules() -> None:
+    from condcomp.experiments.ablate import matched_fraction
+
+    assert matched_fraction(0.630, 8, "nearest") == 5 / 8  # 5.04 heads: nearest 5, ceil 6
+    assert matched_fraction(0.630, 8) == 6 / 8
+    assert matched_fraction(0.5625, 8, "nearest") == 5 / 8  # 4.5 heads: halves go up
+    assert matched_fraction(0.01, 8, "nearest") == 1 / 8  # at least one head
+    with pytest.raises(ValueError, match="rounding"):
+        matched_fraction(0.5, 8, "floor")

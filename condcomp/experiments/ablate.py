@@ -116,10 +116,21 @@ class Study:
                 self.rows[n]["latency_paired"] = True
 
 
-def matched_fraction(k_frac: float, num_heads: int) -> float:
-    """The fixed fraction with the smallest head count >= a realised mean (ceil: fixed top-k never gets fewer
-    heads than the learned budget used on average, so "learned beats fixed" is not an artefact of rounding)."""
-    return max(1, math.ceil(k_frac * num_heads - 1e-6)) / num_heads
+def matched_fraction(k_frac: float, num_heads: int, rounding: str = "ceil") -> float:
+    """The fixed fraction matched to a realised mean head count ``k_frac * num_heads``.
+
+    ``"ceil"``: the smallest count >= the mean (fixed top-k never gets fewer heads than the learned budget used
+    on average; the demo's rule). ``"nearest"``: the closest count (halves up; the study's rule: with a mean of
+    5.04 heads ceil would give fixed top-k a whole head more).
+    """
+    x = k_frac * num_heads
+    if rounding == "ceil":
+        k = math.ceil(x - 1e-6)
+    elif rounding == "nearest":
+        k = math.floor(x + 0.5)
+    else:
+        raise ValueError(f"rounding must be 'ceil' or 'nearest', got {rounding!r}")
+    return max(1, min(num_heads, k)) / num_heads
 
 
 def collect(study: Study, matched: float) -> dict[str, Any]:

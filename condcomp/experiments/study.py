@@ -12,8 +12,9 @@
 Arms (``--arms`` and the sweep flags):
 
 - ``standard``: every head. ``budgetformer``: the paper's loss (task + hinge + entropy; ``--budget-cost`` of
-  the study, 0 by default). ``fixed_matched``: fixed top-k trained at the smallest head count >= that seed's
-  BudgetFormer realised mean. ``moh``: MoH with the released load-balance weighting.
+  the study, 0 by default). ``fixed_matched``: fixed top-k trained at the head count nearest to that seed's
+  BudgetFormer realised mean (its run folder is ``fixed_<fraction>``, shared with the sweep arm of the same
+  fraction). ``moh``: MoH with the released load-balance weighting.
 - controls on the trained BudgetFormer model, no retraining: ``budgetformer_random_heads`` (random heads at its
   learned budget), ``budgetformer_forced_matched`` (forced to the matched fixed fraction),
   ``budgetformer_all_heads``.
@@ -171,9 +172,9 @@ def record(row: dict[str, Any], dataset: str, arm: str, seed: int, command: str,
 # --- the study -------------------------------------------------------------------------------------------
 
 
-def _seed_done(out: Path, names: list[str], summary: list[dict[str, Any]], dataset: str, seed: int) -> bool:
-    have = {r["arm"] for r in summary if r["dataset"] == dataset and r["seed"] == seed}
-    return all(n in have and (out / ("standard" if n == "fixed_1" else n) / "metrics.json").is_file() for n in names)
+def _seed_done(names: list[str], summary: list[dict[str, Any]], dataset: str, seed: int) -> bool:
+    have = {r["arm"]: r for r in summary if r["dataset"] == dataset and r["seed"] == seed}
+    return all(n in have and (Path(have[n]["run_dir"]) / "metrics.json").is_file() for n in names)
 
 
 def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summary_path: Path,
@@ -188,15 +189,15 @@ def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summ
     for seed in seeds:
         scfg = RunConfig.from_dict({**base.to_dict(), "seed": seed})
         sdir = out / cfg.dataset / f"seed{seed}"
-        if _seed_done(sdir, names, load_summary(summary_path), cfg.dataset, seed):
+        if _seed_done(names, load_summary(summary_path), cfg.dataset, seed):
             log(f"{cfg.dataset} seed {seed}: every arm done, skipped")
             continue
         log(f"{cfg.dataset} seed {seed}: arms {names} -> {sdir}")
         study = Study(scfg, sdir)
 
-        def done(arm: str, extra: dict[str, Any] | None = None, _study: Study = study, _sdir: Path = sdir,
-                 _seed: int = seed) -> None:
-            rec = record(_study.rows[arm], cfg.dataset, arm, _seed, command, _sdir / arm, extra)
+        def done(arm: str, extra: dict[str, Any] | None = None, run: str | None = None, _study: Study = study,
+                 _sdir: Path = sdir, _seed: int = seed) -> None:
+            rec = record(_study.rows[arm], cfg.dataset, arm, _seed, command, _sdir / (run or arm), extra)
             if arm.startswith("budgetformer") and "control_of" not in rec:
                 rec["difficulty"] = difficulty(_sdir / arm, _sdir / "standard")
             upsert(summary_path, [rec])
@@ -214,11 +215,13 @@ def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summ
             bf = study.train("budgetformer", "budgetformer", plan.budgetformer)
             if "budgetformer" in names:
                 done("budgetformer")
-            matched = matched_fraction(bf["k_frac"], int(bf["model"]["num_heads"]))
+            matched = matched_fraction(bf["k_frac"], int(bf["model"]["num_heads"]), rounding="nearest")
         if "fixed_matched" in names:
             assert matched is not None
-            study.train("fixed_matched", "fixed", {"fraction": matched})
-            done("fixed_matched", {"matched_fraction": matched})
+            run = f"fixed_{matched:g}"
+            study.train(run, "fixed", {"fraction": matched})
+            study.rows["fixed_matched"] = study.rows[run]
+            done("fixed_matched", {"matched_fraction": matched}, run=run)
         if "moh" in names:
             study.train("moh", "moh", plan.moh)
             done("moh")
@@ -232,7 +235,7 @@ def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summ
             arm = f"fixed_{f:g}"
             if math.isclose(f, 1.0):
                 study.rows[arm] = study.rows["standard"]
-                done(arm, {"alias_of": "standard", "fraction": 1.0})
+                done(arm, {"alias_of": "standard", "fraction": 1.0}, run="standard")
                 continue
             study.train(arm, "fixed", {"fraction": f})
             done(arm, {"fraction": f})
@@ -251,7 +254,7 @@ def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summ
                        if r["dataset"] == cfg.dataset and r["seed"] == seed}
             recs = []
             for arm, rec in current.items():
-                timed = study.rows.get("standard" if rec.get("alias_of") == "standard" else arm)
+                timed = study.rows.get(arm)
                 if timed is None or timed.get("latency_b1") is None:
                     continue
                 rec.update({"latency_b1_s": timed["latency_b1"], "latency_b64_s": timed["latency_b64"],
