@@ -315,10 +315,14 @@ def write_statistics(summary_path: Path, out: Path | None = None) -> dict[str, A
     """Recompute ``statistics.json`` beside the summary; comparisons whose run folders are gone are kept."""
     path = summary_path.parent / "statistics.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
-    new = statistics(load_summary(summary_path), out)
+    records = load_summary(summary_path)
+    new = statistics(records, out)
+    have = {(r["dataset"], r["arm"], r["seed"]) for r in records}
     for ds, st in new.items():
         for name, comp in (old.get(ds) or {}).get("comparisons", {}).items():
-            if name not in st["comparisons"]:
+            # kept only while both arms' records of its seeds are still in the summary (not stale)
+            current = all((ds, arm, s) in have for arm in (comp["a"], comp["b"]) for s in comp["seeds"])
+            if name not in st["comparisons"] and current:
                 st["comparisons"][name] = comp
     write_json(path, new)
     return new
