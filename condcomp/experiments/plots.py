@@ -135,7 +135,7 @@ def plot_pareto(records: list[dict[str, Any]], path: Path, title: str = "") -> b
     ax.set_ylabel("test accuracy")
     ax.set_xlim(0, 1.05)
     ax.set_title(title or "accuracy vs heads", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best")
     return _save(plt, fig, path)
 
 
@@ -145,7 +145,7 @@ def plot_head_heatmaps(freqs: dict[str, list[list[float]]], path: Path, title: s
     if plt is None or not freqs:
         return False
     n = len(freqs)
-    fig, axes = plt.subplots(1, n, figsize=(2.2 + 2.4 * n, 2.6), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(2.2 + 2.6 * n, 3.0), squeeze=False, constrained_layout=True)
     im = None
     for ax, (arm, grid) in zip(axes[0], freqs.items()):
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
@@ -168,7 +168,8 @@ def plot_head_heatmaps(freqs: dict[str, list[list[float]]], path: Path, title: s
 
 
 def plot_difficulty(series: dict[str, list[dict[str, float]]], path: Path, title: str = "") -> bool:
-    """Mean predicted budget s per equal-count bin of a difficulty proxy, one line per (proxy, seed)."""
+    """Mean predicted budget s per equal-count bin (decile) of a difficulty proxy, one line per (proxy, seed);
+    the legend gives each line's mean proxy value in the first and last bin."""
     plt = _pyplot()
     if plt is None or not series:
         return False
@@ -178,10 +179,11 @@ def plot_difficulty(series: dict[str, list[dict[str, float]]], path: Path, title
         for key, bins in series.items():
             if key.split("/")[0] != proxy:
                 continue
-            ax.plot([b["x_mean"] for b in bins], [b["y_mean"] for b in bins], marker="o", ms=3, lw=1,
-                    label=key.split("/", 1)[1])
-        ax.set_xlabel({"loss": "standard model's loss on the example (hard ->)",
-                       "length": "tokens in the example"}.get(proxy, proxy), fontsize=8)
+            ax.plot(range(1, len(bins) + 1), [b["y_mean"] for b in bins], marker="o", ms=3, lw=1,
+                    label=f"{key.split('/', 1)[1]} ({proxy} {bins[0]['x_mean']:.3g} .. {bins[-1]['x_mean']:.3g})")
+        ax.set_xlabel({"loss": "decile of the standard model's loss (1 = easiest, 10 = hardest)",
+                       "length": "decile of the length in tokens (1 = shortest)"}.get(proxy, proxy), fontsize=8)
+        ax.set_xticks(range(1, 11))
         ax.set_ylabel("predicted budget s (mean per bin)", fontsize=8)
         ax.legend(fontsize=6)
     fig.suptitle(title or "budget vs difficulty", fontsize=9)
