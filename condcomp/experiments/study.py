@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,13 +109,32 @@ def _rounded(obj: Any) -> Any:
     return obj
 
 
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock beside ``path`` (two study jobs may share one summary); no-op where fcntl is missing."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def upsert(path: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Replace the records with the same (dataset, arm, seed), keep the rest; sorted; written atomically."""
+    """Replace the records with the same (dataset, arm, seed), keep the rest; sorted; written atomically
+    under a lock (read-modify-write: concurrent study jobs must not lose each other's records)."""
     records = [_rounded(r) for r in records]
     keys = {(r["dataset"], r["arm"], r["seed"]) for r in records}
-    rows = [r for r in load_summary(path) if (r["dataset"], r["arm"], r["seed"]) not in keys] + records
-    rows.sort(key=lambda r: (r["dataset"], r["seed"], r["arm"]))
-    write_json(path, rows)
+    with _locked(path):
+        rows = [r for r in load_summary(path) if (r["dataset"], r["arm"], r["seed"]) not in keys] + records
+        rows.sort(key=lambda r: (r["dataset"], r["seed"], r["arm"]))
+        write_json(path, rows)
     return rows
 
 
@@ -313,6 +334,11 @@ def statistics(records: list[dict[str, Any]], out: Path | None = None) -> dict[s
 
 def write_statistics(summary_path: Path, out: Path | None = None) -> dict[str, Any]:
     """Recompute ``statistics.json`` beside the summary; comparisons whose run folders are gone are kept."""
+    with _locked(summary_path):
+        return _write_statistics(summary_path, out)
+
+
+def _write_statistics(summary_path: Path, out: Path | None) -> dict[str, Any]:
     path = summary_path.parent / "statistics.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     records = load_summary(summary_path)

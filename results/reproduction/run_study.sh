@@ -7,7 +7,10 @@
 #   nohup bash results/reproduction/run_study.sh > runs/study.log 2>&1 &
 #
 # CONDCOMP=... overrides the command (default: the condcomp next to this venv's python, else on PATH);
-# OUT=... the run folders (keep them: the paired tests read their per-example predictions).
+# OUT=... the run folders (keep them: the paired tests read their per-example predictions);
+# DATASETS="..." runs only those datasets' calls, e.g. two jobs on two cores (the summary is written under a lock):
+#   DATASETS="ag_news snli dbpedia_14" nohup bash results/reproduction/run_study.sh > runs/study_a.log 2>&1 &
+#   DATASETS="imdb yelp digits" nohup bash results/reproduction/run_study.sh > runs/study_b.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CONDCOMP=${CONDCOMP:-$( [ -x .venv/bin/condcomp ] && echo .venv/bin/condcomp || echo condcomp )}
@@ -29,7 +32,11 @@ declare -A RUN=(
 MAIN="--arms standard budgetformer fixed_matched moh budgetformer_random_heads"
 SWEEP="--sweep-fractions 0.125 0.25 0.5 0.75 1 --budget-costs 0.1 0.3 --moh-topk 4"
 
-ablate() { local ds=$1; shift; $CONDCOMP ablate ${RUN[$ds]} $COMMON "$@"; }
+DATASETS=${DATASETS:-ag_news snli dbpedia_14 imdb yelp digits}
+ablate() {
+  local ds=$1; shift
+  case " $DATASETS " in *" $ds "*) $CONDCOMP ablate ${RUN[$ds]} $COMMON "$@" ;; *) ;; esac
+}
 
 # 1. the two datasets the issue names, seed 0
 ablate ag_news --seeds 0 $MAIN
