@@ -115,6 +115,9 @@ def plot_pareto(records: list[dict[str, Any]], path: Path, title: str = "") -> b
         rs = [r for r in records if r["arm"] == arm]
         if arm == "fixed_1" and any(r["arm"] == "standard" for r in records):
             continue  # the same runs as "standard"
+        dirs = {r.get("run_dir") for r in rs}
+        if arm == "fixed_matched" and dirs <= {r.get("run_dir") for r in records if r["arm"].startswith("fixed_0")}:
+            continue  # every matched run is also a sweep arm's run (the same folder): drawn once
         fam = _arm_family(arm)
         color, marker = styles[fam]
         acc = mean_ci([r["accuracy"] for r in rs])
