@@ -88,7 +88,7 @@ def _ci(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0) -> st
         return "-"
     m = fmt.format(c["mean"] * scale)
     if c.get("lo") is None:
-        return f"{m} (1 seed)"
+        return m  # one seed: no interval (the seeds column says how many)
     return f"{m} [{fmt.format(c['lo'] * scale)}, {fmt.format(c['hi'] * scale)}]"
 
 
@@ -286,7 +286,7 @@ def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot
     out = ["## Budget vs difficulty", "",
            "Per test example, BudgetFormer's predicted budget s (mean over layers) against two difficulty proxies: "
            "the *standard* model's loss on that example (same seed; an independent model, high = hard) and the "
-           "input length in tokens. Spearman rank correlation per seed (mean [range]); the paper claims s rises "
+           "input length in tokens. Spearman rank correlation (several seeds: mean [range]); the paper claims s rises "
            "with difficulty. s_sd: how much s varies across examples at all.", "",
            "| dataset | seeds | s_sd | Spearman(loss, s) | Spearman(length, s) | Spearman(loss, heads) |",
            "|---|---|---|---|---|---|"]
@@ -300,6 +300,8 @@ def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot
             v = [x for x in vals if x is not None]
             if not v:
                 return "- (s constant)"
+            if len(v) == 1:
+                return f"{v[0]:+.3f}"
             return f"{sum(v) / len(v):+.3f} [{min(v):+.3f}, {max(v):+.3f}]"
         d = [r["difficulty"] for r in rs]
         sds = [x["s_sd"] for x in d if x.get("s_sd") is not None]
