@@ -15,6 +15,7 @@ from condcomp.types import AttentionWeights, Budget, HeadPlan
 
 GATE_NORMS = ("released", "paper")
 MOH_GATES = ("weighted", "binary")
+BALANCES = ("per_layer", "released")
 
 
 def resolve_heads(owner: str, num_heads: int, shared_heads: int | None, top_k: int | None) -> tuple[int, int]:
@@ -70,10 +71,16 @@ class MoHRouter(nn.Module):
     plain multi-head attention. ``two_stage=False`` drops ``W_h`` (``a1 = a2 = 1``). ``gates="binary"`` uses
     0/1 gates whose gradient is that of the weighted ones (straight-through).
 
-    ``aux_losses["load_balance"] = load_balance * sum_i f_i P_i`` over the routed heads, with ``f_i`` the
-    fraction of real tokens that picked head i and ``P_i`` its mean routing probability. At uniform routing
-    ``sum_i f_i P_i = K / E`` (E = H - h_s routed heads); a collapse onto K heads gives 1. (The released code
-    reports ``E * sum_i f_i P_i`` instead, = K at uniform: multiply ``load_balance`` by E to match it.)
+    ``aux_losses["load_balance"] = load_balance * sum_i f_i P_i`` over the routed heads (``balance="per_layer"``,
+    the default), with ``f_i`` the fraction of real tokens that picked head i and ``P_i`` its mean routing
+    probability. At uniform routing ``sum_i f_i P_i = K / E`` (E = H - h_s routed heads); a collapse onto K heads
+    gives 1. ``aux_loss(model)`` sums the layers' terms.
+
+    ``balance="released"`` weights it as the released MoH training scripts do: the model adds
+    ``load_balance * mean over routed layers of E * sum_i f_i P_i``. A router sees one layer, so each layer
+    contributes ``load_balance * E * sum_i f_i P_i / balance_layers`` and the sum over layers that
+    ``aux_loss(model)`` takes is that mean; ``balance_layers`` (required then) is the number of layers routed
+    by MoH in the model.
 
     Budget: with the ``full`` policy (k = H) K = ``top_k``; otherwise K = ``clamp(k - h_s, 0, E)`` per example or
     token, and in training a learned ``s`` gets the task gradient through a straight-through soft Top-K mask
@@ -89,15 +96,18 @@ class MoHRouter(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, shared_heads: int | None = None, top_k: int | None = None,
                  gate_norm: str = "released", two_stage: bool = True, gates: str = "weighted",
-                 load_balance: float = 0.01, mask_temperature: float = 0.25) -> None:
+                 load_balance: float = 0.01, mask_temperature: float = 0.25, balance: str = "per_layer",
+                 balance_layers: int | None = None) -> None:
         super().__init__()
         self.validate_options(shared_heads=shared_heads, top_k=top_k, gate_norm=gate_norm, gates=gates,
-                              load_balance=load_balance, mask_temperature=mask_temperature)
+                              load_balance=load_balance, mask_temperature=mask_temperature, balance=balance,
+                              balance_layers=balance_layers)
         self.num_heads = num_heads
         self.shared_heads, self.top_k = resolve_heads("moh router", num_heads, shared_heads, top_k)
         self.routed_heads = num_heads - self.shared_heads
         self.gate_norm, self.gates, self.load_balance = gate_norm, gates, float(load_balance)
         self.mask_temperature = float(mask_temperature)
+        self.balance, self.balance_layers = balance, balance_layers
         # Stage weights only mean something when both kinds of heads exist.
         self.two_stage = bool(two_stage) and self.shared_heads > 0 and self.routed_heads > 0
         self.w_s = nn.Linear(d_model, self.shared_heads, bias=False) if self.shared_heads > 1 else None
@@ -107,7 +117,7 @@ class MoHRouter(nn.Module):
     @staticmethod
     def validate_options(shared_heads: int | None = None, top_k: int | None = None, gate_norm: str = "released",
                          gates: str = "weighted", load_balance: float = 0.01, mask_temperature: float = 0.25,
-                         **_: Any) -> None:
+                         balance: str = "per_layer", balance_layers: int | None = None, **_: Any) -> None:
         check_head_options("moh router", shared_heads, top_k)
         if gate_norm not in GATE_NORMS:
             raise ValueError(f"moh router: gate_norm must be one of {GATE_NORMS}, got {gate_norm!r}")
@@ -117,6 +127,13 @@ class MoHRouter(nn.Module):
             raise ValueError(f"moh router: load_balance (beta) must be >= 0, got {load_balance}")
         if mask_temperature <= 0:
             raise ValueError(f"moh router: mask_temperature must be positive, got {mask_temperature}")
+        if balance not in BALANCES:
+            raise ValueError(f"moh router: balance must be one of {BALANCES}, got {balance!r}")
+        if balance == "released" and (balance_layers is None or int(balance_layers) < 1):
+            raise ValueError("moh router: balance='released' averages the load balance over the model's routed "
+                             f"layers; set balance_layers to their number (>= 1), got {balance_layers!r}")
+        if balance == "per_layer" and balance_layers is not None:
+            raise ValueError("moh router: balance_layers only applies to balance='released'")
 
     def forward(self, x: Tensor, mask: Tensor | None, budget: Budget, attn: AttentionWeights | None) -> HeadPlan:
         B, T, _ = x.shape
@@ -157,7 +174,11 @@ class MoHRouter(nn.Module):
                 routed = routed + (soft - soft.detach())
             parts_gate.append(routed)
             parts_sel.append(sel)
-            aux["load_balance"] = self.load_balance * load_balance_loss(probs, sel, rows)
+            lb = load_balance_loss(probs, sel, rows)
+            if self.balance == "released":
+                assert self.balance_layers is not None
+                lb = lb * (E / self.balance_layers)
+            aux["load_balance"] = self.load_balance * lb
         gates = torch.cat(parts_gate, dim=-1)  # (B, T, H)
         selected = torch.cat(parts_sel, dim=-1)  # (B, T, H)
         # With a learned budget every head of a real token is computed in training, so unselected heads can

@@ -108,7 +108,12 @@ def test_swapped_controls_restore_the_trained_components() -> None:
 
 
 def test_method_configs_name_the_registered_components() -> None:
-    assert method_config("moh", 8).router == ("moh", {"shared_heads": 2, "top_k": 2})
+    assert method_config("moh", 8, num_layers=3).router == (
+        "moh", {"shared_heads": 2, "top_k": 2, "balance": "released", "balance_layers": 3})
+    assert method_config("moh", 8, {"balance": "per_layer"}).router == ("moh", {"shared_heads": 2, "top_k": 2,
+                                                                                "balance": "per_layer"})
+    with pytest.raises(ValueError, match="num_layers"):
+        method_config("moh", 8)
     assert method_config("budgetformer", 8).policy[0] == "budgetformer"
     with pytest.raises(KeyError, match="valid"):
         method_config("sparse", 8)

@@ -1,9 +1,9 @@
-"""The ablation on one dataset: trained methods, and inference-time controls on the learned BudgetFormer model.
+"""The building block of an ablation on one dataset and seed: :class:`Study` trains arms (reusing finished
+ones), evaluates inference-time controls on a trained model, and re-times the arms round-robin.
 
-Trained: standard, BudgetFormer, fixed top-k at given fractions and at BudgetFormer's realised mean head count,
-MoH. Controls on the trained BudgetFormer model (no retraining): forced to each fixed fraction, random heads at
-its own learned budget, all heads. A finished run (its ``metrics.json`` present) is reused, so an interrupted
-ablation restarts where it stopped.
+The multi-seed study (``condcomp ablate``) is :mod:`condcomp.experiments.study`. A finished run (its
+``metrics.json`` and checkpoint present, same settings) is reused, so an interrupted study restarts where it
+stopped.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from condcomp.experiments.batches import on_device
 from condcomp.experiments.methods import swapped
 from condcomp.experiments.metrics import inference_executor, restore_executor, set_executor
 from condcomp.experiments.model import EncoderClassifier, ModelConfig
@@ -37,13 +38,18 @@ class Study:
         self.rows: dict[str, dict[str, Any]] = {}
         self.models: dict[str, EncoderClassifier] = {}
         self.swaps: dict[str, tuple[str, dict[str, Any]]] = {}
+        self.reused: dict[str, bool] = {}
 
     def train(self, name: str, method: str, options: dict[str, Any] | None = None,
-              keep: bool = True) -> dict[str, Any]:
-        """Train ``method`` as run ``name`` (or reuse its finished metrics and checkpoint)."""
-        cfg = RunConfig.from_dict({**self.cfg.to_dict(), "method": method, "method_options": options or {}})
+              keep: bool = True, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Train ``method`` as run ``name`` (or reuse its finished metrics and checkpoint); ``overrides``: other
+        run settings of this arm (e.g. ``{"budget_cost": 0.3}``)."""
+        cfg = RunConfig.from_dict({**self.cfg.to_dict(), **(overrides or {}), "method": method,
+                                   "method_options": options or {}})
         d = self.out / name
+        self.reused[name] = False
         if self.reuse and (d / "metrics.json").is_file() and (d / "checkpoint" / "condcomp.json").is_file():
+            self.reused[name] = True
             row = json.loads((d / "metrics.json").read_text())
             if row.get("config") != cfg.to_dict():
                 changed = sorted(k for k in cfg.to_dict() if (row.get("config") or {}).get(k) != cfg.to_dict()[k])
@@ -69,9 +75,15 @@ class Study:
         model = self.models[base]
         d = self.out / name
         cfg = RunConfig.from_dict({**self.rows[base]["config"]})
+        self.swaps[name] = (base, {"policy": policy, "fraction": fraction, "router": router})
+        if self.reuse and (d / "metrics.json").is_file() and self.reused.get(base):
+            row = json.loads((d / "metrics.json").read_text())
+            if row.get("swap") == [base, self.swaps[name][1]] and row.get("config") == cfg.to_dict():
+                self.rows[name], self.reused[name] = row, True
+                return row
+        self.reused[name] = False
         with swapped(model, policy=policy, fraction=fraction, router=router):
             row = finish(model, self.prep, cfg, d, name)
-        self.swaps[name] = (base, {"policy": policy, "fraction": fraction, "router": router})
         row.update({"control_of": base, "swap": self.swaps[name]})
         write_json(d / "metrics.json", row)
         self.rows[name] = row
@@ -83,7 +95,8 @@ class Study:
         medians replace the per-run latencies (a shared machine's load drifts over minutes)."""
         arms = [n for n in self.rows if n in self.models or n in self.swaps]
         for bs in (1, 64):
-            ids, mask, seg, _ = next(self.prep.test.batches(min(bs, len(self.prep.test))))
+            batch = next(self.prep.test.batches(min(bs, len(self.prep.test))))
+            ids, mask, seg, _ = on_device(batch, torch.device(self.cfg.device))
             times: dict[str, list[float]] = {n: [] for n in arms}
             with torch.no_grad():
                 for rep in range(reps + 2):
@@ -103,38 +116,21 @@ class Study:
                 self.rows[n]["latency_paired"] = True
 
 
-def matched_fraction(k_frac: float, num_heads: int) -> float:
-    """The fixed fraction with the smallest head count >= a realised mean (ceil: fixed top-k never gets fewer
-    heads than the learned budget used on average, so "learned beats fixed" is not an artefact of rounding)."""
-    return max(1, math.ceil(k_frac * num_heads - 1e-6)) / num_heads
+def matched_fraction(k_frac: float, num_heads: int, rounding: str = "ceil") -> float:
+    """The fixed fraction matched to a realised mean head count ``k_frac * num_heads``.
 
-
-def run_ablation(cfg: RunConfig, out: Path, fractions: tuple[float, ...] = (0.25, 0.5),
-                 moh: dict[str, Any] | None = None, train_fractions: tuple[float, ...] | None = None) -> dict[str, Any]:
-    """All arms of the ablation on ``cfg.dataset``; writes ``out/metrics.json`` and returns it.
-
-    ``fractions``: fixed budgets the learned model is forced to at inference; ``train_fractions`` (default: the
-    same): fixed budgets trained as such. The fraction matched to BudgetFormer's realised mean is always both.
+    ``"ceil"``: the smallest count >= the mean (fixed top-k never gets fewer heads than the learned budget used
+    on average; the demo's rule). ``"nearest"``: the closest count (halves up; the study's rule: with a mean of
+    5.04 heads ceil would give fixed top-k a whole head more).
     """
-    t0 = time.perf_counter()
-    study = Study(cfg, out)
-    study.train("standard", "standard")
-    bf = study.train("budgetformer", "budgetformer", cfg.method_options if cfg.method == "budgetformer" else None)
-    H = int(bf["model"]["num_heads"])
-    matched = matched_fraction(bf["k_frac"], H)
-    trained = fractions if train_fractions is None else train_fractions
-    for f in sorted(set(trained) | {matched}):
-        study.train(f"fixed_{f:g}", "fixed", {"fraction": f})
-    study.train("moh", "moh", moh)
-    for f in sorted(set(fractions) | {matched}):
-        study.control(f"budgetformer_forced_{f:g}", "budgetformer", policy="fixed", fraction=f)
-    study.control("budgetformer_random_heads", "budgetformer", router="random")
-    study.control("budgetformer_all_heads", "budgetformer", policy="full")
-    study.paired_timing(cfg.latency_reps)
-    result = collect(study, matched)
-    result["wall_seconds"] = time.perf_counter() - t0
-    write_json(out / "metrics.json", result)
-    return result
+    x = k_frac * num_heads
+    if rounding == "ceil":
+        k = math.ceil(x - 1e-6)
+    elif rounding == "nearest":
+        k = math.floor(x + 0.5)
+    else:
+        raise ValueError(f"rounding must be 'ceil' or 'nearest', got {rounding!r}")
+    return max(1, min(num_heads, k)) / num_heads
 
 
 def collect(study: Study, matched: float) -> dict[str, Any]:

@@ -52,3 +52,12 @@ class EncodedSplit:
                 ids, mask = ids[:, :T], mask[:, :T]
                 seg = seg[:, :T] if seg is not None else None
             yield ids, mask, seg, self.labels[idx]
+
+
+def on_device(batch: tuple[Tensor, Tensor, Tensor | None, Tensor], device: torch.device
+              ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """A ``batches()`` item moved to ``device`` (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return batch
+    ids, mask, seg, labels = batch
+    return ids.to(device), mask.to(device), seg.to(device) if seg is not None else None, labels.to(device)

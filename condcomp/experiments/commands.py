@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from condcomp.experiments.runconfig import RunConfig
+from condcomp.experiments.study import CONTROLS, DEFAULT_ARMS
 
 # RunConfig fields exposed as flags: (type, help). Lists take several values; dicts are JSON strings.
 _HELP = {
-    "dataset": "ag_news | dbpedia_14 | imdb | snli | yelp | synthetic | files | hf:<name>",
+    "dataset": "ag_news | dbpedia_14 | imdb | snli | yelp | digits (a ViT) | synthetic | files | hf:<name>",
     "data_dir": "folder of the staged datasets (default ../shared/data, then $CONDCOMP_DATA_DIR)",
     "method": "standard | budgetformer | fixed | moh | random",
     "method_options": 'JSON kwargs of the method, e.g. \'{"fraction": 0.25}\' or \'{"s_min": 0.1, "s_max": 0.5}\'',
@@ -110,21 +111,47 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_ablate(args: argparse.Namespace) -> int:
-    from condcomp.experiments.ablate import run_ablation
+    import shlex
+    import sys
+
     from condcomp.experiments.report import markdown_table
+    from condcomp.experiments.study import StudyPlan, run_study
 
     cfg = run_config(args)
     _threads(cfg.threads)
-    trained = tuple(args.train_fractions) if args.train_fractions is not None else None
-    result = run_ablation(cfg, args.out, tuple(args.fractions), json.loads(args.moh) if args.moh else None, trained)
-    print(markdown_table(result["rows"]))
-    print(f"wrote {args.out / 'metrics.json'} ({result['wall_seconds']:.0f} s)")
+    plan = StudyPlan(arms=tuple(args.arms), sweep_fractions=tuple(args.sweep_fractions),
+                     budget_costs=tuple(args.budget_costs), moh_topk=tuple(args.moh_topk),
+                     moh=json.loads(args.moh) if args.moh else {},
+                     budgetformer=cfg.method_options if cfg.method == "budgetformer" else {})
+    seeds = list(args.seeds) if args.seeds else [cfg.seed]
+    summary = args.summary or args.out / "summary.json"
+    command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["ablate"] else None
+    records = run_study(cfg, args.out, seeds, plan, summary, command)
+    rows = {f"seed{r['seed']}/{r['arm']}": {"accuracy": r["accuracy"], "s_mean": r["s_mean"], "k_frac": r["heads"],
+                                            "flop_frac": r["flop_fraction"], "latency_b1": r["latency_b1_s"],
+                                            "latency_b64": r["latency_b64_s"],
+                                            "peak_mem_b64": r["peak_inference_memory_b64_bytes"],
+                                            "train_seconds": r["train_seconds"]} for r in records}
+    print(markdown_table(rows))
+    print(f"wrote {summary} and {summary.parent / 'statistics.json'}; runs under {args.out / cfg.dataset}")
     return 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from condcomp.experiments.report import render
 
+    studies = [p for p in args.metrics if p.is_dir() and (p / "summary.json").is_file()]
+    if studies:
+        from condcomp.experiments.results_doc import render_study
+
+        if len(args.metrics) > 1:
+            raise ValueError("report: a study folder (with summary.json) is reported on its own")
+        print(render_study(studies[0], args.doc, plots=not args.no_plots))
+        if args.doc:
+            print(f"wrote {args.doc} (plots in {studies[0] / 'plots'})")
+        return 0
+    if args.doc:
+        raise ValueError("report: --doc needs a study folder holding summary.json")
     print(render(args.metrics, args.out, plots=not args.no_plots))
     return 0
 
@@ -153,18 +180,32 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("ablate", help="all arms of the budget vs fixed top-k ablation on one dataset")
+    p = sub.add_parser("ablate", help="the budget vs fixed top-k study on one dataset: every arm for every seed, "
+                       "resumable, one summary.json of records + statistics.json")
     _add_run_flags(p)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5],
-                   help="fixed fractions the learned model is forced to at inference (default 0.25 0.5)")
-    p.add_argument("--train-fractions", type=float, nargs="*", default=None,
-                   help="fixed fractions trained as such (default: --fractions); BudgetFormer's matched one always")
-    p.add_argument("--moh", default=None, help='JSON options of the MoH arm, e.g. \'{"shared_heads": 2, "top_k": 2}\'')
+    p.add_argument("--out", type=Path, required=True, help="run folders: OUT/DATASET/seedK/ARM (keep them: reuse "
+                   "and the paired tests read them)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds to run (default: --seed)")
+    p.add_argument("--summary", type=Path, default=None,
+                   help="summary JSON (a list of records) to add finished runs to (default OUT/summary.json); "
+                   "statistics.json is written beside it")
+    p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),
+                   help=f"arms to run (default {' '.join(DEFAULT_ARMS)}); also "
+                   f"{' '.join(a for a in CONTROLS if a not in DEFAULT_ARMS)}")
+    p.add_argument("--sweep-fractions", type=float, nargs="*", default=[],
+                   help="fixed top-k fractions trained as arms fixed_<f> (1 = the standard arm)")
+    p.add_argument("--budget-costs", type=float, nargs="*", default=[],
+                   help="extra BudgetFormer arms budgetformer_cost<c> with a price c * mean(s) on heads")
+    p.add_argument("--moh-topk", type=int, nargs="*", default=[], help="extra MoH arms moh_k<K> with another K")
+    p.add_argument("--moh", default=None, help='JSON options of the MoH arms, e.g. \'{"shared_heads": 2, "top_k": 2}\'')
     p.set_defaults(func=_cmd_ablate)
 
-    p = sub.add_parser("report", help="markdown table (+ plots) from metrics.json files or run folders")
+    p = sub.add_parser("report", help="markdown table (+ plots) from metrics.json files or run folders, or the "
+                       "results page of a study folder holding summary.json")
     p.add_argument("metrics", type=Path, nargs="+")
     p.add_argument("--out", type=Path, default=None, help="write report.md and plots here")
+    p.add_argument("--doc", type=Path, default=None,
+                   help="study folder (summary.json): write the results page here (e.g. docs/results.md); "
+                   "plots go to FOLDER/plots")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=_cmd_report)

@@ -4,7 +4,8 @@
   head: exactly the dense Transformer.
 - ``budgetformer``: learned per-example budget (``budgetformer`` policy) + ``topk`` head scorer.
 - ``fixed``: static fraction ``fraction`` (fixed top-k) + ``topk`` scorer, trained that way.
-- ``moh``: ``full`` policy + ``moh`` router (shared heads + per-token top-k of the routed heads).
+- ``moh``: ``full`` policy + ``moh`` router (shared heads + per-token top-k of the routed heads), load balance
+  weighted as the released MoH scripts do (``balance="released"``: 0.01 * mean over layers of E * sum f_i P_i).
 - ``random``: static fraction, heads drawn at random (a control).
 """
 
@@ -28,17 +29,18 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "standard": {},
     "budgetformer": {"s_min": 0.1, "s_max": 0.9},
     "fixed": {"fraction": 0.5},
-    "moh": {"shared_frac": 0.25, "routed_frac": 0.25},
+    "moh": {"shared_frac": 0.25, "routed_frac": 0.25, "balance": "released"},
     "random": {"fraction": 0.5},
 }
 
 
 def method_config(method: str, num_heads: int, options: dict[str, Any] | None = None,
-                  executor: str = "auto") -> CondCompConfig:
+                  executor: str = "auto", num_layers: int | None = None) -> CondCompConfig:
     """The :class:`CondCompConfig` of a method; ``options`` override its defaults (policy/router kwargs).
 
     ``moh`` takes ``shared_frac``/``routed_frac`` (fractions of H, at least one head each) or explicit
     ``shared_heads``/``top_k``; other options go to the router. ``policy``/``router`` keys override the specs.
+    ``num_layers``: the routed layers of the model, which ``balance="released"`` averages over.
     """
     if method not in METHODS:
         raise KeyError(f"unknown method {method!r}; valid: {list(METHODS)}")
@@ -63,6 +65,10 @@ def method_config(method: str, num_heads: int, options: dict[str, Any] | None = 
         opts.pop("shared_frac", None), opts.pop("routed_frac", None)
         if shared + top_k > H:
             raise ValueError(f"moh: shared_heads={shared} + top_k={top_k} exceed the {H} heads")
+        if opts.get("balance") == "released" and opts.get("balance_layers") is None:
+            if num_layers is None:
+                raise ValueError("moh with balance='released' needs the model's layer count (num_layers)")
+            opts["balance_layers"] = num_layers
         policy, router = "full", ("moh", {"shared_heads": shared, "top_k": top_k, **opts})
     return CondCompConfig(policy=policy_spec or policy, router=router_spec or router, executor=executor)
 

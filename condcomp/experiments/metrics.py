@@ -23,7 +23,8 @@ from condcomp.registry import EXECUTORS
 
 
 def layer_plan_stats(routed: Any) -> dict[str, Tensor]:
-    """Per example of the last forward: s, realised head fraction, (token, head) pairs and K/V heads computed."""
+    """Per example of the last forward: s, realised head fraction, (token, head) pairs and K/V heads computed,
+    and ``head_frac (B, H)``: how often each head ran (0/1 per example, or the share of its real tokens)."""
     last = routed.last
     plan, mask = last.plan, last.mask
     H = plan.num_heads
@@ -37,15 +38,18 @@ def layer_plan_stats(routed: Any) -> dict[str, Tensor]:
         k_frac = plan.counts.double() / H  # (B,)
         pairs = plan.counts.double() * lengths
         heads_any = plan.active
+        head_frac = plan.active.double()  # (B, H): 1 where the example runs head h
     else:
         counts = plan.counts.double() * real  # (B, T)
         k_frac = counts.sum(1) / (lengths.clamp_min(1) * H)
         pairs = counts.sum(1)
-        heads_any = (plan.active & real.unsqueeze(-1)).any(1)  # (B, H)
+        on_real = plan.active & real.unsqueeze(-1)  # (B, T, H)
+        heads_any = on_real.any(1)  # (B, H)
+        head_frac = on_real.double().sum(1) / lengths.clamp_min(1).unsqueeze(-1)  # (B, H): share of its tokens
     L = routed.layout
     kv_heads = heads_any.view(B, L.num_kv_heads, -1).any(-1).sum(-1).double()  # (B,)
     return {"s": s.double().cpu(), "k_frac": k_frac.cpu(), "pairs": pairs.cpu(), "kv_heads": kv_heads.cpu(),
-            "lengths": lengths.cpu()}
+            "lengths": lengths.cpu(), "head_frac": head_frac.cpu()}
 
 
 def flops_split(model: EncoderClassifier, stats: dict[str, dict[str, Tensor]]) -> dict[str, float]:
@@ -179,6 +183,9 @@ class CarbonTracker:
         except ImportError:
             self.reason = "codecarbon not installed (pip install 'condcomp[carbon]')"
             return
+        import os
+
+        os.makedirs(out_dir, exist_ok=True)  # codecarbon refuses a folder that does not exist yet
         self.tracker = OfflineEmissionsTracker(country_iso_code=country, output_dir=out_dir, log_level="error",
                                                save_to_file=False)
 

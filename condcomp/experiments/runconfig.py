@@ -20,7 +20,7 @@ from condcomp.experiments.synthetic import make_synthetic, synthetic_vocab_size
 class RunConfig:
     """One run: data, model shape, method, optimisation, measurement. Every field is a CLI flag too."""
 
-    dataset: str = "synthetic"  # a staged name, "synthetic", "files" (train_file/test_file) or "hf:<name>"
+    dataset: str = "synthetic"  # a staged name, "synthetic", "digits", "files" (train_file/test_file) or "hf:<name>"
     data_dir: str | None = None
     train_file: list[str] = field(default_factory=list)
     test_file: list[str] = field(default_factory=list)
@@ -33,6 +33,7 @@ class RunConfig:
     max_len: int = 128
     max_train: int | None = None
     max_test: int | None = None
+    test_seed: int | None = None  # seed of the --max-test subsample (None: seed + 1); a study fixes it
     synthetic_train: int = 6000
     synthetic_test: int = 1000
     synthetic_len: int = 24
@@ -58,6 +59,7 @@ class RunConfig:
     checkpoint_every: int = 0  # steps; 0 = only at the end
     carbon_country: str | None = None
     threads: int | None = None  # torch.set_num_threads; 1 is much faster on a loaded shared machine
+    device: str = "cpu"  # where the model trains and runs ("cuda" on a GPU machine)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "max_len", "eval_batch_size", "latency_reps"):
@@ -117,6 +119,11 @@ def overlap(premise: str, hypothesis: str) -> float:
 
 def prepare(cfg: RunConfig, tokenizer: Any = None) -> tuple[Prepared, Any]:
     """Load, subsample, tokenise; returns the prepared data and the tokenizer (None for synthetic)."""
+    if cfg.dataset == "digits":
+        from condcomp.experiments.digits import prepare_digits
+
+        d = prepare_digits(cfg.max_train, cfg.max_test)
+        return Prepared(d["train"], d["test"], d["vocab_size"], d["num_classes"], 1, d["notes"]), None
     if cfg.dataset == "synthetic":
         train = make_synthetic(cfg.synthetic_train, cfg.synthetic_len, seed=cfg.seed)
         test = make_synthetic(cfg.synthetic_test, cfg.synthetic_len, seed=cfg.seed + 10_000)
@@ -124,7 +131,7 @@ def prepare(cfg: RunConfig, tokenizer: Any = None) -> tuple[Prepared, Any]:
     from condcomp.experiments.tokenize import encode, load_tokenizer, vocab_size
 
     tr = D.subsample(_records(cfg, "train"), cfg.max_train, cfg.seed)
-    te = D.subsample(_records(cfg, "test"), cfg.max_test, cfg.seed + 1)
+    te = D.subsample(_records(cfg, "test"), cfg.max_test, cfg.seed + 1 if cfg.test_seed is None else cfg.test_seed)
     if not tr.labels or not te.labels:
         raise ValueError(f"{cfg.dataset}: empty split (train {len(tr.labels)}, test {len(te.labels)} rows)")
     num_classes = max(max(tr.labels), max(te.labels)) + 1

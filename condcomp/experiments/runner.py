@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import condcomp
-from condcomp.experiments.batches import EncodedSplit
+from condcomp.experiments.batches import EncodedSplit, on_device
 from condcomp.experiments.metrics import (
     CarbonTracker,
     flops_split,
@@ -44,14 +44,15 @@ def environment() -> dict[str, Any]:
 def measure(model: EncoderClassifier, split: EncodedSplit, reps: int = 20) -> dict[str, Any]:
     """Latency (median s; batch 1 and 64) and peak activation memory (batch 64) with the inference executor."""
     model.eval()
+    device = next(model.parameters()).device
     name = inference_executor()
     previous = set_executor(model, name)
     out: dict[str, Any] = {"executor": name}
     try:
         for bs in (1, 64):
-            ids, mask, seg, _ = next(split.batches(min(bs, len(split))))
+            ids, mask, seg, _ = on_device(next(split.batches(min(bs, len(split)))), device)
             out[f"latency_b{bs}"] = median_latency(partial(model, ids, mask, seg), reps)
-        ids, mask, seg, _ = next(split.batches(min(64, len(split))))
+        ids, mask, seg, _ = on_device(next(split.batches(min(64, len(split)))), device)
         out["peak_mem_b64"] = peak_memory_bytes(lambda: model(ids, mask, seg), ids.device)
     finally:
         restore_executor(model, previous)
@@ -114,7 +115,7 @@ def eval_checkpoint(ckpt: Path, out: Path, overrides: dict[str, Any] | None = No
         raise ValueError(f"{ckpt}: not a condcomp experiments checkpoint (its config has no 'run'/'model')")
     cfg = RunConfig.from_dict({**meta["run"], **(overrides or {})})
     tokenizer = None
-    if cfg.tokenizer == "trained" and cfg.dataset != "synthetic":
+    if cfg.tokenizer == "trained" and cfg.dataset not in ("synthetic", "digits"):
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))

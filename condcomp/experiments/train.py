@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 import condcomp
 from condcomp.api import routed_modules
-from condcomp.experiments.batches import EncodedSplit
+from condcomp.experiments.batches import EncodedSplit, on_device
 from condcomp.experiments.methods import method_config
 from condcomp.experiments.metrics import layer_plan_stats
 from condcomp.experiments.model import EncoderClassifier, ModelConfig
@@ -28,8 +28,9 @@ from condcomp.experiments.runconfig import RunConfig
 def build_model(mcfg: ModelConfig, cfg: RunConfig) -> EncoderClassifier:
     """The dense classifier made routed with the run's method (routing parameters from torch's generator)."""
     model = EncoderClassifier(mcfg)
-    condcomp.apply_(model, method_config(cfg.method, mcfg.num_heads, cfg.method_options))
-    return model
+    condcomp.apply_(model, method_config(cfg.method, mcfg.num_heads, cfg.method_options,
+                                         num_layers=mcfg.num_layers))
+    return model.to(torch.device(cfg.device))
 
 
 def total_steps(cfg: RunConfig, n_train: int) -> int:
@@ -76,6 +77,7 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
     if rng is not None:
         torch.set_rng_state(rng)  # last: nothing above may draw from the restored stream
     model.train()
+    device = next(model.parameters()).device
     t0 = time.perf_counter() - float(state["seconds"])
 
     def save() -> None:
@@ -91,9 +93,10 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
         epoch = state["step"] // per_epoch
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)  # same order when resumed mid-epoch
         skip = state["step"] - epoch * per_epoch
-        for i, (ids, mask, seg, labels) in enumerate(split.batches(cfg.batch_size, shuffle=True, generator=g)):
+        for i, batch in enumerate(split.batches(cfg.batch_size, shuffle=True, generator=g)):
             if i < skip:
                 continue
+            ids, mask, seg, labels = on_device(batch, device)
             condcomp.set_progress(model, state["step"] / steps)
             logits = model(ids, mask, seg)
             loss = F.cross_entropy(logits, labels) + condcomp.aux_loss(model)
@@ -126,16 +129,26 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
 @torch.no_grad()
 def evaluate(model: EncoderClassifier, split: EncodedSplit, batch_size: int = 128,
              desc: str | None = None) -> dict[str, Any]:
-    """Accuracy, per-layer usage and per-example budget/heads/correctness over a split (eval mode)."""
+    """Accuracy, per-layer usage, per-head selection frequency (``head_freq``: layer -> H fractions) and
+    per-example budget/heads/correctness/prediction/loss/length over a split (eval mode)."""
     model.eval()
     correct: list[Tensor] = []
     prob_true: list[Tensor] = []
+    preds: list[Tensor] = []
+    losses: list[Tensor] = []
+    lengths: list[Tensor] = []
     per_layer: dict[str, list[dict[str, Tensor]]] = {n: [] for n in routed_modules(model)}
     bar = progress_bar(total=math.ceil(len(split) / batch_size), desc=desc) if desc else None
-    for ids, mask, seg, labels in split.batches(batch_size):
+    device = next(model.parameters()).device
+    for batch in split.batches(batch_size):
+        ids, mask, seg, labels = on_device(batch, device)
         logits = model(ids, mask, seg).float()
         correct.append(logits.argmax(-1) == labels)
-        prob_true.append(logits.softmax(-1).gather(1, labels[:, None]).squeeze(1))
+        preds.append(logits.argmax(-1))
+        logp = logits.double().log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
+        prob_true.append(logp.exp().float())
+        losses.append(-logp)
+        lengths.append(mask.sum(1))
         for name, r in routed_modules(model).items():
             per_layer[name].append(layer_plan_stats(r))
         if bar:
@@ -153,8 +166,10 @@ def evaluate(model: EncoderClassifier, split: EncodedSplit, batch_size: int = 12
         "k_frac": float(k_ex.mean()),
         "layers": {n: {"s_mean": float(st["s"].mean()), "k_frac": float(st["k_frac"].mean())}
                    for n, st in stats.items()},
+        "head_freq": {n: st["head_frac"].mean(0).tolist() for n, st in stats.items()},
         "examples": {"s": s_ex.tolist(), "k_frac": k_ex.tolist(), "correct": ok.tolist(),
-                     "prob_true": torch.cat(prob_true).tolist()},
+                     "prob_true": torch.cat(prob_true).tolist(), "pred": torch.cat(preds).tolist(),
+                     "loss": torch.cat(losses).tolist(), "length": torch.cat(lengths).tolist()},
         "_stats": stats,
     }
     if split.tags is not None:

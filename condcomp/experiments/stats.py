@@ -1,0 +1,145 @@
+"""Statistics of a multi-seed study, in plain Python (no scipy): intervals over seeds, paired tests on the test
+predictions, rank and linear correlation.
+
+- :func:`mean_ci`: mean and a 95 % Student-t interval over seeds (n - 1 degrees of freedom).
+- :func:`paired_bootstrap`: learned vs fixed on the *same* test examples; each replicate draws the seeds with
+  replacement and the test examples with replacement (the same examples for both arms), so the interval
+  carries both the seed-to-seed and the test-sample variation.
+- :func:`mcnemar`: the exact McNemar test of one seed (two-sided binomial on the discordant pairs).
+- :func:`verdict`: "better" / "worse" when the bootstrap interval excludes 0, else "no difference at this power".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+# Two-sided 95 % quantiles of Student's t, df = 1..30 (then the normal 1.96).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    if df < 1:
+        raise ValueError(f"t quantile needs df >= 1, got {df}")
+    return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+def mean_ci(values: Sequence[float]) -> dict[str, Any]:
+    """``{"n", "mean", "sd", "lo", "hi"}``; one value gives no interval (lo = hi = None)."""
+    vals = [float(v) for v in values]
+    n = len(vals)
+    if n == 0:
+        return {"n": 0, "mean": None, "sd": None, "lo": None, "hi": None}
+    m = sum(vals) / n
+    if n == 1:
+        return {"n": 1, "mean": m, "sd": None, "lo": None, "hi": None}
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": m, "sd": sd, "lo": m - half, "hi": m + half}
+
+
+def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
+    """Exact two-sided McNemar test: ``b_only`` = a wrong & b right ... on paired correctness vectors."""
+    if len(a) != len(b):
+        raise ValueError(f"paired vectors differ in length: {len(a)} vs {len(b)}")
+    a_only = sum(1 for x, y in zip(a, b) if x and not y)
+    b_only = sum(1 for x, y in zip(a, b) if y and not x)
+    n = a_only + b_only
+    if n == 0:
+        p = 1.0
+    else:
+        k = min(a_only, b_only)
+        # P(X <= k) for X ~ Bin(n, 1/2), doubled; exact integer arithmetic, then one division.
+        tail = sum(math.comb(n, i) for i in range(k + 1))
+        p = min(1.0, float(Fraction(2 * tail, 2**n)))
+    return {"n": len(a), "a_only": a_only, "b_only": b_only, "p": p}
+
+
+def paired_bootstrap(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], reps: int = 2000,
+                     seed: int = 0) -> dict[str, Any]:
+    """Accuracy difference a - b (mean over seeds) with a 95 % percentile interval and a two-sided p.
+
+    ``a[s]`` and ``b[s]`` are the correctness vectors of seed ``s`` on the same test examples (same order).
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need the same number (>= 1) of seeds for both arms, got {len(a)} and {len(b)}")
+    n = len(a[0])
+    if any(len(x) != n for x in list(a) + list(b)):
+        raise ValueError("every correctness vector must cover the same test examples")
+    import torch
+
+    diffs = torch.tensor([[int(x) - int(y) for x, y in zip(sa, sb)] for sa, sb in zip(a, b)],
+                         dtype=torch.float64)  # (S, n)
+    S = diffs.shape[0]
+    observed = float(diffs.mean())
+    g = torch.Generator().manual_seed(seed)
+    stats: list[float] = []
+    chunk = max(1, 2_000_000 // max(1, n * S))
+    while len(stats) < reps:
+        m = min(chunk, reps - len(stats))
+        seeds = torch.randint(S, (m, S), generator=g)  # (m, S): seeds drawn with replacement
+        idx = torch.randint(n, (m, n), generator=g)  # (m, n): examples drawn with replacement
+        per_seed = diffs[:, idx].mean(-1)  # (S, m): every seed's mean difference on each resample
+        stats += per_seed.gather(0, seeds.T).mean(0).tolist()
+    stats.sort()
+    lo, hi = stats[int(0.025 * reps)], stats[min(reps - 1, int(0.975 * reps))]
+    below = sum(1 for v in stats if v <= 0) / reps
+    above = sum(1 for v in stats if v >= 0) / reps
+    return {"diff": observed, "lo": lo, "hi": hi, "p": min(1.0, 2 * min(below, above)), "reps": reps,
+            "seeds": S, "n": n}
+
+
+def verdict(lo: float, hi: float) -> str:
+    if lo > 0:
+        return "better"
+    if hi < 0:
+        return "worse"
+    return "no difference at this power"
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float | None:
+    n = len(x)
+    if n != len(y) or n < 3:
+        return None
+    mx, my = sum(x) / n, sum(y) / n
+    sxx = sum((v - mx) ** 2 for v in x)
+    syy = sum((v - my) ** 2 for v in y)
+    if sxx == 0 or syy == 0:
+        return None  # a constant: no correlation defined
+    return sum((u - mx) * (v - my) for u, v in zip(x, y)) / math.sqrt(sxx * syy)
+
+
+def ranks(x: Sequence[float]) -> list[float]:
+    """Average ranks (ties share the mean of their positions), 1-based."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    out = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            out[order[t]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
+    return pearson(ranks(x), ranks(y))
+
+
+def binned_means(x: Sequence[float], y: Sequence[float], bins: int = 10) -> list[dict[str, float]]:
+    """Equal-count bins of ``x``: per bin the x range, the mean x and the mean y (for plots of y against x)."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    out = []
+    for b in range(bins):
+        part = order[b * len(order) // bins:(b + 1) * len(order) // bins]
+        if not part:
+            continue
+        xs, ys = [x[i] for i in part], [y[i] for i in part]
+        out.append({"n": len(part), "x_lo": xs[0], "x_hi": xs[-1], "x_mean": sum(xs) / len(xs),
+                    "y_mean": sum(ys) / len(ys)})
+    return out
