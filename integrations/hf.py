@@ -32,7 +32,15 @@ from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 # The other architectures' adapters, one module each (they share hf_base's helpers with the two families here).
 from . import hf_clip, hf_distilbert, hf_gpt2, hf_t5  # noqa: F401
-from .hf_base import _bind, _import_classes, _mask_parts, _param_names, _sliding_bias, _TransformersAdapter
+from .hf_base import (
+    _bind,
+    _import_classes,
+    _mask_parts,
+    _param_names,
+    _sliding_bias,
+    _TransformersAdapter,
+    cross_attention_states,
+)
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -107,13 +115,7 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
                 raise ValueError(f"{self.module_cls.__name__} is a cross-attention module: encoder_hidden_states "
                                  "is required")
             mask = a.get("encoder_attention_mask")
-            if cache is not None and cache.is_updated.get(self.layer_idx):
-                layer = cache.cross_attention_cache.layers[self.layer_idx]
-                key_states, value_states = layer.keys, layer.values
-            elif cache is not None:
-                k, v = self._kv(core, enc)
-                key_states, value_states = cache.cross_attention_cache.update(k, v, self.layer_idx)
-                cache.is_updated[self.layer_idx] = True
+            key_states, value_states = cross_attention_states(cache, self.layer_idx, lambda: self._kv(core, enc))
             S = enc.shape[1] if key_states is None else key_states.shape[2]
         else:
             enc, mask = None, a.get("attention_mask")

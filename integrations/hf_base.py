@@ -132,3 +132,17 @@ class _TransformersAdapter(AttentionAdapter):
             return (f"attn_implementation={impl!r} passes BlockMasks; use 'sdpa' or 'eager' "
                     "(model.set_attn_implementation('sdpa'))")
         return None
+
+
+def cross_attention_states(cache: Any, layer_idx: Any, project: Any) -> tuple[Any, Any]:
+    """Keys and values of a cross-attention layer through an ``EncoderDecoderCache``: ``project()`` once, at the
+    first call, then read back (``(None, None)`` without a cache)."""
+    if cache is None:
+        return None, None
+    if cache.is_updated.get(layer_idx):
+        layer = cache.cross_attention_cache.layers[layer_idx]
+        return layer.keys, layer.values
+    k, v = project()
+    states = cache.cross_attention_cache.update(k, v, layer_idx)
+    cache.is_updated[layer_idx] = True
+    return states
