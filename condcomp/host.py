@@ -40,6 +40,9 @@ class LastForward:
     route: str | None = None
 
 
+PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (optional when loading older ones)
+
+
 def _progress_bits(progress: float) -> Tensor:
     # The float64 bit pattern in an int64 buffer: exact, and no dtype cast of the model (.half(), .to(bf16))
     # touches integer buffers.
@@ -74,7 +77,7 @@ class RoutingHost(nn.Module):
         """Register the components and the progress buffer (call once, from ``__init__``)."""
         self.condcomp_policy = policy
         self.condcomp_router = router
-        self.register_buffer("condcomp_progress", _progress_bits(0.0))
+        self.register_buffer(PROGRESS_BUFFER, _progress_bits(0.0))
         self._progress_pushed = 0.0  # what the components were last stepped to
         self._progress_seen: tuple[Tensor, int | None] = (self.condcomp_progress,
                                                           tensor_version(self.condcomp_progress))
@@ -127,8 +130,8 @@ class RoutingHost(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         # A state_dict of the unwrapped model (or of condcomp 0.1) has no progress: loading it keeps the current one.
-        if prefix + "condcomp_progress" in missing_keys:
-            missing_keys.remove(prefix + "condcomp_progress")
+        if prefix + PROGRESS_BUFFER in missing_keys:
+            missing_keys.remove(prefix + PROGRESS_BUFFER)
 
     # --------------------------------------------------------------------------------------------- dtype rule
     def _apply(self, fn: Any, recurse: bool = True) -> RoutingHost:
