@@ -1,12 +1,12 @@
 """``condcomp bench decode``: a causal LM generating with a KV cache, dense vs wrapped, side by side.
 
 For each prompt length and batch size, every variant prefills the same random prompt (one forward that fills the
-cache) and then decodes greedily, one token per forward, reusing the cache. Recorded per variant: prefill ms
-(median over repetitions), decode ms per token (median over every step of every repetition), the KV cache's
-bytes after decoding, the process's peak resident memory during the variant's run (Linux), whether its greedy
-tokens equal the dense model's, and the paired ratios to dense (per repetition, then the median). Variants run
-interleaved, repetition by repetition, because these machines are shared. Writes ``metrics.json`` and ``table.md``
-into ``--out``.
+cache) and then decodes greedily, one token per forward, reusing the cache. Variants run interleaved, decode step
+by decode step, because these machines are shared. Recorded per variant: prefill ms (median over repetitions),
+decode ms per token (median over every step of every repetition), the KV cache's bytes after decoding, peak memory
+of the prefill (process RSS on Linux; the CUDA allocator's peak on a GPU), whether its greedy tokens equal the dense
+model's, and the ratios to dense (prefill: per repetition; decode: per step index, each variant's step against
+dense's step of the same index; then the median). Writes ``metrics.json`` and ``table.md`` into ``--out``.
 
 Variants: ``dense`` (the model as loaded), ``full`` (wrapped with ``condcomp.apply_`` at the full budget: the cost
 of the wrapper itself) and ``keep_<f>``: per-request plans (decided at prefill, held while decoding) keeping the
@@ -105,27 +105,45 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-@torch.inference_mode()
-def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any]:
-    """One prefill and ``new_tokens`` greedy decode steps, timed (peak memory: CUDA allocator, else RSS)."""
-    device = prompt.device
+def _peak_reset(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _peak_rss_reset()
-    t0 = _clock(device)
-    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)  # as generate() does: no prompt logits
-    prefill = _clock(device) - t0
-    cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-    tokens, steps = [token], []
-    for _ in range(new_tokens - 1):
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
+
+
+@torch.inference_mode()
+def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor,
+                         new_tokens: int) -> dict[str, dict[str, Any]]:
+    """Every model prefills ``prompt`` and decodes ``new_tokens`` greedy tokens, step by step in turn.
+
+    Interleaving each decode step (not each run) puts the variants' steps of one index within a fraction of a
+    second of each other, so a noisy neighbour on a shared machine hits them alike. Peak memory: of the prefill
+    (the largest of a request; CUDA allocator, else the process's RSS).
+    """
+    device = prompt.device
+    state: dict[str, dict[str, Any]] = {}
+    for name, model in models.items():
+        _peak_reset(device)
         t0 = _clock(device)
-        out = model(input_ids=token, cache=cache, use_cache=True)
-        steps.append(_clock(device) - t0)
-        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-        tokens.append(token)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
-    return {"prefill_s": prefill, "step_s": steps, "tokens": torch.cat(tokens, 1).cpu(),
-            "kv_bytes": _cache_bytes(cache), "peak_rss": peak}
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)  # as generate() does: no prompt logits
+        prefill = _clock(device) - t0
+        token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        state[name] = {"prefill_s": prefill, "step_s": [], "cache": out.cache, "tokens": [token],
+                       "peak": _peak(device)}
+    for _ in range(new_tokens - 1):
+        for name, model in models.items():
+            st = state[name]
+            t0 = _clock(device)
+            out = model(input_ids=st["tokens"][-1], cache=st["cache"], use_cache=True)
+            st["step_s"].append(_clock(device) - t0)
+            st["cache"], token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            st["tokens"].append(token)
+    return {name: {"prefill_s": st["prefill_s"], "step_s": st["step_s"], "tokens": torch.cat(st["tokens"], 1).cpu(),
+                   "kv_bytes": _cache_bytes(st["cache"]), "peak": st["peak"]} for name, st in state.items()}
 
 
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
@@ -139,27 +157,27 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
     vocab = int(config.vocab_size)
     records = []
     cells = [(P, B) for P in prompts for B in batches]
-    bar = progress_bar(total=len(cells) * reps * len(models), desc=f"bench decode {model_name}")
+    bar = progress_bar(total=len(cells) * reps, desc=f"bench decode {model_name}")
     for P, B in cells:
         prompt = torch.randint(0, vocab, (B, P), generator=torch.Generator().manual_seed(P * 31 + B)).to(dev)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in models}
         for _ in range(reps):
-            for name, model in models.items():  # interleaved: a noisy neighbour hits every variant alike
-                runs[name].append(generate(model, prompt, new_tokens))
-                bar.update(1)
+            for name, result in generate_interleaved(models, prompt, new_tokens).items():
+                runs[name].append(result)
+            bar.update(1)
         base = runs["dense"]
         for name, rs in runs.items():
             steps = [s for r in rs for s in r["step_s"]]
+            paired = [s / d for r, b in zip(rs, base) for s, d in zip(r["step_s"], b["step_s"])]
             records.append({
                 "model": model_name, "variant": name, "prompt": P, "batch": B, "new_tokens": new_tokens,
                 "reps": reps, "threads": threads, "device": dev.type,
                 "prefill_ms": 1e3 * statistics.median(r["prefill_s"] for r in rs),
                 "decode_ms_per_token": 1e3 * statistics.median(steps),
                 "prefill_ratio": statistics.median(r["prefill_s"] / b["prefill_s"] for r, b in zip(rs, base)),
-                "decode_ratio": statistics.median(statistics.median(r["step_s"]) / statistics.median(b["step_s"])
-                                                  for r, b in zip(rs, base)),
+                "decode_ratio": statistics.median(paired),  # over every step of every repetition, step-paired
                 "kv_bytes": rs[-1]["kv_bytes"], "kv_ratio": rs[-1]["kv_bytes"] / base[-1]["kv_bytes"],
-                "peak_memory_bytes": max((r["peak_rss"] or 0) for r in rs) or None,
+                "peak_memory_bytes": max((r["peak"] or 0) for r in rs) or None,
                 "tokens_equal_dense": all(torch.equal(r["tokens"], b["tokens"]) for r, b in zip(rs, base)),
             })
     bar.close()

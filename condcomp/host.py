@@ -88,7 +88,8 @@ class RoutingHost(nn.Module):
         self.condcomp_disabled = False  # set by condcomp.disabled(model): run the original module instead
         self.prompt_len: int | None = None  # set by condcomp.plan_from_prompt: sequence plans see the prompt only
         # Per-request plans of a causal LM, keyed by the request's KV cache object (they go when the cache goes).
-        self._held: weakref.WeakKeyDictionary[Any, tuple[HeadPlan, KVSelection]] = weakref.WeakKeyDictionary()
+        self._held: weakref.WeakKeyDictionary[Any, tuple[HeadPlan, KVSelection | None]] = (
+            weakref.WeakKeyDictionary())
         self._keep_routing_float32()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -196,11 +197,12 @@ class RoutingHost(nn.Module):
         self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
         return plan
 
-    def held_plan(self, cache: Any) -> tuple[HeadPlan, KVSelection] | None:
-        """The plan held for the request whose KV cache is ``cache`` (decided at its prefill), or None."""
+    def held_plan(self, cache: Any) -> tuple[HeadPlan, KVSelection | None] | None:
+        """The plan held for the request whose KV cache is ``cache`` (decided at its prefill) and its KV selection
+        (None where the cache keeps every key/value head), or None."""
         return self._held.get(cache) if cache is not None else None
 
-    def hold_plan(self, cache: Any, plan: HeadPlan, selection: KVSelection) -> None:
+    def hold_plan(self, cache: Any, plan: HeadPlan, selection: KVSelection | None) -> None:
         """Hold ``plan`` for the request whose KV cache is ``cache`` until that cache object is dropped."""
         try:
             self._held[cache] = (detached(plan), selection)

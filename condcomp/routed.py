@@ -95,11 +95,21 @@ class RoutedAttention(RoutingHost):
         base.train(self.training)
         return base
 
-    def attend(self, inputs: AttentionInputs) -> Tensor:
-        """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``."""
+    def attend(self, inputs: AttentionInputs, request: Any = None) -> Tensor:
+        """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``.
+
+        ``request``: the KV cache of a decoder's request, if any. At inference a sequence plan is then the
+        request's: decided at its first call (the prefill) and held for its later ones (decode steps).
+        """
         self._validate(inputs)
         weights = self.weights()
-        plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys)
+        held = self.held_plan(request) if request is not None and not self.training else None
+        if held is not None:
+            plan = held[0]
+        else:
+            plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys)
+            if request is not None and not self.training and plan.granularity == "sequence":
+                self.hold_plan(request, plan, None)
         executor = resolve_executor(self.executor, weights, inputs, plan)
         if self.last is not None:  # which executor (and gathered route) ran: HeadUsage reports it
             self.last = replace(self.last, executor=getattr(executor, "name", None),

@@ -132,7 +132,7 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
             key_states=key_states, value_states=value_states,
             dropout_p=self.layout.dropout_p if routed.training else 0.0,
         )
-        y = routed.attend(inputs)  # (B, T, D), output bias included on rows with an active head
+        y = routed.attend(inputs, request=cache)  # (B, T, D), output bias included on rows with an active head
         out = routed.output
         return out.LayerNorm(out.dropout(y) + x), None
 

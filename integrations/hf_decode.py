@@ -42,6 +42,9 @@ def decide_request_plan(routed: RoutedAttention, x: Tensor, mask: Any, cache: An
     per token (every key/value head stays cached)."""
     held = routed.held_plan(cache)
     if held is not None:
+        if held[1] is None:
+            raise RuntimeError("a plan without a KV selection is held for this cache (a different adapter decided "
+                               "it); use one wrapped model per request")
         return held[1]
     if getattr(routed.condcomp_router, "granularity", "sequence") != "sequence":
         return None

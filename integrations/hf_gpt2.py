@@ -106,7 +106,8 @@ class GPT2AttentionAdapter(_TransformersAdapter):
         else:
             mask = a.get("attention_mask")
             if cache is not None:
-                # Every head's K/V is cached: a head this token skips may be chosen by a later one.
+                # Every head's K/V is cached (a per-token plan may choose any head later); a sequence plan is held per
+                # request by attend(request=cache).
                 current = getattr(cache, "self_attention_cache", cache)
                 k, v = self._kv(routed.weights(), x)
                 key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
@@ -117,4 +118,4 @@ class GPT2AttentionAdapter(_TransformersAdapter):
             attn_bias=bias, key_states=key_states, value_states=value_states,
             dropout_p=self.layout.dropout_p if routed.training else 0.0,
         )
-        return routed.resid_dropout(routed.attend(inputs)), None
+        return routed.resid_dropout(routed.attend(inputs, request=cache)), None

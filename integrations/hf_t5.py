@@ -106,4 +106,4 @@ class T5AttentionAdapter(_TransformersAdapter):
             attn_bias=bias, key_states=key_states, value_states=value_states,
             dropout_p=self.layout.dropout_p if routed.training else 0.0,
         )
-        return routed.attend(inputs), position_bias, None
+        return routed.attend(inputs, request=cache), position_bias, None

@@ -213,3 +213,16 @@ def test_beam_search_with_held_plans_matches_the_dense_model_at_full_budget_and_
     out = half.generate(**kw, return_dict_in_generate=True)
     assert out.sequences.shape == (3, P + 4)
     assert all(layer.keys.shape[1] == 1 for layer in out.past_key_values.layers)  # one of two KV groups per row
+
+
+def test_gpt2_holds_the_request_plan_and_caches_every_head() -> None:
+    """Adapters without a compact cache (GPT-2 here) still hold the request's plan across decode steps."""
+    torch.manual_seed(0)
+    model = t.GPT2LMHeadModel(t.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=64)).eval()
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk"))
+    ids, mask = _prompts()
+    tokens, logits, cache = _decode(model, ids, mask)
+    want = _reference_logits(model, tokens, mask)
+    for step, got in enumerate(logits):
+        torch.testing.assert_close(got, want[:, step], atol=1e-4, rtol=1e-4, msg=f"decode step {step}")
+    assert all(layer.keys.shape[1] == 4 for layer in cache.layers)  # type: ignore[attr-defined]
