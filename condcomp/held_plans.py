@@ -52,7 +52,7 @@ class KVSelection:
 
 
 def select_kv(plan: HeadPlan, layout: HeadLayout) -> KVSelection:
-    """The :class:`KVSelection` of a sequence plan (one host sync, at prefill: ``g`` sizes the cache)."""
+    """The :class:`KVSelection` of a sequence plan (a few host syncs, at prefill only: ``g`` sizes the cache)."""
     if plan.granularity != "sequence":
         raise ValueError("only sequence plans (one head set per request) can shrink a KV cache; a token plan may "
                          "pick any head at a later token, so every key/value head must stay cached")

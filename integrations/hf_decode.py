@@ -70,6 +70,10 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
     L = routed.layout
     B, T, _ = x.shape
     Hkv, r, Dh, g = L.num_kv_heads, L.group_size, L.head_dim, sel.slots
+    if g == 0:  # no row keeps a head (k_min = 0): exactly zero output; the cache still counts the tokens
+        empty = x.new_zeros(B, 0, T, Dh)
+        cache.update(empty, empty, layer_idx, kwargs=extra)
+        return x.new_zeros(B, T, L.d_model)
     # The projections' own forward (exact for LoRA layers), then the kept groups of each row.
     q = routed.q_proj(x).view(B, T, Hkv, r, Dh)
     k = routed.k_proj(x).view(B, T, Hkv, Dh)
