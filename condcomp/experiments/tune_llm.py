@@ -36,6 +36,12 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     from condcomp.experiments.data import resolve_data_dir
     from condcomp.experiments.tune_llm_run import run_study
 
+    if args.report_only:
+        from condcomp.experiments.tune_llm_run import write_summary
+
+        for folder in [args.out] + ([args.results] if args.results else []):
+            print(write_summary(folder))
+        return 0
     torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["tune-llm"] else None
@@ -58,6 +64,8 @@ def add_commands(sub: Any) -> None:
                    help="variants to run, in order (default: all)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
                    help="default: the full run (~45 CPU minutes per variant); session: the reduced run")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rebuild summary.md/summary.json/ppl_vs_kv.png from the metrics.json files present")
     p.add_argument("--data-dir", default=None, help="staged datasets (default ../shared/data)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     for f in fields(TuneSettings):

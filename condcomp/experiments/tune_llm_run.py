@@ -22,9 +22,16 @@ from condcomp.experiments.head_importance import (
 )
 from condcomp.experiments.llm_data import PackedSplit, packed_split, split_calibration, tokenizer_encoder
 from condcomp.experiments.llm_eval import agreement, continuation_nll, greedy, perplexity
-from condcomp.experiments.llm_report import summary_table
+from condcomp.experiments.llm_report import plot_ppl_vs_kv, summary_table
 from condcomp.experiments.llm_tuning import TuneSettings, copy_model, dump_json, make_trainable, tune
-from condcomp.experiments.llm_variants import VARIANTS, MissingFeature, apply_variant, check_supported, variant_config
+from condcomp.experiments.llm_variants import (
+    DEFAULT_ORDER,
+    VARIANTS,
+    MissingFeature,
+    apply_variant,
+    check_supported,
+    variant_config,
+)
 from condcomp.experiments.progress import progress_bar
 
 DECODE_NOTE = "from `condcomp bench decode` (issue 17); not measured by tune-llm"
@@ -156,7 +163,6 @@ def run_study(s: TuneSettings, variants: list[str], out: Path, results: Path | N
         static = static_head_sets(dense, data[1], s, out)
         if results is not None:
             dump_json(results / "static_importance.json", static)
-    records = []
     for name in variants:
         path = out / name / "metrics.json"
         record = json.loads(path.read_text()) if path.is_file() else None
@@ -173,13 +179,20 @@ def run_study(s: TuneSettings, variants: list[str], out: Path, results: Path | N
             if command:
                 record["command"] = command
             dump_json(path, record)
-        records.append(record)
         if results is not None:
             dump_json(results / name / "metrics.json", record)
+    folders = [out] + ([results] if results is not None else [])
+    return "\n\n".join(dict.fromkeys(write_summary(folder) for folder in folders))
+
+
+def write_summary(folder: Path) -> str:
+    """``summary.md`` / ``summary.json`` (and, with matplotlib, ``ppl_vs_kv.png``) of every variant that has a
+    ``metrics.json`` in ``folder``, whichever run wrote it; returns the table."""
+    records = [json.loads(p.read_text()) for name in DEFAULT_ORDER if (p := folder / name / "metrics.json").is_file()]
     table = summary_table(records)
-    for folder in [out] + ([results] if results is not None else []):
-        (folder / "summary.md").write_text(table + "\n")
-        dump_json(folder / "summary.json", [_row(r) for r in records])
+    (folder / "summary.md").write_text(table + "\n")
+    dump_json(folder / "summary.json", [_row(r) for r in records])
+    plot_ppl_vs_kv(folder, folder / "ppl_vs_kv.png")
     return table
 
 
