@@ -13,14 +13,15 @@ def _f(v: Any, digits: int = 2) -> str:
 
 def summary_table(records: list[dict[str, Any]]) -> str:
     """Markdown: KV fraction, query-head fraction, budget, held-out perplexity (overall and per dataset),
-    agreement with the dense model's greedy tokens, tuning seconds; skipped and failed variants say why."""
+    token agreement of greedy continuations with the untuned and the tuned dense model's, tuning seconds;
+    skipped and failed variants say why."""
     datasets: list[str] = []
     for r in records:
         for d in (r.get("perplexity") or {}).get("per_dataset", {}):
             if d not in datasets:
                 datasets.append(d)
     head = ["variant", "KV frac", "heads frac", "s_mean", "ppl", *[f"ppl {d}" for d in datasets],
-            "greedy agree", "tune s"]
+            "agree dense", "agree tuned", "tune s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         if r.get("status") != "done":
@@ -30,7 +31,7 @@ def summary_table(records: list[dict[str, Any]]) -> str:
         ppl = r["perplexity"]
         cells = [r["variant"], _f(r.get("kv_fraction")), _f(r.get("k_frac")), _f(r.get("s_mean")), _f(ppl["ppl"]),
                  *[_f(ppl["per_dataset"].get(d, {}).get("ppl")) for d in datasets],
-                 _f(r["agreement"]["token_agreement"]),
+                 _f(r["agreement"]["token_agreement"]), _f((r.get("agreement_tuned") or {}).get("token_agreement")),
                  _f((r.get("tuning") or {}).get("seconds"), 0)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -110,10 +110,11 @@ def run_variant(name: str, dense: nn.Module, tokenizer: Any, data: tuple[PackedS
     bar.close()
     usage = record["perplexity"].pop("usage")
     record["s_mean"], record["k_frac"] = usage["s_mean"], usage["k_frac"]
-    record["kv_fraction"] = usage["kv_frac"] if v.kv_fraction is None else v.kv_fraction
+    record["kv_fraction"] = usage["kv_frac"] if usage["kv_frac"] is not None else v.kv_fraction  # measured
     prompts = agreement_prompts(test, s)
     tokens = greedy(model, prompts, s.agree_tokens, _pad(tokenizer))
     record["agreement"] = {**agreement(tokens, reference), "prompts": prompts.shape[0], "new_tokens": s.agree_tokens}
+    record["greedy_tokens"] = tokens.tolist()  # the summary compares them with dense_tuned's too
     record["samples"] = [{"prompt": tokenizer.decode(prompts[i]), "continuation": tokenizer.decode(tokens[i]),
                           "dense": tokenizer.decode(reference[i])} for i in range(min(s.samples, prompts.shape[0]))]
     record["eval_seconds"] = time.perf_counter() - started
@@ -189,6 +190,10 @@ def write_summary(folder: Path) -> str:
     """``summary.md`` / ``summary.json`` (and, with matplotlib, ``ppl_vs_kv.png``) of every variant that has a
     ``metrics.json`` in ``folder``, whichever run wrote it; returns the table."""
     records = [json.loads(p.read_text()) for name in DEFAULT_ORDER if (p := folder / name / "metrics.json").is_file()]
+    tuned = next((r for r in records if r["variant"] == "dense_tuned" and r.get("greedy_tokens")), None)
+    for r in records:  # agreement with the tuned dense model separates routing from domain adaptation
+        if tuned is not None and r.get("greedy_tokens"):
+            r["agreement_tuned"] = agreement(torch.tensor(r["greedy_tokens"]), torch.tensor(tuned["greedy_tokens"]))
     table = summary_table(records)
     (folder / "summary.md").write_text(table + "\n")
     dump_json(folder / "summary.json", [_row(r) for r in records])
@@ -204,6 +209,8 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         row["ppl_per_dataset"] = {d: v["ppl"] for d, v in r["perplexity"]["per_dataset"].items()}
     if r.get("agreement"):
         row["token_agreement"] = r["agreement"]["token_agreement"]
+    if r.get("agreement_tuned"):
+        row["token_agreement_tuned"] = r["agreement_tuned"]["token_agreement"]
     if r.get("tuning"):
         row["tune_seconds"] = r["tuning"]["seconds"]
     return row
