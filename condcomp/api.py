@@ -217,3 +217,33 @@ def head_usage(model: nn.Module) -> dict[str, HeadUsage]:
         if usage is not None:
             out[name] = usage
     return out
+
+
+@contextlib.contextmanager
+def plan_from_prompt(model: nn.Module, prompt_len: int) -> Iterator[nn.Module]:
+    """Inside this block, every wrapped layer of ``model`` decides its sequence plans from the first
+    ``prompt_len`` positions of each row only (the prompt), as a held plan is decided at inference.
+
+    Use it to train or evaluate a causal LM under per-request plans without letting the plan see the
+    continuation: put the loss on positions ``>= prompt_len``. Per-token plans (MoH) are unaffected: each token
+    is routed from itself. With left padding, ``prompt_len`` counts the padding (the padded prompt width).
+
+    >>> import condcomp
+    >>> model = nn.Sequential(condcomp.HeadAttention(16, 4, causal=True))
+    >>> _ = condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5})))
+    >>> with condcomp.plan_from_prompt(model, 3):
+    ...     y = model(torch.randn(2, 8, 16))
+    """
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len must be a positive int (the padded prompt width), got {prompt_len!r}")
+    hosts = list(routing_hosts(model).values())
+    if not hosts:
+        raise ValueError("plan_from_prompt: the model has no condcomp-wrapped attention (call condcomp.apply_ first)")
+    previous = [h.prompt_len for h in hosts]
+    for h in hosts:
+        h.prompt_len = prompt_len
+    try:
+        yield model
+    finally:
+        for h, p in zip(hosts, previous):
+            h.prompt_len = p

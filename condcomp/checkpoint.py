@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from condcomp.host import PROGRESS_BUFFER
+
 FORMAT = "condcomp-checkpoint"
 VERSION = 1
 MANIFEST = "condcomp.json"
@@ -51,9 +53,6 @@ def _safetensors() -> Any:
         raise ImportError("condcomp checkpoints need safetensors: pip install 'condcomp[experiments]' "
                           "(or pip install safetensors)") from e
     return st
-
-
-# ----------------------------------------------------------------------------------------------- encoding
 
 
 def _encode(obj: Any, prefix: str, tensors: dict[str, Tensor]) -> Any:
@@ -308,18 +307,17 @@ def _read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[
 
 def _check_model(path: Path, state: dict[str, Tensor], model: nn.Module) -> None:
     expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
+    # condcomp 0.1 checkpoints predate the progress buffer: loading one keeps the model's current progress.
+    missing = [k for k in expected if k not in state and not k.endswith(PROGRESS_BUFFER)]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys the model expects: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"unexpected keys: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        parts = [f"{what}: {keys[:8]}{' ...' if len(keys) > 8 else ''}" for what, keys in
+                 (("missing keys the model expects", missing), ("unexpected keys", unexpected)) if keys]
         raise CheckpointError(f"{path}: " + "; ".join(parts) + " (was it saved from a model built with the same "
                               "architecture and condcomp config?)")
     for k, want in expected.items():
-        got = state[k]
+        if (got := state.get(k)) is None:
+            continue
         if tuple(got.shape) != tuple(want.shape):
             raise CheckpointError(f"{path}: {k!r} has shape {tuple(got.shape)}, the model expects {tuple(want.shape)}")
         if got.dtype != want.dtype:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -24,6 +25,22 @@ def project_kv(w: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Te
     return k, v
 
 
+# torch >= 2.5 reads grouped keys/values in place (no copy of the cache per call); 2.4 needs them repeated.
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
+                 dropout_p: float = 0.0) -> Tensor:
+    """SDPA of ``q (B, H, T, Dh)`` over grouped ``k``/``v`` ``(B, Hkv, S, Dh)``: query head h reads key/value head
+    ``h // (H / Hkv)`` (GQA)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and not _SDPA_GQA:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    extra = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale, **extra)
+
+
 def all_heads_attention(weights: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Tensor | None]:
     """Every head's attention output ``(B, H, T, Dh)`` and the dead query rows ``(B, T)`` (or None)."""
     x = inputs.x
@@ -35,12 +52,7 @@ def all_heads_attention(weights: AttentionWeights, inputs: AttentionInputs) -> t
     if inputs.rotary is not None:
         q = apply_rotary(q, *inputs.rotary)
     k, v = project_kv(weights, inputs)  # (B, Hkv, S, Dh)
-    if L.group_size > 1:
-        k = k.repeat_interleave(L.group_size, dim=1)
-        v = v.repeat_interleave(L.group_size, dim=1)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask.mask, dropout_p=inputs.dropout_p, is_causal=mask.is_causal, scale=L.scale
-    )  # (B, H, T, Dh)
+    out = grouped_sdpa(q, k, v, mask.mask, mask.is_causal, L.scale, inputs.dropout_p)  # (B, H, T, Dh)
     if mask.dead is not None:
         out = out.masked_fill(mask.dead.unsqueeze(-1), 0.0)
     return out, dead_rows(mask, B, T)

@@ -16,6 +16,7 @@ the same rules:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.flops import flop_fraction, routing_flops
+from condcomp.held_plans import KVSelection, routing_mask
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version
 
@@ -38,6 +40,9 @@ class LastForward:
     S: int
     executor: str | None = None  # the executor (and gathered route) that ran, when an executor ran
     route: str | None = None
+
+
+PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (optional when loading older ones)
 
 
 def _progress_bits(progress: float) -> Tensor:
@@ -74,14 +79,27 @@ class RoutingHost(nn.Module):
         """Register the components and the progress buffer (call once, from ``__init__``)."""
         self.condcomp_policy = policy
         self.condcomp_router = router
-        self.register_buffer("condcomp_progress", _progress_bits(0.0))
+        self.register_buffer(PROGRESS_BUFFER, _progress_bits(0.0))
         self._progress_pushed = 0.0  # what the components were last stepped to
         self._progress_seen: tuple[Tensor, int | None] = (self.condcomp_progress,
                                                           tensor_version(self.condcomp_progress))
         self.last: LastForward | None = None
         self._last_aux: dict[str, Tensor] = {}
         self.condcomp_disabled = False  # set by condcomp.disabled(model): run the original module instead
+        self.prompt_len: int | None = None  # set by condcomp.plan_from_prompt: sequence plans see the prompt only
+        # Per-request plans of a causal LM, keyed by the request's KV cache object (they go when the cache goes).
+        self._held: weakref.WeakKeyDictionary[Any, tuple[HeadPlan, KVSelection]] = weakref.WeakKeyDictionary()
         self._keep_routing_float32()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # held plans belong to live requests: not pickled (weak references can't be)
+        state["_held"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._held = weakref.WeakKeyDictionary()
+        self.__dict__.setdefault("prompt_len", None)  # pickled by condcomp 0.1
 
     # --------------------------------------------------------------------------------------------- progress
     def set_progress(self, progress: float, stepped: set[int] | None = None) -> None:
@@ -127,8 +145,8 @@ class RoutingHost(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         # A state_dict of the unwrapped model (or of condcomp 0.1) has no progress: loading it keeps the current one.
-        if prefix + "condcomp_progress" in missing_keys:
-            missing_keys.remove(prefix + "condcomp_progress")
+        if prefix + PROGRESS_BUFFER in missing_keys:
+            missing_keys.remove(prefix + PROGRESS_BUFFER)
 
     # --------------------------------------------------------------------------------------------- dtype rule
     def _apply(self, fn: Any, recurse: bool = True) -> RoutingHost:
@@ -157,10 +175,18 @@ class RoutingHost(nn.Module):
         self._sync_progress()
         # Routing decisions (budgets, softmax, top-k) stay in float32 under autocast: a bf16 s or score can move
         # floor(s * H) or flip a top-k tie. Components cast their inputs to float32 themselves.
-        with torch.autocast(x.device.type, enabled=False):
-            budget: Budget = self.condcomp_policy(x, mask)
-            plan: HeadPlan = self.condcomp_router(x, mask, budget, weights)
         B, T = x.shape[:2]
+        # Under plan_from_prompt a sequence plan is decided from the prompt only; per-token decisions (a token
+        # router, or a per-token budget) see no future anyway and keep every real token.
+        decide = mask
+        if getattr(self.condcomp_router, "granularity", "sequence") == "sequence":
+            decide = routing_mask(mask, self.prompt_len, B, T, x.device)
+        with torch.autocast(x.device.type, enabled=False):
+            budget: Budget = self.condcomp_policy(x, decide)
+            if decide is not mask and budget.k.dim() == 2:
+                decide = mask
+                budget = self.condcomp_policy(x, mask)
+            plan: HeadPlan = self.condcomp_router(x, decide, budget, weights)
         want = (B, self.layout.num_heads) if plan.granularity == "sequence" else (B, T, self.layout.num_heads)
         if tuple(plan.gates.shape) != want:
             raise ValueError(f"router {type(self.condcomp_router).__name__} returned a {plan.granularity} plan "
@@ -169,6 +195,18 @@ class RoutingHost(nn.Module):
         self.last = LastForward(budget.s.detach(), detached(plan), mask, T, num_keys)
         self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
         return plan
+
+    def held_plan(self, cache: Any) -> tuple[HeadPlan, KVSelection] | None:
+        """The plan held for the request whose KV cache is ``cache`` (decided at its prefill), or None."""
+        return self._held.get(cache) if cache is not None else None
+
+    def hold_plan(self, cache: Any, plan: HeadPlan, selection: KVSelection) -> None:
+        """Hold ``plan`` for the request whose KV cache is ``cache`` until that cache object is dropped."""
+        try:
+            self._held[cache] = (detached(plan), selection)
+        except TypeError:  # not weak-referenceable: nothing would ever release the plan
+            raise TypeError(f"condcomp holds per-request plans by the KV cache object; a {type(cache).__name__} "
+                            "cannot be weakly referenced (use transformers' cache classes)") from None
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The last forward's (weighted) auxiliary losses, with their autograd graph."""

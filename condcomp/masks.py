@@ -63,6 +63,8 @@ def build_attention_mask(inputs: AttentionInputs, causal: bool, dtype: torch.dty
     if inputs.key_mask is None and inputs.attn_bias is None:
         if not causal or T == S:
             return AttentionMask(None, causal, None)
+        if T == 1:  # one decoding query, the last position: it sees every key (no mask to build per step)
+            return AttentionMask(None, False, None)
     allowed: Tensor | None = None
     if inputs.key_mask is not None:
         allowed = inputs.key_mask[:, None, None, :].bool()  # (B, 1, 1, S)

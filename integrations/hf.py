@@ -41,6 +41,7 @@ from .hf_base import (
     _TransformersAdapter,
     cross_attention_states,
 )
+from .hf_decode import decide_request_plan, held_attention
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -194,6 +195,13 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
         if a.get("position_embeddings") is not None:
             cos, sin = a["position_embeddings"]
             rotary = (cos.expand(B, T, L.head_dim), sin.expand(B, T, L.head_dim))  # (B, T, Dh), views
+        if cache is not None and not routed.training and self.layer_idx is not None:
+            # Inference with a cache: a sequence plan is the request's, decided at prefill and held; only the
+            # key/value groups it keeps are projected and cached (None: a per-token plan, handled below).
+            held = decide_request_plan(routed, x, a.get("attention_mask"), cache, self.layer_idx)
+            if held is not None:
+                return held_attention(routed, held, x, rotary, cache, a.get("attention_mask"), self.layer_idx,
+                                      self.sliding_window, extra), None
         key_states = value_states = None
         if cache is not None:
             # Every key/value head is projected and cached: a head a token skips now may be chosen by a later one.

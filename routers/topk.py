@@ -43,6 +43,10 @@ class TopKRouter(nn.Module):
     specialisation once ``beta > 0``. With a per-token budget ``(B, T)`` each token is scored on its own.
     Schedules are specs for :func:`condcomp.schedules.make_schedule`, stepped by ``set_progress``.
 
+    ``kv_groups=True`` chooses whole key/value groups (GQA: the ``r = H / Hkv`` query heads sharing a key/value
+    head; MHA: single heads): one score per group, ``ceil(k / r)`` groups kept, every head of a kept group on.
+    Budgets then translate into KV-cache savings (a held plan caches kept groups only, :mod:`condcomp.held_plans`).
+
     >>> r = TopKRouter(d_model=16, num_heads=4).eval()
     >>> budget = Budget(s=torch.tensor([0.5, 1.0]), k=torch.tensor([2, 4]))
     >>> r(torch.randn(2, 3, 16), None, budget, None).counts.tolist()
@@ -54,19 +58,24 @@ class TopKRouter(nn.Module):
     def __init__(self, d_model: int, num_heads: int, hidden: int | None = None,
                  temperature: ScheduleSpec = DEFAULT_TEMPERATURE, noise_std: ScheduleSpec = DEFAULT_NOISE,
                  entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA, train_mode: TrainMode = "straight_through",
-                 mask_temperature: float = 0.25, gates: str = "binary") -> None:
+                 mask_temperature: float = 0.25, gates: str = "binary", kv_groups: bool = False,
+                 num_kv_heads: int | None = None) -> None:
         super().__init__()
         self.validate_options(hidden=hidden, temperature=temperature, noise_std=noise_std, entropy_beta=entropy_beta,
                               train_mode=train_mode, mask_temperature=mask_temperature, gates=gates)
         self.d_model, self.num_heads = d_model, num_heads
+        self.kv_groups = bool(kv_groups)
+        # heads per scored unit: a KV group's query heads, or 1 (num_kv_heads None: a layer without GQA facts)
+        self.group_size = num_heads // (num_kv_heads or num_heads) if self.kv_groups else 1
+        units = num_heads // self.group_size
         self.temperature = make_schedule(temperature, "temperature")
         self.noise_std = make_schedule(noise_std, "noise_std")
         self.entropy_beta = make_schedule(entropy_beta, "entropy_beta")
         self.train_mode, self.mask_temperature, self.gates = train_mode, float(mask_temperature), gates
         if hidden is None:
-            self.scorer: nn.Module = nn.Linear(d_model, num_heads)
+            self.scorer: nn.Module = nn.Linear(d_model, units)
         else:
-            self.scorer = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, num_heads))
+            self.scorer = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, units))
         self.progress = 0.0
         self._token_level = False
 
@@ -101,6 +110,9 @@ class TopKRouter(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None, budget: Budget, attn: AttentionWeights | None) -> HeadPlan:
         token_level = budget.k.dim() == 2
         self._token_level = token_level
+        r = self.group_size
+        if r > 1:  # score groups: ceil(k / r) of them hold the budget's k heads
+            budget = Budget(budget.s, torch.div(budget.k + r - 1, r, rounding_mode="floor"), budget.aux_losses)
         xf = x.float()
         z = self.scorer(xf if token_level else masked_mean(xf, mask))  # (B, T, H) or (B, H)
         tau = self.temperature(self.progress)
@@ -114,16 +126,18 @@ class TopKRouter(nn.Module):
         counted = rows if token_level else rows_with_tokens(x, mask)  # an empty row or batch trains nothing
         aux = {"entropy": self.entropy_beta(self.progress) * entropy(probs, counted)}
         if not self.training:
-            return plan_top_k(z, budget.k, gates=self.gates, temperature=tau, mask=rows,  # type: ignore[arg-type]
+            plan = plan_top_k(z, budget.k, gates=self.gates, temperature=tau, mask=rows,  # type: ignore[arg-type]
                               aux_losses=aux)
-        gates = self._training_gates(logits, probs, budget)
+            return plan if r == 1 else plan_from_active(plan.active.repeat_interleave(r, -1),
+                                                        plan.gates.repeat_interleave(r, -1), aux)
+        gates = self._training_gates(logits, probs, budget).repeat_interleave(r, -1)
         active = torch.ones_like(gates, dtype=torch.bool)
         if rows is not None:
             active = active & rows.unsqueeze(-1)
         return plan_from_active(active, gates, aux)
 
     def _training_gates(self, logits: Tensor, probs: Tensor, budget: Budget) -> Tensor:
-        H = self.num_heads
+        H = logits.shape[-1]  # heads, or KV groups with kv_groups
         k = budget.k.to(logits.device)
         full = (k >= H).unsqueeze(-1)  # a row at full budget has no choice to make
         if self.train_mode == "budget_scaled":  # already weights: the gate mode applies at inference only

@@ -98,3 +98,29 @@ def test_editing_the_config_after_apply_does_not_change_the_wrapped_model() -> N
     cfg.executor = "masked"
     saved = model[0].condcomp_config
     assert saved.policy == ("fixed", {"fraction": 0.5}) and saved.executor == "auto"
+
+
+def test_a_checkpoint_saved_before_the_progress_buffer_loads(tmp_path: Path) -> None:
+    """condcomp 0.1 checkpoints have no condcomp_progress keys: they load, weights exactly, progress kept."""
+    pytest.importorskip("safetensors")
+    x = torch.randn(2, 5, 32)
+    model = _model()
+    want = _out(model, x)
+
+    class Old(nn.Module):  # what condcomp 0.1 wrote: the state without the progress buffers
+        def state_dict(self, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
+            return {k: v for k, v in model.state_dict().items() if not k.endswith("condcomp_progress")}
+
+    condcomp.save_checkpoint(tmp_path / "old", Old())
+    fresh = _model()
+    condcomp.set_progress(fresh, 0.0)
+    condcomp.load_checkpoint(tmp_path / "old", fresh)
+    assert _progress(fresh) == [0.0, 0.0]
+    torch.testing.assert_close(_out(fresh, x), want, atol=0, rtol=0)
+    with pytest.raises(condcomp.checkpoint.CheckpointError, match="missing keys"):  # other keys stay required
+        class Partial(nn.Module):
+            def state_dict(self, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
+                return {k: v for k, v in model.state_dict().items() if "scorer" not in k}
+
+        condcomp.save_checkpoint(tmp_path / "partial", Partial())
+        condcomp.load_checkpoint(tmp_path / "partial", _model())

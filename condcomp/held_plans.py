@@ -1,0 +1,82 @@
+"""Per-request plans for causal LMs: a sequence plan decided once from the prompt and held while the request decodes.
+
+A sequence plan is one head set per example. For a decoder that generates with a KV cache, "per example" means
+per *request*: the plan is decided at prefill, from the prompt, and the same heads serve every later token of
+that request. Two consequences make head budgets pay at decode time:
+
+- **Nothing is routed per token.** Decode steps reuse the held plan: no policy, no router, no plan building.
+- **The KV cache holds only what the plan keeps.** A key/value head (a KV group under GQA: the ``H / Hkv`` query
+  heads that share it) that no kept query head reads is neither computed nor cached, so every decode step reads
+  a fraction of the cache. :class:`KVSelection` says which groups each row keeps and where they sit in the cache.
+
+Training matches it with :func:`condcomp.plan_from_prompt`: inside it, sequence plans are decided from the first
+``prompt_len`` positions only, as at inference (put the loss on the continuation; the prompt's own tokens were
+computed with a plan that saw the whole prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from condcomp.types import HeadLayout, HeadPlan
+
+
+@dataclass(frozen=True)
+class KVSelection:
+    """Which key/value heads a held sequence plan keeps, per row, in the compact order the cache stores them.
+
+    - ``kv_index (B, g)`` int64: row b's cache slot j holds key/value head ``kv_index[b, j]``. ``g`` is the
+      largest number of kept groups in the batch; a row that keeps fewer repeats its first kept group in the
+      spare slots (finite values, gate 0), so rows with different kept sets share one tensor.
+    - ``slot_gates (B, g * r)``: the gate of every query head that reads a slot (``r = H / Hkv`` per slot, in
+      head order), 0 for heads the plan skips inside a kept group and for spare slots.
+    - ``row_active (B,)``: rows with at least one active head (a row with none outputs exactly zero), or None
+      when every row has one.
+    - ``identity``: every row keeps every group in order (the full budget): no gathers, no scatters.
+    - ``unit_gates``: every slot gate is exactly 1: no gate multiply.
+    """
+
+    kv_index: Tensor
+    slot_gates: Tensor
+    row_active: Tensor | None
+    identity: bool
+    unit_gates: bool
+
+    @property
+    def slots(self) -> int:
+        """``g``: key/value heads cached per row."""
+        return int(self.kv_index.shape[1])
+
+
+def select_kv(plan: HeadPlan, layout: HeadLayout) -> KVSelection:
+    """The :class:`KVSelection` of a sequence plan (one host sync, at prefill: ``g`` sizes the cache)."""
+    if plan.granularity != "sequence":
+        raise ValueError("only sequence plans (one head set per request) can shrink a KV cache; a token plan may "
+                         "pick any head at a later token, so every key/value head must stay cached")
+    B, Hkv, r = plan.gates.shape[0], layout.num_kv_heads, layout.group_size
+    gates = plan.gates.detach().masked_fill(~plan.active, 0.0)  # (B, H)
+    kept = plan.active.view(B, Hkv, r).any(-1)  # (B, Hkv): groups some active head reads
+    counts = kept.sum(-1)  # (B,)
+    g = int(counts.max()) if B else 0
+    groups = torch.arange(Hkv, device=kept.device)
+    # kept groups first, ascending; a row's spare slots repeat its first kept group (group 0 if it keeps none)
+    order = torch.argsort((~kept).long() * Hkv + groups, dim=-1)[:, :g]  # (B, g)
+    valid = torch.arange(g, device=kept.device) < counts.unsqueeze(-1)  # (B, g)
+    kv_index = torch.where(valid, order, order[:, :1].expand(B, g) if g else order)
+    slot_gates = gates.view(B, Hkv, r).gather(1, kv_index.unsqueeze(-1).expand(B, g, r))  # (B, g, r)
+    slot_gates = (slot_gates * valid.unsqueeze(-1)).reshape(B, g * r)
+    identity = g == Hkv and bool((kv_index == groups).all()) if B else True
+    row_active = plan.active.any(-1)  # (B,)
+    return KVSelection(kv_index, slot_gates, None if bool(row_active.all()) else row_active, identity,
+                       bool((slot_gates == 1).all()))
+
+
+def routing_mask(mask: Tensor | None, prompt_len: int | None, B: int, T: int, device: torch.device) -> Tensor | None:
+    """The positions a sequence plan is decided from: real tokens among the first ``prompt_len`` (all if None)."""
+    if prompt_len is None or prompt_len >= T:
+        return mask
+    prefix = (torch.arange(T, device=device) < prompt_len).expand(B, T)  # (B, T)
+    return prefix if mask is None else mask.bool() & prefix

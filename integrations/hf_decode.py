@@ -1,0 +1,107 @@
+"""Per-request plans with a KV cache for projection-style decoders (Llama, Qwen2/3, Mistral, Gemma).
+
+At inference with a cache, a sequence plan is decided once, at the request's prefill, and held for its later
+calls (:mod:`condcomp.held_plans`). The key/value heads the plan keeps are the only ones projected, cached and
+read: the cache holds ``(B, g, S, Dh)`` with ``g`` the batch's largest number of kept KV groups, in the order of
+:class:`~condcomp.held_plans.KVSelection`. Query heads inside a kept group that the plan skips are computed with
+gate 0 (at decode a group's cost is reading its keys and values, shared by its query heads); the output
+projection reads the kept heads' outputs scattered back to their columns, so LoRA and biases behave as in the
+module. At the full budget (every group kept, gates 1) nothing is gathered or scattered: this is dense attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from condcomp.dense import grouped_sdpa
+from condcomp.held_plans import KVSelection, select_kv
+from condcomp.masks import build_attention_mask, dead_rows
+from condcomp.rotary import apply_rotary
+from condcomp.types import AttentionInputs
+
+from .hf_base import _mask_parts, _sliding_bias
+
+if TYPE_CHECKING:
+    from condcomp.routed import RoutedAttention
+
+
+def _cached_len(cache: Any, layer_idx: int) -> int:
+    try:
+        return int(cache.get_seq_length(layer_idx))
+    except (AttributeError, IndexError, TypeError):
+        return 0
+
+
+def decide_request_plan(routed: RoutedAttention, x: Tensor, mask: Any, cache: Any,
+                        layer_idx: int) -> KVSelection | None:
+    """The held selection for this request, deciding (and holding) it at the prefill; None when the plan is
+    per token (every key/value head stays cached)."""
+    held = routed.held_plan(cache)
+    if held is not None:
+        return held[1]
+    if getattr(routed.condcomp_router, "granularity", "sequence") != "sequence":
+        return None
+    if _cached_len(cache, layer_idx) > 0:
+        raise ValueError(f"layer {layer_idx}: the KV cache already holds keys this wrapped model did not decide a "
+                         "plan for (filled by another model, or under condcomp.disabled); start the request with "
+                         "a fresh cache on the wrapped model, which decides the plan at prefill and holds it")
+    B, T = x.shape[:2]
+    query_mask, _, _ = _mask_parts(mask, B, T, T, True)
+    plan = routed.route(x, query_mask, routed.weights(), T)
+    if plan.granularity != "sequence":  # a per-token budget made the plan per token
+        return None
+    selection = select_kv(plan, routed.layout)
+    routed.hold_plan(cache, plan, selection)
+    if routed.last is not None:
+        routed.last = replace(routed.last, executor="held", route="kv_cache")
+    return selection
+
+
+def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary: tuple[Tensor, Tensor] | None,
+                   cache: Any, mask: Any, layer_idx: int, sliding_window: int | None, extra: dict[str, Any]) -> Tensor:
+    """One call under a held plan: ``x (B, T, D)`` -> ``(B, T, D)``, caching the kept key/value heads only."""
+    L = routed.layout
+    B, T, _ = x.shape
+    Hkv, r, Dh, g = L.num_kv_heads, L.group_size, L.head_dim, sel.slots
+    # The projections' own forward (exact for LoRA layers), then the kept groups of each row.
+    q = routed.q_proj(x).view(B, T, Hkv, r, Dh)
+    k = routed.k_proj(x).view(B, T, Hkv, Dh)
+    v = routed.v_proj(x).view(B, T, Hkv, Dh)
+    if not sel.identity:
+        idx = sel.kv_index[:, None, :, None]  # (B, 1, g, 1)
+        q = q.gather(2, idx.unsqueeze(-1).expand(B, T, g, r, Dh))
+        k = k.gather(2, idx.expand(B, T, g, Dh))
+        v = v.gather(2, idx.expand(B, T, g, Dh))
+    q = q.reshape(B, T, g * r, Dh)
+    if getattr(routed, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
+        q = routed.q_norm(q)
+    if getattr(routed, "k_norm", None) is not None:
+        k = routed.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, g*r | g, T, Dh)
+    if rotary is not None:
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    k, v = cache.update(k, v, layer_idx, kwargs=extra)  # (B, g, S, Dh): the kept groups' whole history
+    S = k.shape[2]
+    query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True)
+    if mask is None and sliding_window is not None and S > sliding_window:
+        bias = _sliding_bias(T, S, int(sliding_window), x.device, x.dtype)
+    am = build_attention_mask(AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias,
+                                              key_states=k, value_states=v), L.causal, q.dtype)
+    out = grouped_sdpa(q, k, v, am.mask, am.is_causal, L.scale)  # (B, g*r, T, Dh)
+    if am.dead is not None:  # queries with no key to attend (all padding) output zeros, as every executor does
+        out = out.masked_fill(am.dead.unsqueeze(-1), 0.0)
+    if not sel.unit_gates:
+        out = out * sel.slot_gates[:, :, None, None].to(out.dtype)
+    out = out.transpose(1, 2).reshape(B, T, g, r * Dh)
+    if not sel.identity:  # back to the heads' columns; spare slots add exact zeros
+        full = out.new_zeros(B, T, Hkv, r * Dh)
+        out = full.scatter_add(2, sel.kv_index[:, None, :, None].expand(B, T, g, r * Dh), out)
+    y = routed.o_proj(out.reshape(B, T, Hkv * r * Dh))
+    if sel.row_active is not None:  # a row with no active head outputs exactly zero (no output bias)
+        y = torch.where(sel.row_active[:, None, None], y, torch.zeros_like(y))
+    dead = dead_rows(am, B, T)  # (B, T) or None: all-padding queries output zeros, bias included
+    return y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)  # type: ignore[no-any-return]
