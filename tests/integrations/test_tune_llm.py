@@ -100,6 +100,24 @@ def test_continuation_nll_equals_a_manual_float64_computation() -> None:
     torch.testing.assert_close(got.detach(), want, rtol=1e-10, atol=1e-12)
 
 
+def test_a_per_request_plan_is_decided_from_the_prompt_so_no_continuation_token_sees_the_future() -> None:
+    if not hasattr(condcomp, "plan_from_prompt"):
+        pytest.xfail("condcomp.plan_from_prompt is not in this condcomp (issue 17)")
+    model = tiny_llama(dtype=torch.float64)
+    torch.manual_seed(0)
+    apply_variant(model, "request_1of3", "auto")
+    with torch.no_grad():
+        for m in condcomp.routed_modules(model).values():
+            m.condcomp_router.scorer.weight.mul_(50.0)  # scores swing with the pooled input: plans flip easily
+    x, P = ids(B=4, T=24), 5
+    y = x.clone()
+    y[:, 12:] = torch.randint(3, VOCAB, (4, 12), generator=torch.Generator().manual_seed(9))  # another tail
+    with torch.no_grad():
+        a, b = continuation_nll(model, x, P), continuation_nll(model, y, P)
+    torch.testing.assert_close(a[:, :12 - P], b[:, :12 - P], rtol=0, atol=1e-12)  # tokens before the new tail
+    assert condcomp.head_usage(model)["model.layers.0.self_attn"].k_frac == 0.5  # one of the 2 groups
+
+
 def test_agreement_counts_positions_and_common_prefixes() -> None:
     got = agreement(torch.tensor([[5, 6, 7, 8], [5, 0, 7, 8]]), torch.tensor([[5, 6, 7, 9], [5, 6, 7, 8]]))
     assert got == {"token_agreement": 6 / 8, "prefix_agreement": (3 / 4 + 1 / 4) / 2}
@@ -234,7 +252,7 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
     data = staged(tmp_path / "data")
     s = TuneSettings(seq_len=16, prompt_len=6, batch_size=2, steps=2, warmup=1, lora_rank=2, eval_seqs=2,
                      calib_seqs=1, agree_prompts=2, agree_tokens=3, checkpoint_every=1, datasets=("ag_news", "yelp"))
-    variants = ["dense_untuned", "static_1of3", "moh_50"]
+    variants = ["dense_untuned", "static_1of3", "moh_50", "request_1of3"]
     loads = []
 
     def loader() -> tuple[Any, Any]:
@@ -243,6 +261,8 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
 
     table = run_study(s, variants, tmp_path / "out", tmp_path / "results", data, "cmd", loader)
     records = {v: json.loads((tmp_path / "results" / v / "metrics.json").read_text()) for v in variants}
+    if not hasattr(condcomp, "plan_from_prompt"):
+        assert records.pop("request_1of3")["status"] == "skipped"
     assert all(r["status"] == "done" for r in records.values()), records
     assert records["dense_untuned"]["agreement"]["token_agreement"] == 1.0
     assert records["static_1of3"]["kv_fraction"] == 0.5  # measured from the plans: 1 of the tiny model's 2 groups
