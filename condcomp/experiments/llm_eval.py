@@ -74,11 +74,11 @@ def perplexity(model: nn.Module, ids: Tensor, sources: list[str], prompt_len: in
 @torch.no_grad()
 def greedy(model: nn.Module, prompts: Tensor, new_tokens: int, pad_id: int) -> Tensor:
     """Greedy continuations ``(N, new_tokens)`` with the model's KV cache (``generate``); all prompts have the
-    same length, so no padding. A per-request plan is decided at prefill from the prompt."""
+    same length, so no padding. A per-request plan is decided at prefill from the prompt and held while the
+    request decodes (condcomp's held plans), as a user's ``generate()`` call does."""
     model.eval()
-    with prompt_plans(model, prompts.shape[1]):
-        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
     return out[:, prompts.shape[1]:]
 
 
