@@ -61,7 +61,8 @@ class StaticRouter(nn.Module):
         if k.dim() == 2:  # a per-token budget: its largest k (none without tokens)
             k = k.amax(-1) if k.shape[-1] else k.new_zeros(k.shape[0])  # (B,)
         keep = k.to(x.device).clamp(max=len(self.heads)).unsqueeze(-1)  # (B, 1)
-        active = self.rank.to(x.device).unsqueeze(0) < keep  # (B, H)
+        rank: Tensor = self.rank  # type: ignore[assignment]
+        active = rank.to(x.device).unsqueeze(0) < keep  # (B, H)
         return plan_from_active(active)
 
     def routing_flops(self, T: int) -> float:

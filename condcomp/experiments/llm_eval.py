@@ -77,8 +77,9 @@ def greedy(model: nn.Module, prompts: Tensor, new_tokens: int, pad_id: int) -> T
     same length, so no padding. A per-request plan is decided at prefill from the prompt and held while the
     request decodes (condcomp's held plans), as a user's ``generate()`` call does."""
     model.eval()
-    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    generate: Any = getattr(model, "generate")  # noqa: B009  (transformers' GenerationMixin)
+    out = generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
     return out[:, prompts.shape[1]:]
 
 
@@ -99,10 +100,9 @@ def usage_summary(model: nn.Module) -> dict[str, float | None]:
     routed = condcomp.routed_modules(model)
     if not routed:
         return {"s_mean": None, "k_frac": 1.0, "kv_frac": 1.0}
-    stats = [m.head_usage() for m in routed.values()]
-    stats = [s for s in stats if s is not None]
-    s_mean = sum(s.s_mean for s in stats) / len(stats)
-    k_frac = sum(s.k_frac for s in stats) / len(stats)
+    stats = [u for u in (m.head_usage() for m in routed.values()) if u is not None]
+    s_mean = sum(u.s_mean for u in stats) / len(stats)
+    k_frac = sum(u.k_frac for u in stats) / len(stats)
     kv = [_kv_fraction(m) for m in routed.values()]
     known = [f for f in kv if f is not None]
     return {"s_mean": s_mean, "k_frac": k_frac, "kv_frac": sum(known) / len(known) if known else None}

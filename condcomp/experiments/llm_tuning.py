@@ -87,7 +87,7 @@ def make_trainable(model: nn.Module, settings: TuneSettings) -> nn.Module:
     if settings.tune == "lora":
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha,
+        model = peft.get_peft_model(model, peft.LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha,  # type: ignore[arg-type]
                                                            lora_dropout=0.0,
                                                            target_modules=list(ATTENTION_PROJECTIONS)))
     else:

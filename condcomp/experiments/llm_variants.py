@@ -70,6 +70,11 @@ def moh_config(fraction: float, num_heads: int) -> dict[str, Any]:
     return {"policy": "full", "router": ["norm", {"shared_heads": shared, "top_k": kept - shared}]}
 
 
+def num_heads(model: nn.Module) -> int:
+    """Query heads per layer of a transformers model (its ``config.num_attention_heads``)."""
+    return int(getattr(model, "config").num_attention_heads)  # noqa: B009  (nn.Module's typing hides config)
+
+
 def variant_config(name: str, num_heads: int) -> dict[str, Any] | None:
     """The CondCompConfig (as a dict) of a routed variant; None for dense and static ones."""
     v = VARIANTS[name]
@@ -110,6 +115,6 @@ def apply_variant(model: nn.Module, name: str, executor: str = "auto",
             condcomp.apply_(model, condcomp.CondCompConfig(policy="full", router=("static", {"heads": heads}),
                                                            executor=executor, target_modules=[layer]))
         return
-    config = variant_config(name, int(model.config.num_attention_heads))  # type: ignore[union-attr]
+    config = variant_config(name, num_heads(model))
     if config is not None:
         condcomp.apply_(model, condcomp.CondCompConfig.from_dict({**config, "executor": executor}))

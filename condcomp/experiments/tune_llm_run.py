@@ -30,6 +30,7 @@ from condcomp.experiments.llm_variants import (
     MissingFeature,
     apply_variant,
     check_supported,
+    num_heads,
     variant_config,
 )
 from condcomp.experiments.progress import progress_bar
@@ -60,7 +61,7 @@ def static_head_sets(model: nn.Module, calib: PackedSplit, s: TuneSettings, out:
         saved = json.loads(path.read_text())
         if saved.get("settings") == s.tuning_key():
             return saved  # type: ignore[no-any-return]
-    cfg = model.config  # type: ignore[attr-defined]
+    cfg: Any = getattr(model, "config")  # noqa: B009
     H, G = cfg.num_attention_heads, cfg.num_key_value_heads
     model.eval()
 
@@ -93,7 +94,7 @@ def run_variant(name: str, dense: nn.Module, tokenizer: Any, data: tuple[PackedS
     heads = static["heads"][str(v.static_keep)] if (v.static_keep is not None and static) else None
     apply_variant(model, name, s.executor, heads)
     record: dict[str, Any] = {"variant": name, "note": v.note, "status": "done", "settings": asdict(s),
-                              "config": variant_config(name, int(dense.config.num_attention_heads)),  # type: ignore[union-attr]
+                              "config": variant_config(name, num_heads(dense)),
                               "static_heads": heads, "kv_fraction_nominal": v.kv_fraction}
     if v.tuned:
         model = make_trainable(model, s)
