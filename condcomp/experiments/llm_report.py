@@ -21,7 +21,7 @@ def summary_table(records: list[dict[str, Any]]) -> str:
             if d not in datasets:
                 datasets.append(d)
     head = ["variant", "KV frac", "heads frac", "s_mean", "ppl", *[f"ppl {d}" for d in datasets],
-            "agree dense", "agree tuned", "tune s"]
+            "agree dense", "agree tuned", "tune CPU s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         if r.get("status") != "done":
@@ -32,7 +32,7 @@ def summary_table(records: list[dict[str, Any]]) -> str:
         cells = [r["variant"], _f(r.get("kv_fraction")), _f(r.get("k_frac")), _f(r.get("s_mean")), _f(ppl["ppl"]),
                  *[_f(ppl["per_dataset"].get(d, {}).get("ppl")) for d in datasets],
                  _f(r["agreement"]["token_agreement"]), _f((r.get("agreement_tuned") or {}).get("token_agreement")),
-                 _f((r.get("tuning") or {}).get("seconds"), 0)]
+                 _f(_tune_seconds(r), 0)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -69,3 +69,8 @@ def plot_ppl_vs_kv(results: Path, path: Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _tune_seconds(r: dict[str, Any]) -> float | None:
+    """CPU seconds of the tuning; None where only wall-clock seconds were recorded (metrics.json has them)."""
+    return (r.get("tuning") or {}).get("cpu_seconds") or None

@@ -120,7 +120,7 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
         raise ValueError("tune: the model has no trainable parameter")
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, settings.steps, settings.warmup))
-    state: dict[str, Any] = {"step": 0, "seconds": 0.0, "history": []}
+    state: dict[str, Any] = {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
     if checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=False)
         if saved["settings"] != settings.tuning_key():
@@ -136,7 +136,8 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
         torch.set_rng_state(saved["rng"])
-        state = {k: saved[k] for k in ("step", "seconds", "history")}
+        kept = ("step", "seconds", "cpu_seconds", "history")
+        state = {"cpu_seconds": 0.0, **{k: saved[k] for k in kept if k in saved}}
     else:
         torch.manual_seed(settings.seed)
     order = _order(train_ids.shape[0], settings)
@@ -146,7 +147,7 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
     try:
         while state["step"] < settings.steps and (stop_after is None or done_here < stop_after):
             step = state["step"]
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             if routed:
                 condcomp.set_progress(model, step / settings.steps)
             model.train()
@@ -159,7 +160,8 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
             opt.step()
             sched.step()
             state["step"] = step + 1
-            state["seconds"] += time.perf_counter() - started
+            state["seconds"] += time.perf_counter() - started  # wall clock: includes pauses on a shared machine
+            state["cpu_seconds"] += time.process_time() - cpu_started  # this process's CPU time, all threads
             state["history"].append({"step": step + 1, "loss": float(nll.detach()), "aux": float(aux.detach())})
             done_here += 1
             bar.update(1, loss=float(nll.detach()))

@@ -102,6 +102,7 @@ def run_variant(name: str, dense: nn.Module, tokenizer: Any, data: tuple[PackedS
         state = tune(model, tuning.ids, s, vdir / "checkpoint.pt", desc=f"tune {name}")
         hist = state["history"]
         record["tuning"] = {"method": s.tune, "steps": state["step"], "seconds": state["seconds"],
+                            "cpu_seconds": state["cpu_seconds"],
                             "tokens_seen": state["step"] * s.batch_size * s.seq_len,
                             "loss_first5": _mean([h["loss"] for h in hist[:5]]),
                             "loss_last5": _mean([h["loss"] for h in hist[-5:]]), "history": hist}
