@@ -99,36 +99,49 @@ def _cache_bytes(cache: Any) -> int:
     return total
 
 
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # kernels are asynchronous: time what ran, not what was queued
+    return time.perf_counter()
+
+
 @torch.inference_mode()
 def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> dict[str, Any]:
-    """One prefill and ``new_tokens`` greedy decode steps, timed."""
+    """One prefill and ``new_tokens`` greedy decode steps, timed (peak memory: CUDA allocator, else RSS)."""
+    device = prompt.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     _peak_rss_reset()
-    t0 = time.perf_counter()
-    out = model(input_ids=prompt, use_cache=True)
-    prefill = time.perf_counter() - t0
+    t0 = _clock(device)
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)  # as generate() does: no prompt logits
+    prefill = _clock(device) - t0
     cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
     tokens, steps = [token], []
     for _ in range(new_tokens - 1):
-        t0 = time.perf_counter()
+        t0 = _clock(device)
         out = model(input_ids=token, cache=cache, use_cache=True)
-        steps.append(time.perf_counter() - t0)
+        steps.append(_clock(device) - t0)
         cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
-    return {"prefill_s": prefill, "step_s": steps, "tokens": torch.cat(tokens, 1), "kv_bytes": _cache_bytes(cache),
-            "peak_rss": _peak_rss_bytes()}
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
+    return {"prefill_s": prefill, "step_s": steps, "tokens": torch.cat(tokens, 1).cpu(),
+            "kv_bytes": _cache_bytes(cache), "peak_rss": peak}
 
 
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
-        new_tokens: int = 16, reps: int = 3, threads: int = 2) -> list[dict[str, Any]]:
+        new_tokens: int = 16, reps: int = 3, threads: int = 2, device: str = "cpu") -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
-    models = variants(load_model(model_name), model_name)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: this torch build sees no CUDA device")
+    models = {name: m.to(dev) for name, m in variants(load_model(model_name), model_name).items()}
     config: Any = models["dense"].config
     vocab = int(config.vocab_size)
     records = []
     cells = [(P, B) for P in prompts for B in batches]
     bar = progress_bar(total=len(cells) * reps * len(models), desc=f"bench decode {model_name}")
     for P, B in cells:
-        prompt = torch.randint(0, vocab, (B, P), generator=torch.Generator().manual_seed(P * 31 + B))
+        prompt = torch.randint(0, vocab, (B, P), generator=torch.Generator().manual_seed(P * 31 + B)).to(dev)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in models}
         for _ in range(reps):
             for name, model in models.items():  # interleaved: a noisy neighbour hits every variant alike
@@ -139,14 +152,14 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
             steps = [s for r in rs for s in r["step_s"]]
             records.append({
                 "model": model_name, "variant": name, "prompt": P, "batch": B, "new_tokens": new_tokens,
-                "reps": reps, "threads": threads,
+                "reps": reps, "threads": threads, "device": dev.type,
                 "prefill_ms": 1e3 * statistics.median(r["prefill_s"] for r in rs),
                 "decode_ms_per_token": 1e3 * statistics.median(steps),
                 "prefill_ratio": statistics.median(r["prefill_s"] / b["prefill_s"] for r, b in zip(rs, base)),
                 "decode_ratio": statistics.median(statistics.median(r["step_s"]) / statistics.median(b["step_s"])
                                                   for r, b in zip(rs, base)),
                 "kv_bytes": rs[-1]["kv_bytes"], "kv_ratio": rs[-1]["kv_bytes"] / base[-1]["kv_bytes"],
-                "peak_rss_bytes": max((r["peak_rss"] or 0) for r in rs) or None,
+                "peak_memory_bytes": max((r["peak_rss"] or 0) for r in rs) or None,
                 "tokens_equal_dense": all(torch.equal(r["tokens"], b["tokens"]) for r, b in zip(rs, base)),
             })
     bar.close()
@@ -155,9 +168,9 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
 
 def table(records: list[dict[str, Any]]) -> str:
     lines = ["| prompt | batch | variant | prefill ms | x dense | decode ms/token | x dense | KV MiB | x dense | "
-             "peak RSS MiB | tokens = dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak memory MiB | tokens = dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r["peak_rss_bytes"] else "n/a"
+        rss = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r['peak_memory_bytes'] else "n/a"
         lines.append(f"| {r['prompt']} | {r['batch']} | {r['variant']} | {r['prefill_ms']:.1f} | "
                      f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
                      f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_ratio']:.2f} | {rss} | {r['tokens_equal_dense']} |")
@@ -166,9 +179,11 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     if args.quick:
-        records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads)
+        records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads,
+                      device=args.device)
     else:
-        records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads)
+        records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads,
+                      args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = table(records)
@@ -186,6 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per run (the first by prefill)")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: RSS on CPU, allocator on CUDA)")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (prompt 16, batch 2)")
 
 

@@ -200,3 +200,16 @@ def test_a_wrapped_model_pickles_after_generating() -> None:
     _, logits2, _ = _decode(again, ids, mask)
     torch.testing.assert_close(logits2[-1], logits[-1], atol=0, rtol=0)
     assert cache is not None
+
+
+def test_beam_search_with_held_plans_matches_the_dense_model_at_full_budget_and_runs_at_half() -> None:
+    dense = _llama(2)
+    wrapped = copy.deepcopy(dense)
+    condcomp.apply_(wrapped, condcomp.CondCompConfig(policy="full", router="topk"))
+    ids, mask = _prompts()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(wrapped.eval().generate(**kw), dense.generate(**kw))
+    half = _wrapped(2, 0.5, True)
+    out = half.generate(**kw, return_dict_in_generate=True)
+    assert out.sequences.shape == (3, P + 4)
+    assert all(layer.keys.shape[1] == 1 for layer in out.past_key_values.layers)  # one of two KV groups per row
