@@ -59,6 +59,7 @@ def plot_ppl_vs_kv(results: Path, path: Path) -> Path | None:
                 linestyle="-" if len(pts) > 1 and kind != "dense" else "none")
         for x, y, name in pts:
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlim(0.0, 1.1)
     ax.set_xlabel("KV cache fraction kept (KV groups)")
     ax.set_ylabel("held-out perplexity (continuation tokens)")
     ax.set_title("SmolLM2-135M: quality against KV memory")
