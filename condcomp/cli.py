@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that contribute commands, imported only when the command line is built (import condcomp stays light).
-COMMAND_MODULES = ("condcomp.experiments.commands",)
+COMMAND_MODULES = ("condcomp.experiments.commands", "condcomp.experiments.tune_llm")
 BENCH_MODULES = ("condcomp.bench_attention", "condcomp.bench_compile", "condcomp.bench_decode")
 
 

@@ -1,3 +1,3 @@
 """Routers: which heads each input (or token) uses, and with what gates."""
 
-from condcomp.routers import moh, norm, random, topk  # noqa: F401
+from condcomp.routers import moh, norm, random, static, topk  # noqa: F401

@@ -1,0 +1,121 @@
+"""What ``condcomp tune-llm`` measures: the loss on continuation tokens only, held-out perplexity per dataset,
+greedy continuations compared with the dense model's, samples, and the heads the plans kept.
+
+A sequence's first ``prompt_len`` tokens are its prompt: a per-request plan is decided from them (under
+``condcomp.plan_from_prompt``), so only the tokens after the prompt are scored; every variant, dense included,
+is scored on the same tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import condcomp
+
+
+@contextlib.contextmanager
+def prompt_plans(model: nn.Module, prompt_len: int) -> Iterator[None]:
+    """``condcomp.plan_from_prompt(model, prompt_len)`` where the model has routed layers and condcomp has it."""
+    scope = getattr(condcomp, "plan_from_prompt", None)
+    if scope is None or not condcomp.routed_modules(model):
+        yield
+        return
+    with scope(model, prompt_len):
+        yield
+
+
+def continuation_nll(model: nn.Module, ids: Tensor, prompt_len: int) -> Tensor:
+    """Per-token negative log-likelihood ``(B, T - prompt_len)`` of tokens ``prompt_len .. T-1``.
+
+    Only the logits that predict them are computed (``logits_to_keep``): the vocabulary projection of the prompt
+    positions is skipped.
+    """
+    B, T = ids.shape
+    if not 0 < prompt_len < T:
+        raise ValueError(f"prompt_len must be in [1, {T - 1}] for sequences of {T} tokens, got {prompt_len}")
+    with prompt_plans(model, prompt_len):
+        out = model(input_ids=ids, logits_to_keep=T - prompt_len + 1, use_cache=False)
+    logits = out.logits[:, :-1]  # (B, T - P, V): positions P-1 .. T-2 predict tokens P .. T-1
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> float32; float64 stays
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, prompt_len:], reduction="none")
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, ids: Tensor, sources: list[str], prompt_len: int, batch_size: int,
+               bar: Any = None) -> dict[str, Any]:
+    """Mean continuation NLL and perplexity per dataset and overall (every continuation token weighs the same)."""
+    model.eval()
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    usage: list[dict[str, float | None]] = []
+    for start in range(0, ids.shape[0], batch_size):
+        nll = continuation_nll(model, ids[start:start + batch_size], prompt_len).double()  # (b, T - P)
+        for row, src in zip(nll, sources[start:start + batch_size]):
+            sums[src] = sums.get(src, 0.0) + float(row.sum())
+            counts[src] = counts.get(src, 0) + row.numel()
+        usage.append(usage_summary(model))
+        if bar is not None:
+            bar.update(1)
+    per = {s: {"nll": sums[s] / counts[s], "ppl": math.exp(sums[s] / counts[s]), "tokens": counts[s]} for s in sums}
+    total = sum(sums.values()) / sum(counts.values())
+    mean_usage = {k: (sum(u[k] for u in usage) / len(usage) if all(u[k] is not None for u in usage) else None)  # type: ignore[misc]
+                  for k in usage[0]}
+    return {"nll": total, "ppl": math.exp(total), "tokens": sum(counts.values()), "per_dataset": per,
+            "usage": mean_usage}
+
+
+@torch.no_grad()
+def greedy(model: nn.Module, prompts: Tensor, new_tokens: int, pad_id: int) -> Tensor:
+    """Greedy continuations ``(N, new_tokens)`` with the model's KV cache (``generate``); all prompts have the
+    same length, so no padding. A per-request plan is decided at prefill from the prompt and held while the
+    request decodes (condcomp's held plans), as a user's ``generate()`` call does."""
+    model.eval()
+    generate: Any = getattr(model, "generate")  # noqa: B009  (transformers' GenerationMixin)
+    out = generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    return out[:, prompts.shape[1]:]
+
+
+def agreement(tokens: Tensor, reference: Tensor) -> dict[str, float]:
+    """Position-wise token agreement and mean length of the common prefix, as fractions of the new tokens.
+
+    >>> agreement(torch.tensor([[1, 2, 3], [1, 9, 3]]), torch.tensor([[1, 2, 3], [1, 2, 3]]))
+    {'token_agreement': 0.8333333333333334, 'prefix_agreement': 0.6666666666666666}
+    """
+    same = tokens == reference  # (N, n)
+    prefix = same.long().cumprod(-1).sum(-1).double() / same.shape[1]
+    return {"token_agreement": float(same.double().mean()), "prefix_agreement": float(prefix.mean())}
+
+
+def usage_summary(model: nn.Module) -> dict[str, float | None]:
+    """Head usage of the last forward, averaged over layers: predicted budget, realised query-head fraction and,
+    for sequence plans, the KV-group fraction (a token plan keeps every group's keys and values: 1)."""
+    routed = condcomp.routed_modules(model)
+    if not routed:
+        return {"s_mean": None, "k_frac": 1.0, "kv_frac": 1.0}
+    stats = [u for u in (m.head_usage() for m in routed.values()) if u is not None]
+    s_mean = sum(u.s_mean for u in stats) / len(stats)
+    k_frac = sum(u.k_frac for u in stats) / len(stats)
+    kv = [_kv_fraction(m) for m in routed.values()]
+    known = [f for f in kv if f is not None]
+    return {"s_mean": s_mean, "k_frac": k_frac, "kv_frac": sum(known) / len(known) if known else None}
+
+
+def _kv_fraction(module: nn.Module) -> float | None:
+    last = getattr(module, "last", None)
+    plan = last.plan if last is not None else None
+    router = getattr(module, "condcomp_router", None)
+    if getattr(router, "granularity", None) == "token":
+        return 1.0
+    if plan is None or plan.active.dim() != 2:
+        return None
+    G = module.layout.num_kv_heads  # type: ignore[union-attr]
+    active = plan.active.view(plan.active.shape[0], G, -1).any(-1)  # (B, G): a group is cached if any head uses it
+    return float(active.double().mean())

@@ -1,0 +1,77 @@
+"""The summary of ``condcomp tune-llm``: one markdown table row per variant, and perplexity against KV fraction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _f(v: Any, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def summary_table(records: list[dict[str, Any]]) -> str:
+    """Markdown: KV fraction, query-head fraction, budget, held-out perplexity (overall and per dataset),
+    token agreement of greedy continuations with the untuned and the tuned dense model's, tuning seconds;
+    skipped and failed variants say why."""
+    datasets: list[str] = []
+    for r in records:
+        for d in (r.get("perplexity") or {}).get("per_dataset", {}):
+            if d not in datasets:
+                datasets.append(d)
+    head = ["variant", "KV frac", "heads frac", "s_mean", "ppl", *[f"ppl {d}" for d in datasets],
+            "agree dense", "agree tuned", "tune CPU s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        if r.get("status") != "done":
+            reason = str(r.get("reason", "")).replace("|", "/")
+            lines.append(f"| {r['variant']} | {r.get('status')}: {reason} |" + " |" * (len(head) - 2))
+            continue
+        ppl = r["perplexity"]
+        cells = [r["variant"], _f(r.get("kv_fraction")), _f(r.get("k_frac")), _f(r.get("s_mean")), _f(ppl["ppl"]),
+                 *[_f(ppl["per_dataset"].get(d, {}).get("ppl")) for d in datasets],
+                 _f(r["agreement"]["token_agreement"]), _f((r.get("agreement_tuned") or {}).get("token_agreement")),
+                 _f(_tune_seconds(r), 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_ppl_vs_kv(results: Path, path: Path) -> Path | None:
+    """Perplexity against KV fraction (dense, MoH, per-request, static); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = json.loads((results / "summary.json").read_text())
+    styles = {"dense": ("black", "o"), "moh": ("tab:purple", "^"), "request": ("tab:blue", "s"),
+              "budgetformer": ("tab:green", "D"), "static": ("tab:red", "x")}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, (color, marker) in styles.items():
+        pts = sorted((r["kv_fraction"], r["ppl"], r["variant"]) for r in rows
+                     if r.get("status") == "done" and r["variant"].startswith(kind))
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=kind,
+                linestyle="-" if len(pts) > 1 and kind != "dense" else "none")
+        for x, y, name in pts:
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlim(0.0, 1.1)
+    ax.set_xlabel("KV cache fraction kept (KV groups)")
+    ax.set_ylabel("held-out perplexity (continuation tokens)")
+    ax.set_title("SmolLM2-135M: quality against KV memory")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _tune_seconds(r: dict[str, Any]) -> float | None:
+    """CPU seconds of the tuning; None where only wall-clock seconds were recorded (metrics.json has them)."""
+    return (r.get("tuning") or {}).get("cpu_seconds") or None
