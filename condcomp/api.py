@@ -173,17 +173,24 @@ def disabled(model: nn.Module) -> Iterator[nn.Module]:
     >>> with condcomp.disabled(model):  # doctest: +SKIP
     ...     dense_out = model(**batch)
     """
+    with _hosts_set(model, "condcomp_disabled", True, "condcomp.disabled"):
+        yield model
+
+
+@contextlib.contextmanager
+def _hosts_set(model: nn.Module, attr: str, value: object, caller: str) -> Iterator[None]:
+    """Set ``attr`` on every routing host of ``model`` for the block, then restore each host's own value."""
     hosts = list(routing_hosts(model).values())
     if not hosts:
-        raise ValueError("condcomp.disabled: the model has no condcomp routing (was condcomp.apply_ called on it?)")
-    before = [h.condcomp_disabled for h in hosts]
+        raise ValueError(f"{caller}: the model has no condcomp routing (was condcomp.apply_ called on it?)")
+    before = [getattr(h, attr) for h in hosts]
     for h in hosts:
-        h.condcomp_disabled = True
+        setattr(h, attr, value)
     try:
-        yield model
+        yield
     finally:
         for h, was in zip(hosts, before):
-            h.condcomp_disabled = was
+            setattr(h, attr, was)
 
 
 def set_progress(model: nn.Module, progress: float) -> None:
@@ -236,14 +243,5 @@ def plan_from_prompt(model: nn.Module, prompt_len: int) -> Iterator[nn.Module]:
     """
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
         raise ValueError(f"prompt_len must be a positive int (the padded prompt width), got {prompt_len!r}")
-    hosts = list(routing_hosts(model).values())
-    if not hosts:
-        raise ValueError("plan_from_prompt: the model has no condcomp-wrapped attention (call condcomp.apply_ first)")
-    previous = [h.prompt_len for h in hosts]
-    for h in hosts:
-        h.prompt_len = prompt_len
-    try:
+    with _hosts_set(model, "prompt_len", prompt_len, "condcomp.plan_from_prompt"):
         yield model
-    finally:
-        for h, p in zip(hosts, previous):
-            h.prompt_len = p

@@ -239,3 +239,20 @@ def test_a_plan_with_no_heads_outputs_zero_attention_and_an_empty_cache() -> Non
     want = _reference_logits(model, tokens, mask)
     for step, got in enumerate(logits):
         torch.testing.assert_close(got, want[:, step], atol=1e-4, rtol=1e-4)
+
+
+def test_held_plans_with_peft_lora_equal_the_reference_and_bf16_full_budget_equals_dense() -> None:
+    peft = pytest.importorskip("peft")
+    model = _wrapped(2, 0.5, True)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, lora).eval()
+    ids, mask = _prompts()
+    tokens, logits, _ = _decode(model, ids, mask)
+    want = _reference_logits(model, tokens, mask)
+    for step, got in enumerate(logits):
+        torch.testing.assert_close(got, want[:, step], atol=1e-4, rtol=1e-4)
+    dense = _llama(2).to(torch.bfloat16)
+    wrapped = copy.deepcopy(dense)
+    condcomp.apply_(wrapped, condcomp.CondCompConfig(policy="full", router="topk"))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert torch.equal(wrapped.eval().generate(**kw), dense.generate(**kw))
