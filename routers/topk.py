@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -47,6 +49,12 @@ class TopKRouter(nn.Module):
     head; MHA: single heads): one score per group, ``ceil(k / r)`` groups kept, every head of a kept group on.
     Budgets then translate into KV-cache savings (a held plan caches kept groups only, :mod:`condcomp.held_plans`).
 
+    ``init_scores`` warm-starts the scorer from a prior ranking (one score per scored unit: a head, or a KV group
+    with ``kv_groups``): the scorer's output bias starts at these scores and its output weights at zero, so the
+    router starts as static pruning of the lowest-scored units (every input gets the same heads) and training
+    learns input-dependent departures from it. Scores a few units apart (noise starts at 0.5) keep the prior's
+    choice through early training; e.g. ``[2.0 * (G - 1 - rank_g)]`` from a head-importance ranking.
+
     >>> r = TopKRouter(d_model=16, num_heads=4).eval()
     >>> budget = Budget(s=torch.tensor([0.5, 1.0]), k=torch.tensor([2, 4]))
     >>> r(torch.randn(2, 3, 16), None, budget, None).counts.tolist()
@@ -59,10 +67,11 @@ class TopKRouter(nn.Module):
                  temperature: ScheduleSpec = DEFAULT_TEMPERATURE, noise_std: ScheduleSpec = DEFAULT_NOISE,
                  entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA, train_mode: TrainMode = "straight_through",
                  mask_temperature: float = 0.25, gates: str = "binary", kv_groups: bool = False,
-                 num_kv_heads: int | None = None) -> None:
+                 num_kv_heads: int | None = None, init_scores: Sequence[float] | None = None) -> None:
         super().__init__()
         self.validate_options(hidden=hidden, temperature=temperature, noise_std=noise_std, entropy_beta=entropy_beta,
-                              train_mode=train_mode, mask_temperature=mask_temperature, gates=gates)
+                              train_mode=train_mode, mask_temperature=mask_temperature, gates=gates,
+                              init_scores=init_scores)
         self.d_model, self.num_heads = d_model, num_heads
         self.kv_groups = bool(kv_groups)
         # heads per scored unit: a KV group's query heads, or 1 (num_kv_heads None: a layer without GQA facts)
@@ -76,6 +85,8 @@ class TopKRouter(nn.Module):
             self.scorer: nn.Module = nn.Linear(d_model, units)
         else:
             self.scorer = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, units))
+        if init_scores is not None:
+            self._warm_start(init_scores, units)
         self.progress = 0.0
         self._token_level = False
 
@@ -83,7 +94,7 @@ class TopKRouter(nn.Module):
     def validate_options(hidden: int | None = None, temperature: ScheduleSpec = DEFAULT_TEMPERATURE,
                          noise_std: ScheduleSpec = DEFAULT_NOISE, entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA,
                          train_mode: str = "straight_through", mask_temperature: float = 0.25, gates: str = "binary",
-                         **_: Any) -> None:
+                         init_scores: Sequence[float] | None = None, **_: Any) -> None:
         if hidden is not None and hidden < 1:
             raise ValueError(f"topk router: hidden must be a positive width or None (linear scorer), got {hidden}")
         low, _high = schedule_range(make_schedule(temperature, "temperature"))
@@ -100,6 +111,23 @@ class TopKRouter(nn.Module):
             raise ValueError(f"topk router: mask_temperature must be positive, got {mask_temperature}")
         if gates not in GATE_MODES:
             raise ValueError(f"topk router: gates must be one of {GATE_MODES}, got {gates!r}")
+        if init_scores is not None:
+            if isinstance(init_scores, (str, bytes)) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in init_scores):
+                raise TypeError(f"topk router: init_scores must be a list of finite numbers (one per head, or per "
+                                f"KV group with kv_groups=True), got {init_scores!r}")
+
+    def _warm_start(self, init_scores: Sequence[float], units: int) -> None:
+        """Output layer: weights 0, bias ``init_scores`` (the prior ranking, whatever the input)."""
+        if len(init_scores) != units:
+            what = "KV groups" if self.kv_groups else "heads"
+            raise ValueError(f"topk router: init_scores has {len(init_scores)} scores but the layer has {units} "
+                             f"{what} to score")
+        last = self.scorer if isinstance(self.scorer, nn.Linear) else list(self.scorer.children())[-1]
+        assert isinstance(last, nn.Linear)
+        with torch.no_grad():
+            last.weight.zero_()
+            last.bias.copy_(torch.tensor([float(v) for v in init_scores]))
 
     def set_progress(self, progress: float) -> None:
         """Move the temperature, noise and entropy schedules to training progress ``p`` in [0, 1]."""

@@ -91,3 +91,17 @@ def group_heads(groups: list[int], num_heads: int, num_kv_heads: int) -> list[in
     """The query heads of ``groups`` (in the groups' order)."""
     rep = num_heads // num_kv_heads
     return [g * rep + j for g in groups for j in range(rep)]
+
+
+def warm_start_scores(scores: Tensor, spacing: float = 2.0) -> list[list[float]]:
+    """Per layer, ``init_scores`` for the ``topk`` router that rank the groups as ``keep_groups`` does:
+    ``spacing * (G - 1 - rank)`` (most important group highest, ties to the lower index). Scores ``spacing``
+    apart outlast the router's early training noise (std 0.5 at the start), so the tuned router begins as static
+    pruning and moves away from it only where the gradient says so.
+
+    >>> warm_start_scores(torch.tensor([[0.1, 0.5, 0.3]]))
+    [[0.0, 4.0, 2.0]]
+    """
+    L, G = scores.shape
+    ranking = keep_groups(scores, G)  # (L, G) groups, most important first
+    return [[spacing * (G - 1 - ranking[layer].index(g)) for g in range(G)] for layer in range(L)]

@@ -48,11 +48,12 @@ def plot_ppl_vs_kv(results: Path, path: Path) -> Path | None:
         return None
     rows = json.loads((results / "summary.json").read_text())
     styles = {"dense": ("black", "o"), "moh": ("tab:purple", "^"), "request": ("tab:blue", "s"),
-              "budgetformer": ("tab:green", "D"), "static": ("tab:red", "x")}
+              "request (warm start)": ("tab:cyan", "s"), "budgetformer": ("tab:green", "D"),
+              "static": ("tab:red", "x")}
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind, (color, marker) in styles.items():
         pts = sorted((r["kv_fraction"], r["ppl"], r["variant"]) for r in rows
-                     if r.get("status") == "done" and r["variant"].startswith(kind))
+                     if r.get("status") == "done" and _kind(r["variant"]) == kind)
         if not pts:
             continue
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=kind,
@@ -70,6 +71,12 @@ def plot_ppl_vs_kv(results: Path, path: Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _kind(variant: str) -> str:
+    """The plot's series of a variant: its name's first word, warm-started per-request plans apart."""
+    kind = variant.split("_")[0]
+    return f"{kind} (warm start)" if variant.endswith("_warm") else kind
 
 
 def _tune_seconds(r: dict[str, Any]) -> float | None:

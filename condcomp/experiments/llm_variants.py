@@ -27,6 +27,7 @@ class Variant:
     kv_fraction: float | None = 1.0  # None: measured (a learned budget)
     prompt_plans: bool = False  # needs condcomp.plan_from_prompt (sequence plans decided from the prompt)
     moh_fraction: float | None = None  # MoH conversion keeping this fraction of the heads per token
+    warm_start: bool = False  # the router starts as static pruning (init_scores from the importance ranking)
     note: str = ""
 
 
@@ -49,6 +50,10 @@ VARIANTS: dict[str, Variant] = {
                             note="per-request plan from the prompt: learned scorer, 2 of 3 KV groups"),
     "request_1of3": Variant(config=_request(1 / 3), kv_fraction=1 / 3, prompt_plans=True,
                             note="per-request plan from the prompt: learned scorer, 1 of 3 KV groups"),
+    "request_2of3_warm": Variant(config=_request(2 / 3), kv_fraction=2 / 3, prompt_plans=True, warm_start=True,
+                                 note="per-request plan, learned scorer started from the static ranking, 2 of 3"),
+    "request_1of3_warm": Variant(config=_request(1 / 3), kv_fraction=1 / 3, prompt_plans=True, warm_start=True,
+                                 note="per-request plan, learned scorer started from the static ranking, 1 of 3"),
     "budgetformer": Variant(config={"policy": ["budgetformer", {"s_min": 1 / 3, "s_max": 2 / 3}],
                                     "router": ["topk", {"kv_groups": True}]},
                             kv_fraction=None, prompt_plans=True,
@@ -98,23 +103,36 @@ def check_supported(name: str) -> None:
 
 
 def apply_variant(model: nn.Module, name: str, executor: str = "auto",
-                  static_heads: list[list[int]] | None = None) -> None:
+                  static_heads: list[list[int]] | None = None, warm_scores: list[list[float]] | None = None) -> None:
     """Wrap ``model`` in place as variant ``name`` (dense variants: nothing to do).
 
-    ``static_heads[l]`` is layer l's kept query heads (static variants: one ``apply_`` per layer).
+    ``static_heads[l]`` is layer l's kept query heads (static variants); ``warm_scores[l]`` layer l's router
+    ``init_scores`` (warm-started variants). Both wrap one layer per ``apply_`` call.
     """
     v = VARIANTS[name]
     check_supported(name)
     if v.static_keep is not None:
         if static_heads is None:
             raise ValueError(f"{name} needs the static head sets (static_heads)")
-        layers = [n for n, _ in model.named_modules() if n.endswith("self_attn")]
-        if len(layers) != len(static_heads):
-            raise ValueError(f"{len(static_heads)} static head sets for {len(layers)} attention layers")
-        for layer, heads in zip(layers, static_heads):
-            condcomp.apply_(model, condcomp.CondCompConfig(policy="full", router=("static", {"heads": heads}),
-                                                           executor=executor, target_modules=[layer]))
-        return
+        configs: list[dict[str, Any]] = [{"policy": "full", "router": ("static", {"heads": heads})}
+                                         for heads in static_heads]
+        return _apply_per_layer(model, configs, executor)
     config = variant_config(name, num_heads(model))
+    if v.warm_start:
+        if warm_scores is None or config is None:
+            raise ValueError(f"{name} needs the router's initial scores per layer (warm_scores)")
+        router, options = config["router"]
+        configs = [{**config, "router": (router, {**options, "init_scores": scores})} for scores in warm_scores]
+        return _apply_per_layer(model, configs, executor)
     if config is not None:
         condcomp.apply_(model, condcomp.CondCompConfig.from_dict({**config, "executor": executor}))
+
+
+def _apply_per_layer(model: nn.Module, configs: list[dict[str, Any]], executor: str) -> None:
+    """``configs[l]`` (a CondCompConfig as a dict) wraps the l-th ``*self_attn`` module."""
+    layers = [n for n, _ in model.named_modules() if n.endswith("self_attn")]
+    if len(layers) != len(configs):
+        raise ValueError(f"{len(configs)} per-layer settings for {len(layers)} attention layers")
+    for layer, config in zip(layers, configs):
+        condcomp.apply_(model, condcomp.CondCompConfig.from_dict({**config, "executor": executor,
+                                                                  "target_modules": [layer]}))

@@ -19,6 +19,7 @@ from condcomp.experiments.head_importance import (
     head_gradients,
     head_importance,
     keep_groups,
+    warm_start_scores,
 )
 from condcomp.experiments.llm_data import PackedSplit, packed_split, split_calibration, tokenizer_encoder
 from condcomp.experiments.llm_eval import agreement, continuation_nll, greedy, perplexity
@@ -92,7 +93,8 @@ def run_variant(name: str, dense: nn.Module, tokenizer: Any, data: tuple[PackedS
     torch.manual_seed(s.seed)  # routing and LoRA initialisation
     model = copy_model(dense)
     heads = static["heads"][str(v.static_keep)] if (v.static_keep is not None and static) else None
-    apply_variant(model, name, s.executor, heads)
+    warm = warm_start_scores(torch.tensor(static["group_importance"])) if (v.warm_start and static) else None
+    apply_variant(model, name, s.executor, heads, warm)
     record: dict[str, Any] = {"variant": name, "note": v.note, "status": "done", "settings": asdict(s),
                               "config": variant_config(name, num_heads(dense)),
                               "static_heads": heads, "kv_fraction_nominal": v.kv_fraction}
@@ -162,7 +164,7 @@ def run_study(s: TuneSettings, variants: list[str], out: Path, results: Path | N
     prompts = agreement_prompts(data[2], s)
     reference = dense_reference(dense, tokenizer, prompts, s, out)
     static = None
-    if any(VARIANTS[v].static_keep is not None for v in variants):
+    if any(VARIANTS[v].static_keep is not None or VARIANTS[v].warm_start for v in variants):
         static = static_head_sets(dense, data[1], s, out)
         if results is not None:
             dump_json(results / "static_importance.json", static)

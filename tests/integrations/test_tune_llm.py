@@ -16,7 +16,13 @@ import torch
 from condcomp.routers.static import StaticRouter
 
 import condcomp
-from condcomp.experiments.head_importance import group_heads, group_importance, head_gradients, keep_groups
+from condcomp.experiments.head_importance import (
+    group_heads,
+    group_importance,
+    head_gradients,
+    keep_groups,
+    warm_start_scores,
+)
 from condcomp.experiments.llm_data import pack_documents, packed_split, split_calibration
 from condcomp.experiments.llm_eval import agreement, continuation_nll
 from condcomp.experiments.llm_tuning import TuneSettings, make_trainable, tune
@@ -179,13 +185,7 @@ def test_static_variant_equals_the_model_with_the_other_heads_removed_by_hand(ex
     keep = [[0], [1]]  # layer 0 keeps KV group 0, layer 1 group 1
     heads = [group_heads(g, H, G) for g in keep]
     dense = tiny_llama(dtype=torch.float64)
-    pruned = copy.deepcopy(dense)
-    with torch.no_grad():
-        for layer, kept in zip(pruned.model.layers, heads):
-            Dh = 32 // H
-            for h in range(H):
-                if h not in kept:  # a removed head contributes nothing through the output projection
-                    layer.self_attn.o_proj.weight[:, h * Dh:(h + 1) * Dh] = 0.0
+    pruned = _remove_heads_by_hand(dense, heads)
     routed = copy.deepcopy(dense)
     apply_variant(routed, "static_1of3", executor, heads)
     x = ids()
@@ -196,6 +196,35 @@ def test_static_variant_equals_the_model_with_the_other_heads_removed_by_hand(ex
     assert not torch.allclose(full, want, atol=1e-3)  # the removal mattered
     usage = condcomp.head_usage(routed)
     assert all(u.k_frac == pytest.approx(0.5) for u in usage.values())
+
+
+def _remove_heads_by_hand(dense: Any, heads: list[list[int]]) -> Any:
+    """A copy of ``dense`` whose heads outside ``heads[l]`` contribute nothing through the output projection."""
+    pruned = copy.deepcopy(dense)
+    with torch.no_grad():
+        for layer, kept in zip(pruned.model.layers, heads):
+            Dh = 32 // H
+            for h in range(H):
+                if h not in kept:
+                    layer.self_attn.o_proj.weight[:, h * Dh:(h + 1) * Dh] = 0.0
+    return pruned
+
+
+def test_a_warm_started_request_variant_begins_as_static_pruning_of_the_importance_ranking() -> None:
+    """Before tuning, whatever the input, it keeps the groups static pruning keeps: the hand-pruned model's logits;
+    its scorer weights are zero but trainable, so tuning can move away from the prior."""
+    scores = torch.tensor([[0.1, 0.7], [0.9, 0.2]])  # layer 0 keeps group 1, layer 1 group 0
+    dense = tiny_llama(dtype=torch.float64)
+    pruned = _remove_heads_by_hand(dense, [group_heads(g, H, G) for g in keep_groups(scores, 1)])
+    routed = copy.deepcopy(dense)
+    apply_variant(routed, "request_1of3_warm", "auto", warm_scores=warm_start_scores(scores))
+    x = ids(B=4, T=12)
+    with torch.no_grad(), condcomp.plan_from_prompt(routed, 5):
+        got = routed(input_ids=x).logits
+        want = pruned(input_ids=x).logits
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="warm_scores"):
+        apply_variant(copy.deepcopy(dense), "request_1of3_warm", "auto")
 
 
 # -------------------------------------------------------------------------------------------- head importance
@@ -252,7 +281,7 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
     data = staged(tmp_path / "data")
     s = TuneSettings(seq_len=16, prompt_len=6, batch_size=2, steps=2, warmup=1, lora_rank=2, eval_seqs=2,
                      calib_seqs=1, agree_prompts=2, agree_tokens=3, checkpoint_every=1, datasets=("ag_news", "yelp"))
-    variants = ["dense_untuned", "static_1of3", "moh_50", "request_1of3"]
+    variants = ["dense_untuned", "static_1of3", "moh_50", "request_1of3", "request_1of3_warm"]
     loads = []
 
     def loader() -> tuple[Any, Any]:
@@ -266,6 +295,7 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
     assert all(r["status"] == "done" for r in records.values()), records
     assert records["dense_untuned"]["agreement"]["token_agreement"] == 1.0
     assert records["static_1of3"]["kv_fraction"] == 0.5  # measured from the plans: 1 of the tiny model's 2 groups
+    assert records["request_1of3_warm"]["kv_fraction"] == 0.5
     assert records["static_1of3"]["tuning"]["steps"] == 2 and records["moh_50"]["kv_fraction"] == 1.0
     assert math.isfinite(records["moh_50"]["perplexity"]["ppl"]) and "| static_1of3 |" in table
     assert (tmp_path / "results" / "static_importance.json").is_file()

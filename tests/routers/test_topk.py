@@ -179,3 +179,36 @@ def test_methods_md_snippets_run() -> None:
     namespace: dict[str, object] = {"__name__": "docs_methods"}
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/methods.md[{i}]", "exec"), namespace)  # noqa: S102 - our own docs
+
+
+def test_warm_start_routes_as_static_pruning_of_the_prior_until_trained() -> None:
+    """init_scores: at step 0 the plan is the static router's (the prior's top groups, whatever the input);
+    the zeroed weights still get gradient, so training can make the plan depend on the input."""
+    from condcomp.routers.static import StaticRouter
+
+    heads, kv = 6, 3  # 3 KV groups of 2 query heads
+    scores = [0.0, 4.0, 2.0]  # groups ranked 1, 2, 0
+    router = TopKRouter(d_model=D, num_heads=heads, kv_groups=True, num_kv_heads=kv, init_scores=scores)
+    x = torch.randn(5, 7, D) * 10
+    for k in (1, 2, 3):  # k = 2 query heads -> 1 group, ... 6 -> 3 groups
+        budget = Budget(s=torch.full((5,), k / 3), k=torch.full((5,), 2 * k))
+        static = StaticRouter(heads, heads=[2, 3, 4, 5, 0, 1])(x, None, budget, None)
+        plan = router.eval()(x, None, budget, None)
+        assert torch.equal(plan.active, static.active)
+    router.train()
+    budget = Budget(s=torch.full((5,), 1 / 3), k=torch.full((5,), 2))
+    gates = router(x, None, budget, None).gates
+    (gates * torch.randn_like(gates)).sum().backward()
+    assert router.scorer.weight.grad is not None and router.scorer.weight.grad.abs().sum() > 0
+
+
+def test_warm_start_scores_are_checked() -> None:
+    with pytest.raises(TypeError, match="init_scores"):
+        condcomp.CondCompConfig(policy="budgetformer", router=("topk", {"init_scores": [1.0, float("nan")]}))
+    with pytest.raises(TypeError, match="init_scores"):
+        condcomp.CondCompConfig(policy="budgetformer", router=("topk", {"init_scores": "high"}))
+    with pytest.raises(ValueError, match="3 scores but the layer has 8 heads"):
+        TopKRouter(d_model=D, num_heads=H, init_scores=[1.0, 2.0, 3.0])
+    mlp = TopKRouter(d_model=D, num_heads=H, hidden=4, init_scores=list(range(H))).eval()
+    budget = Budget(s=torch.full((2,), 0.25), k=torch.full((2,), 2))
+    assert mlp(torch.randn(2, 3, D), None, budget, None).active.nonzero()[:, 1].tolist() == [6, 7, 6, 7]
