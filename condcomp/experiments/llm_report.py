@@ -21,7 +21,7 @@ def summary_table(records: list[dict[str, Any]]) -> str:
             if d not in datasets:
                 datasets.append(d)
     head = ["variant", "KV frac", "heads frac", "s_mean", "ppl", *[f"ppl {d}" for d in datasets],
-            "agree dense", "agree tuned", "tune CPU s"]
+            "agree dense", "agree tuned", "tune CPU s", "decode x dense", "KV MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         if r.get("status") != "done":
@@ -32,7 +32,8 @@ def summary_table(records: list[dict[str, Any]]) -> str:
         cells = [r["variant"], _f(r.get("kv_fraction")), _f(r.get("k_frac")), _f(r.get("s_mean")), _f(ppl["ppl"]),
                  *[_f(ppl["per_dataset"].get(d, {}).get("ppl")) for d in datasets],
                  _f(r["agreement"]["token_agreement"]), _f((r.get("agreement_tuned") or {}).get("token_agreement")),
-                 _f(_tune_seconds(r), 0)]
+                 _f(_tune_seconds(r), 0), _f((r.get("decode") or {}).get("ratio")),
+                 _f(_mib((r.get("decode") or {}).get("kv_bytes")), 0)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -71,6 +72,47 @@ def plot_ppl_vs_kv(results: Path, path: Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def load_decode_records(folders: list[Path]) -> list[dict[str, Any]]:
+    """The records of ``condcomp bench decode`` runs (each folder's ``metrics.json``)."""
+    records: list[dict[str, Any]] = []
+    for folder in folders:
+        path = Path(folder) / "metrics.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"--decode-results {folder}: no metrics.json there (write one with "
+                                    f"`condcomp bench decode --model smollm2 --out {folder}`)")
+        data = json.loads(path.read_text())
+        if data.get("benchmark") != "decode":
+            raise ValueError(f"--decode-results {folder}: metrics.json is not from `condcomp bench decode`")
+        records += data["records"]
+    return records
+
+
+def decode_of(row: dict[str, Any], bench: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The decode benchmark's cell for a variant, at the benchmark's largest prompt and batch: ``dense`` for the
+    dense rows, ``moh_<f>`` for MoH, ``keep_<f>`` at the variant's KV fraction for static and per-request plans
+    (speed depends on how many groups are kept, not which). None where no cell matches (BudgetFormer: its kept
+    fraction varies by request)."""
+    name, f = row["variant"], row.get("kv_fraction")
+    if name.startswith("dense"):
+        want = "dense"
+    elif name.startswith("moh_"):
+        want = f"moh_{int(name[4:]) / 100:g}"
+    elif name.startswith(("static", "request")) and f is not None:
+        want = f"keep_{f:.2f}"
+    else:
+        return None
+    cells = [r for r in bench if r["variant"] == want]
+    if not cells:
+        return None
+    cell = max(cells, key=lambda r: (r["prompt"], r["batch"]))
+    return {"bench_variant": want, "prompt": cell["prompt"], "batch": cell["batch"],
+            "ms_per_token": cell["decode_ms_per_token"], "ratio": cell["decode_ratio"], "kv_bytes": cell["kv_bytes"]}
+
+
+def _mib(n: float | None) -> float | None:
+    return None if n is None else n / 2**20
 
 
 def _kind(variant: str) -> str:

@@ -34,18 +34,21 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     import torch
 
     from condcomp.experiments.data import resolve_data_dir
+    from condcomp.experiments.llm_report import load_decode_records
     from condcomp.experiments.tune_llm_run import run_study
 
+    decode = load_decode_records(args.decode_results) if args.decode_results else None
     if args.report_only:
         from condcomp.experiments.tune_llm_run import write_summary
 
         for folder in [args.out] + ([args.results] if args.results else []):
-            print(write_summary(folder))
+            print(write_summary(folder, decode))
         return 0
     torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["tune-llm"] else None
-    table = run_study(settings, args.variants, args.out, args.results, resolve_data_dir(args.data_dir), command)
+    table = run_study(settings, args.variants, args.out, args.results, resolve_data_dir(args.data_dir), command,
+                      decode=decode)
     print(table)
     return 0
 
@@ -66,6 +69,10 @@ def add_commands(sub: Any) -> None:
                    help="default: the full run (~45 CPU minutes per variant); session: the reduced run")
     p.add_argument("--report-only", action="store_true",
                    help="only rebuild summary.md/summary.json/ppl_vs_kv.png from the metrics.json files present")
+    p.add_argument("--decode-results", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="folders of `condcomp bench decode` runs: the table adds decode ms/token x dense and KV MiB "
+                        "at their largest prompt and batch, joined by kept KV fraction (e.g. "
+                        "benchmarks/results/decode_smollm2_cpu benchmarks/results/decode_smollm2_moh_cpu)")
     p.add_argument("--data-dir", default=None, help="staged datasets (default ../shared/data)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     for f in fields(TuneSettings):

@@ -23,7 +23,7 @@ from condcomp.experiments.head_importance import (
 )
 from condcomp.experiments.llm_data import PackedSplit, packed_split, split_calibration, tokenizer_encoder
 from condcomp.experiments.llm_eval import agreement, continuation_nll, greedy, perplexity
-from condcomp.experiments.llm_report import plot_ppl_vs_kv, summary_table
+from condcomp.experiments.llm_report import decode_of, plot_ppl_vs_kv, summary_table
 from condcomp.experiments.llm_tuning import TuneSettings, copy_model, dump_json, make_trainable, tune
 from condcomp.experiments.llm_variants import (
     DEFAULT_ORDER,
@@ -150,7 +150,7 @@ def dense_reference(dense: nn.Module, tokenizer: Any, prompts: Tensor, s: TuneSe
 
 
 def run_study(s: TuneSettings, variants: list[str], out: Path, results: Path | None, data_dir: Path,
-              command: str | None = None, loader: Any = None) -> str:
+              command: str | None = None, loader: Any = None, decode: list[dict[str, Any]] | None = None) -> str:
     """Every variant in order; a variant this condcomp cannot run is recorded as skipped and the study goes on."""
     from condcomp.integrations.llm import load_smollm2
 
@@ -187,13 +187,17 @@ def run_study(s: TuneSettings, variants: list[str], out: Path, results: Path | N
         if results is not None:
             dump_json(results / name / "metrics.json", record)
     folders = [out] + ([results] if results is not None else [])
-    return "\n\n".join(dict.fromkeys(write_summary(folder) for folder in folders))
+    return "\n\n".join(dict.fromkeys(write_summary(folder, decode) for folder in folders))
 
 
-def write_summary(folder: Path) -> str:
+def write_summary(folder: Path, decode: list[dict[str, Any]] | None = None) -> str:
     """``summary.md`` / ``summary.json`` (and, with matplotlib, ``ppl_vs_kv.png``) of every variant that has a
-    ``metrics.json`` in ``folder``, whichever run wrote it; returns the table."""
+    ``metrics.json`` in ``folder``, whichever run wrote it; returns the table. ``decode``: records of
+    ``condcomp bench decode`` runs, joined by kept fraction (:func:`decode_of`)."""
     records = [json.loads(p.read_text()) for name in DEFAULT_ORDER if (p := folder / name / "metrics.json").is_file()]
+    for r in records:
+        if decode and r.get("status") == "done":
+            r["decode"] = decode_of(r, decode)
     tuned = next((r for r in records if r["variant"] == "dense_tuned" and r.get("greedy_tokens")), None)
     for r in records:  # agreement with the tuned dense model separates routing from domain adaptation
         if tuned is not None and r.get("greedy_tokens"):
@@ -217,4 +221,6 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         row["token_agreement_tuned"] = r["agreement_tuned"]["token_agreement"]
     if r.get("tuning"):
         row["tune_seconds"] = r["tuning"]["seconds"]
+    if (r.get("decode") or {}).get("ratio") is not None:
+        row["decode"] = r["decode"]
     return row

@@ -303,3 +303,29 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
     before = (tmp_path / "out" / "moh_50" / "metrics.json").stat().st_mtime_ns
     run_study(s, ["moh_50"], tmp_path / "out", None, data, None, loader)
     assert (tmp_path / "out" / "moh_50" / "metrics.json").stat().st_mtime_ns == before  # read back, not rerun
+
+
+def test_the_summary_joins_the_decode_benchmark_by_kept_fraction(tmp_path: Path) -> None:
+    """--report-only --decode-results: each row gets the committed benchmark's cell at prompt 2048, batch 8 for
+    its kept KV fraction (MoH: its own cell, dense: dense); BudgetFormer (a varying fraction) gets none."""
+    from condcomp.cli import main
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    folders = [root / "decode_smollm2_cpu", root / "decode_smollm2_moh_cpu"]
+    bench = [r for f in folders for r in json.loads((f / "metrics.json").read_text())["records"]]
+    cell = {(r["variant"], r["prompt"], r["batch"]): r for r in bench}
+    rows = {"dense_tuned": 1.0, "moh_75": 1.0, "static_1of3": 1 / 3, "request_2of3": 2 / 3, "budgetformer": 0.5}
+    for name, kv in rows.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps({
+            "variant": name, "status": "done", "kv_fraction": kv, "k_frac": kv, "s_mean": None,
+            "perplexity": {"ppl": 40.0, "per_dataset": {}}, "agreement": {"token_agreement": 0.5}}))
+    args = ["tune-llm", "--report-only", "--out", str(tmp_path), "--decode-results", *map(str, folders)]
+    assert main(args) == 0
+    got = {r["variant"]: r.get("decode") for r in json.loads((tmp_path / "summary.json").read_text())}
+    for name, want in [("dense_tuned", "dense"), ("moh_75", "moh_0.75"), ("static_1of3", "keep_0.33"),
+                       ("request_2of3", "keep_0.67")]:
+        ref = cell[(want, 2048, 8)]
+        assert got[name]["ratio"] == ref["decode_ratio"] and got[name]["kv_bytes"] == ref["kv_bytes"], name
+    assert got["budgetformer"] is None
+    assert main(["tune-llm", "--report-only", "--out", str(tmp_path), "--decode-results", str(tmp_path)]) != 0
