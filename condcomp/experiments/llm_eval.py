@@ -55,18 +55,22 @@ def perplexity(model: nn.Module, ids: Tensor, sources: list[str], prompt_len: in
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     usage: list[dict[str, float | None]] = []
+    kept: dict[str, list[Tensor]] = {}
     for start in range(0, ids.shape[0], batch_size):
         nll = continuation_nll(model, ids[start:start + batch_size], prompt_len).double()  # (b, T - P)
         for row, src in zip(nll, sources[start:start + batch_size]):
             sums[src] = sums.get(src, 0.0) + float(row.sum())
             counts[src] = counts.get(src, 0) + row.numel()
         usage.append(usage_summary(model))
+        for name, groups in kept_groups(model).items():
+            kept.setdefault(name, []).append(groups)
         if bar is not None:
             bar.update(1)
     per = {s: {"nll": sums[s] / counts[s], "ppl": math.exp(sums[s] / counts[s]), "tokens": counts[s]} for s in sums}
     total = sum(sums.values()) / sum(counts.values())
     mean_usage = {k: (sum(u[k] for u in usage) / len(usage) if all(u[k] is not None for u in usage) else None)  # type: ignore[misc]
                   for k in usage[0]}
+    mean_usage["plan_variety"] = plan_variety({n: torch.cat(g) for n, g in kept.items()})
     return {"nll": total, "ppl": math.exp(total), "tokens": sum(counts.values()), "per_dataset": per,
             "usage": mean_usage}
 
@@ -106,6 +110,36 @@ def usage_summary(model: nn.Module) -> dict[str, float | None]:
     kv = [_kv_fraction(m) for m in routed.values()]
     known = [f for f in kv if f is not None]
     return {"s_mean": s_mean, "k_frac": k_frac, "kv_frac": sum(known) / len(known) if known else None}
+
+
+def kept_groups(model: nn.Module) -> dict[str, Tensor]:
+    """Per routed layer with a sequence plan in its last forward: the KV groups each row kept, ``(B, G)`` bool."""
+    out = {}
+    for name, module in condcomp.routed_modules(model).items():
+        last = getattr(module, "last", None)
+        plan = last.plan if last is not None else None
+        if plan is None or plan.active.dim() != 2:
+            continue
+        G = module.layout.num_kv_heads  # type: ignore[union-attr]
+        out[name] = plan.active.view(plan.active.shape[0], G, -1).any(-1).cpu()
+    return out
+
+
+def plan_variety(kept: dict[str, Tensor]) -> float | None:
+    """How much per-request plans vary: per layer, the fraction of requests whose kept KV groups differ from the
+    layer's most common set, averaged over layers (0: every request kept the same groups, as static pruning
+    does). None without sequence plans.
+
+    >>> plan_variety({"a": torch.tensor([[1, 0], [1, 0], [0, 1], [1, 0]]).bool()})
+    0.25
+    """
+    if not kept:
+        return None
+    varied = []
+    for groups in kept.values():  # (N, G)
+        _sets, counts = torch.unique(groups, dim=0, return_counts=True)
+        varied.append(1.0 - float(counts.max()) / groups.shape[0])
+    return sum(varied) / len(varied)
 
 
 def _kv_fraction(module: nn.Module) -> float | None:

@@ -12,7 +12,8 @@ def _f(v: Any, digits: int = 2) -> str:
 
 
 def summary_table(records: list[dict[str, Any]]) -> str:
-    """Markdown: KV fraction, query-head fraction, budget, held-out perplexity (overall and per dataset),
+    """Markdown: KV fraction, query-head fraction, budget, how often a request's kept groups differ from the layer's
+    most common set (``plan_variety``), held-out perplexity (overall and per dataset),
     token agreement of greedy continuations with the untuned and the tuned dense model's, tuning seconds;
     skipped and failed variants say why."""
     datasets: list[str] = []
@@ -20,7 +21,7 @@ def summary_table(records: list[dict[str, Any]]) -> str:
         for d in (r.get("perplexity") or {}).get("per_dataset", {}):
             if d not in datasets:
                 datasets.append(d)
-    head = ["variant", "KV frac", "heads frac", "s_mean", "ppl", *[f"ppl {d}" for d in datasets],
+    head = ["variant", "KV frac", "heads frac", "s_mean", "plans varied", "ppl", *[f"ppl {d}" for d in datasets],
             "agree dense", "agree tuned", "tune CPU s", "decode x dense", "KV MiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
@@ -29,7 +30,8 @@ def summary_table(records: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['variant']} | {r.get('status')}: {reason} |" + " |" * (len(head) - 2))
             continue
         ppl = r["perplexity"]
-        cells = [r["variant"], _f(r.get("kv_fraction")), _f(r.get("k_frac")), _f(r.get("s_mean")), _f(ppl["ppl"]),
+        cells = [r["variant"], _f(r.get("kv_fraction")), _f(r.get("k_frac")), _f(r.get("s_mean")),
+                 _f(r.get("plan_variety")), _f(ppl["ppl"]),
                  *[_f(ppl["per_dataset"].get(d, {}).get("ppl")) for d in datasets],
                  _f(r["agreement"]["token_agreement"]), _f((r.get("agreement_tuned") or {}).get("token_agreement")),
                  _f(_tune_seconds(r), 0), _f((r.get("decode") or {}).get("ratio")),

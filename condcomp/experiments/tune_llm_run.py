@@ -114,6 +114,7 @@ def run_variant(name: str, dense: nn.Module, tokenizer: Any, data: tuple[PackedS
     bar.close()
     usage = record["perplexity"].pop("usage")
     record["s_mean"], record["k_frac"] = usage["s_mean"], usage["k_frac"]
+    record["plan_variety"] = usage["plan_variety"]  # 0: every request kept the same groups
     record["kv_fraction"] = usage["kv_frac"] if usage["kv_frac"] is not None else v.kv_fraction  # measured
     prompts = agreement_prompts(test, s)
     tokens = greedy(model, prompts, s.agree_tokens, _pad(tokenizer))
@@ -210,7 +211,7 @@ def write_summary(folder: Path, decode: list[dict[str, Any]] | None = None) -> s
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:
-    keys = ("variant", "status", "kv_fraction", "k_frac", "s_mean", "reason")
+    keys = ("variant", "status", "kv_fraction", "k_frac", "s_mean", "plan_variety", "reason")
     row = {k: r.get(k) for k in keys}
     if r.get("perplexity"):
         row["ppl"] = r["perplexity"]["ppl"]

@@ -24,7 +24,7 @@ from condcomp.experiments.head_importance import (
     warm_start_scores,
 )
 from condcomp.experiments.llm_data import pack_documents, packed_split, split_calibration
-from condcomp.experiments.llm_eval import agreement, continuation_nll
+from condcomp.experiments.llm_eval import agreement, continuation_nll, kept_groups, plan_variety
 from condcomp.experiments.llm_tuning import TuneSettings, make_trainable, tune
 from condcomp.experiments.llm_variants import apply_variant
 from condcomp.types import Budget
@@ -223,6 +223,9 @@ def test_a_warm_started_request_variant_begins_as_static_pruning_of_the_importan
         got = routed(input_ids=x).logits
         want = pruned(input_ids=x).logits
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    kept = kept_groups(routed)
+    assert [g[0].tolist() for g in kept.values()] == [[False, True], [True, False]]
+    assert plan_variety(kept) == 0.0  # every request the same groups
     with pytest.raises(ValueError, match="warm_scores"):
         apply_variant(copy.deepcopy(dense), "request_1of3_warm", "auto")
 
@@ -296,6 +299,7 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
     assert records["dense_untuned"]["agreement"]["token_agreement"] == 1.0
     assert records["static_1of3"]["kv_fraction"] == 0.5  # measured from the plans: 1 of the tiny model's 2 groups
     assert records["request_1of3_warm"]["kv_fraction"] == 0.5
+    assert records["static_1of3"]["plan_variety"] == 0.0 and records["moh_50"]["plan_variety"] is None
     assert records["static_1of3"]["tuning"]["steps"] == 2 and records["moh_50"]["kv_fraction"] == 1.0
     assert math.isfinite(records["moh_50"]["perplexity"]["ppl"]) and "| static_1of3 |" in table
     assert (tmp_path / "results" / "static_importance.json").is_file()
@@ -329,3 +333,10 @@ def test_the_summary_joins_the_decode_benchmark_by_kept_fraction(tmp_path: Path)
         assert got[name]["ratio"] == ref["decode_ratio"] and got[name]["kv_bytes"] == ref["kv_bytes"], name
     assert got["budgetformer"] is None
     assert main(["tune-llm", "--report-only", "--out", str(tmp_path), "--decode-results", str(tmp_path)]) != 0
+
+
+def test_plan_variety_counts_requests_off_each_layers_most_common_set() -> None:
+    a = torch.tensor([[1, 0, 1], [1, 0, 1], [0, 1, 1], [1, 0, 1]]).bool()  # 1 of 4 off the modal set
+    b = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0]]).bool()  # 2 of 4 off
+    assert plan_variety({"a": a, "b": b}) == pytest.approx((0.25 + 0.5) / 2)
+    assert plan_variety({}) is None
