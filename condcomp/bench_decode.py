@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -67,10 +68,7 @@ def parse_variant(name: str) -> tuple[str, float]:
     if name in ("dense", "full"):
         return name, 1.0
     kind, _, value = name.partition("_")
-    try:
-        f = float(value)
-    except ValueError:
-        f = -1.0
+    f = float(value) if re.fullmatch(r"\d*\.?\d+", value) else -1.0
     if kind not in ("keep", "moh") or not 0.0 < f <= 1.0:
         raise ValueError(f"unknown decode variant {name!r}: use dense, full, keep_<f> or moh_<f> with f in (0, 1], "
                          "e.g. keep_0.33 or moh_0.75")
@@ -194,8 +192,9 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor,
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
         new_tokens: int = 24, reps: int = 3, threads: int = 2, device: str = "cpu",
         names: list[str] | None = None) -> list[dict[str, Any]]:
-    for name in names or ():
-        parse_variant(name)  # a typo fails now, not after loading the model
+    parsed = [parse_variant(name) for name in names or ()]  # a typo fails now, not after loading the model
+    if len(set(parsed)) < len(parsed):
+        raise ValueError(f"--variants names one variant twice: {' '.join(names or ())}")
     torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -227,17 +226,27 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
                 "kv_bytes": rs[-1]["kv_bytes"], "kv_ratio": rs[-1]["kv_bytes"] / base[-1]["kv_bytes"],
                 "peak_memory_bytes": max((r["peak"] or 0) for r in rs) or None,
                 "tokens_equal_dense": all(torch.equal(r["tokens"], b["tokens"]) for r, b in zip(rs, base)),
+                "k_frac": _k_frac(models[name]),  # query heads per decode token, as a fraction
             })
     bar.close()
     return records
 
 
+def _k_frac(model: nn.Module) -> float:
+    """The fraction of query heads the last forward (a decode step) computed, over layers; 1.0 unwrapped."""
+    import condcomp
+
+    usage = [u for u in condcomp.head_usage(model).values() if u is not None]
+    return sum(u.k_frac for u in usage) / len(usage) if usage else 1.0
+
+
 def table(records: list[dict[str, Any]]) -> str:
-    lines = ["| prompt | batch | variant | prefill ms | x dense | decode ms/token | x dense | KV MiB | x dense | "
-             "peak memory MiB | tokens = dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| prompt | batch | variant | heads/token | prefill ms | x dense | decode ms/token | x dense | KV MiB | "
+             "x dense | peak memory MiB | tokens = dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         rss = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r['peak_memory_bytes'] else "n/a"
-        lines.append(f"| {r['prompt']} | {r['batch']} | {r['variant']} | {r['prefill_ms']:.1f} | "
+        heads = f"{r['k_frac']:.2f}" if r.get("k_frac") is not None else "-"
+        lines.append(f"| {r['prompt']} | {r['batch']} | {r['variant']} | {heads} | {r['prefill_ms']:.1f} | "
                      f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
                      f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_ratio']:.2f} | {rss} | {r['tokens_equal_dense']} |")
     return "\n".join(lines)
@@ -260,7 +269,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"))
+    parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
+                        help="smollm2 (default; needs condcomp[llm]) or tiny-llama (a random Llama, no download)")
     parser.add_argument("--out", required=True, help="folder for metrics.json and table.md")
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 2048], help="prompt lengths")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
@@ -272,10 +282,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "moh_<f> (MoH conversion keeping f of the heads per token); default: dense, full and "
                              "the model's keep_<f>; dense is always run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: RSS on CPU, allocator on CUDA)")
-    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (prompt 16, batch 2)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run (prompt 16, batch 2, 4 tokens; seconds with --model tiny-llama)")
 
 
 def add_bench_commands(bench_subparsers: Any) -> None:
-    p = bench_subparsers.add_parser("decode", help="causal LM prefill and decode with a KV cache: dense vs wrapped")
+    p = bench_subparsers.add_parser("decode", help="causal LM prefill and decode with a KV cache: dense vs wrapped",
+                                    description="Prefill and greedy decoding with a KV cache, every variant "
+                                                "interleaved step by step with the dense model; prints a table and "
+                                                "writes metrics.json and table.md (docs/llm.md).")
     add_arguments(p)
     p.set_defaults(func=main)

@@ -213,7 +213,10 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
     device = _module_device(module)
     if policy is None:
         policy = POLICIES.build(config.policy[0], config.policy[1], facts)
-    router = ROUTERS.build(config.router[0], config.router[1], facts)
+    try:
+        router = ROUTERS.build(config.router[0], config.router[1], facts)
+    except (TypeError, ValueError) as e:  # options that depend on the layer (e.g. one init score per head)
+        raise type(e)(f"cannot wrap {name}: {e}") from None
     for component in (policy, router):
         if isinstance(component, nn.Module):
             component.to(device)  # on the layer's device; float32 whatever the model's dtype (RoutingHost's rule)

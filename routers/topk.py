@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -112,10 +112,7 @@ class TopKRouter(nn.Module):
         if gates not in GATE_MODES:
             raise ValueError(f"topk router: gates must be one of {GATE_MODES}, got {gates!r}")
         if init_scores is not None:
-            if isinstance(init_scores, (str, bytes)) or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in init_scores):
-                raise TypeError(f"topk router: init_scores must be a list of finite numbers (one per head, or per "
-                                f"KV group with kv_groups=True), got {init_scores!r}")
+            _check_scores(init_scores)
 
     def _warm_start(self, init_scores: Sequence[float], units: int) -> None:
         """Output layer: weights 0, bias ``init_scores`` (the prior ranking, whatever the input)."""
@@ -188,3 +185,17 @@ class TopKRouter(nn.Module):
         if self._token_level:
             return 2.0 * T * params
         return float(T * self.d_model) + 2.0 * params
+
+
+def _check_scores(init_scores: Any) -> None:
+    """A list or tuple of real numbers, finite in float32 (the scorer's dtype)."""
+    if not isinstance(init_scores, (list, tuple)):
+        hint = " (a tensor or array: pass .tolist())" if hasattr(init_scores, "tolist") else ""
+        raise TypeError(f"topk router: init_scores must be a list of numbers (one per head, or per KV group with "
+                        f"kv_groups=True), got {type(init_scores).__name__}{hint}")
+    bad = [v for v in init_scores if isinstance(v, bool) or not isinstance(v, numbers.Real)]
+    if bad:
+        raise TypeError(f"topk router: init_scores must hold numbers, got {bad[:3]!r}")
+    if not bool(torch.tensor([float(v) for v in init_scores], dtype=torch.float32).isfinite().all()):
+        raise ValueError(f"topk router: init_scores must be finite in float32 (|score| < 3.4e38, no NaN), got "
+                         f"{list(init_scores)!r}")

@@ -11,7 +11,7 @@ def _f(v: Any, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def summary_table(records: list[dict[str, Any]]) -> str:
+def summary_table(records: list[dict[str, Any]], decode_at: tuple[int, int] | None = None) -> str:
     """Markdown: KV fraction, query-head fraction, budget, how often a request's kept groups differ from the layer's
     most common set (``plan_variety``), held-out perplexity (overall and per dataset),
     token agreement of greedy continuations with the untuned and the tuned dense model's, tuning seconds;
@@ -22,7 +22,9 @@ def summary_table(records: list[dict[str, Any]]) -> str:
             if d not in datasets:
                 datasets.append(d)
     head = ["variant", "KV frac", "heads frac", "s_mean", "plans varied", "ppl", *[f"ppl {d}" for d in datasets],
-            "agree dense", "agree tuned", "tune CPU s", "decode x dense", "KV MiB"]
+            "agree dense", "agree tuned", "tune CPU s"]
+    if decode_at is not None:
+        head += [f"decode x dense (P{decode_at[0]} B{decode_at[1]})", f"KV MiB (P{decode_at[0]} B{decode_at[1]})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         if r.get("status") != "done":
@@ -34,8 +36,9 @@ def summary_table(records: list[dict[str, Any]]) -> str:
                  _f(r.get("plan_variety")), _f(ppl["ppl"]),
                  *[_f(ppl["per_dataset"].get(d, {}).get("ppl")) for d in datasets],
                  _f(r["agreement"]["token_agreement"]), _f((r.get("agreement_tuned") or {}).get("token_agreement")),
-                 _f(_tune_seconds(r), 0), _f((r.get("decode") or {}).get("ratio")),
-                 _f(_mib((r.get("decode") or {}).get("kv_bytes")), 0)]
+                 _f(_tune_seconds(r), 0)]
+        if decode_at is not None:
+            cells += [_f((r.get("decode") or {}).get("ratio")), _f(_mib((r.get("decode") or {}).get("kv_bytes")), 0)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -76,41 +79,61 @@ def plot_ppl_vs_kv(results: Path, path: Path) -> Path | None:
     return path
 
 
-def load_decode_records(folders: list[Path]) -> list[dict[str, Any]]:
-    """The records of ``condcomp bench decode`` runs (each folder's ``metrics.json``)."""
+def load_decode_records(paths: list[Path], model: str = "smollm2") -> list[dict[str, Any]]:
+    """The records of ``condcomp bench decode`` runs of ``model`` (each folder's ``metrics.json``, or the file)."""
     records: list[dict[str, Any]] = []
-    for folder in folders:
-        path = Path(folder) / "metrics.json"
+    for given in paths:
+        path = Path(given) / "metrics.json" if Path(given).is_dir() else Path(given)
         if not path.is_file():
-            raise FileNotFoundError(f"--decode-results {folder}: no metrics.json there (write one with "
-                                    f"`condcomp bench decode --model smollm2 --out {folder}`)")
-        data = json.loads(path.read_text())
-        if data.get("benchmark") != "decode":
-            raise ValueError(f"--decode-results {folder}: metrics.json is not from `condcomp bench decode`")
+            raise FileNotFoundError(f"--decode-results {given}: no metrics.json there (write one with "
+                                    f"`condcomp bench decode --model {model} --out FOLDER` and pass the folder)")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--decode-results {path}: not valid JSON ({err})") from None
+        if not isinstance(data, dict) or data.get("benchmark") != "decode" or not isinstance(data.get("records"), list):
+            raise ValueError(f"--decode-results {path}: not the metrics.json of `condcomp bench decode`")
+        other = sorted({str(r.get("model")) for r in data["records"]} - {model})
+        if other:
+            raise ValueError(f"--decode-results {path}: measured {', '.join(other)}, not {model}; the table joins "
+                             f"decode speed of the model it tuned")
         records += data["records"]
+    devices = sorted({str(r.get("device")) for r in records})
+    if len(devices) > 1:
+        raise ValueError(f"--decode-results mixes devices ({', '.join(devices)}); pass one device's runs")
     return records
 
 
+def decode_setting(bench: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """The ``(prompt, batch)`` every row is joined at: the largest prompt x batch the dense model was run at."""
+    cells = [(r["prompt"], r["batch"]) for r in bench if r["variant"] == "dense"]
+    return max(cells, key=lambda c: (c[0] * c[1], c)) if cells else None
+
+
 def decode_of(row: dict[str, Any], bench: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The decode benchmark's cell for a variant, at the benchmark's largest prompt and batch: ``dense`` for the
-    dense rows, ``moh_<f>`` for MoH, ``keep_<f>`` at the variant's KV fraction for static and per-request plans
-    (speed depends on how many groups are kept, not which). None where no cell matches (BudgetFormer: its kept
-    fraction varies by request)."""
-    name, f = row["variant"], row.get("kv_fraction")
+    """The decode benchmark's cell for a variant at :func:`decode_setting`: ``dense`` for the dense rows,
+    ``moh_<f>`` at the variant's head fraction for MoH, ``keep_<f>`` at its KV fraction for static and
+    per-request plans (speed depends on how many groups are kept, not which). Ratios are to the dense model of
+    the same benchmark run. None where no cell matches (BudgetFormer: its kept fraction varies by request)."""
+    from condcomp.bench_decode import parse_variant
+
+    name, setting = row["variant"], decode_setting(bench)
+    if setting is None:
+        return None
     if name.startswith("dense"):
-        want = "dense"
+        want: tuple[str, float] = ("dense", 1.0)
     elif name.startswith("moh_"):
-        want = f"moh_{int(name[4:]) / 100:g}"
-    elif name.startswith(("static", "request")) and f is not None:
-        want = f"keep_{f:.2f}"
+        want = ("moh", int(name[4:]) / 100)
+    elif name.startswith(("static", "request")) and row.get("kv_fraction") is not None:
+        want = ("keep", float(row["kv_fraction"]))
     else:
         return None
-    cells = [r for r in bench if r["variant"] == want]
-    if not cells:
-        return None
-    cell = max(cells, key=lambda r: (r["prompt"], r["batch"]))
-    return {"bench_variant": want, "prompt": cell["prompt"], "batch": cell["batch"],
-            "ms_per_token": cell["decode_ms_per_token"], "ratio": cell["decode_ratio"], "kv_bytes": cell["kv_bytes"]}
+    for r in bench:
+        kind, f = parse_variant(r["variant"])
+        if (r["prompt"], r["batch"]) == setting and kind == want[0] and abs(f - want[1]) < 0.01:
+            return {"bench_variant": r["variant"], "prompt": r["prompt"], "batch": r["batch"],
+                    "ms_per_token": r["decode_ms_per_token"], "ratio": r["decode_ratio"], "kv_bytes": r["kv_bytes"]}
+    return None
 
 
 def _mib(n: float | None) -> float | None:

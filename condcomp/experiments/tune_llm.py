@@ -41,7 +41,11 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     if args.report_only:
         from condcomp.experiments.tune_llm_run import write_summary
 
-        for folder in [args.out] + ([args.results] if args.results else []):
+        folders = [f for f in dict.fromkeys([args.out, args.results]) if f is not None and f.is_dir()]
+        if not folders:
+            raise FileNotFoundError(f"--report-only: neither {args.out} nor {args.results} is a folder of "
+                                    "tune-llm results (pass --results results/llm, or --out your run folder)")
+        for folder in folders:
             print(write_summary(folder, decode))
         return 0
     torch.set_num_threads(args.threads)

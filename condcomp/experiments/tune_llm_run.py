@@ -23,7 +23,7 @@ from condcomp.experiments.head_importance import (
 )
 from condcomp.experiments.llm_data import PackedSplit, packed_split, split_calibration, tokenizer_encoder
 from condcomp.experiments.llm_eval import agreement, continuation_nll, greedy, perplexity
-from condcomp.experiments.llm_report import decode_of, plot_ppl_vs_kv, summary_table
+from condcomp.experiments.llm_report import decode_of, decode_setting, plot_ppl_vs_kv, summary_table
 from condcomp.experiments.llm_tuning import TuneSettings, copy_model, dump_json, make_trainable, tune
 from condcomp.experiments.llm_variants import (
     DEFAULT_ORDER,
@@ -203,7 +203,7 @@ def write_summary(folder: Path, decode: list[dict[str, Any]] | None = None) -> s
     for r in records:  # agreement with the tuned dense model separates routing from domain adaptation
         if tuned is not None and r.get("greedy_tokens"):
             r["agreement_tuned"] = agreement(torch.tensor(r["greedy_tokens"]), torch.tensor(tuned["greedy_tokens"]))
-    table = summary_table(records)
+    table = summary_table(records, decode_setting(decode) if decode else None)
     (folder / "summary.md").write_text(table + "\n")
     dump_json(folder / "summary.json", [_row(r) for r in records])
     plot_ppl_vs_kv(folder, folder / "ppl_vs_kv.png")

@@ -309,7 +309,8 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
     assert (tmp_path / "out" / "moh_50" / "metrics.json").stat().st_mtime_ns == before  # read back, not rerun
 
 
-def test_the_summary_joins_the_decode_benchmark_by_kept_fraction(tmp_path: Path) -> None:
+def test_the_summary_joins_the_decode_benchmark_by_kept_fraction(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """--report-only --decode-results: each row gets the committed benchmark's cell at prompt 2048, batch 8 for
     its kept KV fraction (MoH: its own cell, dense: dense); BudgetFormer (a varying fraction) gets none."""
     from condcomp.cli import main
@@ -332,11 +333,18 @@ def test_the_summary_joins_the_decode_benchmark_by_kept_fraction(tmp_path: Path)
         ref = cell[(want, 2048, 8)]
         assert got[name]["ratio"] == ref["decode_ratio"] and got[name]["kv_bytes"] == ref["kv_bytes"], name
     assert got["budgetformer"] is None
-    assert main(["tune-llm", "--report-only", "--out", str(tmp_path), "--decode-results", str(tmp_path)]) != 0
-
-
-def test_plan_variety_counts_requests_off_each_layers_most_common_set() -> None:
-    a = torch.tensor([[1, 0, 1], [1, 0, 1], [0, 1, 1], [1, 0, 1]]).bool()  # 1 of 4 off the modal set
-    b = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0]]).bool()  # 2 of 4 off
-    assert plan_variety({"a": a, "b": b}) == pytest.approx((0.25 + 0.5) / 2)
-    assert plan_variety({}) is None
+    assert "decode x dense (P2048 B8)" in (tmp_path / "summary.md").read_text()
+    # the documented `--report-only --results results/llm` without a run folder (--out defaults to runs/llm)
+    assert main(["tune-llm", "--report-only", "--out", str(tmp_path / "no_run"), "--results", str(tmp_path)]) == 0
+    # refused: no file, another model's benchmark, a tune-llm metrics.json, a corrupt file
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    tiny_records = [{**bench[0], "model": "tiny-llama"}]
+    (tiny / "metrics.json").write_text(json.dumps({"benchmark": "decode", "records": tiny_records}))
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{")
+    for bad, message in [(tmp_path / "nowhere", "no metrics.json"), (tiny, "measured tiny-llama"),
+                         (tmp_path / "dense_tuned", "not the metrics.json of `condcomp bench decode`"),
+                         (corrupt, "not valid JSON")]:
+        assert main(["tune-llm", "--report-only", "--out", str(tmp_path), "--decode-results", str(bad)]) != 0
+        assert message in capsys.readouterr().err

@@ -203,12 +203,28 @@ def test_warm_start_routes_as_static_pruning_of_the_prior_until_trained() -> Non
 
 
 def test_warm_start_scores_are_checked() -> None:
-    with pytest.raises(TypeError, match="init_scores"):
-        condcomp.CondCompConfig(policy="budgetformer", router=("topk", {"init_scores": [1.0, float("nan")]}))
-    with pytest.raises(TypeError, match="init_scores"):
-        condcomp.CondCompConfig(policy="budgetformer", router=("topk", {"init_scores": "high"}))
+    np = pytest.importorskip("numpy")
+
+    def config(scores: Any) -> condcomp.CondCompConfig:
+        return condcomp.CondCompConfig(policy="budgetformer", router=("topk", {"init_scores": scores}))
+
+    for scores, error, message in [
+        ([1.0, float("nan")], ValueError, "finite"),
+        ([0.0, 1e39], ValueError, "finite in float32"),  # a float64 number, inf as the float32 bias
+        ("high", TypeError, "got str"),
+        (3.0, TypeError, "got float"),
+        ({0: 5.0, 1: -5.0}, TypeError, "got dict"),  # its keys would be the scores
+        ((v for v in [1.0, 2.0]), TypeError, "got generator"),
+        (np.array([0.0, 1.0]), TypeError, r"pass \.tolist\(\)"),
+        ([True, False], TypeError, "must hold numbers"),
+    ]:
+        with pytest.raises(error, match=message):
+            config(scores)
+    config([np.float32(0.5), 2, 1.5])  # numpy scalars and ints are numbers
     with pytest.raises(ValueError, match="3 scores but the layer has 8 heads"):
         TopKRouter(d_model=D, num_heads=H, init_scores=[1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"cannot wrap 0: .*3 scores but the layer has 8 heads"):
+        stack(condcomp.CondCompConfig(policy="full", router=("topk", {"init_scores": [1.0, 2.0, 3.0]})))
     mlp = TopKRouter(d_model=D, num_heads=H, hidden=4, init_scores=list(range(H))).eval()
     budget = Budget(s=torch.full((2,), 0.25), k=torch.full((2,), 2))
     assert mlp(torch.randn(2, 3, D), None, budget, None).active.nonzero()[:, 1].tolist() == [6, 7, 6, 7]
