@@ -348,3 +348,10 @@ def test_the_summary_joins_the_decode_benchmark_by_kept_fraction(tmp_path: Path,
                          (corrupt, "not valid JSON")]:
         assert main(["tune-llm", "--report-only", "--out", str(tmp_path), "--decode-results", str(bad)]) != 0
         assert message in capsys.readouterr().err
+
+
+def test_plan_variety_counts_requests_off_each_layers_most_common_set() -> None:
+    a = torch.tensor([[1, 0, 1], [1, 0, 1], [0, 1, 1], [1, 0, 1]]).bool()  # 1 of 4 off the modal set
+    b = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0]]).bool()  # 2 of 4 off
+    assert plan_variety({"a": a, "b": b}) == pytest.approx((0.25 + 0.5) / 2)
+    assert plan_variety({}) is None
