@@ -37,6 +37,7 @@ class TuneSettings:
     batch_size: int = 4
     steps: int = 300
     lr: float = 1e-3
+    router_lr: float | None = None  # the routing parameters' learning rate (None: lr)
     warmup: int = 10
     tune: str = "lora"  # "lora" (peft) | "attention" (the q/k/v/o weights themselves)
     lora_rank: int = 16
@@ -59,12 +60,15 @@ class TuneSettings:
             raise ValueError(f"prompt_len ({self.prompt_len}) must be in [1, seq_len - 1 = {self.seq_len - 1}]")
         if min(self.batch_size, self.steps, self.eval_seqs, self.checkpoint_every) < 1:
             raise ValueError("batch_size, steps, eval_seqs and checkpoint_every must be >= 1")
+        if self.router_lr is not None and not self.router_lr > 0:
+            raise ValueError(f"router_lr must be positive (or None: the same as lr), got {self.router_lr}")
 
     def tuning_key(self) -> dict[str, Any]:
         """The settings a checkpoint must share with the run that resumes it."""
-        keep = ("seq_len", "prompt_len", "batch_size", "steps", "lr", "warmup", "tune", "lora_rank", "lora_alpha",
-                "calib_seqs", "seed", "datasets")
-        return {k: v for k, v in asdict(self).items() if k in keep}
+        keep = ("seq_len", "prompt_len", "batch_size", "steps", "lr", "router_lr", "warmup", "tune", "lora_rank",
+                "lora_alpha", "calib_seqs", "seed", "datasets")
+        # a field left at None is left out: checkpoints written before it existed still match
+        return {k: v for k, v in asdict(self).items() if k in keep and v is not None}
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -115,10 +119,17 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
     ``stop_after``: return after that many steps of this call (a checkpoint is written). Returns the record:
     step reached, seconds spent over all calls, and the loss history.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     if not params:
         raise ValueError("tune: the model has no trainable parameter")
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    groups: list[dict[str, Any]] = [{"params": params}]  # one group unless router_lr (as checkpoints expect)
+    if settings.router_lr is not None:  # the LambdaLR schedule scales both groups alike
+        routing = {id(p) for n, p in named if "condcomp_policy" in n or "condcomp_router" in n}
+        groups = [{"params": [p for p in params if id(p) not in routing]}]
+        if routing:
+            groups.append({"params": [p for p in params if id(p) in routing], "lr": settings.router_lr})
+    opt = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, settings.steps, settings.warmup))
     state: dict[str, Any] = {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
     if checkpoint.is_file():

@@ -83,7 +83,8 @@ def add_commands(sub: Any) -> None:
         if f.name == "datasets":
             p.add_argument("--datasets", nargs="+", default=None, choices=list(LM_DATASETS))
             continue
-        kind: Callable[[str], Any] = {"int": int, "float": float}.get(str(f.type), str)
+        kind: Callable[[str], Any] = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
+        default = "--lr" if f.name == "router_lr" else f.default
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
-                       help=f"(default {f.default})")
+                       help=f"(default {default})")
     p.set_defaults(func=_cmd_tune_llm)

@@ -172,8 +172,7 @@ def run_study(s: TuneSettings, variants: list[str], out: Path, results: Path | N
     for name in variants:
         path = out / name / "metrics.json"
         record = json.loads(path.read_text()) if path.is_file() else None
-        if record is None or record.get("status") != "done" or record.get("settings") != asdict(s) | {
-                "datasets": list(s.datasets)}:
+        if record is None or record.get("status") != "done" or not same_settings(record.get("settings"), s):
             try:
                 record = run_variant(name, dense, tokenizer, data, s, out, reference, static)
             except MissingFeature as err:
@@ -189,6 +188,15 @@ def run_study(s: TuneSettings, variants: list[str], out: Path, results: Path | N
             dump_json(results / name / "metrics.json", record)
     folders = [out] + ([results] if results is not None else [])
     return "\n\n".join(dict.fromkeys(write_summary(folder, decode) for folder in folders))
+
+
+def same_settings(saved: dict[str, Any] | None, s: TuneSettings) -> bool:
+    """Whether a metrics.json was written with settings ``s`` (fields at None count as absent, so records written
+    before a field existed still match)."""
+    def key(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if v is not None}
+
+    return saved is not None and key(saved) == key(asdict(s) | {"datasets": list(s.datasets)})
 
 
 def write_summary(folder: Path, decode: list[dict[str, Any]] | None = None) -> str:

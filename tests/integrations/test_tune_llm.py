@@ -167,6 +167,22 @@ def test_a_stopped_run_resumes_from_its_checkpoint_and_ends_where_an_uninterrupt
         tune(_routed_lora(7), data, TuneSettings(**{**SETTINGS.__dict__, "lr": 0.5}), tmp_path / "b.pt")
 
 
+def test_router_lr_sets_the_routing_parameters_step_apart_from_the_adapters(tmp_path: Path) -> None:
+    """Adam's first step moves every parameter with a gradient by exactly its learning rate (times the warm-up
+    factor, 1 here), whatever the gradient's size: the largest move per group is its learning rate."""
+    model = _routed_lora(7)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    settings = TuneSettings(**{**SETTINGS.__dict__, "router_lr": 0.1})
+    tune(model, ids(B=6, T=12, seed=3), settings, tmp_path / "c.pt", stop_after=1)
+    moved = {n: float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters() if n in before}
+    router = max(v for n, v in moved.items() if "condcomp_router" in n)
+    lora = max(v for n, v in moved.items() if "lora_" in n)
+    assert router == pytest.approx(0.1, rel=1e-3) and lora == pytest.approx(SETTINGS.lr, rel=1e-3)
+    assert "router_lr" in settings.tuning_key() and "router_lr" not in SETTINGS.tuning_key()
+    with pytest.raises(ValueError, match="router_lr must be positive"):
+        TuneSettings(router_lr=0.0)
+
+
 # ----------------------------------------------------------------------------------------------- static router
 def test_static_router_keeps_a_prefix_of_its_ranking_and_checks_options() -> None:
     r = StaticRouter(num_heads=4, heads=[2, 0, 3])
