@@ -192,6 +192,8 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor,
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
         new_tokens: int = 24, reps: int = 3, threads: int = 2, device: str = "cpu",
         names: list[str] | None = None) -> list[dict[str, Any]]:
+    from condcomp.experiments.llm_eval import usage_summary
+
     parsed = [parse_variant(name) for name in names or ()]  # a typo fails now, not after loading the model
     if len(set(parsed)) < len(parsed):
         raise ValueError(f"--variants names one variant twice: {' '.join(names or ())}")
@@ -226,18 +228,10 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
                 "kv_bytes": rs[-1]["kv_bytes"], "kv_ratio": rs[-1]["kv_bytes"] / base[-1]["kv_bytes"],
                 "peak_memory_bytes": max((r["peak"] or 0) for r in rs) or None,
                 "tokens_equal_dense": all(torch.equal(r["tokens"], b["tokens"]) for r, b in zip(rs, base)),
-                "k_frac": _k_frac(models[name]),  # query heads per decode token, as a fraction
+                "k_frac": usage_summary(models[name])["k_frac"],  # query heads per decode token (last step)
             })
     bar.close()
     return records
-
-
-def _k_frac(model: nn.Module) -> float:
-    """The fraction of query heads the last forward (a decode step) computed, over layers; 1.0 unwrapped."""
-    import condcomp
-
-    usage = [u for u in condcomp.head_usage(model).values() if u is not None]
-    return sum(u.k_frac for u in usage) / len(usage) if usage else 1.0
 
 
 def table(records: list[dict[str, Any]]) -> str:

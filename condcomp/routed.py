@@ -211,11 +211,11 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
     check_projections(adapter, module, name)
     facts = layer_facts(adapter)
     device = _module_device(module)
-    if policy is None:
-        policy = POLICIES.build(config.policy[0], config.policy[1], facts)
-    try:
+    try:  # options checked against the layer (e.g. one init score per head) name the layer when they fail
+        if policy is None:
+            policy = POLICIES.build(config.policy[0], config.policy[1], facts)
         router = ROUTERS.build(config.router[0], config.router[1], facts)
-    except (TypeError, ValueError) as e:  # options that depend on the layer (e.g. one init score per head)
+    except (TypeError, ValueError) as e:
         raise type(e)(f"cannot wrap {name}: {e}") from None
     for component in (policy, router):
         if isinstance(component, nn.Module):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import condcomp
+from condcomp.executors.gathered import kv_active
 
 
 @contextlib.contextmanager
@@ -114,15 +115,8 @@ def usage_summary(model: nn.Module) -> dict[str, float | None]:
 
 def kept_groups(model: nn.Module) -> dict[str, Tensor]:
     """Per routed layer with a sequence plan in its last forward: the KV groups each row kept, ``(B, G)`` bool."""
-    out = {}
-    for name, module in condcomp.routed_modules(model).items():
-        last = getattr(module, "last", None)
-        plan = last.plan if last is not None else None
-        if plan is None or plan.active.dim() != 2:
-            continue
-        G = module.layout.num_kv_heads  # type: ignore[union-attr]
-        out[name] = plan.active.view(plan.active.shape[0], G, -1).any(-1).cpu()
-    return out
+    kept = {name: _kept_kv_groups(module) for name, module in condcomp.routed_modules(model).items()}
+    return {name: groups.cpu() for name, groups in kept.items() if groups is not None}
 
 
 def plan_variety(kept: dict[str, Tensor]) -> float | None:
@@ -142,14 +136,17 @@ def plan_variety(kept: dict[str, Tensor]) -> float | None:
     return sum(varied) / len(varied)
 
 
-def _kv_fraction(module: nn.Module) -> float | None:
+def _kept_kv_groups(module: nn.Module) -> Tensor | None:
+    """``(B, G)`` bool: the KV groups some active head of the last forward's sequence plan reads; None without one."""
     last = getattr(module, "last", None)
     plan = last.plan if last is not None else None
-    router = getattr(module, "condcomp_router", None)
-    if getattr(router, "granularity", None) == "token":
-        return 1.0
     if plan is None or plan.active.dim() != 2:
         return None
-    G = module.layout.num_kv_heads  # type: ignore[union-attr]
-    active = plan.active.view(plan.active.shape[0], G, -1).any(-1)  # (B, G): a group is cached if any head uses it
-    return float(active.double().mean())
+    return kv_active(plan.active, module.layout.num_kv_heads)  # type: ignore[union-attr,arg-type]
+
+
+def _kv_fraction(module: nn.Module) -> float | None:
+    if getattr(getattr(module, "condcomp_router", None), "granularity", None) == "token":
+        return 1.0  # a later token may pick any head: every group is cached
+    groups = _kept_kv_groups(module)
+    return None if groups is None else float(groups.double().mean())
