@@ -72,16 +72,16 @@ class CondCompCallback(TrainerCallback):  # type: ignore[misc]
         if not usage:
             return
         hosts = routing_hosts(model)
-        table = {name: {"s_mean": u.s_mean, "budget_k_frac": _budget_k_frac(hosts[name]) if name in hosts else None,
-                        "k_frac": u.k_frac, "flop_frac": u.flop_frac} for name, u in usage.items()}
+        table: dict[str, dict[str, float | None]] = {
+            name: {"s_mean": u.s_mean, "budget_k_frac": _budget_k_frac(hosts[name]) if name in hosts else None,
+                   "k_frac": u.k_frac, "flop_frac": u.flop_frac} for name, u in usage.items()}
         extra: dict[str, float] = {}
         for field in ("s_mean", "budget_k_frac", "k_frac", "flop_frac"):
-            values = [row[field] for row in table.values() if row[field] is not None]
+            values = {name: v for name, row in table.items() if (v := row[field]) is not None}
             if values:
-                extra[f"condcomp/{field}"] = sum(values) / len(values)
+                extra[f"condcomp/{field}"] = sum(values.values()) / len(values)
             if self.per_layer:
-                extra.update({f"condcomp/{name}/{field}": row[field] for name, row in table.items()
-                              if row[field] is not None})
+                extra.update({f"condcomp/{name}/{field}": v for name, v in values.items()})
         logs.update(extra)
         # Trainer appended this log to its history before calling the callbacks: complete that entry too.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
