@@ -80,7 +80,7 @@ def _threads(n: int | None) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from condcomp.experiments.demo import run_demo
 
-    _threads(args.threads or 1)  # one thread unless asked: the demo's accuracies then repeat on every machine
+    _threads(args.threads or 1)  # one thread unless asked: the accuracies then repeat from run to run
     run_demo(args.out, seed=args.seed, quick=args.quick)
     return 0
 
