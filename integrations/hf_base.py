@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -100,8 +101,39 @@ def _keyword_layout(module_cls: Any) -> tuple[dict[str, Any], str | None]:
     return defaults, var_kw
 
 
+ATTENTIONS_NOT_RETURNED = (
+    "output_attentions=True: condcomp-wrapped attention layers return no attention maps (the executors never "
+    "materialise them), so `attentions` leaves those layers out (an empty tuple when every layer is wrapped). "
+    "For the dense model's maps run that forward inside `with condcomp.disabled(model):`")
+
+
+@functools.cache
+def _output_collector() -> Any:
+    """transformers' collector of recorded outputs (``output_attentions`` fills it), or None where it has none."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
+def warn_if_attentions_requested(kwargs: dict[str, Any]) -> None:
+    """Warn that attention maps are not returned when the caller asked for them (transformers 5 records them with
+    hooks on its own attention classes, which a wrapped layer's forward never returns; older versions passed
+    ``output_attentions`` to the layer)."""
+    collector = _output_collector()
+    collected = collector.get() if collector is not None else None
+    if kwargs.get("output_attentions") or (collected and ("attentions" in collected
+                                                          or "cross_attentions" in collected)):
+        warnings.warn(ATTENTIONS_NOT_RETURNED, UserWarning, stacklevel=4)
+
+
 def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``)."""
+    """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``).
+
+    Every module-swap adapter binds its call here first, so this is also where a request for attention maps,
+    which wrapped layers do not return, is warned about (:func:`warn_if_attentions_requested`)."""
+    warn_if_attentions_requested(kwargs)
     kwargs = dict(kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:
         kwargs["cache"] = kwargs.pop("past_key_values")
