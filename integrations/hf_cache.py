@@ -50,7 +50,8 @@ def compact_write() -> Iterator[None]:
 def _length(layer: Any) -> int:
     if not getattr(layer, "is_initialized", False):
         return 0
-    return int(layer.get_seq_length())
+    counted = layer.__dict__.get("condcomp_tokens")  # a static layer's count kept as an int: no device sync
+    return int(layer.get_seq_length()) if counted is None else int(counted)
 
 
 class PlanCarrier:
@@ -58,14 +59,19 @@ class PlanCarrier:
     ``condcomp_plan`` rides with the layer's tensors through the layer's own operations."""
 
     condcomp_plan: HeldPlan | None = None
+    condcomp_tokens: int  # static layers only: tokens held, counted on the host
     _condcomp_base: Any = object
 
     def reset(self) -> None:
         self._condcomp_base.reset(self)
         self.condcomp_plan = None
+        if "condcomp_tokens" in self.__dict__:
+            self.condcomp_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         self._condcomp_base.crop(self, tokens_to_remove)
+        if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
+            self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
         if _length(self) == 0:  # nothing left: the next call is a new request
             self.condcomp_plan = None
 
@@ -94,7 +100,10 @@ class PlanCarrier:
                 f"plan kept (of {held.num_kv_heads}); a call writing {key_states.shape[1]} key/value heads (the model "
                 "under condcomp.disabled, or another model) cannot continue it: the skipped groups' keys were never "
                 "computed. Continue the request with the wrapped model, or start a fresh cache for the dense model")
-        return self._condcomp_base.update(self, key_states, value_states, *args, **kwargs)
+        out = self._condcomp_base.update(self, key_states, value_states, *args, **kwargs)
+        if "condcomp_tokens" in self.__dict__:
+            self.condcomp_tokens += int(key_states.shape[-2])
+        return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The carrier class is made at run time: pickle rebuilds it from the transformers class it extends.
@@ -163,6 +172,8 @@ class RequestStep:
             raise RuntimeError(f"layer {self.layer_idx}: the KV cache has no layer after its update")
         if not is_carrier(layer):
             layer.__class__ = carrier_class(layer.__class__)
+            if isinstance(layer.get_seq_length(), Tensor):  # static layers count in a tensor: counted here once
+                layer.condcomp_tokens = int(layer.get_seq_length())
         layer.condcomp_plan = HeldPlan(detached(plan), selection, routed.layout.num_kv_heads)
 
     def no_plan_error(self) -> ValueError:

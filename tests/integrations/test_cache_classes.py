@@ -32,10 +32,11 @@ TOL = dict(atol=1e-4, rtol=1e-4)
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
 
-def test_crop_keeps_the_plan_and_redecoding_equals_the_reference() -> None:
+@pytest.mark.parametrize("static", [False, True])
+def test_crop_keeps_the_plan_and_redecoding_equals_the_reference(static: bool) -> None:
     model = wrap(llama(kv_heads=4))
     ids, mask = prompts()
-    cache = t.DynamicCache()
+    cache = t.StaticCache(config=model.config, max_cache_len=16) if static else t.DynamicCache()
     tokens, grown = ids, mask
     nxt = step(model, tokens, grown, cache, P).argmax(-1, keepdim=True)
     for _ in range(3):
@@ -44,8 +45,10 @@ def test_crop_keeps_the_plan_and_redecoding_equals_the_reference() -> None:
     cache.crop(-2)  # back to prompt + 1 token: decode the second generated token again
     got = step(model, tokens[:, :-1], grown[:, :-1], cache, 1)
     torch.testing.assert_close(got, reference_logits(model, tokens, mask)[:, -2], **TOL)
-    cache.crop(-cache.get_seq_length())  # emptied: the next call is a new request with its own plan
+    cache.crop(-int(cache.get_seq_length()))  # emptied: the next call is a new request with its own plan
     assert condcomp.request_plans(model, cache) == {}
+    nxt = step(model, ids, mask, cache, P)
+    torch.testing.assert_close(nxt, reference_logits(model, ids, mask)[:, -1], **TOL)
 
 
 def test_prompt_lookup_decoding_equals_greedy_reference_decoding() -> None:
@@ -158,3 +161,17 @@ def test_a_per_call_budget_equals_a_model_wrapped_at_that_budget_and_the_plan_is
     with pytest.raises(ValueError, match="fraction"):
         with condcomp.budget(model, 1.5):
             pass
+
+
+def test_batch_repeat_interleave_repeats_each_rows_plan() -> None:
+    model = wrap(llama(kv_heads=4))
+    ids, mask = prompts()
+    cache = t.DynamicCache()
+    nxt = step(model, ids, mask, cache, P).argmax(-1, keepdim=True)
+    cache.batch_repeat_interleave(2)
+    rows = torch.arange(3).repeat_interleave(2)
+    tokens, grown = extend(ids[rows], mask[rows], nxt[rows])
+    got = step(model, tokens, grown, cache, 1)
+    torch.testing.assert_close(got, reference_logits(model, tokens, mask[rows])[:, -1], **TOL)
+    with pytest.raises(ValueError, match="batch_repeat_interleave"):  # rows the cache does not hold: named
+        step(model, tokens[:4], grown[:4], cache, 1)

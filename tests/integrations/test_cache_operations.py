@@ -139,9 +139,12 @@ def test_a_prefix_cache_continues_with_the_prefixs_plan(build: object) -> None:
     prefix_cache = t.DynamicCache()
     with torch.no_grad():
         model(input_ids=ids[:, :prefix_len], past_key_values=prefix_cache, use_cache=True)
-    got = model.generate(input_ids=ids, past_key_values=copy.deepcopy(prefix_cache), max_new_tokens=4, **GREEDY)
+    out = model.generate(input_ids=ids, past_key_values=copy.deepcopy(prefix_cache), max_new_tokens=4,
+                         output_logits=True, return_dict_in_generate=True, **GREEDY)
     want = reference_greedy(model, ids, torch.ones_like(ids), 4, prompt_len=prefix_len)
-    assert torch.equal(got, want)
+    assert torch.equal(out.sequences, want)
+    want_logits = reference_logits(model, want, torch.ones_like(ids), prefix_len)[:, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.stack(out.logits, 1), want_logits, **TOL)
     assert prefix_cache.get_seq_length() == prefix_len  # the prefix itself is untouched
 
 
