@@ -9,6 +9,10 @@ that request. Two consequences make head budgets pay at decode time:
   heads that share it) that no kept query head reads is neither computed nor cached, so every decode step reads
   a fraction of the cache. :class:`KVSelection` says which groups each row keeps and where they sit in the cache.
 
+The plan is stored *in* the request's KV cache, per layer and row (:class:`HeldPlan`; the transformers side is
+``condcomp.integrations.hf_cache``), so the cache's own operations (reset, crop, beam reordering, selecting rows,
+copies, pickling) act on it too. :func:`condcomp.request_plans` reads it (:class:`RequestPlan`).
+
 Training matches it with :func:`condcomp.plan_from_prompt`: inside it, sequence plans are decided from the first
 ``prompt_len`` positions only, as at inference (put the loss on the continuation; the prompt's own tokens were
 computed with a plan that saw the whole prompt).
