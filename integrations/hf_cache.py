@@ -187,6 +187,10 @@ class RequestStep:
 def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bool = False) -> RequestStep:
     """Read, before the call updates it, what ``cache`` holds for this layer; a held plan is checked against the
     layer's layout and the call's batch (a cache of another model or batch is refused by its data)."""
+    if type(cache).__name__ == "PagedAttentionCache":
+        raise ValueError("condcomp does not support transformers' continuous batching (generate_batch, a "
+                         "PagedAttentionCache): it packs every request into one row, while a request's plan needs "
+                         "a cache row of its own; use generate() with a batch of requests")
     layer = cache_layer(cache, layer_idx, cross)
     past = _length(layer) if layer is not None else 0
     query_start = past

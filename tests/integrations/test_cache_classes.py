@@ -175,3 +175,15 @@ def test_batch_repeat_interleave_repeats_each_rows_plan() -> None:
     torch.testing.assert_close(got, reference_logits(model, tokens, mask[rows])[:, -1], **TOL)
     with pytest.raises(ValueError, match="batch_repeat_interleave"):  # rows the cache does not hold: named
         step(model, tokens[:4], grown[:4], cache, 1)
+
+
+def test_continuous_batching_is_refused_with_the_reason() -> None:
+    """generate_batch packs every request into one row of a PagedAttentionCache: no row for a request's plan."""
+    model = wrap(llama(kv_heads=4))
+    ids, _ = prompts(batch=1)
+    config = t.GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
+    small = t.ContinuousBatchingConfig(num_blocks=8, block_size=16, max_batch_tokens=32)
+    out = model.generate_batch(inputs=[ids[0].tolist()], generation_config=config, continuous_batching_config=small,
+                               warmup=False)
+    (result,) = out.values()
+    assert result.generated_tokens == [] and "continuous batching" in str(result.error)
