@@ -62,9 +62,9 @@ def test_static_cache_at_the_full_budget_generates_the_unwrapped_models_tokens(p
     assert torch.equal(out.sequences, out_dense.sequences)
 
 
-@pytest.mark.parametrize("fraction", [0.5, 0.25])
-def test_static_cache_with_a_left_padded_batch_matches_the_reference(fraction: float) -> None:
-    model = wrap(llama(kv_heads=4), fraction)
+@pytest.mark.parametrize("arch, fraction", [("llama", 0.5), ("llama", 0.25), ("gpt2", 0.5)])
+def test_static_cache_with_a_left_padded_batch_matches_the_reference(arch: str, fraction: float) -> None:
+    model = wrap(llama(kv_heads=4) if arch == "llama" else gpt2(), fraction)
     ids, mask = prompts()
     got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, cache_implementation="static",
                          **GREEDY)
