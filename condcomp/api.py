@@ -315,6 +315,12 @@ def request_plans(model: nn.Module, cache: object) -> dict[str, RequestPlan]:
     out = {}
     for name, host in routing_hosts(model).items():
         record = host.adapter.held_record(cache) if hasattr(host.adapter, "held_record") else None
-        if record is not None:
-            out[name] = RequestPlan.of(record)
+        if record is None:
+            continue
+        L = host.layout
+        if record.plan.num_heads != L.num_heads or record.num_kv_heads != L.num_kv_heads:
+            raise ValueError(f"condcomp.request_plans: layer {name} has {L.num_heads} heads / {L.num_kv_heads} "
+                             f"key/value heads, but the cache holds a plan for {record.plan.num_heads} / "
+                             f"{record.num_kv_heads}: it was filled by another model; pass the model that filled it")
+        out[name] = RequestPlan.of(record)
     return out

@@ -28,6 +28,7 @@ from types import FrameType
 from typing import Any
 
 from torch import Tensor
+from torch.nn import Module
 
 from condcomp.held_plans import HeldPlan, KVSelection
 from condcomp.host import detached
@@ -238,12 +239,16 @@ def _generate_code() -> Any:
     return inspect.unwrap(GenerationMixin.generate).__code__
 
 
-def _inside_generate() -> bool:
+def _inside_generate(routed: Any) -> bool:
+    """Whether a ``generate()`` of the model holding ``routed`` is on the call stack (a cache-free forward of this
+    model inside another model's ``generate``, e.g. a scoring model in a logits processor, is not its generation)."""
     code, depth = _generate_code(), 0
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and depth < 200:
         if frame.f_code is code:
-            return True
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Module) and any(m is routed for m in owner.modules()):
+                return True
         frame, depth = frame.f_back, depth + 1
     return False
 
@@ -254,7 +259,7 @@ def check_cache_free_generation(routed: Any, plan: HeadPlan) -> None:
     is decided from the prompt (``plan_from_prompt``) or keeps every head."""
     if routed.training or routed.prompt_len is not None or bool(plan.active.all()):
         return
-    if not _inside_generate():
+    if not _inside_generate(routed):
         return
     raise ValueError(
         "generate(use_cache=False) with per-request plans: without a KV cache every step would decide the plan again "
