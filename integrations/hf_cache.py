@@ -225,6 +225,14 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
     plan: HeadPlan = routed.route(x, query_mask, routed.weights(), num_keys)
     if step is not None and step.past > 0 and plan.granularity == "sequence":
         raise step.no_plan_error()
+    if step is not None and plan.granularity == "sequence" and query_mask is not None and query_mask.shape[1] and (
+            not bool(query_mask.any(-1).all())):  # one host sync, at a request's first call only
+        raise ValueError(
+            f"layer {step.layer_idx}: a request's plan is decided at its first call, and row(s) "
+            f"{(~query_mask.any(-1)).nonzero().flatten().tolist()} of this call hold no real token (only padding): "
+            "their plan would be decided from nothing. With left padding and chunked prefill "
+            "(generate(prefill_chunk_size=n)), use a chunk longer than the longest padding, or prefill in one call; "
+            "drop empty prompts from the batch")
     if step is None and decoder and plan.granularity == "sequence":
         check_cache_free_generation(routed, plan)
     return plan

@@ -226,3 +226,18 @@ def test_a_scoring_forward_inside_another_models_generate_is_not_refused() -> No
                            logits_processor=t.LogitsProcessorList([Score()]), **GREEDY)
     want = reference_logits(scorer, out[:, :-1], mask, prompt_len=out.shape[1] - 1)[:, -1]
     torch.testing.assert_close(seen[-1], want, **TOL)
+
+
+@pytest.mark.parametrize("build", [llama, gpt2])
+def test_chunked_prefill_whose_first_chunk_is_padding_is_refused_and_a_longer_chunk_equals_the_reference(
+        build: object) -> None:
+    """A row whose first chunk holds only left padding would get a plan decided from nothing (the same prompt
+    alone gets another plan): refused, naming the fix; a chunk longer than the padding keeps the first chunk's
+    plan (the reference decides from those positions)."""
+    model = wrap(build())  # type: ignore[operator]
+    ids, mask = prompts()  # rows 1 and 2 start with 2 and 4 padding tokens
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, **GREEDY)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        model.generate(**kw, prefill_chunk_size=2)
+    got = model.generate(**kw, prefill_chunk_size=5)
+    assert torch.equal(got, reference_greedy(model, ids, mask, 3, prompt_len=5))
