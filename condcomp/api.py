@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
+import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -178,20 +180,48 @@ def disabled(model: nn.Module) -> Iterator[nn.Module]:
         yield model
 
 
+# The thread inside a block of _hosts_set on each routing host, and how many such blocks it has open there.
+_BLOCKS: weakref.WeakKeyDictionary[RoutingHost, tuple[int, int]] = weakref.WeakKeyDictionary()
+_BLOCKS_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _hosts_set(model: nn.Module, attr: str, value: object, caller: str) -> Iterator[None]:
-    """Set ``attr`` on every routing host of ``model`` for the block, then restore each host's own value."""
+    """Set ``attr`` on every routing host of ``model`` for the block, then restore each host's own value.
+
+    The setting is the model's, seen by every thread that calls it. Blocks nest within one thread; a block entered
+    while another thread is inside one on the same model is refused: each block restores what it found on exit, so
+    interleaved blocks would leave the other thread's setting on the model after both ended."""
     hosts = list(routing_hosts(model).values())
     if not hosts:
         raise ValueError(f"{caller}: the model has no condcomp routing (was condcomp.apply_ called on it?)")
-    before = [getattr(h, attr) for h in hosts]
-    for h in hosts:
-        setattr(h, attr, value)
+    me = threading.get_ident()
+    with _BLOCKS_LOCK:
+        if any(_BLOCKS.get(h, (me, 0))[0] != me for h in hosts):
+            raise RuntimeError(
+                f"{caller}: another thread is inside a condcomp.budget / disabled / plan_from_prompt block on this "
+                "model. These blocks set the model's state, which every thread sees, so threads cannot hold "
+                "different ones at once: serve concurrent requests of different settings with one model copy "
+                "(copy.deepcopy) per setting, or one at a time")
+        for h in hosts:
+            _BLOCKS[h] = (me, _BLOCKS.get(h, (me, 0))[1] + 1)
     try:
-        yield
+        before = [getattr(h, attr) for h in hosts]
+        for h in hosts:
+            setattr(h, attr, value)
+        try:
+            yield
+        finally:
+            for h, was in zip(hosts, before):
+                setattr(h, attr, was)
     finally:
-        for h, was in zip(hosts, before):
-            setattr(h, attr, was)
+        with _BLOCKS_LOCK:
+            for h in hosts:
+                depth = _BLOCKS[h][1] - 1
+                if depth:
+                    _BLOCKS[h] = (me, depth)
+                else:
+                    del _BLOCKS[h]
 
 
 def set_progress(model: nn.Module, progress: float) -> None:
@@ -285,6 +315,12 @@ def request_plans(model: nn.Module, cache: object) -> dict[str, RequestPlan]:
     out = {}
     for name, host in routing_hosts(model).items():
         record = host.adapter.held_record(cache) if hasattr(host.adapter, "held_record") else None
-        if record is not None:
-            out[name] = RequestPlan.of(record)
+        if record is None:
+            continue
+        L = host.layout
+        if record.plan.num_heads != L.num_heads or record.num_kv_heads != L.num_kv_heads:
+            raise ValueError(f"condcomp.request_plans: layer {name} has {L.num_heads} heads / {L.num_kv_heads} "
+                             f"key/value heads, but the cache holds a plan for {record.plan.num_heads} / "
+                             f"{record.num_kv_heads}: it was filled by another model; pass the model that filled it")
+        out[name] = RequestPlan.of(record)
     return out

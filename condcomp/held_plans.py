@@ -64,7 +64,10 @@ def select_kv(plan: HeadPlan, layout: HeadLayout) -> KVSelection:
     gates = plan.gates.detach().masked_fill(~plan.active, 0.0)  # (B, H)
     kept = plan.active.view(B, Hkv, r).any(-1)  # (B, Hkv): groups some active head reads
     counts = kept.sum(-1)  # (B,)
-    g = int(counts.max()) if B else 0
+    # At least one slot, even when no row keeps a group (k = 0): a cache layer of zero heads holds no elements,
+    # and transformers' layers then count no tokens (the request's plan would be dropped and the model's
+    # positions restart) or cannot quantize it; the slot holds group 0 with gate 0 and the rows output zeros.
+    g = max(int(counts.max()), 1) if B else 0
     groups = torch.arange(Hkv, device=kept.device)
     # kept groups first, ascending; a row's spare slots repeat its first kept group (group 0 if it keeps none)
     order = torch.argsort((~kept).long() * Hkv + groups, dim=-1)[:, :g]  # (B, g)

@@ -28,6 +28,7 @@ from types import FrameType
 from typing import Any
 
 from torch import Tensor
+from torch.nn import Module
 
 from condcomp.held_plans import HeldPlan, KVSelection
 from condcomp.host import detached
@@ -224,6 +225,14 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
     plan: HeadPlan = routed.route(x, query_mask, routed.weights(), num_keys)
     if step is not None and step.past > 0 and plan.granularity == "sequence":
         raise step.no_plan_error()
+    if step is not None and plan.granularity == "sequence" and query_mask is not None and query_mask.shape[1] and (
+            not bool(query_mask.any(-1).all())):  # one host sync, at a request's first call only
+        raise ValueError(
+            f"layer {step.layer_idx}: a request's plan is decided at its first call, and row(s) "
+            f"{(~query_mask.any(-1)).nonzero().flatten().tolist()} of this call hold no real token (only padding): "
+            "their plan would be decided from nothing. With left padding and chunked prefill "
+            "(generate(prefill_chunk_size=n)), use a chunk longer than the longest padding, or prefill in one call; "
+            "drop empty prompts from the batch")
     if step is None and decoder and plan.granularity == "sequence":
         check_cache_free_generation(routed, plan)
     return plan
@@ -238,12 +247,16 @@ def _generate_code() -> Any:
     return inspect.unwrap(GenerationMixin.generate).__code__
 
 
-def _inside_generate() -> bool:
+def _inside_generate(routed: Any) -> bool:
+    """Whether a ``generate()`` of the model holding ``routed`` is on the call stack (a cache-free forward of this
+    model inside another model's ``generate``, e.g. a scoring model in a logits processor, is not its generation)."""
     code, depth = _generate_code(), 0
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and depth < 200:
         if frame.f_code is code:
-            return True
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Module) and any(m is routed for m in owner.modules()):
+                return True
         frame, depth = frame.f_back, depth + 1
     return False
 
@@ -254,7 +267,7 @@ def check_cache_free_generation(routed: Any, plan: HeadPlan) -> None:
     is decided from the prompt (``plan_from_prompt``) or keeps every head."""
     if routed.training or routed.prompt_len is not None or bool(plan.active.all()):
         return
-    if not _inside_generate():
+    if not _inside_generate(routed):
         return
     raise ValueError(
         "generate(use_cache=False) with per-request plans: without a KV cache every step would decide the plan again "

@@ -61,7 +61,7 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
     L = routed.layout
     B, T, _ = x.shape
     Hkv, r, Dh, g = L.num_kv_heads, L.group_size, L.head_dim, sel.slots
-    if g == 0:  # no row keeps a head (k_min = 0): exactly zero output; the cache still counts the tokens
+    if g == 0:  # an empty batch (select_kv gives every non-empty batch at least one slot)
         empty = x.new_zeros(B, 0, T, Dh)
         with compact_write():
             cache.update(empty, empty, layer_idx, kwargs=extra)

@@ -187,3 +187,24 @@ def test_continuous_batching_is_refused_with_the_reason() -> None:
                                warmup=False)
     (result,) = out.values()
     assert result.generated_tokens == [] and "continuous batching" in str(result.error)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "quantized"])
+def test_a_layer_whose_plan_keeps_no_head_still_counts_the_requests_tokens(cache: str) -> None:
+    """k = 0 in every row of layer 0 (k_min = 0): its cache layer must still hold the request's tokens, since
+    generate() reads the positions of every layer from layer 0's length; layer 1 keeps half its heads."""
+    model = llama(kv_heads=4)
+    router = ("topk", {"kv_groups": True})
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.0, "k_min": 0}), router=router,
+                                                   target_modules=["model.layers.0.self_attn"]))
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=router,
+                                                   target_modules=["model.layers.1.self_attn"]))
+    ids, mask = prompts()
+    extra = {"cache_implementation": "quantized", "cache_config": {"backend": "fp8"}} if cache == "quantized" else {}
+    out = model.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True,
+                                **extra, **GREEDY)
+    assert out.past_key_values.get_seq_length() == P + 3
+    plans = condcomp.request_plans(model, out.past_key_values)
+    assert plans["model.layers.0.self_attn"].kept_heads() == [[], [], []]
+    if cache == "dynamic":  # fp8 rounds the kept keys; the reference does not
+        assert torch.equal(out.sequences, reference_greedy(model, ids, mask, 4))

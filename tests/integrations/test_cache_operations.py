@@ -205,3 +205,39 @@ def test_a_cache_filled_by_the_dense_model_is_refused_by_its_data() -> None:
     _prefill(other, ids, mask, cache)
     with pytest.raises(ValueError, match="another model"):
         step(model, tokens, mask2, cache, 1)
+    with pytest.raises(ValueError, match="filled by another model"):  # its plans are not this model's to read
+        condcomp.request_plans(model, cache)
+
+
+def test_a_scoring_forward_inside_another_models_generate_is_not_refused() -> None:
+    """A wrapped decoder scoring the text (no cache) from a logits processor of another model's generate() is not
+    that generate's cache-free generation: its plan is decided from its whole input, as outside generate()."""
+    scorer, drafter = wrap(llama()), llama(seed=1)
+    seen: list[torch.Tensor] = []
+
+    class Score(t.LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                seen.append(scorer(input_ids=input_ids, use_cache=False).logits[:, -1])
+            return scores
+
+    ids, mask = prompts(batch=1)
+    out = drafter.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2,
+                           logits_processor=t.LogitsProcessorList([Score()]), **GREEDY)
+    want = reference_logits(scorer, out[:, :-1], mask, prompt_len=out.shape[1] - 1)[:, -1]
+    torch.testing.assert_close(seen[-1], want, **TOL)
+
+
+@pytest.mark.parametrize("build", [llama, gpt2])
+def test_chunked_prefill_whose_first_chunk_is_padding_is_refused_and_a_longer_chunk_equals_the_reference(
+        build: object) -> None:
+    """A row whose first chunk holds only left padding would get a plan decided from nothing (the same prompt
+    alone gets another plan): refused, naming the fix; a chunk longer than the padding keeps the first chunk's
+    plan (the reference decides from those positions)."""
+    model = wrap(build())  # type: ignore[operator]
+    ids, mask = prompts()  # rows 1 and 2 start with 2 and 4 padding tokens
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, **GREEDY)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        model.generate(**kw, prefill_chunk_size=2)
+    got = model.generate(**kw, prefill_chunk_size=5)
+    assert torch.equal(got, reference_greedy(model, ids, mask, 3, prompt_len=5))
