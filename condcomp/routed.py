@@ -95,8 +95,10 @@ class RoutedAttention(RoutingHost):
         base.train(self.training)
         return base
 
-    def attend(self, inputs: AttentionInputs, request: Any = None) -> Tensor:
+    def attend(self, inputs: AttentionInputs, request: Any = None, condition: Tensor | None = None) -> Tensor:
         """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``.
+
+        ``condition (B, Dc)``: a per-example conditioning vector for a policy that reads one (``reads_condition``).
 
         ``request``: the KV cache of a decoder's request, if any. At inference a sequence plan is then the
         request's: decided at its first call (the prefill) and held for its later ones (decode steps).
@@ -107,7 +109,7 @@ class RoutedAttention(RoutingHost):
         if held is not None:
             plan = held[0]
         else:
-            plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys)
+            plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys, condition)
             if request is not None and not self.training and plan.granularity == "sequence":
                 self.hold_plan(request, plan, None)
         executor = resolve_executor(self.executor, weights, inputs, plan)
