@@ -29,19 +29,20 @@ class DiTRunSettings:
 
     ``budget_cost``: an extra loss ``budget_cost * mean(s)`` over layers for the learned budgets, a price on heads
     (without one the task loss pulls every budget to ``s_max``). ``ema``: decay of the weight average that is
-    sampled from (as DiT does). ``samples_per_class``: generated images per class for the metrics.
+    sampled from (as DiT does; its decay warms up as ``min(ema, (1 + step) / (10 + step))``).
+    ``samples_per_class``: generated images per class for the metrics.
     """
 
     preset: str = "digits"
-    steps: int = 2000
-    batch_size: int = 128
-    lr: float = 1e-3
-    warmup: int = 100
-    ema: float = 0.995
+    steps: int = 500
+    batch_size: int = 64
+    lr: float = 2e-3
+    warmup: int = 50
+    ema: float = 0.99
     label_drop: float = 0.1
     budget_cost: float = 0.05
-    samples_per_class: int = 50
-    sample_steps: int = 25
+    samples_per_class: int = 30
+    sample_steps: int = 20
     guidance: float = 2.0
     executor: str = "auto"
     model: dict[str, Any] = field(default_factory=dict)  # overrides of the preset's shape
@@ -109,9 +110,10 @@ def train_dit(model: DiT, images: Tensor, labels: Tensor, settings: DiTRunSettin
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        decay = min(settings.ema, (1 + step) / (10 + step))  # warmed up: early weights do not linger in it
         with torch.no_grad():
             for pe, pm in zip(ema.parameters(), model.parameters()):
-                pe.lerp_(pm, 1.0 - settings.ema)
+                pe.lerp_(pm, 1.0 - decay)
         losses.append(float(loss.detach()))
         bar.update(1, loss=losses[-1])
     bar.close()
