@@ -71,3 +71,23 @@ def test_cli_runs_the_study_and_draws_the_plots(tmp_path: Path, quick_judge: Non
     assert "| MoH 50 % | 1 |" in table and "| dense | 1 |" in table
     assert main(["dit", "--out", str(tmp_path / "none"), "--plots-only"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_an_npz_image_set_runs_with_a_conv_judge_and_wrong_shapes_are_named(tmp_path: Path,
+                                                                            quick_judge: None) -> None:
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    arrays = {"train_images": rng.integers(0, 256, (40, 8, 8, 3), dtype=np.uint8),
+              "train_labels": np.arange(40) % 10,
+              "test_images": rng.integers(0, 256, (20, 8, 8, 3), dtype=np.uint8), "test_labels": np.arange(20) % 10}
+    np.savez(tmp_path / "set.npz", **arrays)
+    settings = DiTRunSettings.from_dict({**TOY, "model": {**TOY["model"], "channels": 3}})
+    summary = study.run_study(tmp_path / "out", [0], ["dense"], settings, data_file=tmp_path / "set.npz")
+    assert summary["judge"]["kind"] == "ConvJudge"
+    assert summary["records"][0]["num_samples"] == 20
+    with pytest.raises(ValueError, match=r"expects \(1, 8, 8\)"):
+        study.run_study(tmp_path / "out2", [0], ["dense"], DiTRunSettings.from_dict(TOY),
+                        data_file=tmp_path / "set.npz")
+    np.savez(tmp_path / "bad.npz", train_images=arrays["train_images"])
+    with pytest.raises(ValueError, match="missing arrays"):
+        study.run_study(tmp_path / "out3", [0], ["dense"], settings, data_file=tmp_path / "bad.npz")

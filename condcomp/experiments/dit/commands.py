@@ -29,7 +29,7 @@ def _cmd_dit(args: argparse.Namespace) -> int:
     settings = DiTRunSettings.from_dict(overrides)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["dit"] else None
     if not args.plots_only:
-        run_study(args.out, list(args.seeds), list(args.variants), settings, command)
+        run_study(args.out, list(args.seeds), list(args.variants), settings, command, args.data, args.device)
     if not args.no_plots:
         from condcomp.experiments.dit.plots import write_plots
 
@@ -58,6 +58,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--sample-steps", type=int, default=None, help="Euler steps of the sampler (default 20)")
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale (default 2)")
     p.add_argument("--executor", default=None, help="auto | masked | gathered | reference (routed variants)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="an .npz image set instead of scikit-learn's digits (train_images, train_labels, test_images, "
+                   "test_labels; uint8 images), e.g. CIFAR-10 with --preset cifar (docs/dit.md)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the runs are small)")
     p.add_argument("--plots-only", action="store_true", help="only redraw the plots from OUT's records")
     p.add_argument("--no-plots", action="store_true")

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from condcomp.experiments.dit.classifier import load_or_train_judge
-from condcomp.experiments.dit.data import digits_images
+from condcomp.experiments.dit.data import digits_images, npz_images
 from condcomp.experiments.dit.frechet import frechet_distance
 from condcomp.experiments.dit.train import DiTRunSettings, run_one
 from condcomp.experiments.dit.variants import VARIANTS
@@ -72,13 +75,31 @@ def load_finished(path: Path, settings: DiTRunSettings) -> dict[str, Any] | None
     return record
 
 
+def load_data(settings: DiTRunSettings, data_file: Path | None, device: str) -> dict[str, tuple[Tensor, Tensor]]:
+    """The digits (default) or an ``.npz`` image set, checked against the model's shape, on ``device``."""
+    mcfg = settings.model_config()
+    data = digits_images(mcfg.image_size) if data_file is None else npz_images(data_file)
+    images, labels = data["train"]
+    want = (mcfg.channels, mcfg.image_size, mcfg.image_size)
+    if tuple(images.shape[1:]) != want or tuple(data["test"][0].shape[1:]) != want:
+        raise ValueError(f"the images are {tuple(images.shape[1:])} but the DiT preset {settings.preset!r} expects "
+                         f"{want}; choose a preset (or --model overrides) of that shape")
+    if int(labels.max()) >= mcfg.num_classes or int(labels.min()) < 0:
+        raise ValueError(f"labels must lie in 0..{mcfg.num_classes - 1} (the model's num_classes); set "
+                         '--model \'{"num_classes": N}\'')
+    return {k: (x.to(device), y.to(device)) for k, (x, y) in data.items()}
+
+
 def run_study(out: Path, seeds: list[int], variants: list[str], settings: DiTRunSettings,
-              command: str | None = None) -> dict[str, Any]:
-    """Run (or reuse) every variant at every seed and write ``OUT/summary.json``; returns the summary."""
+              command: str | None = None, data_file: Path | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Run (or reuse) every variant at every seed and write ``OUT/summary.json``; returns the summary.
+
+    ``data_file``: an ``.npz`` image set instead of the digits; ``device``: where training and sampling run."""
     paths = StudyPaths(out)
-    data = digits_images(settings.model_config().image_size)
+    data = load_data(settings, data_file, device)
     judge, judge_facts = load_or_train_judge(paths.judge, data)
-    reference = frechet_distance(judge.features(data["train"][0]).detach(), judge.features(data["test"][0]).detach())
+    with torch.no_grad():
+        reference = frechet_distance(judge.features(data["train"][0][:10000]), judge.features(data["test"][0]))
     H = settings.model_config().num_heads
     for seed in seeds:
         done: dict[str, dict[str, Any]] = {}
@@ -87,7 +108,7 @@ def run_study(out: Path, seeds: list[int], variants: list[str], settings: DiTRun
             record = load_finished(paths.run(seed, variant), settings)
             if record is None:
                 t0 = time.perf_counter()
-                record = run_one(variant, seed, settings, data, judge, paths.run(seed, variant), fraction)
+                record = run_one(variant, seed, settings, data, judge, paths.run(seed, variant), fraction, device)
                 print(f"seed {seed} {variant}: FD {record['frechet']:.3f}, class accuracy "
                       f"{record['class_accuracy']:.3f}, heads {record['heads']:.3f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)

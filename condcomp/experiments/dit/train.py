@@ -15,7 +15,7 @@ from torch import Tensor, nn
 import condcomp
 from condcomp.api import routed_modules
 from condcomp.config import dataclass_from_dict
-from condcomp.experiments.dit.classifier import DigitsJudge
+from condcomp.experiments.dit.classifier import Judge
 from condcomp.experiments.dit.flow import flow_matching_loss, sample
 from condcomp.experiments.dit.frechet import frechet_distance
 from condcomp.experiments.dit.model import PRESETS, DiT, DiTConfig
@@ -95,7 +95,7 @@ def train_dit(model: DiT, images: Tensor, labels: Tensor, settings: DiTRunSettin
     t0, losses = time.perf_counter(), []
     model.train()
     for step in range(settings.steps):
-        idx = torch.randint(0, N, (settings.batch_size,), generator=g)
+        idx = torch.randint(0, N, (settings.batch_size,), generator=g).to(images.device)
         if routed:
             condcomp.set_progress(model, step / settings.steps)
         loss, _ = flow_matching_loss(model, images[idx], labels[idx], g, settings.label_drop)
@@ -125,11 +125,12 @@ def train_dit(model: DiT, images: Tensor, labels: Tensor, settings: DiTRunSettin
     return ema, {"train_seconds": time.perf_counter() - t0, "final_loss": sum(tail) / len(tail)}
 
 
-def measure(model: DiT, judge: DigitsJudge, test: tuple[Tensor, Tensor], settings: DiTRunSettings,
+def measure(model: DiT, judge: Judge, test: tuple[Tensor, Tensor], settings: DiTRunSettings,
             seed: int) -> tuple[dict[str, Any], Tensor]:
     """Sample ``samples_per_class`` images per class; Fréchet distance, class accuracy, heads per noise level."""
     model.eval()
-    labels = torch.arange(model.config.num_classes).repeat_interleave(settings.samples_per_class)
+    device = next(model.parameters()).device
+    labels = torch.arange(model.config.num_classes, device=device).repeat_interleave(settings.samples_per_class)
     routed = routed_modules(model)
     per_step: list[dict[str, Any]] = []
 
@@ -159,16 +160,16 @@ def measure(model: DiT, judge: DigitsJudge, test: tuple[Tensor, Tensor], setting
 
 
 def run_one(variant: str, seed: int, settings: DiTRunSettings, data: dict[str, tuple[Tensor, Tensor]],
-            judge: DigitsJudge, out_dir: Path, fraction: float | None = None) -> dict[str, Any]:
+            judge: Judge, out_dir: Path, fraction: float | None = None, device: str = "cpu") -> dict[str, Any]:
     """Train, sample and measure one variant at one seed; writes ``metrics.json`` and ``samples.pt`` in
     ``out_dir`` and returns the metrics."""
-    model = build(variant, settings, seed, fraction)
+    model = build(variant, settings, seed, fraction).to(device)
     ema, facts = train_dit(model, *data["train"], settings, seed, desc=f"{variant} seed{seed}")
     metrics, samples = measure(ema, judge, data["test"], settings, seed)
     record = {"variant": variant, "seed": seed, "fraction": fraction, **facts, **metrics,
               "settings": settings.to_dict(), "model": settings.model_config().to_dict()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(samples.half(), out_dir / "samples.pt")
+    torch.save(samples.half().cpu(), out_dir / "samples.pt")
     tmp = out_dir / "metrics.json.tmp"
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(out_dir / "metrics.json")  # written last and atomically: its presence means the run finished
