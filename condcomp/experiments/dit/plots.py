@@ -30,7 +30,7 @@ def plot_samples(out: Path, variants: list[str], path: Path, seed: int = 0, per_
     plt = _pyplot() if found else None
     if plt is None:
         return False
-    fig, axes = plt.subplots(1, len(found), figsize=(2.2 * len(found), 2.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(found), figsize=(2.4 * len(found), 3.4), squeeze=False)
     for ax, (v, p) in zip(axes[0], found):
         imgs = torch.load(p, weights_only=True).float().clamp(-1, 1)  # (10 * n, 1, S, S), class-major
         n = imgs.shape[0] // 10
