@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
+from condcomp.held_plans import RequestPlan
 from condcomp.host import RoutingHost, check_progress
 from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
@@ -245,3 +246,45 @@ def plan_from_prompt(model: nn.Module, prompt_len: int) -> Iterator[nn.Module]:
         raise ValueError(f"prompt_len must be a positive int (the padded prompt width), got {prompt_len!r}")
     with _hosts_set(model, "prompt_len", prompt_len, "condcomp.plan_from_prompt"):
         yield model
+
+
+@contextlib.contextmanager
+def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
+    """Inside this block every wrapped layer of ``model`` gives each row the fraction ``fraction`` of its heads,
+    whatever its policy would choose (same rounding and ``k_min``): a per-call budget without rebuilding the wrap.
+
+    A causal LM's request keeps the plan decided at its prefill (it lives in the KV cache), so the budget of the
+    block in which a request starts is the request's: ``with condcomp.budget(model, 0.5): model.generate(...)``.
+    The policy's auxiliary losses are not computed inside the block.
+
+    >>> import condcomp
+    >>> model = nn.Sequential(condcomp.HeadAttention(16, 4))
+    >>> _ = condcomp.apply_(model, condcomp.CondCompConfig(policy="full", router="topk"))
+    >>> with condcomp.budget(model.eval(), 0.5):
+    ...     y = model(torch.randn(2, 5, 16))
+    >>> condcomp.head_usage(model)["0"].k_frac
+    0.5
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
+        raise ValueError(f"condcomp.budget: fraction must be a number in [0, 1], got {fraction!r}")
+    with _hosts_set(model, "budget_fraction", float(fraction), "condcomp.budget"):
+        yield model
+
+
+def request_plans(model: nn.Module, cache: object) -> dict[str, RequestPlan]:
+    """What each request of ``cache`` (a transformers KV cache the wrapped ``model`` filled) keeps, per wrapped
+    layer: ``{name: RequestPlan}`` with ``heads (B, H)`` and ``kv_groups (B, Hkv)`` bool tensors and
+    ``kept_heads()`` / ``kept_kv_groups()`` lists per row. Layers whose plan is per token (every head cached) or
+    that hold no plan for this cache are left out.
+
+    >>> out = model.generate(**batch, return_dict_in_generate=True)  # doctest: +SKIP
+    >>> plans = condcomp.request_plans(model, out.past_key_values)  # doctest: +SKIP
+    >>> plans["model.layers.0.self_attn"].kept_kv_groups()  # doctest: +SKIP
+    [[0, 2], [1, 2]]
+    """
+    out = {}
+    for name, host in routing_hosts(model).items():
+        record = host.adapter.held_record(cache) if hasattr(host.adapter, "held_record") else None
+        if record is not None:
+            out[name] = RequestPlan.of(record)
+    return out

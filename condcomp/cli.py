@@ -11,6 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from condcomp.cli_args import OneLineParser
+
 # Modules that contribute commands, imported only when the command line is built (import condcomp stays light).
 COMMAND_MODULES = ("condcomp.experiments.commands", "condcomp.experiments.tune_llm",
                    "condcomp.experiments.dit.commands")
@@ -18,7 +20,7 @@ BENCH_MODULES = ("condcomp.bench_attention", "condcomp.bench_compile", "condcomp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="condcomp", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="condcomp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_commands(sub)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from condcomp.cli_args import json_object, output_folder
 from condcomp.experiments.dit.study import DEFAULT_VARIANTS
 
 
@@ -25,7 +25,7 @@ def _cmd_dit(args: argparse.Namespace) -> int:
                                    ("sample_steps", args.sample_steps), ("guidance", args.guidance),
                                    ("executor", args.executor)) if v is not None}
     if args.model:
-        overrides["model"] = json.loads(args.model)
+        overrides["model"] = args.model
     settings = DiTRunSettings.from_dict(overrides)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["dit"] else None
     if not args.plots_only:
@@ -43,13 +43,14 @@ def add_commands(sub: Any) -> None:
     """Register ``dit`` on the ``condcomp`` parser."""
     p = sub.add_parser("dit", help="class-conditional DiT on digits: dense vs MoH vs a noise-aware learned budget vs "
                        "fixed top-k; Fréchet distance, class accuracy, heads per noise level (resumable)")
-    p.add_argument("--out", type=Path, default=Path("results/dit"),
+    p.add_argument("--out", type=output_folder, default=Path("results/dit"),
                    help="study folder: OUT/seed<S>/<variant>/metrics.json, OUT/summary.json, OUT/plots")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                    help=f"default {' '.join(DEFAULT_VARIANTS)}; also budgetformer (no timestep input)")
     p.add_argument("--preset", default=None, help="digits (8x8, default) | digits16 (upsampled) | cifar (GPU shape)")
-    p.add_argument("--model", default=None, help='JSON overrides of the preset\'s shape, e.g. \'{"num_layers": 6}\'')
+    p.add_argument("--model", type=json_object, default=None,
+                   help='JSON overrides of the preset\'s shape, e.g. \'{"num_layers": 6}\'')
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 500)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
