@@ -132,7 +132,7 @@ def write_plots(out: Path) -> list[Path]:
             written.append(plots / name)
     table = out / "summary.md"
     command = summary.get("command") or "condcomp dit"
-    table.write_text(f"# DiT on digits: results\n\nMade by `{command}` (then `condcomp dit --out {out} "
-                     f"--plots-only`).\n\n{markdown_table(summary)}")
+    table.write_text(f"# DiT on digits: results\n\nMade by `{command}`; `condcomp dit --out {out} --plots-only` "
+                     f"redraws the plots and this table.\n\n{markdown_table(summary)}")
     written.append(table)
     return written
