@@ -165,8 +165,13 @@ class RoutingHost(nn.Module):
                 component.float()
 
     # --------------------------------------------------------------------------------------------- routing
-    def route(self, x: Tensor, mask: Tensor | None, weights: AttentionWeights, num_keys: int) -> HeadPlan:
-        """Policy then router on ``x (B, T, D)``; records the decisions for ``head_usage`` and ``aux_loss``."""
+    def route(self, x: Tensor, mask: Tensor | None, weights: AttentionWeights, num_keys: int,
+              condition: Tensor | None = None) -> HeadPlan:
+        """Policy then router on ``x (B, T, D)``; records the decisions for ``head_usage`` and ``aux_loss``.
+
+        ``condition (B, Dc)``: passed to a policy whose ``reads_condition`` is true, as ``condition=``; other
+        policies keep the two-argument call of the :class:`~condcomp.BudgetPolicy` protocol and never see it.
+        """
         self._sync_progress()
         # Routing decisions (budgets, softmax, top-k) stay in float32 under autocast: a bf16 s or score can move
         # floor(s * H) or flip a top-k tie. Components cast their inputs to float32 themselves.
@@ -177,10 +182,10 @@ class RoutingHost(nn.Module):
         if getattr(self.condcomp_router, "granularity", "sequence") == "sequence":
             decide = routing_mask(mask, self.prompt_len, B, T, x.device)
         with torch.autocast(x.device.type, enabled=False):
-            budget: Budget = self.condcomp_policy(x, decide)
+            budget: Budget = self._budget(x, decide, condition)
             if decide is not mask and budget.k.dim() == 2:
                 decide = mask
-                budget = self.condcomp_policy(x, mask)
+                budget = self._budget(x, mask, condition)
             if self.budget_fraction is not None:
                 budget = self._fixed_budget(budget, self.budget_fraction)
             plan: HeadPlan = self.condcomp_router(x, decide, budget, weights)
@@ -192,6 +197,11 @@ class RoutingHost(nn.Module):
         self.last = LastForward(budget.s.detach(), detached(plan), mask, T, num_keys)
         self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
         return plan
+
+    def _budget(self, x: Tensor, mask: Tensor | None, condition: Tensor | None) -> Budget:
+        if getattr(self.condcomp_policy, "reads_condition", False):
+            return self.condcomp_policy(x, mask, condition=condition)  # type: ignore[no-any-return]
+        return self.condcomp_policy(x, mask)  # type: ignore[no-any-return]
 
     def _fixed_budget(self, budget: Budget, fraction: float) -> Budget:
         # condcomp.budget: the policy's budget shape and rounding rule, every row at the given fraction, no

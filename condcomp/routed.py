@@ -95,16 +95,17 @@ class RoutedAttention(RoutingHost):
         base.train(self.training)
         return base
 
-    def attend(self, inputs: AttentionInputs, plan: HeadPlan | None = None) -> Tensor:
+    def attend(self, inputs: AttentionInputs, plan: HeadPlan | None = None, condition: Tensor | None = None) -> Tensor:
         """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``.
 
         ``plan``: a plan decided before (a decoder request's plan, read from its KV cache): the executor computes it
-        and nothing is routed.
+        and nothing is routed. ``condition (B, Dc)``: a per-example conditioning vector for a policy that reads one
+        (``reads_condition``).
         """
         self._validate(inputs)
         weights = self.weights()
         if plan is None:
-            plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys)
+            plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys, condition)
         executor = resolve_executor(self.executor, weights, inputs, plan)
         if self.last is not None:  # which executor (and gathered route) ran: HeadUsage reports it
             self.last = replace(self.last, executor=getattr(executor, "name", None),
