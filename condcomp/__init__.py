@@ -9,10 +9,12 @@ from condcomp.adapters import AttentionAdapter, register_adapter
 from condcomp.api import (
     apply_,
     aux_loss,
+    budget,
     disabled,
     head_usage,
     plan_from_prompt,
     remove_,
+    request_plans,
     routed_modules,
     set_progress,
 )
@@ -20,7 +22,7 @@ from condcomp.attention import HeadAttention
 from condcomp.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_config, save_checkpoint
 from condcomp.config import CondCompConfig
 from condcomp.executors.auto import explain, get_executor
-from condcomp.held_plans import KVSelection, select_kv
+from condcomp.held_plans import KVSelection, RequestPlan, select_kv
 from condcomp.plans import budget_k, full_plan, plan_from_active, plan_top_k, top_k_mask
 from condcomp.protocols import BudgetPolicy, Capabilities, Estimate, Executor, Router
 from condcomp.registry import (
@@ -40,9 +42,9 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "Capabilities",
     "CheckpointError", "Estimate", "CondCompConfig", "load_checkpoint", "read_checkpoint_config", "save_checkpoint",
-    "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "KVSelection", "RoutedAttention", "Router",
-    "apply_", "aux_loss", "budget_k", "disabled", "explain", "full_plan", "get_executor", "head_usage",
-    "list_executors", "list_policies", "list_routers", "make_schedule", "plan_from_active", "plan_from_prompt",
-    "plan_top_k", "register_adapter", "register_executor", "register_policy", "register_router", "remove_",
-    "routed_modules", "select_kv", "set_progress", "top_k_mask"
+    "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "KVSelection", "RequestPlan",
+    "RoutedAttention", "Router", "apply_", "aux_loss", "budget", "budget_k", "disabled", "explain", "full_plan",
+    "get_executor", "head_usage", "list_executors", "list_policies", "list_routers", "make_schedule",
+    "plan_from_active", "plan_from_prompt", "plan_top_k", "register_adapter", "register_executor", "register_policy",
+    "register_router", "remove_", "request_plans", "routed_modules", "select_kv", "set_progress", "top_k_mask"
 ]

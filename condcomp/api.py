@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
+import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -12,6 +14,7 @@ from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
+from condcomp.held_plans import RequestPlan
 from condcomp.host import RoutingHost, check_progress
 from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
@@ -177,20 +180,48 @@ def disabled(model: nn.Module) -> Iterator[nn.Module]:
         yield model
 
 
+# The thread inside a block of _hosts_set on each routing host, and how many such blocks it has open there.
+_BLOCKS: weakref.WeakKeyDictionary[RoutingHost, tuple[int, int]] = weakref.WeakKeyDictionary()
+_BLOCKS_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _hosts_set(model: nn.Module, attr: str, value: object, caller: str) -> Iterator[None]:
-    """Set ``attr`` on every routing host of ``model`` for the block, then restore each host's own value."""
+    """Set ``attr`` on every routing host of ``model`` for the block, then restore each host's own value.
+
+    The setting is the model's, seen by every thread that calls it. Blocks nest within one thread; a block entered
+    while another thread is inside one on the same model is refused: each block restores what it found on exit, so
+    interleaved blocks would leave the other thread's setting on the model after both ended."""
     hosts = list(routing_hosts(model).values())
     if not hosts:
         raise ValueError(f"{caller}: the model has no condcomp routing (was condcomp.apply_ called on it?)")
-    before = [getattr(h, attr) for h in hosts]
-    for h in hosts:
-        setattr(h, attr, value)
+    me = threading.get_ident()
+    with _BLOCKS_LOCK:
+        if any(_BLOCKS.get(h, (me, 0))[0] != me for h in hosts):
+            raise RuntimeError(
+                f"{caller}: another thread is inside a condcomp.budget / disabled / plan_from_prompt block on this "
+                "model. These blocks set the model's state, which every thread sees, so threads cannot hold "
+                "different ones at once: serve concurrent requests of different settings with one model copy "
+                "(copy.deepcopy) per setting, or one at a time")
+        for h in hosts:
+            _BLOCKS[h] = (me, _BLOCKS.get(h, (me, 0))[1] + 1)
     try:
-        yield
+        before = [getattr(h, attr) for h in hosts]
+        for h in hosts:
+            setattr(h, attr, value)
+        try:
+            yield
+        finally:
+            for h, was in zip(hosts, before):
+                setattr(h, attr, was)
     finally:
-        for h, was in zip(hosts, before):
-            setattr(h, attr, was)
+        with _BLOCKS_LOCK:
+            for h in hosts:
+                depth = _BLOCKS[h][1] - 1
+                if depth:
+                    _BLOCKS[h] = (me, depth)
+                else:
+                    del _BLOCKS[h]
 
 
 def set_progress(model: nn.Module, progress: float) -> None:
@@ -245,3 +276,51 @@ def plan_from_prompt(model: nn.Module, prompt_len: int) -> Iterator[nn.Module]:
         raise ValueError(f"prompt_len must be a positive int (the padded prompt width), got {prompt_len!r}")
     with _hosts_set(model, "prompt_len", prompt_len, "condcomp.plan_from_prompt"):
         yield model
+
+
+@contextlib.contextmanager
+def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
+    """Inside this block every wrapped layer of ``model`` gives each row the fraction ``fraction`` of its heads,
+    whatever its policy would choose (same rounding and ``k_min``): a per-call budget without rebuilding the wrap.
+
+    A causal LM's request keeps the plan decided at its prefill (it lives in the KV cache), so the budget of the
+    block in which a request starts is the request's: ``with condcomp.budget(model, 0.5): model.generate(...)``.
+    The policy's auxiliary losses are not computed inside the block.
+
+    >>> import condcomp
+    >>> model = nn.Sequential(condcomp.HeadAttention(16, 4))
+    >>> _ = condcomp.apply_(model, condcomp.CondCompConfig(policy="full", router="topk"))
+    >>> with condcomp.budget(model.eval(), 0.5):
+    ...     y = model(torch.randn(2, 5, 16))
+    >>> condcomp.head_usage(model)["0"].k_frac
+    0.5
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
+        raise ValueError(f"condcomp.budget: fraction must be a number in [0, 1], got {fraction!r}")
+    with _hosts_set(model, "budget_fraction", float(fraction), "condcomp.budget"):
+        yield model
+
+
+def request_plans(model: nn.Module, cache: object) -> dict[str, RequestPlan]:
+    """What each request of ``cache`` (a transformers KV cache the wrapped ``model`` filled) keeps, per wrapped
+    layer: ``{name: RequestPlan}`` with ``heads (B, H)`` and ``kv_groups (B, Hkv)`` bool tensors and
+    ``kept_heads()`` / ``kept_kv_groups()`` lists per row. Layers whose plan is per token (every head cached) or
+    that hold no plan for this cache are left out.
+
+    >>> out = model.generate(**batch, return_dict_in_generate=True)  # doctest: +SKIP
+    >>> plans = condcomp.request_plans(model, out.past_key_values)  # doctest: +SKIP
+    >>> plans["model.layers.0.self_attn"].kept_kv_groups()  # doctest: +SKIP
+    [[0, 2], [1, 2]]
+    """
+    out = {}
+    for name, host in routing_hosts(model).items():
+        record = host.adapter.held_record(cache) if hasattr(host.adapter, "held_record") else None
+        if record is None:
+            continue
+        L = host.layout
+        if record.plan.num_heads != L.num_heads or record.num_kv_heads != L.num_kv_heads:
+            raise ValueError(f"condcomp.request_plans: layer {name} has {L.num_heads} heads / {L.num_kv_heads} "
+                             f"key/value heads, but the cache holds a plan for {record.plan.num_heads} / "
+                             f"{record.num_kv_heads}: it was filled by another model; pass the model that filled it")
+        out[name] = RequestPlan.of(record)
+    return out

@@ -67,8 +67,13 @@ class HeadAttention(nn.Module):
         key_mask: Tensor | None = None,
         attn_bias: Tensor | None = None,
         rotary: tuple[Tensor, Tensor] | None = None,
+        condition: Tensor | None = None,
     ) -> Tensor:
-        """``x (B, T, D)``; ``mask (B, T)`` True = real token (also the key mask for self-attention)."""
+        """``x (B, T, D)``; ``mask (B, T)`` True = real token (also the key mask for self-attention).
+
+        ``condition (B, Dc)``: a per-example conditioning vector (a diffusion model's timestep and class
+        embedding). Dense attention ignores it; once routed, a policy that declares ``reads_condition`` receives it.
+        """
         inputs = native_inputs(self.layout, x, mask, key, value, key_mask, attn_bias, rotary, self.training)
         out, dead = all_heads_attention(self.weights(), inputs)  # (B, H, T, Dh)
         y = self.o_proj(out.transpose(1, 2).flatten(2))
@@ -109,10 +114,10 @@ class HeadAttentionAdapter(AttentionAdapter):
 
     def forward(self, routed: RoutedAttention, x: Tensor, mask: Tensor | None = None, *args: Any,
                 **kwargs: Any) -> Tensor:
-        names = ("key", "value", "key_mask", "attn_bias", "rotary")
+        names = ("key", "value", "key_mask", "attn_bias", "rotary", "condition")
         extra = dict(zip(names, args), **kwargs)
         inputs = native_inputs(self.layout, x, mask, extra.get("key"), extra.get("value"), extra.get("key_mask"),
                                extra.get("attn_bias"), extra.get("rotary"), routed.training)
-        return routed.attend(inputs)
+        return routed.attend(inputs, condition=extra.get("condition"))
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from condcomp.cli_args import output_folder
+
 SHAPE = (16, 256, 512, 8, 2)  # B, T, D, H, layers: the CPU shape of docs/performance.md
 QUICK_SHAPE = (4, 32, 64, 8, 1)
 
@@ -163,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
 def add_bench_commands(bench_subparsers: Any) -> None:
     """Register ``condcomp bench compile``."""
     p = bench_subparsers.add_parser("compile", help="eager vs torch.compile per executor (graph breaks, speedup)")
-    p.add_argument("--out", required=True, help="directory for metrics.json and table.md")
+    p.add_argument("--out", type=output_folder, required=True, help="directory for metrics.json and table.md")
     p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE} (smoke test)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median reported)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")

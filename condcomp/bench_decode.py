@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from condcomp.cli_args import output_folder
 from condcomp.experiments.progress import progress_bar
 
 TINY_LLAMA: dict[str, Any] = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -248,14 +249,14 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    out = output_folder(args.out)  # parsing checked it; a direct call is checked here, before the benchmark runs
+    out.mkdir(parents=True, exist_ok=True)
     if args.quick:
         records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads,
                       device=args.device, names=args.variants)
     else:
         records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads,
                       args.device, args.variants)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     text = table(records)
     (out / "metrics.json").write_text(json.dumps({"benchmark": "decode", "records": records}, indent=1))
     (out / "table.md").write_text(text + "\n")
@@ -267,7 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
                         help="smollm2 (default; needs the llm extra, see docs/llm.md) or tiny-llama (a random "
                         "Llama, no download)")
-    parser.add_argument("--out", required=True, help="folder for metrics.json and table.md")
+    parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json and table.md")
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 2048], help="prompt lengths")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
     parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per run (the first by prefill)")

@@ -1,4 +1,4 @@
-"""The ``condcomp`` command: demo, train, eval, ablate, report, bench.
+"""The ``condcomp`` command: demo, train, eval, ablate, report, dit, bench.
 
 Each command lives beside the code it drives; a module contributes commands through ``add_commands(sub)``
 (top-level commands) or ``add_bench_commands(sub)`` (``condcomp bench NAME``).
@@ -11,13 +11,16 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from condcomp.cli_args import OneLineParser
+
 # Modules that contribute commands, imported only when the command line is built (import condcomp stays light).
-COMMAND_MODULES = ("condcomp.experiments.commands", "condcomp.experiments.tune_llm")
+COMMAND_MODULES = ("condcomp.experiments.commands", "condcomp.experiments.tune_llm",
+                   "condcomp.experiments.dit.commands")
 BENCH_MODULES = ("condcomp.bench_attention", "condcomp.bench_compile", "condcomp.bench_decode")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="condcomp", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="condcomp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_commands(sub)

@@ -16,7 +16,6 @@ the same rules:
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from torch import Tensor, nn
 
 from condcomp.flops import flop_fraction, routing_flops
 from condcomp.held_plans import KVSelection, routing_mask
+from condcomp.plans import budget_k
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version
 
@@ -87,20 +87,14 @@ class RoutingHost(nn.Module):
         self._last_aux: dict[str, Tensor] = {}
         self.condcomp_disabled = False  # set by condcomp.disabled(model): run the original module instead
         self.prompt_len: int | None = None  # set by condcomp.plan_from_prompt: sequence plans see the prompt only
-        # Per-request plans of a causal LM, keyed by the request's KV cache object (they go when the cache goes).
-        self._held: weakref.WeakKeyDictionary[Any, tuple[HeadPlan, KVSelection | None]] = (
-            weakref.WeakKeyDictionary())
+        self.budget_fraction: float | None = None  # set by condcomp.budget: every row keeps this fraction
         self._keep_routing_float32()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()  # held plans belong to live requests: not pickled (weak references can't be)
-        state["_held"] = None
-        return state
-
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.pop("_held", None)  # pickled by an older condcomp (plans now live in the KV cache)
         super().__setstate__(state)
-        self._held = weakref.WeakKeyDictionary()
         self.__dict__.setdefault("prompt_len", None)  # pickled by condcomp 0.1
+        self.__dict__.setdefault("budget_fraction", None)
 
     # --------------------------------------------------------------------------------------------- progress
     def set_progress(self, progress: float, stepped: set[int] | None = None) -> None:
@@ -171,8 +165,13 @@ class RoutingHost(nn.Module):
                 component.float()
 
     # --------------------------------------------------------------------------------------------- routing
-    def route(self, x: Tensor, mask: Tensor | None, weights: AttentionWeights, num_keys: int) -> HeadPlan:
-        """Policy then router on ``x (B, T, D)``; records the decisions for ``head_usage`` and ``aux_loss``."""
+    def route(self, x: Tensor, mask: Tensor | None, weights: AttentionWeights, num_keys: int,
+              condition: Tensor | None = None) -> HeadPlan:
+        """Policy then router on ``x (B, T, D)``; records the decisions for ``head_usage`` and ``aux_loss``.
+
+        ``condition (B, Dc)``: passed to a policy whose ``reads_condition`` is true, as ``condition=``; other
+        policies keep the two-argument call of the :class:`~condcomp.BudgetPolicy` protocol and never see it.
+        """
         self._sync_progress()
         # Routing decisions (budgets, softmax, top-k) stay in float32 under autocast: a bf16 s or score can move
         # floor(s * H) or flip a top-k tie. Components cast their inputs to float32 themselves.
@@ -183,10 +182,12 @@ class RoutingHost(nn.Module):
         if getattr(self.condcomp_router, "granularity", "sequence") == "sequence":
             decide = routing_mask(mask, self.prompt_len, B, T, x.device)
         with torch.autocast(x.device.type, enabled=False):
-            budget: Budget = self.condcomp_policy(x, decide)
+            budget: Budget = self._budget(x, decide, condition)
             if decide is not mask and budget.k.dim() == 2:
                 decide = mask
-                budget = self.condcomp_policy(x, mask)
+                budget = self._budget(x, mask, condition)
+            if self.budget_fraction is not None:
+                budget = self._fixed_budget(budget, self.budget_fraction)
             plan: HeadPlan = self.condcomp_router(x, decide, budget, weights)
         want = (B, self.layout.num_heads) if plan.granularity == "sequence" else (B, T, self.layout.num_heads)
         if tuple(plan.gates.shape) != want:
@@ -197,18 +198,25 @@ class RoutingHost(nn.Module):
         self._last_aux = plan.aux_losses  # kept with their graph: aux_loss(model) backpropagates through them
         return plan
 
-    def held_plan(self, cache: Any) -> tuple[HeadPlan, KVSelection | None] | None:
-        """The plan held for the request whose KV cache is ``cache`` (decided at its prefill) and its KV selection
-        (None where the cache keeps every key/value head), or None."""
-        return self._held.get(cache) if cache is not None else None
+    def _budget(self, x: Tensor, mask: Tensor | None, condition: Tensor | None) -> Budget:
+        if getattr(self.condcomp_policy, "reads_condition", False):
+            return self.condcomp_policy(x, mask, condition=condition)  # type: ignore[no-any-return]
+        return self.condcomp_policy(x, mask)  # type: ignore[no-any-return]
 
-    def hold_plan(self, cache: Any, plan: HeadPlan, selection: KVSelection | None) -> None:
-        """Hold ``plan`` for the request whose KV cache is ``cache`` until that cache object is dropped."""
-        try:
-            self._held[cache] = (detached(plan), selection)
-        except TypeError:  # not weak-referenceable: nothing would ever release the plan
-            raise TypeError(f"condcomp holds per-request plans by the KV cache object; a {type(cache).__name__} "
-                            "cannot be weakly referenced (use transformers' cache classes)") from None
+    def _fixed_budget(self, budget: Budget, fraction: float) -> Budget:
+        # condcomp.budget: the policy's budget shape and rounding rule, every row at the given fraction, no
+        # auxiliary losses (the policy did not choose it)
+        policy = self.condcomp_policy
+        s = torch.full_like(budget.s, fraction)
+        k = budget_k(s, self.layout.num_heads, int(getattr(policy, "k_min", 1)), getattr(policy, "rounding", "floor"))
+        return Budget(s=s, k=k)
+
+    def held_plan(self, cache: Any) -> tuple[HeadPlan, KVSelection | None] | None:
+        """The plan of the request whose KV cache is ``cache``, as stored in it by this layer (decided at the
+        request's first call), and its KV selection (None where the cache keeps every key/value head); None when
+        the cache holds no plan for this layer. :func:`condcomp.request_plans` reads every layer's."""
+        held = self.adapter.held_record(cache) if cache is not None and hasattr(self.adapter, "held_record") else None
+        return None if held is None else (held.plan, held.selection)
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The last forward's (weighted) auxiliary losses, with their autograd graph."""

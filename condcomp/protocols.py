@@ -14,7 +14,12 @@ from condcomp.types import AttentionInputs, AttentionWeights, Budget, Granularit
 
 @runtime_checkable
 class BudgetPolicy(Protocol):
-    """Decides how many heads each row may use: ``(x (B, T, D), mask (B, T) | None) -> Budget``."""
+    """Decides how many heads each row may use: ``(x (B, T, D), mask (B, T) | None) -> Budget``.
+
+    A policy that also reads a per-example conditioning vector (a diffusion model's timestep embedding) sets the
+    class attribute ``reads_condition = True`` and accepts ``condition=`` (``(B, Dc)``) as a keyword; the layer
+    passes what its caller gave (``HeadAttention(..., condition=c)``) and only to such policies.
+    """
 
     def __call__(self, x: Tensor, mask: Tensor | None) -> Budget: ...
 

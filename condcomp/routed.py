@@ -15,7 +15,7 @@ from condcomp.executors.auto import resolve_executor
 from condcomp.host import RoutingHost
 from condcomp.projections import ProjectionError
 from condcomp.registry import POLICIES, ROUTERS
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
 
 
 class RoutedAttention(RoutingHost):
@@ -95,21 +95,17 @@ class RoutedAttention(RoutingHost):
         base.train(self.training)
         return base
 
-    def attend(self, inputs: AttentionInputs, request: Any = None) -> Tensor:
+    def attend(self, inputs: AttentionInputs, plan: HeadPlan | None = None, condition: Tensor | None = None) -> Tensor:
         """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``.
 
-        ``request``: the KV cache of a decoder's request, if any. At inference a sequence plan is then the
-        request's: decided at its first call (the prefill) and held for its later ones (decode steps).
+        ``plan``: a plan decided before (a decoder request's plan, read from its KV cache): the executor computes it
+        and nothing is routed. ``condition (B, Dc)``: a per-example conditioning vector for a policy that reads one
+        (``reads_condition``).
         """
         self._validate(inputs)
         weights = self.weights()
-        held = self.held_plan(request) if request is not None and not self.training else None
-        if held is not None:
-            plan = held[0]
-        else:
-            plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys)
-            if request is not None and not self.training and plan.granularity == "sequence":
-                self.hold_plan(request, plan, None)
+        if plan is None:
+            plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys, condition)
         executor = resolve_executor(self.executor, weights, inputs, plan)
         if self.last is not None:  # which executor (and gathered route) ran: HeadUsage reports it
             self.last = replace(self.last, executor=getattr(executor, "name", None),

@@ -40,8 +40,10 @@ from .hf_base import (
     _sliding_bias,
     _TransformersAdapter,
     cross_attention_states,
+    visible_keys,
 )
-from .hf_decode import decide_request_plan, held_attention
+from .hf_cache import open_step, request_plan
+from .hf_decode import compact_selection, decide_request_plan, held_attention
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -110,29 +112,46 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
         core = routed.self
         B, T = x.shape[:2]
         key_states = value_states = None
+        step = plan = None
+        q0 = None
         if self.cross:
             enc = a.get("encoder_hidden_states")
             if enc is None:
                 raise ValueError(f"{self.module_cls.__name__} is a cross-attention module: encoder_hidden_states "
                                  "is required")
             mask = a.get("encoder_attention_mask")
+            if cache is not None and self.layer_idx is not None:
+                step = open_step(routed, cache, self.layer_idx, B, T, cross=True)
             key_states, value_states = cross_attention_states(cache, self.layer_idx, lambda: self._kv(core, enc))
             S = enc.shape[1] if key_states is None else key_states.shape[2]
         else:
             enc, mask = None, a.get("attention_mask")
             if cache is not None:
-                # Per-token plans cannot shrink a KV cache later tokens may read: every head's K/V is cached.
+                # The request's plan is decided (or read from the cache) before the cache grows; per-token plans
+                # cannot shrink a KV cache later tokens may read: every head's K/V is cached.
+                if self.layer_idx is not None:
+                    step = open_step(routed, cache, self.layer_idx, B, T)
+                    q0 = step.query_start
+                    S_mask = mask.shape[-1] if isinstance(mask, Tensor) else q0 + T
+                    plan = request_plan(routed, step, x, _mask_parts(mask, B, T, S_mask, True, q0)[0], q0 + T,
+                                        decoder=True)
                 current = getattr(cache, "self_attention_cache", cache)
                 k, v = self._kv(core, x)
                 key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
+                if q0 is not None:
+                    key_states, value_states = visible_keys(key_states, value_states, mask, q0, T)
             S = T if key_states is None else key_states.shape[2]
-        query_mask, key_mask, bias = _mask_parts(mask, B, T, S, not self.cross)
+        query_mask, key_mask, bias = _mask_parts(mask, B, T, S, not self.cross, q0)
         inputs = AttentionInputs(
             x=x, key=enc if key_states is None else None, mask=query_mask, key_mask=key_mask, attn_bias=bias,
             key_states=key_states, value_states=value_states,
             dropout_p=self.layout.dropout_p if routed.training else 0.0,
         )
-        y = routed.attend(inputs, request=cache)  # (B, T, D), output bias included on rows with an active head
+        if plan is None:
+            plan = request_plan(routed, step, x, query_mask, S, decoder=self.cross or self.layout.causal)
+        y = routed.attend(inputs, plan)  # (B, T, D), output bias included on rows with an active head
+        if step is not None:
+            step.keep(routed, plan, None)
         out = routed.output
         return out.LayerNorm(out.dropout(y) + x), None
 
@@ -195,13 +214,22 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
         if a.get("position_embeddings") is not None:
             cos, sin = a["position_embeddings"]
             rotary = (cos.expand(B, T, L.head_dim), sin.expand(B, T, L.head_dim))  # (B, T, Dh), views
-        if cache is not None and not routed.training and self.layer_idx is not None:
-            # Inference with a cache: a sequence plan is the request's, decided at prefill and held; only the
-            # key/value groups it keeps are projected and cached (None: a per-token plan, handled below).
-            held = decide_request_plan(routed, x, a.get("attention_mask"), cache, self.layer_idx)
-            if held is not None:
-                return held_attention(routed, held, x, rotary, cache, a.get("attention_mask"), self.layer_idx,
-                                      self.sliding_window, extra), None
+        mask = a.get("attention_mask")
+        step = plan = None
+        if cache is not None and self.layer_idx is not None:
+            # A decoder's sequence plan is its request's: stored in the cache at the first call, read at the later
+            # ones. In inference (or whenever the cache holds one) only the key/value groups it keeps are projected,
+            # cached and read; a per-token plan, or a plan decided in training, caches every key/value head.
+            step = open_step(routed, cache, self.layer_idx, B, T)
+            held = step.held
+            if held is not None and held.selection is not None:
+                return held_attention(routed, held.selection, x, rotary, step, mask, self.sliding_window, extra), None
+            plan = decide_request_plan(routed, x, mask, step)
+            if held is None and plan.granularity == "sequence" and not routed.training:
+                selection = compact_selection(routed, plan, step)
+                y = held_attention(routed, selection, x, rotary, step, mask, self.sliding_window, extra)
+                step.keep(routed, plan, selection)
+                return y, None
         key_states = value_states = None
         if cache is not None:
             # Every key/value head is projected and cached: a head a token skips now may be chosen by a later one.
@@ -216,16 +244,23 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
 
                 k = apply_rotary(k, *rotary)
             key_states, value_states = cache.update(k, v, self.layer_idx, kwargs=extra)
+            if step is not None:
+                key_states, value_states = visible_keys(key_states, value_states, mask, step.query_start, T)
         S = T if key_states is None else key_states.shape[2]
-        mask = a.get("attention_mask")
-        query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True)
+        q0 = None if step is None else step.query_start
+        query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True, q0)
         if mask is None and self.sliding_window is not None and S > self.sliding_window:
             bias = _sliding_bias(T, S, int(self.sliding_window), x.device, x.dtype)
         inputs = AttentionInputs(
             x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=rotary,
             key_states=key_states, value_states=value_states, dropout_p=L.dropout_p if routed.training else 0.0,
         )
-        return routed.attend(inputs), None
+        if plan is None:
+            plan = request_plan(routed, None, x, query_mask, S, decoder=L.causal)
+        y = routed.attend(inputs, plan)
+        if step is not None:
+            step.keep(routed, plan, None)
+        return y, None
 
 
 def register_transformers_attention(cls: type, family: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from torch import Tensor, nn
 from condcomp.adapters import AttentionAdapter
 from condcomp.masks import check_mask_dtype
 from condcomp.versions import tensor_version
+
+from .hf_cache import held_record
 
 
 def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
@@ -41,15 +44,20 @@ def _param_names(module: nn.Module) -> set[str]:
 _LAST_MASK: list[Any] = [None]  # one (mask, key, parts) tuple, replaced whole (safe if threads share the model)
 
 
-def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tuple[Tensor | None, Tensor | None,
-                                                                                  Tensor | None]:
-    """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask."""
+def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_start: int | None = None
+                ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask.
+
+    ``query_start``: the mask column of the first query (default ``S - T``: the queries are the last keys; a static
+    cache places them after the cached tokens, before its empty slots).
+    """
     if mask is None:
         return None, None, None
+    q0 = S - T if query_start is None else query_start
     # Keyed by identity and version: a mask edited in place between forwards is derived again.
-    key = (T, S, self_attention, tensor_version(mask) if isinstance(mask, Tensor) else None)
+    key = (T, S, self_attention, q0, tensor_version(mask) if isinstance(mask, Tensor) else None)
     cached = _LAST_MASK[0]
-    if cached is not None and cached[0] is mask and cached[1] == key and key[3] is not None:
+    if cached is not None and cached[0] is mask and cached[1] == key and key[4] is not None:
         return cached[2]  # type: ignore[no-any-return]
     if not isinstance(mask, Tensor):
         raise TypeError(f"condcomp received an attention mask of type {type(mask).__name__} (flex attention's "
@@ -58,7 +66,7 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tupl
         if tuple(mask.shape) != (B, S):
             raise ValueError(f"2-D attention mask must be (B, S) = {(B, S)}, got {tuple(mask.shape)}")
         key_mask = mask.bool()
-        parts: tuple[Tensor | None, ...] = (key_mask[:, S - T:] if self_attention else None, key_mask, None)
+        parts: tuple[Tensor | None, ...] = (key_mask[:, q0:q0 + T] if self_attention else None, key_mask, None)
     elif mask.dim() == 4:
         check_mask_dtype(mask, "a 4-D attention_mask")
         if mask.dtype == torch.bool:
@@ -69,12 +77,20 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool) -> tupl
             allowed = mask > torch.finfo(mask.dtype).min / 2
             bias = mask
         key_ok = allowed.any(dim=1).any(dim=1).expand(B, S)  # (B, S): a key some query may attend
-        query_mask = key_ok[:, S - T:] if self_attention and S >= T else None
+        query_mask = key_ok[:, q0:q0 + T] if self_attention and 0 <= q0 <= S - T else None
         parts = (query_mask, None, bias)
     else:
         raise ValueError(f"attention mask must be 2-D (B, S) or 4-D (B, 1, T, S), got shape {tuple(mask.shape)}")
     _LAST_MASK[0] = (mask, key, parts)
     return parts  # type: ignore[return-value]
+
+
+def visible_keys(k: Tensor, v: Tensor, mask: Any, query_start: int, T: int) -> tuple[Tensor, Tensor]:
+    """Keys and values ``(B, h, S, Dh)`` the call's queries may see. Without a mask transformers means causal
+    attention over the keys up to the last query: a static cache's empty slots after them are dropped."""
+    if mask is None and k.shape[2] > query_start + T:
+        return k[:, :, :query_start + T], v[:, :, :query_start + T]
+    return k, v
 
 
 def _sliding_bias(T: int, S: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -100,8 +116,39 @@ def _keyword_layout(module_cls: Any) -> tuple[dict[str, Any], str | None]:
     return defaults, var_kw
 
 
+ATTENTIONS_NOT_RETURNED = (
+    "output_attentions=True: condcomp-wrapped attention layers return no attention maps (the executors never "
+    "materialise them), so `attentions` leaves those layers out (an empty tuple when every layer is wrapped). "
+    "For the dense model's maps run that forward inside `with condcomp.disabled(model):`")
+
+
+@functools.cache
+def _output_collector() -> Any:
+    """transformers' collector of recorded outputs (``output_attentions`` fills it), or None where it has none."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
+def warn_if_attentions_requested(kwargs: dict[str, Any]) -> None:
+    """Warn that attention maps are not returned when the caller asked for them (transformers 5 records them with
+    hooks on its own attention classes, which a wrapped layer's forward never returns; older versions passed
+    ``output_attentions`` to the layer)."""
+    collector = _output_collector()
+    collected = collector.get() if collector is not None else None
+    if kwargs.get("output_attentions") or (collected and ("attentions" in collected
+                                                          or "cross_attentions" in collected)):
+        warnings.warn(ATTENTIONS_NOT_RETURNED, UserWarning, stacklevel=4)
+
+
 def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``)."""
+    """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``).
+
+    Every module-swap adapter binds its call here first, so this is also where a request for attention maps,
+    which wrapped layers do not return, is warned about (:func:`warn_if_attentions_requested`)."""
+    warn_if_attentions_requested(kwargs)
     kwargs = dict(kwargs)
     if "past_key_values" in kwargs and "cache" not in kwargs:
         kwargs["cache"] = kwargs.pop("past_key_values")
@@ -138,6 +185,17 @@ class _TransformersAdapter(AttentionAdapter):
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
         raise NotImplementedError
+
+    def held_record(self, cache: Any) -> Any:
+        """The request plan stored in ``cache`` for this layer (:mod:`.hf_cache`), or None."""
+        layer_idx = getattr(self, "layer_idx", None)
+        if layer_idx is None:
+            return None
+        return held_record(cache, int(layer_idx), self.cross_attention())
+
+    def cross_attention(self) -> bool:
+        """Whether the layer reads an encoder's cache (the cross-attention half of an ``EncoderDecoderCache``)."""
+        return bool(getattr(self, "cross", False))
 
     @classmethod
     def unsupported_reason(cls, module: nn.Module) -> str | None:

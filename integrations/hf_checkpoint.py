@@ -3,13 +3,17 @@
 The directory ``save_pretrained`` writes stays a plain transformers checkpoint that any code can load (the
 routing parameters are left out of ``model.safetensors``); condcomp adds two files beside it:
 
-- ``condcomp_config.json``: the :class:`~condcomp.CondCompConfig` (policy, router, executor, targets);
+- ``condcomp_config.json``: the :class:`~condcomp.CondCompConfig` (policy, router, executor, targets), or, for a
+  model wrapped by several ``apply_`` calls with different configs (e.g. static pruning, one call per layer), the
+  routing record: each config with the exact modules it wrapped (:mod:`condcomp.record`);
 - ``condcomp_routing.safetensors``: the routing parameters and buffers (``...condcomp_policy.*``,
   ``...condcomp_router.*``, ``...condcomp_progress``), each distinct tensor once (a shared policy is stored under
   its first name);
 - ``condcomp_manifest.json``: the size and SHA-256 of the routing file, checked before it is loaded.
 
 :func:`from_pretrained` is the one-call restore: load the weights, wrap with the saved config, load the routing.
+As transformers' own ``from_pretrained`` does, it loads a base model (``LlamaModel``) from a folder saved with a
+head (``LlamaForCausalLM``) and the reverse: the saved module names are mapped through ``base_model_prefix``.
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ from torch import Tensor, nn
 from condcomp.api import apply_, remove_, routed_modules
 from condcomp.checkpoint import CheckpointError, file_digest, verify_digest
 from condcomp.config import CondCompConfig
-from condcomp.record import RECORD_VERSION, store_record_in_config
+from condcomp.record import RECORD_VERSION, routing_record, store_record_in_config
 
 CONFIG_FILE = "condcomp_config.json"
 ROUTING_FILE = "condcomp_routing.safetensors"
 MANIFEST_FILE = "condcomp_manifest.json"  # size and SHA-256 of the routing file, written after it
 _MARKERS = ("condcomp_policy.", "condcomp_router.", "condcomp_progress")
+_PROGRESS = ".condcomp_progress"  # one per wrapped module: the routing file's list of wrapped modules
 
 
 def _is_routing(key: str) -> bool:
@@ -56,8 +61,9 @@ def routing_state(model: nn.Module) -> dict[str, Tensor]:
 def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: CondCompConfig | None = None) -> Path:
     """Write ``condcomp_config.json`` and ``condcomp_routing.safetensors`` for a wrapped ``model``.
 
-    ``config`` defaults to the one ``apply_`` wrapped the model with; a model wrapped by several ``apply_`` calls
-    with different configs cannot be restored by one config, and says so.
+    ``config`` defaults to what ``apply_`` wrapped the model with: its one config, or, when ``apply_`` calls used
+    different configs (one per layer, say), each config with the modules it wrapped. A ``config`` given here
+    replaces the config of every wrapped module on reload (a warning names the modules it changes).
     """
     from safetensors.torch import save_file
 
@@ -66,14 +72,20 @@ def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: C
         raise ValueError("save_condcomp: the model has no RoutedAttention; call condcomp.apply_(model, cfg) first")
     if config is None:
         configs = {m.condcomp_config.to_json() for m in routed.values() if m.condcomp_config is not None}
-        if len(configs) != 1:
-            raise ValueError(f"save_condcomp: the model was wrapped with {len(configs) or 'no'} different configs; "
-                             "pass config= explicitly (from_pretrained re-applies exactly one config)")
-        config = CondCompConfig.from_json(configs.pop())
+        # one config: stored as such (it finds its modules again); several: each with the modules it wrapped
+        text = configs.pop() if len(configs) == 1 else json.dumps(routing_record(model), indent=1)
+    else:
+        changed = [n for n, m in routed.items()
+                   if m.condcomp_config is not None and m.condcomp_config.to_json() != config.to_json()]
+        if changed:
+            warnings.warn(f"save_condcomp: config= replaces the config these modules were wrapped with: {changed}; "
+                          "they reload with it (omit config= to save each module's own config)", stacklevel=2)
+        text = json.dumps({"version": RECORD_VERSION, "groups": [{"config": config.to_dict(),
+                                                                 "modules": sorted(routed)}]}, indent=1)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(routing_state(model), str(directory / ROUTING_FILE), metadata={"format": "condcomp-routing"})
-    (directory / CONFIG_FILE).write_text(config.to_json())
+    (directory / CONFIG_FILE).write_text(text)
     digest = file_digest(directory / ROUTING_FILE)
     manifest = {"format": "condcomp-routing", "version": 1, "files": {ROUTING_FILE: digest}}
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
@@ -81,10 +93,11 @@ def save_condcomp(model: nn.Module, directory: str | os.PathLike[str], config: C
 
 
 def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[str]:
-    """Wrap an unwrapped ``model`` with the config saved in ``directory`` and load its routing parameters.
+    """Wrap an unwrapped ``model`` with the config (or record) saved in ``directory`` and load its routing.
 
-    Returns the wrapped module names. Raises if the files are missing or the routing tensors do not match the
-    wrapped model (names or shapes), leaving the model unwrapped.
+    The modules wrapped are those the routing file holds (mapped through ``base_model_prefix`` when ``model`` is
+    the base model of the saved one, or the reverse). Returns the wrapped module names. Raises if the files are
+    missing or the routing tensors do not match the wrapped model (names or shapes), leaving the model unwrapped.
     """
     from safetensors.torch import load_file
 
@@ -95,12 +108,22 @@ def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[s
             raise FileNotFoundError(f"{path} not found: was the model saved with "
                                     "condcomp.integrations.hf_checkpoint.save_pretrained / save_condcomp?")
     _verify_routing_file(directory)
-    config = CondCompConfig.from_json(cfg_path.read_text())
+    stored = json.loads(cfg_path.read_text())
     try:
         saved = load_file(str(routing_path))
     except Exception as e:  # safetensors raises its own error type for malformed headers
         raise CheckpointError(f"{routing_path}: unreadable safetensors file ({e})") from e
-    names = apply_(model, config)
+    if isinstance(stored, dict) and "groups" in stored:
+        record = stored
+    else:
+        config = CondCompConfig.from_dict(stored)
+        modules = sorted(k[: -len(_PROGRESS)] for k in saved if k.endswith(_PROGRESS))
+        if not modules:  # a routing file without progress (condcomp 0.1): the config finds the modules
+            names = apply_(model, config)
+            _load_routing(model, saved, str(routing_path))
+            return names
+        record = {"version": RECORD_VERSION, "groups": [{"config": config.to_dict(), "modules": modules}]}
+    names = apply_record(model, record)
     _load_routing(model, saved, str(routing_path))
     return names
 
@@ -110,6 +133,8 @@ def _load_routing(model: nn.Module, saved: dict[str, Tensor], source: str) -> No
     from condcomp.api import remove_
 
     try:
+        rename = _name_map(model, {_module_of(k) for k in saved})
+        saved = {rename(_module_of(k)) + k[len(_module_of(k)):]: t for k, t in saved.items()}
         expected = routing_state(model)
         missing = sorted(set(expected) - set(saved))
         unexpected = sorted(set(saved) - set(expected))
@@ -145,14 +170,16 @@ def apply_record(model: nn.Module, record: Any) -> list[str]:
             record.get("groups"), list):
         raise ValueError(f"not a condcomp routing record of version {RECORD_VERSION}: {str(record)[:200]}")
     names: list[str] = []
+    rename = _name_map(model, {n for group in record["groups"] for n in group["modules"]})
     try:
         for group in record["groups"]:
             config = CondCompConfig.from_dict(group["config"])
+            modules = [rename(n) for n in group["modules"]]
             exact = CondCompConfig.from_dict({**group["config"], "exclude_modules": None, "target_modules": [
-                "re:" + re.escape(n) for n in group["modules"]]})
+                "re:" + re.escape(n) for n in modules]})
             wrapped = apply_(model, exact)
-            if sorted(wrapped) != sorted(group["modules"]):
-                raise ValueError(f"the record names modules {group['modules']}, the model wrapped {wrapped}")
+            if sorted(wrapped) != sorted(modules):
+                raise ValueError(f"the record names modules {modules}, the model wrapped {wrapped}")
             routed = routed_modules(model)
             for n in wrapped:
                 routed[n].condcomp_config = config  # what the user wrapped with, for the next save
@@ -163,6 +190,26 @@ def apply_record(model: nn.Module, record: Any) -> list[str]:
         raise
     store_record_in_config(model)
     return names
+
+
+def _module_of(key: str) -> str:
+    """The wrapped module a routing tensor's key belongs to (the part before its first ``condcomp_`` marker)."""
+    return min((key[: i - 1] for m in _MARKERS if (i := key.find(m)) > 0), key=len, default=key)
+
+
+def _name_map(model: nn.Module, saved_modules: set[str]) -> Any:
+    """Saved module name -> this model's: as saved, or with ``base_model_prefix.`` removed (a base model loaded
+    from a folder saved with a head) or added (the reverse), whichever names modules this model has."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    modules = {n for n, _ in model.named_modules()}
+    candidates = [lambda n: n]
+    if prefix:
+        candidates += [lambda n: n[len(prefix) + 1:] if n.startswith(prefix + ".") else n,
+                       lambda n: f"{prefix}.{n}"]
+    for rename in candidates:
+        if all(rename(n) in modules for n in saved_modules):
+            return rename
+    return candidates[0]
 
 
 def save_pretrained(model: Any, directory: str | os.PathLike[str], config: CondCompConfig | None = None,

@@ -18,61 +18,53 @@ import torch
 from torch import Tensor
 
 from condcomp.dense import grouped_sdpa
-from condcomp.held_plans import KVSelection, select_kv
+from condcomp.held_plans import KVSelection, pad_slots, select_kv
 from condcomp.masks import build_attention_mask, dead_rows
 from condcomp.rotary import apply_rotary
-from condcomp.types import AttentionInputs
+from condcomp.types import AttentionInputs, HeadPlan
 
-from .hf_base import _mask_parts, _sliding_bias
+from .hf_base import _mask_parts, _sliding_bias, visible_keys
+from .hf_cache import RequestStep, cache_layer, compact_write, request_plan
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
 
 
-def _cached_len(cache: Any, layer_idx: int) -> int:
-    try:
-        return int(cache.get_seq_length(layer_idx))
-    except (AttributeError, IndexError, TypeError):
-        return 0
-
-
-def decide_request_plan(routed: RoutedAttention, x: Tensor, mask: Any, cache: Any,
-                        layer_idx: int) -> KVSelection | None:
-    """The held selection for this request, deciding (and holding) it at the prefill; None when the plan is
-    per token (every key/value head stays cached)."""
-    held = routed.held_plan(cache)
-    if held is not None:
-        if held[1] is None:
-            raise RuntimeError("a plan without a KV selection is held for this cache (a different adapter decided "
-                               "it); use one wrapped model per request")
-        return held[1]
-    if getattr(routed.condcomp_router, "granularity", "sequence") != "sequence":
-        return None
-    if _cached_len(cache, layer_idx) > 0:
-        raise ValueError(f"layer {layer_idx}: the KV cache already holds keys this wrapped model did not decide a "
-                         "plan for (filled by another model, or under condcomp.disabled); start the request with "
-                         "a fresh cache on the wrapped model, which decides the plan at prefill and holds it")
+def decide_request_plan(routed: RoutedAttention, x: Tensor, mask: Any, step: RequestStep) -> HeadPlan:
+    """The request's plan for this call: the one stored in the cache, or one decided now from the call's real
+    tokens (at the request's first call; a sequence plan on a cache that holds tokens but no plan is refused)."""
     B, T = x.shape[:2]
-    query_mask, _, _ = _mask_parts(mask, B, T, T, True)
-    plan = routed.route(x, query_mask, routed.weights(), T)
-    if plan.granularity != "sequence":  # a per-token budget made the plan per token
-        return None
-    selection = select_kv(plan, routed.layout)
-    routed.hold_plan(cache, plan, selection)
-    if routed.last is not None:
+    S = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T
+    query_mask, _, _ = _mask_parts(mask, B, T, S, True, step.query_start)
+    plan = request_plan(routed, step, x, query_mask, step.query_start + T, decoder=True)
+    if step.held is None and plan.granularity == "sequence" and routed.last is not None:
         routed.last = replace(routed.last, executor="held", route="kv_cache")
+    return plan
+
+
+def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep) -> KVSelection:
+    """The slots of a plan decided now; a static cache layer allocated earlier fixes the slot count."""
+    selection = select_kv(plan, routed.layout)
+    layer = cache_layer(step.cache, step.layer_idx)
+    slots = getattr(layer, "num_heads", None) if getattr(layer, "is_initialized", False) else None
+    if isinstance(slots, int) and hasattr(layer, "max_cache_len"):  # static: (B, slots, max_len, Dh) allocated
+        if selection.slots <= slots:
+            return pad_slots(selection, slots)
+        layer.is_initialized = False  # an empty static layer too small for this plan: allocated again
     return selection
 
 
 def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary: tuple[Tensor, Tensor] | None,
-                   cache: Any, mask: Any, layer_idx: int, sliding_window: int | None, extra: dict[str, Any]) -> Tensor:
-    """One call under a held plan: ``x (B, T, D)`` -> ``(B, T, D)``, caching the kept key/value heads only."""
+                   step: RequestStep, mask: Any, sliding_window: int | None, extra: dict[str, Any]) -> Tensor:
+    """One call under a request's plan: ``x (B, T, D)`` -> ``(B, T, D)``, caching the kept key/value heads only."""
+    cache, layer_idx = step.cache, step.layer_idx
     L = routed.layout
     B, T, _ = x.shape
     Hkv, r, Dh, g = L.num_kv_heads, L.group_size, L.head_dim, sel.slots
-    if g == 0:  # no row keeps a head (k_min = 0): exactly zero output; the cache still counts the tokens
+    if g == 0:  # an empty batch (select_kv gives every non-empty batch at least one slot)
         empty = x.new_zeros(B, 0, T, Dh)
-        cache.update(empty, empty, layer_idx, kwargs=extra)
+        with compact_write():
+            cache.update(empty, empty, layer_idx, kwargs=extra)
         return x.new_zeros(B, T, L.d_model)
     # The projections' own forward (exact for LoRA layers), then the kept groups of each row.
     q = routed.q_proj(x).view(B, T, Hkv, r, Dh)
@@ -91,14 +83,17 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, g*r | g, T, Dh)
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-    k, v = cache.update(k, v, layer_idx, kwargs=extra)  # (B, g, S, Dh): the kept groups' whole history
+    with compact_write():
+        k, v = cache.update(k, v, layer_idx, kwargs=extra)  # (B, g, S, Dh): the kept groups' whole history
+    k, v = visible_keys(k, v, mask, step.query_start, T)
     S = k.shape[2]
-    query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True)
+    query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True, step.query_start)
     if mask is None and sliding_window is not None and S > sliding_window:
         bias = _sliding_bias(T, S, int(sliding_window), x.device, x.dtype)
     am = build_attention_mask(AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias,
                                               key_states=k, value_states=v), L.causal, q.dtype)
-    out = grouped_sdpa(q, k, v, am.mask, am.is_causal, L.scale)  # (B, g*r, T, Dh)
+    out = grouped_sdpa(q, k, v, am.mask, am.is_causal, L.scale,
+                       L.dropout_p if routed.training else 0.0)  # (B, g*r, T, Dh)
     if am.dead is not None:  # queries with no key to attend (all padding) output zeros, as every executor does
         out = out.masked_fill(am.dead.unsqueeze(-1), 0.0)
     if not sel.unit_gates:

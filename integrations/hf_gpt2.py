@@ -20,7 +20,16 @@ from condcomp.adapters import register_adapter
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
-from .hf_base import _bind, _import_classes, _mask_parts, _param_names, _TransformersAdapter, cross_attention_states
+from .hf_base import (
+    _bind,
+    _import_classes,
+    _mask_parts,
+    _param_names,
+    _TransformersAdapter,
+    cross_attention_states,
+    visible_keys,
+)
+from .hf_cache import open_step, request_plan
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -95,27 +104,43 @@ class GPT2AttentionAdapter(_TransformersAdapter):
             raise ValueError(f"{self.module_cls.__name__} is a self-attention module (is_cross_attention=False) "
                              "but was given encoder_hidden_states")
         key_states = value_states = None
+        step = plan = None
         if self.cross:
             if enc is None:
                 raise ValueError(f"{self.module_cls.__name__} is a cross-attention module: encoder_hidden_states "
                                  "is required")
             mask = a.get("encoder_attention_mask")
+            if cache is not None:
+                step = open_step(routed, cache, self.layer_idx, B, T, cross=True)
             key_states, value_states = cross_attention_states(cache, self.layer_idx,
                                                               lambda: self._kv(routed.weights(), enc))
             S = enc.shape[1] if key_states is None else key_states.shape[2]
+            query_mask, key_mask, bias = _mask_parts(mask, B, T, S, False)
         else:
             mask = a.get("attention_mask")
+            q0 = None
             if cache is not None:
-                # Every head's K/V is cached (a per-token plan may choose any head later); a sequence plan is held per
-                # request by attend(request=cache).
+                # The request's plan is decided (or read from the cache) before the cache grows; every head's K/V is
+                # cached (a per-token plan may choose any head later).
+                step = open_step(routed, cache, self.layer_idx, B, T)
+                q0 = step.query_start
+                routing_mask, _, _ = _mask_parts(mask, B, T, mask.shape[-1] if isinstance(mask, Tensor) else q0 + T,
+                                                 True, q0)
+                plan = request_plan(routed, step, x, routing_mask, q0 + T, decoder=True)
                 current = getattr(cache, "self_attention_cache", cache)
                 k, v = self._kv(routed.weights(), x)
                 key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
+                key_states, value_states = visible_keys(key_states, value_states, mask, q0, T)
             S = T if key_states is None else key_states.shape[2]
-        query_mask, key_mask, bias = _mask_parts(mask, B, T, S, not self.cross)
+            query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True, q0)
         inputs = AttentionInputs(
             x=x, key=enc if self.cross and key_states is None else None, mask=query_mask, key_mask=key_mask,
             attn_bias=bias, key_states=key_states, value_states=value_states,
             dropout_p=self.layout.dropout_p if routed.training else 0.0,
         )
-        return routed.resid_dropout(routed.attend(inputs, request=cache)), None
+        if plan is None:
+            plan = request_plan(routed, step, x, query_mask, S, decoder=True)
+        y = routed.attend(inputs, plan)
+        if step is not None:
+            step.keep(routed, plan, None)
+        return routed.resid_dropout(y), None

@@ -37,6 +37,7 @@ from condcomp.registry import POLICIES, ROUTERS
 from condcomp.types import HeadLayout, HeadPlan
 
 from .hf import BertStyleAttentionAdapter, ProjectionAttentionAdapter, _mask_parts
+from .hf_base import warn_if_attentions_requested
 
 ATTN_NAME = "condcomp"
 
@@ -94,6 +95,7 @@ def condcomp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)  # type: ignore[no-any-return]
+    warn_if_attentions_requested(kwargs)
     x, routing._x = routing._x, None
     if x is None:
         raise RuntimeError("condcomp_attention: the attention module's input was not captured (was the module "

@@ -19,7 +19,8 @@ from condcomp.adapters import register_adapter
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
-from .hf_base import _bind, _import_classes, _mask_parts, _param_names, _TransformersAdapter
+from .hf_base import _bind, _import_classes, _mask_parts, _param_names, _TransformersAdapter, visible_keys
+from .hf_cache import open_step, request_plan
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -49,6 +50,13 @@ class T5AttentionAdapter(_TransformersAdapter):
         )
         self.layer_idx = module.layer_idx
         self.module_cls = type(module)
+        self.decoder = bool(getattr(module, "is_decoder", False))
+
+    def held_record(self, cache: Any) -> Any:
+        return super().held_record(cache) if self.decoder else None  # an encoder's layers hold no request plan
+
+    def cross_attention(self) -> bool:
+        return not self.layout.causal  # a decoder's non-causal T5Attention is its cross-attention
 
     def weights(self, owner: Any) -> AttentionWeights:
         (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_parts(getattr(owner, n), n) for n in "qkvo")
@@ -85,6 +93,14 @@ class T5AttentionAdapter(_TransformersAdapter):
         current: Any = cache
         if cache is not None and hasattr(cache, "self_attention_cache"):
             current = cache.cross_attention_cache if cross else cache.self_attention_cache
+        step = open_step(routed, cache, self.layer_idx, B, T, cross=cross) if cache is not None else None
+        q0 = step.query_start if step is not None and not cross else None
+        plan = None
+        if step is not None and not cross:  # decided (or read from the cache) before the cache grows
+            mask = a.get("mask")
+            S_mask = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T
+            routing_mask, _, _ = _mask_parts(mask, B, T, S_mask, True, q0)
+            plan = request_plan(routed, step, x, routing_mask, step.query_start + T, decoder=True)
         key_states = value_states = None
         if cross and cache is not None and is_updated:
             layer = current.layers[self.layer_idx]
@@ -95,15 +111,22 @@ class T5AttentionAdapter(_TransformersAdapter):
             key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
             if cross and hasattr(cache, "is_updated"):
                 cache.is_updated[self.layer_idx] = True
+            if q0 is not None:
+                key_states, value_states = visible_keys(key_states, value_states, a.get("mask"), q0, T)
         S = source.shape[1] if key_states is None else key_states.shape[2]
         position_bias = a.get("position_bias")
         if position_bias is None:
             position_bias = self._position_bias(routed, T, S, x, past)
-        query_mask, key_mask, mask_bias = _mask_parts(a.get("mask"), B, T, S, not cross)
+        query_mask, key_mask, mask_bias = _mask_parts(a.get("mask"), B, T, S, not cross, q0)
         bias = position_bias if mask_bias is None else position_bias + mask_bias  # (B|1, H, T, S)
         inputs = AttentionInputs(
             x=x, key=enc if cross and key_states is None else None, mask=query_mask, key_mask=key_mask,
             attn_bias=bias, key_states=key_states, value_states=value_states,
             dropout_p=self.layout.dropout_p if routed.training else 0.0,
         )
-        return routed.attend(inputs, request=cache), position_bias, None
+        if plan is None:
+            plan = request_plan(routed, step, x, query_mask, S, decoder=self.decoder)
+        y = routed.attend(inputs, plan)
+        if step is not None:
+            step.keep(routed, plan, None)
+        return y, position_bias, None

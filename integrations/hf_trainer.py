@@ -7,6 +7,13 @@ With ``Trainer(..., callbacks=[CondCompCallback()])`` and nothing else:
   transformers' MoE models add their router loss inside the model (so DDP, gradient accumulation and mixed
   precision see one loss, as they do for those models). The model must compute its loss (labels in the batch);
   a training forward without ``loss`` is warned about once;
+- under gradient accumulation each micro-batch's auxiliary loss gets the weight transformers gives that
+  micro-batch's task loss, so a step's auxiliary term is a mean, as its task loss is: for a model that takes loss
+  kwargs (Trainer passes ``num_items_in_batch`` and does not divide) the micro-batch's share of the step's label
+  count, counted as Trainer counts it; for one that does not, nothing here, since Trainer divides the whole loss
+  by the number of micro-batches. (A model whose forward takes ``**kwargs`` but ignores ``num_items_in_batch``,
+  such as ``BertForSequenceClassification``, gets an undivided task loss from Trainer itself; set
+  ``model.accepts_loss_kwargs = False`` before building the Trainer to have both terms averaged.)
 - ``condcomp.set_progress`` follows ``global_step / max_steps`` (temperature, noise, entropy schedules), and is
   1.0 when training ends;
 - every log gets the head usage of the last forward (means over the routed layers; ``per_layer=True`` adds one
@@ -25,7 +32,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from transformers import TrainerCallback
 
 from condcomp.api import aux_loss, head_usage, routing_hosts, set_progress
@@ -40,6 +48,8 @@ class CondCompCallback(TrainerCallback):  # type: ignore[misc]
         self.per_layer = per_layer
         self._hook: Any = None
         self._warned = False
+        self._warned_count = False
+        self._accumulation = 1
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        **kwargs: Any) -> None:
@@ -48,7 +58,8 @@ class CondCompCallback(TrainerCallback):  # type: ignore[misc]
                              "condcomp.apply_(model, cfg) before building the Trainer")
         if self._hook is not None:
             self._hook.remove()
-        self._hook = model.register_forward_hook(self._add_aux_loss)
+        self._hook = model.register_forward_hook(self._add_aux_loss, with_kwargs=True)
+        self._accumulation = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
         set_progress(model, _progress(state))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
@@ -87,13 +98,13 @@ class CondCompCallback(TrainerCallback):  # type: ignore[misc]
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
 
-    def _add_aux_loss(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def _add_aux_loss(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
         if not module.training:
             return None
         loss = output.get("loss") if isinstance(output, dict) else None
         if loss is None and isinstance(output, tuple) and output and getattr(output[0], "dim", None) is not None:
             if output[0].dim() == 0:  # return_dict=False: (loss, logits, ...)
-                return (output[0] + aux_loss(module), *output[1:])
+                return (output[0] + self._scaled_aux(module, kwargs, output[0]), *output[1:])
         if loss is None:
             if not self._warned:
                 self._warned = True
@@ -101,8 +112,48 @@ class CondCompCallback(TrainerCallback):  # type: ignore[misc]
                               "condcomp.aux_loss could not be added; the budget and balance terms are not trained",
                               stacklevel=2)
             return None
-        output["loss"] = loss + aux_loss(module)
+        output["loss"] = loss + self._scaled_aux(module, kwargs, loss)
         return output
+
+    def _scaled_aux(self, module: nn.Module, kwargs: dict[str, Any], loss: Tensor) -> Tensor:
+        """``aux_loss(module)`` times the weight Trainer's loss scaling gives this micro-batch's task loss."""
+        aux = aux_loss(module)
+        total = kwargs.get("num_items_in_batch")
+        if total is None:  # Trainer divides the whole loss by the number of micro-batches itself
+            return aux
+        items = _label_count(module, kwargs)
+        if items is None:
+            if not self._warned_count:
+                self._warned_count = True
+                warnings.warn("CondCompCallback: the forward got num_items_in_batch but no labels to count this "
+                              "micro-batch's share with; the auxiliary loss is divided by "
+                              "gradient_accumulation_steps instead", stacklevel=3)
+            return aux / self._accumulation
+        total_t = torch.as_tensor(total, device=loss.device, dtype=torch.float32).reshape(-1)[0]
+        share = items.to(device=loss.device, dtype=torch.float32) / total_t.clamp_min(1.0)
+        return aux * share.to(aux.dtype)
+
+
+def _label_count(module: nn.Module, kwargs: dict[str, Any]) -> Tensor | None:
+    """The micro-batch's label count as Trainer counts it for ``num_items_in_batch`` (causal LMs: shifted)."""
+    labels = kwargs.get("shift_labels")
+    if labels is None:
+        labels = kwargs.get("labels")
+        if not isinstance(labels, Tensor):
+            return None
+        if _loss_shifts_labels(module):
+            labels = labels[..., 1:]
+    if not isinstance(labels, Tensor):
+        return None
+    return labels.ne(-100).sum()
+
+
+def _loss_shifts_labels(module: nn.Module) -> bool:
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    config = getattr(module, "config", None)
+    return (LOSS_MAPPING.get(str(getattr(module, "loss_type", ""))) is ForCausalLMLoss
+            and not getattr(config, "is_encoder_decoder", False))
 
 
 def _budget_k_frac(host: RoutingHost) -> float | None:

@@ -68,7 +68,8 @@ def test_every_policy_and_router_trains_and_evaluates_after_a_cast(policy: str, 
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[1, 4:] = False
     model.train()
-    y = model[0](x, mask)
+    cond = torch.randn(2, 32)  # the conditioning vector, read only by policies that declare reads_condition
+    y = model[0](x, mask, condition=cond)
     assert y.dtype == DTYPE[cast] and torch.isfinite(y).all()
     (y.float().pow(2).mean() + condcomp.aux_loss(model)).backward()
     for name, p in model.named_parameters():
@@ -76,7 +77,7 @@ def test_every_policy_and_router_trains_and_evaluates_after_a_cast(policy: str, 
             assert p.grad.dtype == p.dtype and torch.isfinite(p.grad).all(), name
     model.eval()
     with torch.no_grad():
-        y = model[0](x, mask)
+        y = model[0](x, mask, condition=cond)
     assert y.dtype == DTYPE[cast] and torch.isfinite(y).all()
 
 

@@ -71,7 +71,9 @@ def test_policy(name: str) -> None:
         policy.train()
         assert all(p.dtype == torch.float32 for p in policy.parameters()), "routing parameters must be float32"
     x, mask = inputs()
-    budget = policy(x, mask)
+    # A policy that reads a conditioning vector (budgetformer_cond) gets one, as the layer would pass it.
+    cond = {"condition": torch.randn(B, policy.condition_dim)} if getattr(policy, "reads_condition", False) else {}
+    budget = policy(x, mask, **cond)
     assert isinstance(budget, Budget)
     assert budget.s.shape in ((B,), (B, T)) and budget.k.shape == budget.s.shape
     assert budget.k.dtype == torch.int64 and bool(((budget.k >= 0) & (budget.k <= H)).all())
@@ -86,7 +88,7 @@ def test_policy(name: str) -> None:
     if isinstance(policy, nn.Module):
         policy.eval()
     with torch.no_grad():
-        b16 = policy(x.detach().bfloat16(), mask)
+        b16 = policy(x.detach().bfloat16(), mask, **cond)
     assert torch.isfinite(b16.s.float()).all() and b16.k.shape == b16.s.shape
 
 
@@ -143,7 +145,7 @@ def _wrapped(policy: str, router: str, executor: str) -> condcomp.RoutedAttentio
 
 def _end_to_end(routed: condcomp.RoutedAttention) -> None:
     x, mask = inputs()
-    y = routed(x, mask)
+    y = routed(x, mask, condition=torch.randn(B, D))  # read only by policies that declare reads_condition
     assert y.shape == (B, T, D) and torch.isfinite(y).all()
     (y.square().mean() + condcomp.aux_loss(routed)).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()

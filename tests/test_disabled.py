@@ -6,6 +6,7 @@ Reference: the unwrapped module (a deep copy taken before ``apply_``), with the 
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -76,3 +77,40 @@ def test_disabled_on_transformers_models_both_routes() -> None:
             with condcomp.disabled(model):
                 torch.testing.assert_close(model(input_ids=ids).logits, want, atol=0, rtol=0)
             assert not torch.allclose(model(input_ids=ids).logits, want)
+
+
+def test_blocks_nest_in_one_thread_and_another_threads_overlapping_block_is_refused() -> None:
+    """The blocks set the model's state for every thread: one opened by a second thread while the first is inside
+    one is refused (interleaved, each block's exit would restore the other thread's setting for good)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(condcomp.HeadAttention(32, 4))
+    ref = copy.deepcopy(model).eval()
+    condcomp.apply_(model, CFG)
+    model.eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        with condcomp.budget(model, 0.25), condcomp.budget(model, 1.0):  # nested in one thread: the inner wins
+            torch.testing.assert_close(model(x), ref(x))
+        inside, refused, leave = threading.Event(), [], threading.Event()
+
+        def hold() -> None:
+            with condcomp.budget(model, 0.25):
+                inside.set()
+                leave.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        inside.wait(30)
+        try:
+            with condcomp.budget(model, 1.0):
+                pass
+        except RuntimeError as e:
+            refused.append(str(e))
+        finally:
+            leave.set()
+            holder.join()
+        assert refused and "another thread" in refused[0]
+        with condcomp.disabled(model):  # both blocks ended: nothing left set, a new block works
+            torch.testing.assert_close(model(x), ref(x), atol=0, rtol=0)
+        assert not torch.allclose(model(x), ref(x))  # the wrap's own budget (half the heads) again
+        assert all(h.budget_fraction is None for h in condcomp.api.routing_hosts(model).values())

@@ -37,7 +37,7 @@ def test_empty_inputs_train_nothing(policy: str, router: str, executor: str, sha
     mask = torch.zeros(B, T, dtype=torch.bool) if padding else None
     routing = {n: p for n, p in model.named_parameters() if "condcomp_" in n}
     before = {n: p.detach().clone() for n, p in routing.items()}
-    y = model[0](x, mask)
+    y = model[0](x, mask, condition=torch.randn(B, 16))  # read only by policies that declare reads_condition
     assert y.shape == (B, T, 16) and torch.isfinite(y).all()
     aux = condcomp.aux_loss(model)
     assert float(aux.detach()) == 0.0

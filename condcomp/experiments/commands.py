@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from condcomp.cli_args import json_object, json_object_file, output_file, output_folder, read_json_object
 from condcomp.experiments.runconfig import RunConfig
 from condcomp.experiments.study import CONTROLS, DEFAULT_ARMS
 
@@ -28,7 +28,8 @@ _HELP = {
 
 
 def _add_run_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
-    p.add_argument("--config", type=Path, help="JSON file of run settings (flags given explicitly win)")
+    p.add_argument("--config", type=json_object_file,
+                   help="JSON file of run settings, an object (flags given explicitly win)")
     for f in fields(RunConfig):
         flag = "--" + f.name.replace("_", "-")
         kw: dict[str, Any] = {"default": None, "dest": f.name, "help": _HELP.get(f.name)}
@@ -37,7 +38,7 @@ def _add_run_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None =
         elif f.name in ("train_file", "test_file"):
             kw["nargs"] = "+"
         elif f.name == "method_options":
-            kw["type"] = json.loads
+            kw["type"] = json_object
         elif "int" in str(f.type):
             kw["type"] = int
         elif "float" in str(f.type):
@@ -51,12 +52,10 @@ def run_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> 
     """Defaults < ``base`` < ``--config`` file < explicit flags."""
     d: dict[str, Any] = dict(base or {})
     if getattr(args, "config", None):
-        if not args.config.is_file():
-            raise FileNotFoundError(f"--config: {args.config} does not exist")
         try:
-            d.update(json.loads(args.config.read_text()))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--config {args.config}: not valid JSON ({err})") from None
+            d.update(read_json_object(args.config))
+        except ValueError as err:
+            raise ValueError(f"--config: {err}") from None
     for f in fields(RunConfig):
         v = getattr(args, f.name, None)
         if v is not None and v is not False:
@@ -121,7 +120,7 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     _threads(cfg.threads)
     plan = StudyPlan(arms=tuple(args.arms), sweep_fractions=tuple(args.sweep_fractions),
                      budget_costs=tuple(args.budget_costs), moh_topk=tuple(args.moh_topk),
-                     moh=json.loads(args.moh) if args.moh else {},
+                     moh=args.moh or {},
                      budgetformer=cfg.method_options if cfg.method == "budgetformer" else {})
     seeds = list(args.seeds) if args.seeds else [cfg.seed]
     summary = args.summary or args.out / "summary.json"
@@ -159,7 +158,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     """Register demo, train, eval, ablate and report on the ``condcomp`` parser."""
     p = sub.add_parser("demo", help="standard vs BudgetFormer vs fixed top-k vs MoH on the embedded synthetic task")
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder (default runs/demo)")
+    p.add_argument("--out", type=output_folder, default="runs/demo", help="output folder (default runs/demo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke version (tiny model, few examples)")
     p.add_argument("--threads", type=int, default=None,
@@ -169,13 +168,13 @@ def add_commands(sub: Any) -> None:
 
     p = sub.add_parser("train", help="train one method on one dataset; metrics.json + checkpoint in --out")
     _add_run_flags(p)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=output_folder, required=True)
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint (model, optimiser, step)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on its run's test split; metrics.json in --out")
     p.add_argument("checkpoint", type=Path, help="a checkpoint folder written by train/ablate")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=output_folder, required=True)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--max-test", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
@@ -184,10 +183,10 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("ablate", help="the budget vs fixed top-k study on one dataset: every arm for every seed, "
                        "resumable, one summary.json of records + statistics.json")
     _add_run_flags(p)
-    p.add_argument("--out", type=Path, required=True, help="run folders: OUT/DATASET/seedK/ARM (keep them: reuse "
-                   "and the paired tests read them)")
+    p.add_argument("--out", type=output_folder, required=True,
+                   help="run folders: OUT/DATASET/seedK/ARM (keep them: reuse and the paired tests read them)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds to run (default: --seed)")
-    p.add_argument("--summary", type=Path, default=None,
+    p.add_argument("--summary", type=output_file, default=None,
                    help="summary JSON (a list of records) to add finished runs to (default OUT/summary.json); "
                    "statistics.json is written beside it")
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),
@@ -198,14 +197,15 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--budget-costs", type=float, nargs="*", default=[],
                    help="extra BudgetFormer arms budgetformer_cost<c> with a price c * mean(s) on heads")
     p.add_argument("--moh-topk", type=int, nargs="*", default=[], help="extra MoH arms moh_k<K> with another K")
-    p.add_argument("--moh", default=None, help='JSON options of the MoH arms, e.g. \'{"shared_heads": 2, "top_k": 2}\'')
+    p.add_argument("--moh", type=json_object, default=None,
+                   help='JSON options of the MoH arms, e.g. \'{"shared_heads": 2, "top_k": 2}\'')
     p.set_defaults(func=_cmd_ablate)
 
     p = sub.add_parser("report", help="markdown table (+ plots) from metrics.json files or run folders, or the "
                        "results page of a study folder holding summary.json")
     p.add_argument("metrics", type=Path, nargs="+")
-    p.add_argument("--out", type=Path, default=None, help="write report.md and plots here")
-    p.add_argument("--doc", type=Path, default=None,
+    p.add_argument("--out", type=output_folder, default=None, help="write report.md and plots here")
+    p.add_argument("--doc", type=output_file, default=None,
                    help="study folder (summary.json): write the results page here (e.g. docs/results.md); "
                    "plots go to FOLDER/plots")
     p.add_argument("--no-plots", action="store_true")

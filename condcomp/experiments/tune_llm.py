@@ -13,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from condcomp.cli_args import folders_with, output_folder
 from condcomp.experiments.llm_data import LM_DATASETS
 from condcomp.experiments.llm_tuning import PRESETS, TuneSettings
 
@@ -41,10 +42,7 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     if args.report_only:
         from condcomp.experiments.tune_llm_run import write_summary
 
-        folders = [f for f in dict.fromkeys([args.out, args.results]) if f is not None and f.is_dir()]
-        if not folders:
-            raise FileNotFoundError(f"--report-only: neither {args.out} nor {args.results} is a folder of "
-                                    "tune-llm results (pass --results results/llm, or --out your run folder)")
+        folders = folders_with([args.out, args.results], "*/metrics.json", "--report-only", "tune-llm results")
         for folder in folders:
             print(write_summary(folder, decode))
         return 0
@@ -63,9 +61,9 @@ def add_commands(sub: Any) -> None:
 
     p = sub.add_parser("tune-llm", help="continue-tune SmolLM2 into routed / statically pruned variants; "
                        "perplexity, greedy agreement and samples per variant (metrics.json)")
-    p.add_argument("--out", type=Path, default=Path("runs/llm"),
+    p.add_argument("--out", type=output_folder, default="runs/llm",
                    help="work folder: OUT/<variant>/checkpoint.pt and metrics.json (default runs/llm)")
-    p.add_argument("--results", type=Path, default=None,
+    p.add_argument("--results", type=output_folder, default=None,
                    help="also write each metrics.json and the summary table here (e.g. results/llm)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_ORDER), choices=list(DEFAULT_ORDER),
                    help="variants to run, in order (default: all)")

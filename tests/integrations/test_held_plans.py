@@ -228,14 +228,16 @@ def test_gpt2_holds_the_request_plan_and_caches_every_head() -> None:
     assert all(layer.keys.shape[1] == 4 for layer in cache.layers)  # type: ignore[attr-defined]
 
 
-def test_a_plan_with_no_heads_outputs_zero_attention_and_an_empty_cache() -> None:
-    """k_min = 0 and a zero budget: no key/value head is cached, and decoding equals the reference."""
+def test_a_plan_with_no_heads_outputs_zero_attention_and_caches_one_slot() -> None:
+    """k_min = 0 and a zero budget: one key/value slot per row is cached (so the cache counts the request's
+    tokens; its gate is 0), and decoding equals the reference."""
     model = _llama(2)
     condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.0, "k_min": 0}),
                                                    router=("topk", {"kv_groups": True})))
     ids, mask = _prompts()
     tokens, logits, cache = _decode(model.eval(), ids, mask)
-    assert all(layer.keys.shape[1] == 0 for layer in cache.layers)  # type: ignore[attr-defined]
+    assert all(layer.keys.shape[1] == 1 for layer in cache.layers)  # type: ignore[attr-defined]
+    assert cache.get_seq_length() == tokens.shape[1]  # type: ignore[attr-defined]
     want = _reference_logits(model, tokens, mask)
     for step, got in enumerate(logits):
         torch.testing.assert_close(got, want[:, step], atol=1e-4, rtol=1e-4)

@@ -71,13 +71,21 @@ def test_routing_that_does_not_fit_is_refused_and_leaves_the_model_unwrapped(tmp
         load_condcomp(other, tmp_path / "missing")
 
 
-def test_a_model_wrapped_with_two_configs_needs_the_config_named(tmp_path: Path) -> None:
+def test_a_model_wrapped_with_two_configs_round_trips_with_each_config(tmp_path: Path) -> None:
     model = build("bert")
-    first_layer = condcomp.CondCompConfig(policy="full", router="random", target_modules="re:.*layer\\.0\\..*")
+    first_layer = condcomp.CondCompConfig(policy=("budgetformer", {}), router=("topk", {"gates": "weighted"}),
+                                          target_modules="re:.*layer\\.0\\..*")
     condcomp.apply_(model, first_layer)
-    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="random"))
-    with pytest.raises(ValueError, match="2 different configs; pass config= explicitly"):
-        save_pretrained(model, tmp_path)
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk"))
+    _perturb_routing_(model)
+    inputs = batch("bert")
+    want = output(model, inputs)
+    save_pretrained(model, tmp_path)
+    torch.manual_seed(321)
+    loaded = from_pretrained(type(model), tmp_path, torch_dtype=torch.float64).eval()
+    configs = {n: m.condcomp_config for n, m in condcomp.routed_modules(loaded).items()}
+    assert configs == {n: m.condcomp_config for n, m in condcomp.routed_modules(model).items()}
+    torch.testing.assert_close(output(loaded, inputs), want, atol=1e-12, rtol=1e-12)
 
 
 def test_round_trip_restores_schedule_progress(tmp_path: Path) -> None:

@@ -1,0 +1,138 @@
+"""The DiT study's figures (matplotlib, imported lazily) and its markdown table, drawn from ``OUT/summary.json``
+and the runs' ``samples.pt``: sample grids, heads against the noise level, and quality against heads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from condcomp.experiments.plots import _pyplot, _save
+
+LABELS = {"dense": "dense", "moh_90": "MoH 90 %", "moh_75": "MoH 75 %", "moh_50": "MoH 50 %",
+          "budgetformer_cond": "BudgetFormer (reads t)", "budgetformer": "BudgetFormer (tokens only)",
+          "fixed": "fixed top-k (matched)"}
+
+
+def load_summary(out: Path) -> dict[str, Any]:
+    path = out / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run `condcomp dit --out {out}` first")
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def plot_samples(out: Path, variants: list[str], path: Path, seed: int = 0, per_class: int = 8) -> bool:
+    """One panel per variant: ``per_class`` samples of each class (rows = classes), from ``seedS/V/samples.pt``."""
+    found = [(v, out / f"seed{seed}" / v / "samples.pt") for v in variants]
+    found = [(v, p) for v, p in found if p.is_file()]
+    plt = _pyplot() if found else None
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(found), figsize=(2.4 * len(found), 3.4), squeeze=False)
+    for ax, (v, p) in zip(axes[0], found):
+        imgs = torch.load(p, weights_only=True).float().clamp(-1, 1)  # (10 * n, 1, S, S), class-major
+        n = imgs.shape[0] // 10
+        grid = imgs.reshape(10, n, *imgs.shape[-2:])[:, :per_class]  # (10, k, S, S)
+        S = grid.shape[-1]
+        tiles = grid.permute(0, 2, 1, 3).reshape(10 * S, grid.shape[1] * S)  # rows = classes
+        ax.imshow(tiles.numpy(), cmap="gray_r", vmin=-1, vmax=1)
+        ax.set_title(LABELS.get(v, v), fontsize=8)
+        ax.axis("off")
+    return _save(plt, fig, path)
+
+
+def plot_heads_vs_noise(summary: dict[str, Any], path: Path) -> bool:
+    """Left: heads used (mean over layers) against the noise level t per routed variant. Right: per layer, the
+    timestep-aware learned budget's heads and its budget s."""
+    profiles = summary.get("noise_profiles", {})
+    plt = _pyplot() if profiles else None
+    if plt is None:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for v, prof in profiles.items():
+        layers = list(prof["layers"].values())
+        mean = [sum(ly["k_frac"][i] for ly in layers) / len(layers) for i in range(len(prof["t"]))]
+        left.plot(prof["t"], mean, marker=".", label=f"{LABELS.get(v, v)} ({prof['seeds']} seeds)")
+    left.set_xlabel("noise level t (1 = pure noise; sampling runs right to left)")
+    left.set_ylabel("heads used (fraction, mean over layers)")
+    left.set_title("heads per denoising step", fontsize=9)
+    left.legend(fontsize=7)
+    learned = profiles.get("budgetformer_cond") or profiles.get("budgetformer")
+    if learned is not None:
+        for i, ly in enumerate(learned["layers"].values()):
+            line = right.plot(learned["t"], ly["k_frac"], marker=".", label=f"layer {i} heads")[0]
+            right.plot(learned["t"], ly["s_mean"], ls="--", color=line.get_color(), alpha=0.6, label=f"layer {i} s")
+        right.set_title("learned budget per layer (solid: heads k/H, dashed: budget s)", fontsize=9)
+        right.set_xlabel("noise level t")
+        right.legend(fontsize=6, ncol=2)
+    return _save(plt, fig, path)
+
+
+def plot_quality_vs_heads(summary: dict[str, Any], path: Path) -> bool:
+    """Fréchet distance and class accuracy against heads used, mean and 95 % interval over seeds."""
+    stats = summary.get("statistics", {})
+    plt = _pyplot() if stats else None
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, metric, label in ((axes[0], "frechet", "Fréchet distance (lower is better)"),
+                              (axes[1], "class_accuracy", "class accuracy of samples")):
+        for v, st in stats.items():
+            m, h = st[metric], st["heads"]
+            err = None if m["lo"] is None else [[m["mean"] - m["lo"]], [m["hi"] - m["mean"]]]
+            ax.errorbar([h["mean"]], [m["mean"]], yerr=err, fmt="o", capsize=3, label=LABELS.get(v, v))
+        ax.set_xlabel("heads used (fraction)")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _fmt(st: dict[str, Any], digits: int = 3) -> str:
+    if st["mean"] is None:
+        return "-"
+    if st["lo"] is None:
+        return f"{st['mean']:.{digits}f}"
+    return f"{st['mean']:.{digits}f} [{st['lo']:.{digits}f}, {st['hi']:.{digits}f}]"
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The results table: per variant, mean [95 % t-interval over seeds] of every metric."""
+    head = ("| variant | seeds | Fréchet distance | class accuracy | heads used | attention FLOP fraction | "
+            "sampling s (loaded CPU) |\n|---|---|---|---|---|---|---|")
+    rows = [head]
+    for v, st in summary.get("statistics", {}).items():
+        rows.append(f"| {LABELS.get(v, v)} | {st['frechet']['n']} | {_fmt(st['frechet'], 2)} | "
+                    f"{_fmt(st['class_accuracy'])} | {_fmt(st['heads'])} | {_fmt(st['flop_fraction'])} | "
+                    f"{_fmt(st['sampling_seconds'], 1)} |")
+    diff = summary.get("learned_minus_fixed", {})
+    if diff.get("pairs"):
+        rows.append(f"\nTimestep-aware budget minus fixed top-k at matched heads, paired by seed ({diff['pairs']} "
+                    f"pairs): Fréchet distance {_fmt(diff['frechet'], 2)}, class accuracy "
+                    f"{_fmt(diff['class_accuracy'])}, heads {_fmt(diff['heads'])}.")
+    judge = summary.get("judge", {})
+    rows.append(f"\nJudge (digits classifier, fixed): test accuracy {judge.get('test_accuracy', float('nan')):.3f}; "
+                f"Fréchet distance of real train vs real test images: "
+                f"{summary.get('reference_frechet_train_vs_test', float('nan')):.2f}.")
+    return "\n".join(rows) + "\n"
+
+
+def write_plots(out: Path) -> list[Path]:
+    """Write ``OUT/plots/*.png`` and ``OUT/summary.md`` from the study folder; returns the written paths."""
+    summary = load_summary(out)
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    variants = list(summary.get("statistics", {}))
+    written = []
+    for name, ok in (("samples.png", lambda p: plot_samples(out, variants, p)),
+                     ("heads_vs_noise.png", lambda p: plot_heads_vs_noise(summary, p)),
+                     ("quality_vs_heads.png", lambda p: plot_quality_vs_heads(summary, p))):
+        if ok(plots / name):
+            written.append(plots / name)
+    table = out / "summary.md"
+    command = summary.get("command") or "condcomp dit"
+    table.write_text(f"# DiT on digits: results\n\nMade by `{command}`; `condcomp dit --out {out} --plots-only` "
+                     f"redraws the plots and this table.\n\n{markdown_table(summary)}")
+    written.append(table)
+    return written

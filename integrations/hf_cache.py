@@ -1,0 +1,277 @@
+"""A request's plan lives in its KV cache: stored with each cache layer, so cache operations act on it too.
+
+At inference a decoder's sequence plan belongs to a request: decided at the request's first call on an empty cache
+(its prefill) and kept while the cache holds tokens. The plan is stored *with the cached tensors*: the cache layer
+object (a transformers ``CacheLayerMixin``) that the wrapped layer fills becomes a :class:`PlanCarrier` of its own
+class (``isinstance`` checks and every method still answer as before) holding a
+:class:`~condcomp.held_plans.HeldPlan` with one row per cache row. transformers' cache operations then act on the
+plan as on the keys and values:
+
+- ``reset()`` drops it (the next call is a new request's prefill); ``crop(n)`` keeps it while tokens remain;
+- ``reorder_cache`` (beam search), ``batch_select_indices`` and ``batch_repeat_interleave`` select or repeat its rows;
+- ``copy.deepcopy`` and ``pickle`` carry it (a prefix cache continues with the prefix's plan);
+- a cache layer that holds tokens but no plan (filled by a model without condcomp, or under ``condcomp.disabled``)
+  is recognised from its data and refused by layers that need a plan; a call that writes every key/value head into
+  a cache holding only a plan's kept groups (``condcomp.disabled``, the unwrapped model) is refused by the layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from torch import Tensor
+from torch.nn import Module
+
+from condcomp.held_plans import HeldPlan, KVSelection
+from condcomp.host import detached
+from condcomp.types import HeadPlan
+
+_WRITING = threading.local()  # set while a wrapped layer writes a compact cache (others may not)
+
+
+@contextlib.contextmanager
+def compact_write() -> Iterator[None]:
+    """Inside the block, writes of kept groups into a compact cache layer are the wrapped model's own."""
+    before = getattr(_WRITING, "on", False)
+    _WRITING.on = True
+    try:
+        yield
+    finally:
+        _WRITING.on = before
+
+
+def _length(layer: Any) -> int:
+    if not getattr(layer, "is_initialized", False):
+        return 0
+    counted = layer.__dict__.get("condcomp_tokens")  # a static layer's count kept as an int: no device sync
+    return int(layer.get_seq_length()) if counted is None else int(counted)
+
+
+class PlanCarrier:
+    """The methods a carrier class adds in front of a transformers cache layer class (see :func:`carrier_class`):
+    ``condcomp_plan`` rides with the layer's tensors through the layer's own operations."""
+
+    condcomp_plan: HeldPlan | None = None
+    condcomp_tokens: int  # static layers only: tokens held, counted on the host
+    _condcomp_base: Any = object
+
+    def reset(self) -> None:
+        self._condcomp_base.reset(self)
+        self.condcomp_plan = None
+        if "condcomp_tokens" in self.__dict__:
+            self.condcomp_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._condcomp_base.crop(self, tokens_to_remove)
+        if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
+            self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
+        if _length(self) == 0:  # nothing left: the next call is a new request
+            self.condcomp_plan = None
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self._condcomp_base.reorder_cache(self, beam_idx)
+        if self.condcomp_plan is not None:
+            self.condcomp_plan = self.condcomp_plan.take_rows(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._condcomp_base.batch_select_indices(self, indices)
+        if self.condcomp_plan is not None:
+            self.condcomp_plan = self.condcomp_plan.take_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._condcomp_base.batch_repeat_interleave(self, repeats)
+        if self.condcomp_plan is not None:
+            self.condcomp_plan = self.condcomp_plan.repeat_rows(repeats)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        held = self.condcomp_plan
+        compact = held is not None and held.selection is not None and not held.selection.identity
+        if compact and not getattr(_WRITING, "on", False) and _length(self):
+            assert held is not None and held.selection is not None
+            raise ValueError(
+                f"this KV cache layer holds only the {held.selection.slots} key/value group(s) per row that a condcomp "
+                f"plan kept (of {held.num_kv_heads}); a call writing {key_states.shape[1]} key/value heads (the model "
+                "under condcomp.disabled, or another model) cannot continue it: the skipped groups' keys were never "
+                "computed. Continue the request with the wrapped model, or start a fresh cache for the dense model")
+        out = self._condcomp_base.update(self, key_states, value_states, *args, **kwargs)
+        if "condcomp_tokens" in self.__dict__:
+            self.condcomp_tokens += int(key_states.shape[-2])
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The carrier class is made at run time: pickle rebuilds it from the transformers class it extends.
+        return _rebuild_layer, (self._condcomp_base,), dict(self.__dict__)
+
+
+_CARRIED = ("reset", "crop", "reorder_cache", "batch_select_indices", "batch_repeat_interleave", "update",
+            "__reduce_ex__")
+
+
+@functools.cache
+def carrier_class(base: Any) -> Any:
+    """``base`` (a transformers cache layer class) with :class:`PlanCarrier`'s methods: a direct subclass of
+    ``base`` (so a layer's class can be swapped in place), one per base."""
+    methods = {name: PlanCarrier.__dict__[name] for name in _CARRIED}
+    return type(base.__name__, (base,), {**methods, "__module__": __name__, "__qualname__": base.__qualname__,
+                                         "_condcomp_base": base, "condcomp_plan": None, "_layer_type": None})
+
+
+def is_carrier(layer: Any) -> bool:
+    """Whether a cache layer carries condcomp plans."""
+    return "_condcomp_base" in type(layer).__dict__
+
+
+def _rebuild_layer(base: Any) -> Any:
+    cls = carrier_class(base)
+    return object.__new__(cls)
+
+
+def cache_layer(cache: Any, layer_idx: int, cross: bool = False) -> Any:
+    """The layer object of ``cache`` holding layer ``layer_idx`` (the cross-attention half of an
+    ``EncoderDecoderCache`` when ``cross``), or None when it does not exist yet."""
+    if hasattr(cache, "self_attention_cache"):
+        cache = cache.cross_attention_cache if cross else cache.self_attention_cache
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    return layers[layer_idx]
+
+
+def held_record(cache: Any, layer_idx: int, cross: bool = False) -> HeldPlan | None:
+    """The plan stored with layer ``layer_idx`` of ``cache``, or None."""
+    layer = cache_layer(cache, layer_idx, cross) if cache is not None else None
+    if layer is None or _length(layer) == 0:
+        return None
+    return getattr(layer, "condcomp_plan", None)
+
+
+@dataclass(frozen=True)
+class RequestStep:
+    """One call of a wrapped decoder layer on a KV cache: where the request's plan lives and what the cache held."""
+
+    cache: Any
+    layer_idx: int
+    cross: bool
+    past: int  # tokens this layer held before the call
+    query_start: int  # the attention mask's column of this call's first query
+    held: HeldPlan | None  # the request's plan, when the cache holds one
+
+    def keep(self, routed: Any, plan: HeadPlan, selection: KVSelection | None) -> None:
+        """Store a plan decided now with the cache layer (after the call's update created it)."""
+        if self.held is not None or plan.granularity != "sequence":
+            return
+        layer = cache_layer(self.cache, self.layer_idx, self.cross)
+        if layer is None:
+            raise RuntimeError(f"layer {self.layer_idx}: the KV cache has no layer after its update")
+        if not is_carrier(layer):
+            layer.__class__ = carrier_class(layer.__class__)
+            if isinstance(layer.get_seq_length(), Tensor):  # static layers count in a tensor: counted here once
+                layer.condcomp_tokens = int(layer.get_seq_length())
+        layer.condcomp_plan = HeldPlan(detached(plan), selection, routed.layout.num_kv_heads)
+
+    def no_plan_error(self) -> ValueError:
+        return ValueError(
+            f"layer {self.layer_idx}: the KV cache already holds {self.past} token(s) but no condcomp plan (it was "
+            "filled by a model without condcomp routing, under condcomp.disabled, or rebuilt from its tensors); "
+            "condcomp did not decide a plan for it. A request's plan is decided at its first call on an empty cache "
+            "and stored in the cache: start the request with a fresh cache on the wrapped model")
+
+
+def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bool = False) -> RequestStep:
+    """Read, before the call updates it, what ``cache`` holds for this layer; a held plan is checked against the
+    layer's layout and the call's batch (a cache of another model or batch is refused by its data)."""
+    if type(cache).__name__ == "PagedAttentionCache":
+        raise ValueError("condcomp does not support transformers' continuous batching (generate_batch, a "
+                         "PagedAttentionCache): it packs every request into one row, while a request's plan needs "
+                         "a cache row of its own; use generate() with a batch of requests")
+    layer = cache_layer(cache, layer_idx, cross)
+    past = _length(layer) if layer is not None else 0
+    query_start = past
+    if past and not cross and hasattr(layer, "get_mask_sizes"):
+        query_start = past - int(layer.get_mask_sizes(T)[1])  # sliding layers: the mask starts at an offset
+    held = getattr(layer, "condcomp_plan", None) if past else None
+    if held is not None:
+        L = routed.layout
+        if held.num_kv_heads != L.num_kv_heads or held.plan.num_heads != L.num_heads:
+            raise ValueError(f"layer {layer_idx}: the KV cache holds a plan for {held.plan.num_heads} heads / "
+                             f"{held.num_kv_heads} key/value heads, this layer has {L.num_heads} / {L.num_kv_heads}: "
+                             "it was filled by another model; start the request with a fresh cache")
+        if held.rows != B:
+            raise ValueError(f"layer {layer_idx}: the KV cache holds plans for {held.rows} request(s) but the call "
+                             f"has {B} rows; select or repeat the cache's rows with its own methods "
+                             "(batch_select_indices, batch_repeat_interleave, reorder_cache), which carry the plans")
+        keys = getattr(layer, "keys", None)
+        if held.selection is not None and isinstance(keys, Tensor) and keys.dim() == 4 and (
+                keys.shape[1] != held.selection.slots):
+            raise ValueError(f"layer {layer_idx}: the KV cache holds {keys.shape[1]} key/value heads per row but its "
+                             f"plan keeps {held.selection.slots}: its tensors were replaced by another model's")
+    return RequestStep(cache, layer_idx, cross, past, query_start, held)
+
+
+def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: Tensor | None, num_keys: int,
+                 decoder: bool) -> HeadPlan:
+    """The call's plan: the request's held plan, or one decided now (a sequence plan only on an empty cache).
+    ``decoder``: the layer is a decoder's (causal self-attention or cross-attention), whose plan is a request's."""
+    if step is not None and step.held is not None:
+        return step.held.plan
+    plan: HeadPlan = routed.route(x, query_mask, routed.weights(), num_keys)
+    if step is not None and step.past > 0 and plan.granularity == "sequence":
+        raise step.no_plan_error()
+    if step is not None and plan.granularity == "sequence" and query_mask is not None and query_mask.shape[1] and (
+            not bool(query_mask.any(-1).all())):  # one host sync, at a request's first call only
+        raise ValueError(
+            f"layer {step.layer_idx}: a request's plan is decided at its first call, and row(s) "
+            f"{(~query_mask.any(-1)).nonzero().flatten().tolist()} of this call hold no real token (only padding): "
+            "their plan would be decided from nothing. With left padding and chunked prefill "
+            "(generate(prefill_chunk_size=n)), use a chunk longer than the longest padding, or prefill in one call; "
+            "drop empty prompts from the batch")
+    if step is None and decoder and plan.granularity == "sequence":
+        check_cache_free_generation(routed, plan)
+    return plan
+
+
+@functools.cache
+def _generate_code() -> Any:
+    try:
+        from transformers.generation.utils import GenerationMixin
+    except ImportError:
+        return None
+    return inspect.unwrap(GenerationMixin.generate).__code__
+
+
+def _inside_generate(routed: Any) -> bool:
+    """Whether a ``generate()`` of the model holding ``routed`` is on the call stack (a cache-free forward of this
+    model inside another model's ``generate``, e.g. a scoring model in a logits processor, is not its generation)."""
+    code, depth = _generate_code(), 0
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and depth < 200:
+        if frame.f_code is code:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Module) and any(m is routed for m in owner.modules()):
+                return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
+def check_cache_free_generation(routed: Any, plan: HeadPlan) -> None:
+    """``generate(use_cache=False)`` would decide a decoder's plan again at every step from the prompt *and* the
+    text generated so far (different tokens from generating with a cache): refused, with the fix, unless the plan
+    is decided from the prompt (``plan_from_prompt``) or keeps every head."""
+    if routed.training or routed.prompt_len is not None or bool(plan.active.all()):
+        return
+    if not _inside_generate(routed):
+        return
+    raise ValueError(
+        "generate(use_cache=False) with per-request plans: without a KV cache every step would decide the plan again "
+        "from the prompt and the tokens generated so far, so the text would differ from generate() with a cache. "
+        "Generate with the cache (the default), or decide every step's plan from the prompt: "
+        "`with condcomp.plan_from_prompt(model, input_ids.shape[1]): model.generate(..., use_cache=False)` "
+        "(the same tokens as with a cache)")

@@ -1,0 +1,110 @@
+"""The command line checks what its flags name before it works: an output path that is a file, a results folder
+with no results, a config file that is not a JSON object. Each is one line on stderr, exit status 2, and nothing
+(no data, model or benchmark) is loaded first: the functions that would do the work are replaced by ones that fail
+the test if called.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from condcomp.cli import main
+
+
+def _refuse_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command started working before refusing its arguments")
+
+    import condcomp.bench_attention
+    import condcomp.bench_compile
+    import condcomp.bench_decode
+    import condcomp.experiments.demo
+    import condcomp.experiments.runner
+    import condcomp.experiments.study
+    import condcomp.experiments.tune_llm_run
+
+    for module, name in [(condcomp.experiments.runner, "run_single"), (condcomp.experiments.runner, "eval_checkpoint"),
+                         (condcomp.experiments.study, "run_study"), (condcomp.experiments.demo, "run_demo"),
+                         (condcomp.experiments.tune_llm_run, "run_study"),
+                         (condcomp.experiments.tune_llm_run, "write_summary"),
+                         (condcomp.bench_decode, "run"), (condcomp.bench_attention, "run"),
+                         (condcomp.bench_compile, "run")]:
+        monkeypatch.setattr(module, name, started)
+
+
+def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--out", "{file}"],
+    ["train", "--dataset", "synthetic", "--out", "{file}"],
+    ["eval", "{dir}", "--out", "{file}"],
+    ["ablate", "--dataset", "synthetic", "--out", "{file}"],
+    ["report", "{dir}", "--out", "{file}"],
+    ["tune-llm", "--out", "{file}"],
+    ["tune-llm", "--out", "{dir}", "--results", "{file}"],
+    ["bench", "attention", "--out", "{file}"],
+    ["bench", "compile", "--out", "{file}"],
+    ["bench", "decode", "--model", "tiny-llama", "--quick", "--out", "{file}"],
+    ["bench", "decode", "--model", "tiny-llama", "--quick", "--out", "{file}/sub"],
+], ids=lambda argv: " ".join(a for a in argv if not a.startswith("{")))
+def test_an_output_folder_that_is_a_file_is_refused_before_any_work(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _refuse_work(monkeypatch)
+    existing = tmp_path / "existing.json"
+    existing.write_text("{}")
+    err = _one_line_error([a.format(file=existing, dir=tmp_path) for a in argv], capsys)
+    assert str(existing) in err and "is a file" in err.replace("an existing file", "is a file"), err
+    assert existing.read_text() == "{}"
+
+
+@pytest.mark.parametrize("flag", ["--summary", "--doc"])
+def test_an_output_file_that_is_a_folder_is_refused(flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    _refuse_work(monkeypatch)
+    argv = (["ablate", "--dataset", "synthetic", "--out", str(tmp_path / "runs"), "--summary", str(tmp_path)]
+            if flag == "--summary" else ["report", str(tmp_path), "--doc", str(tmp_path)])
+    err = _one_line_error(argv, capsys)
+    assert f"argument {flag}: {tmp_path} is a folder" in err
+
+
+@pytest.mark.parametrize("content,kind", [("[1, 2]", "a list"), ("3", "a number"), ('"ag_news"', "a string")])
+@pytest.mark.parametrize("command", ["train", "ablate"])
+def test_a_config_that_is_not_a_json_object_is_one_line(command: str, content: str, kind: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    _refuse_work(monkeypatch)
+    config = tmp_path / "run.json"
+    config.write_text(content)
+    err = _one_line_error([command, "--config", str(config), "--out", str(tmp_path / "out")], capsys)
+    assert f"argument --config: {config} holds {kind}; it must be a JSON object" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_inline_json_options_that_are_not_an_object_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _refuse_work(monkeypatch)
+    err = _one_line_error(["train", "--method-options", "[0.25]", "--out", str(tmp_path)], capsys)
+    assert "argument --method-options" in err and "holds a list" in err
+    err = _one_line_error(["ablate", "--moh", "{bad", "--out", str(tmp_path)], capsys)
+    assert "argument --moh" in err and "not valid JSON" in err
+
+
+def test_report_only_on_a_folder_without_results_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    _refuse_work(monkeypatch)
+    empty = tmp_path / "results"
+    empty.mkdir()
+    code = main(["tune-llm", "--report-only", "--results", str(empty), "--out", str(tmp_path / "absent")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"--report-only: no tune-llm results in {tmp_path / 'absent'}, {empty}" in err
+    assert list(empty.iterdir()) == []  # no empty summary table written
