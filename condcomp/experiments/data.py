@@ -35,7 +35,7 @@ class DatasetSpec:
     note: str = ""
 
 
-# The subsets staged in ../shared/data (see its SOURCES.md).
+# The project's staged test corpora (../shared/data beside a checkout; its SOURCES.md says where each comes from).
 DATASETS: dict[str, DatasetSpec] = {
     "ag_news": DatasetSpec(("ag_news/train.jsonl.gz",), ("ag_news/test.jsonl.gz",),
                            note="official test; train texts are descriptions only"),
@@ -67,8 +67,11 @@ def resolve_data_dir(arg: str | None = None) -> Path:
     for c in candidates:
         if c and Path(c).is_dir():
             return Path(c)
-    raise FileNotFoundError(f"data directory not found (tried {[c for c in candidates if c]}); pass --data-dir "
-                            "or set CONDCOMP_DATA_DIR")
+    raise FileNotFoundError(f"data directory not found (tried {[c for c in candidates if c]}). The named datasets "
+                            f"({', '.join(sorted(DATASETS))}) are read from a folder in the layout of the project's "
+                            "staged corpora: pass --data-dir or set CONDCOMP_DATA_DIR. For your own data use "
+                            "--dataset files --train-file F --test-file F (JSONL or CSV with text and label fields), "
+                            "or --dataset hf:<name> (the datasets package); see docs/cli.md")
 
 
 def _open_text(path: Path) -> io.TextIOBase:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,33 @@ def model_config(cfg: RunConfig, prep: Prepared) -> ModelConfig:
 
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
+
+
+# --- a run's identity -------------------------------------------------------------------------------------
+
+# Settings that change neither what a run learns nor what it is scored on: a finished run is reused whatever
+# their value. Every other field is part of the run's identity.
+NOT_IDENTITY = frozenset({"threads", "checkpoint_every", "data_dir", "device", "carbon_country", "latency_reps"})
+
+
+def identity_differences(expected: dict[str, Any], found: dict[str, Any], varies: Iterable[str] = ()) -> list[str]:
+    """The identity fields where ``found`` (a run's saved settings) differs from ``expected``, as
+    ``"max_steps 40 there, 20 now"``; fields absent from ``found`` (older records) and ``varies`` are skipped."""
+    skip = NOT_IDENTITY | set(varies)
+    return [f"{k} {found[k]!r} there, {v!r} now" for k, v in expected.items()
+            if k not in skip and k in found and found[k] != v]
+
+
+def check_same_settings(expected: RunConfig, runs: Iterable[tuple[str, dict[str, Any], Iterable[str]]],
+                        fresh_hint: str) -> None:
+    """Refuse, before anything runs, when finished runs that a command would reuse or combine were made with
+    other settings. ``runs``: (run folder, its saved settings, the fields allowed to differ for that run)."""
+    want = expected.to_dict()
+    bad = [(label, diff) for label, found, varies in runs if (diff := identity_differences(want, found, varies))]
+    if not bad:
+        return
+    shown = "\n".join(f"  {label}: {'; '.join(diff)}" for label, diff in bad[:8])
+    more = f"\n  (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+    raise ValueError(f"{len(bad)} finished run(s) were made with other settings; a run's settings are part of its "
+                     f"identity, so they are neither reused nor combined with runs of these settings:\n{shown}{more}\n"
+                     f"Rerun with their settings, or start fresh: {fresh_hint}")

@@ -36,7 +36,7 @@ from typing import Any
 
 from condcomp.experiments import stats as S
 from condcomp.experiments.ablate import Study, matched_fraction
-from condcomp.experiments.runconfig import RunConfig
+from condcomp.experiments.runconfig import RunConfig, check_same_settings
 from condcomp.experiments.runner import write_json
 
 MAIN_ARMS = ("standard", "budgetformer", "fixed_matched", "moh")
@@ -198,6 +198,22 @@ def _seed_done(names: list[str], summary: list[dict[str, Any]], dataset: str, se
     return all(n in have and (Path(have[n]["run_dir"]) / "metrics.json").is_file() for n in names)
 
 
+def _finished_runs(out: Path, dataset: str, summary: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any],
+                                                                                        tuple[str, ...]]]:
+    """Every finished run a study of ``dataset`` would reuse or combine: its run folders under ``out`` and the
+    summary's records, with their saved settings and the fields each arm sets itself."""
+    def varies(arm: str) -> tuple[str, ...]:
+        per_arm = ("seed", "method", "method_options")
+        return per_arm + ("budget_cost",) if arm.startswith("budgetformer_cost") else per_arm
+
+    runs = {str(f.parent): (json.loads(f.read_text()).get("config") or {}, varies(f.parent.name))
+            for f in sorted((out / dataset).glob("seed*/*/metrics.json"))}
+    for r in summary:
+        if r.get("dataset") == dataset and str(r.get("run_dir")) not in runs:
+            runs[str(r.get("run_dir"))] = (r.get("setup") or {}, varies(str(r.get("arm"))))
+    return [(label, found, allowed) for label, (found, allowed) in runs.items()]
+
+
 def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summary_path: Path,
               command: str | None = None, log: Any = None) -> list[dict[str, Any]]:
     """Every arm of ``plan`` for every seed on ``cfg.dataset``; returns this dataset's summary records."""
@@ -207,6 +223,10 @@ def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summ
         log(f"note: the main budgetformer arm trains with --budget-cost {cfg.budget_cost}, not the paper's loss")
     names = plan.arm_names()
     base = RunConfig.from_dict({**cfg.to_dict(), "test_seed": 1 if cfg.test_seed is None else cfg.test_seed})
+    fresh = (f"give another --out (now {out}; its summary.json goes with it)" if summary_path == out / "summary.json"
+             else f"give another --out and --summary (now {out} and {summary_path})")
+    check_same_settings(base, _finished_runs(out, cfg.dataset, load_summary(summary_path)),
+                        f"{fresh}, or delete those runs and their records")
     for seed in seeds:
         scfg = RunConfig.from_dict({**base.to_dict(), "seed": seed})
         sdir = out / cfg.dataset / f"seed{seed}"
@@ -319,6 +339,13 @@ def statistics(records: list[dict[str, Any]], out: Path | None = None) -> dict[s
             if not pairs:
                 continue
             pairs.sort()
+            if len({len(p[1]) for p in pairs}) > 1:
+                sizes = ", ".join(f"seed {p[0]}: {len(p[1])}" for p in pairs)
+                dirs = sorted(r["run_dir"] for r in rows if r["arm"] in (a, b))
+                raise ValueError(f"{ds}: {a} vs {b}: the seeds' runs were scored on different test sets ({sizes} "
+                                 f"examples), so they cannot be paired; their settings differ. Runs: "
+                                 f"{', '.join(dirs)}. Rerun them with one set of settings into a fresh --out and "
+                                 "--summary, or remove the odd seeds' records from the summary")
             boot = S.paired_bootstrap([p[1] for p in pairs], [p[2] for p in pairs])
             comps[f"{a}_vs_{b}"] = {
                 "a": a, "b": b, "seeds": [p[0] for p in pairs], "bootstrap": boot,
