@@ -47,7 +47,8 @@ def _options(cls: Any) -> list[str]:
 SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("Wrap a model and train it", "Configure, wrap, train, inspect, undo.",
      ("CondCompConfig", "apply_", "remove_", "disabled", "aux_loss", "set_progress", "head_usage", "HeadUsage",
-      "routed_modules", "plan_from_prompt", "explain", "RoutedAttention")),
+      "routed_modules", "plan_from_prompt", "budget", "request_plans", "RequestPlan", "explain",
+      "RoutedAttention")),
     ("Save and load", "Whole-model training checkpoints of any model (transformers models: see Integrations).",
      ("save_checkpoint", "load_checkpoint", "read_checkpoint_config", "CheckpointError")),
     ("List and extend the components", "Registries and the protocols a new component implements "
