@@ -125,6 +125,7 @@ def test_ablate_seeds_is_resumable_and_writes_the_summary(tmp_path: Path, capsys
         "budgetformer_vs_fixed_matched"]  # now over 3 seeds
     assert "Does a learned per-layer allocation beat a uniform one?" in page and comp["verdict"] in page
     assert "ag_news: not run yet" in page
+    assert "Can the learned budget reach the paper's regime" in page and "SPEC.md" not in page
     if not plots:  # one Pareto plot, one heatmap, one difficulty plot per dataset, linked from the page
         for name in ("pareto_synthetic.png", "heads_synthetic.png", "difficulty_synthetic.png",
                      "adaptivity_synthetic.png"):

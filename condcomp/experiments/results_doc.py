@@ -11,7 +11,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from condcomp.experiments.results_questions import QUESTIONS, adaptivity_section, questions_section
+from condcomp.experiments.results_questions import (
+    QUESTIONS,
+    adaptivity_section,
+    questions_section,
+    regime_section,
+)
 from condcomp.experiments.stats import mean_ci
 
 DATASETS = ("ag_news", "snli", "dbpedia_14", "imdb", "yelp", "digits")
@@ -131,6 +136,9 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
     out += _summary_lines(stats, datasets)
     out += questions_section(stats, datasets, NAMES)
     out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
+    search_file = folder.parent / "budget_search" / "search.json"
+    search = json.loads(search_file.read_text()) if search_file.is_file() else None
+    out += regime_section(records, datasets, NAMES, search)
     # --- coverage
     out += ["## Coverage: which cells are done", ""]
     want = list(MAIN)

@@ -3,6 +3,7 @@ difference, and the adaptivity measures of the BudgetFormer runs (from summary.j
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -114,4 +115,80 @@ def adaptivity_section(records: list[dict[str, Any]], datasets: list[str], names
             if plot_adaptivity(rs, png, f"{names.get(ds, ds).replace('**', '')}: per-example head counts and "
                                "budget (BudgetFormer)"):
                 out += [f"![adaptivity, {ds}]({rel(png)})", ""]
+    return out
+
+
+PAPER_S = {"ag_news": 0.212, "dbpedia_14": 0.085, "snli": 0.364, "yelp": 0.198, "imdb": 0.601}
+
+
+def regime_section(records: list[dict[str, Any]], datasets: list[str], names: dict[str, str],
+                   search: dict[str, Any] | None) -> list[str]:
+    """The paper's budget regime: BudgetFormer with and without a price on heads (full-length study runs), and
+    the short search runs of ``results/budget_search`` when present."""
+    out = ["## Can the learned budget reach the paper's regime and still vary per input?", "",
+           "The goal: s_mean within 0.1 of the paper's, accuracy within 1 point of the standard model, a head "
+           "count off the layer's most common one on at least 25 % of test examples, and a positive correlation "
+           "with difficulty in every seed. Study runs (full length): BudgetFormer with the paper's loss and with "
+           "a price c * mean(s) on heads (`budgetformer_cost<c>`). Per-layer mean heads of exactly 1.00 mean "
+           "every example runs one head (the floor k_min = 1): no per-input variation is possible there.", "",
+           "| dataset | arm | seed | s_mean (paper) | acc - standard (pts) | mean heads per layer | s sd | "
+           "Spearman(difficulty, s) |", "|---|---|---|---|---|---|---|---|"]
+    std = {(r["dataset"], r["seed"]): r["accuracy"] for r in records if r["arm"] == "standard"}
+    for ds in datasets:
+        rs = [r for r in records if r["dataset"] == ds and (r["arm"] == "budgetformer"
+                                                             or r["arm"].startswith("budgetformer_cost"))]
+        for r in sorted(rs, key=lambda r: (r["arm"], r["seed"])):
+            H = (r.get("model") or {}).get("num_heads") or 8
+            heads = ", ".join(f"{H * v:.2f}" for _, v in sorted((r.get("layers") or {}).items()))
+            d = r.get("difficulty") or {}
+            rho = (d.get("loss") or {}).get("spearman_s")
+            gap = r["accuracy"] - std[(ds, r["seed"])] if (ds, r["seed"]) in std else None
+            paper = f" ({PAPER_S[ds]:.3f})" if ds in PAPER_S else ""
+            out.append(f"| {names.get(ds, ds)} | {r['arm']} | {r['seed']} | {r['s_mean']:.3f}{paper} | "
+                       + (f"{100 * gap:+.2f}" if gap is not None else "-") + f" | {heads} | "
+                       + (f"{d['s_sd']:.3f}" if d.get("s_sd") is not None else "-") + " | "
+                       + (f"{rho:+.3f}" if rho is not None else "-") + " |")
+    out += [""]
+    if search:
+        out += search_lines(search)
+    return out
+
+
+def search_lines(search: dict[str, Any]) -> list[str]:
+    """The short search runs (``results/budget_search/search.json``, from its ``collect.py``)."""
+    out = ["Short search runs (`results/budget_search/run_search.sh`, then `collect.py`): AG News, seed 0, "
+           f"{search.get('steps', '?')} steps, inputs truncated to {search.get('max_len', '?')} tokens, the same "
+           f"{search.get('n_test', '?')} test examples; difficulty = the loss of a standard model trained "
+           "the same way (accuracy " + (f"{search['standard_accuracy']:.4f}" if search.get("standard_accuracy")
+                                         is not None else "-") + "). One seed each: a screen, not a test.", "",
+           "| run | settings | accuracy - standard (pts) | s_mean | s sd | per layer: mean k (k off mode) | "
+           "k off mode, any layer | Spearman(difficulty, s) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in search["runs"].items():
+        a = r.get("adaptivity")
+        if a is None:
+            continue
+        opts = json.dumps(r["method_options"]) + (f", budget cost {r['budget_cost']:g}" if r["budget_cost"] else "")
+        gap = r["accuracy"] - search["standard_accuracy"] if search.get("standard_accuracy") is not None else None
+        layers = "; ".join(f"{v['k_mean']:.2f} ({100 * v['k_off_mode']:.1f} %)" for _, v in sorted(a["layers"].items()))
+        rho = a.get("spearman_difficulty_s")
+        out.append(f"| {name} | `{opts}` | " + (f"{100 * gap:+.2f}" if gap is not None else "-")
+                   + f" | {r['s_mean']:.3f} | {a['s_sd']:.3f} | {layers} | {100 * a['k_off_mode_any']:.1f} % | "
+                   + (f"{rho:+.3f}" if rho is not None else "-") + " |")
+    out += [""]
+    if search.get("gradients"):
+        out += ["What pulls on the budget, per example (`results/budget_search/gradients.py`): the task loss's "
+                "gradient with respect to each example's s in training mode, as a pull -dL_i/ds_i (> 0: towards "
+                "more heads), on the first test examples, by quintile of difficulty (the standard model's loss; "
+                "easiest first). The paper's loss adds nothing per input (the hinge is 0 inside its interval, a "
+                "price on heads is the same for every example), so this pull is the only signal that can make s "
+                "differ between inputs.", "",
+                "| model | layer | examples | share pulling towards more heads | mean pull by difficulty quintile "
+                "(easiest .. hardest) | Spearman(difficulty, s) |", "|---|---|---|---|---|---|"]
+        for name, g in search["gradients"].items():
+            for layer, v in sorted(g["layers"].items()):
+                q = ", ".join(f"{x:+.3f}" for x in v.get("pull_by_difficulty_quintile", []))
+                rho = v.get("spearman_difficulty_s")
+                out.append(f"| {name} | {layer} | {v['n']} | {100 * v['towards_more_heads']:.0f} % | {q} | "
+                           + (f"{rho:+.3f}" if rho is not None else "-") + " |")
+        out += [""]
     return out

@@ -32,7 +32,12 @@ def main(out: Path) -> int:
             "layers_heads": {n: v["k_frac"] for n, v in m["layers"].items()},
             "adaptivity": a,
         }
-    result = {"standard_accuracy": std_acc, "runs": rows}
+    first = next(iter(rows.values()), {})
+    cfg0 = json.loads((out / "standard" / "metrics.json").read_text())["config"] if std_acc is not None else {}
+    result = {"standard_accuracy": std_acc, "steps": first.get("steps"), "n_test": first.get("n_test"),
+              "max_len": cfg0.get("max_len"), "runs": rows}
+    result["gradients"] = {f.stem[len("gradients_"):]: json.loads(f.read_text())
+                           for f in sorted(Path(__file__).parent.glob("gradients_*.json"))}
     dest = Path(__file__).with_name("search.json")
     dest.write_text(json.dumps(result, indent=1, sort_keys=True))
     print("| run | acc | acc - std (pts) | s_mean | s sd | k off mode (any layer) | per layer k (off mode) | "
