@@ -9,9 +9,9 @@ from condcomp.experiments.plots import _pyplot, _save
 
 
 def plot_adaptivity(records: list[dict[str, Any]], path: Path, title: str = "") -> bool:
-    """Per layer: the share of test examples at each head count k, one bar per seed; last panel: the share of
-    examples at each budget s (10 bins of [0, 1]) per seed, with that seed's k-off-mode share and Spearman
-    correlation of s with difficulty in the legend."""
+    """Per layer: the share of test examples at each head count k, one bar per seed (the legend: the share off
+    the layer's most common k); last panel: the share of examples at each budget s (10 bins of [0, 1]) per seed
+    and layer."""
     plt = _pyplot()
     rows = [r for r in records if r.get("adaptivity")]
     if plt is None or not rows:
@@ -33,17 +33,14 @@ def plot_adaptivity(records: list[dict[str, Any]], path: Path, title: str = "") 
     ax = axes[0][-1]
     for r in rows:
         a = r["adaptivity"]
-        rho = a.get("spearman_difficulty_s")
-        ax.plot([i / 10 + 0.05 for i in range(10)], _mean_hist(a), marker="o", ms=3, lw=1,
-                label=f"seed {r['seed']}: sd {a['s_sd']:.3f}" + (f", rho {rho:+.2f}" if rho is not None else ""))
-    ax.set_xlabel("budget s per example (histograms averaged over layers)", fontsize=8)
+        for layer in layers:
+            v = a["layers"][layer]
+            ax.plot([i / 10 + 0.05 for i in range(10)], v["s_hist"], marker="o", ms=3, lw=1,
+                    label=f"seed {r['seed']} {layer.split('.attn')[0]}: sd {v['s_sd']:.3f}")
+    ax.set_xlabel("budget s per example (10 bins of [0, 1])", fontsize=8)
     ax.set_ylabel("share of test examples", fontsize=8)
     ax.set_xlim(0, 1)
     ax.legend(fontsize=6)
     fig.suptitle(title or "adaptivity", fontsize=9)
     return _save(plt, fig, path)
 
-
-def _mean_hist(a: dict[str, Any]) -> list[float]:
-    hists = [v["s_hist"] for v in a["layers"].values()]
-    return [sum(h[i] for h in hists) / len(hists) for i in range(10)]

@@ -99,6 +99,8 @@ def adaptivity_section(records: list[dict[str, Any]], datasets: list[str], names
                                f"{v.get('set_entropy_bits', float('nan')):.2f})"
                                for _, v in sorted(a["layers"].items()))
             rho = a.get("spearman_difficulty_s")
+            if rho is None:  # the standard run's folder is gone: the same correlation from the difficulty record
+                rho = ((r.get("difficulty") or {}).get("loss") or {}).get("spearman_s")
             out.append(f"| {names.get(ds, ds)} | {r['seed']} | {r['s_mean']:.3f} | {a['s_sd']:.3f} | {layers} | "
                        f"{100 * a['k_off_mode_any']:.1f} % | " + (f"{rho:+.3f}" if rho is not None else "-") + " |")
     out += [""]

@@ -166,6 +166,18 @@ def difficulty(run_dir: Path, standard_dir: Path) -> dict[str, Any] | None:
     return out
 
 
+def _same_run_difficulty(summary_path: Path, rec: dict[str, Any]) -> dict[str, Any] | None:
+    """Without the standard run's folder: the difficulty of the summary's earlier record of the same run (same
+    dataset, arm, seed, command settings, and the same accuracy and s_mean to the summary's rounding: training is
+    deterministic on CPU, so a rerun reproduces the model), else None."""
+    for old in load_summary(summary_path):
+        if (old["dataset"], old["arm"], old["seed"]) == (rec["dataset"], rec["arm"], rec["seed"]) \
+                and old.get("difficulty") and old.get("setup") == _rounded(rec["setup"]) \
+                and old.get("accuracy") == _rounded(rec["accuracy"]) and old.get("s_mean") == _rounded(rec["s_mean"]):
+            return {**old["difficulty"], "from": "the earlier record of this run (identical accuracy and s_mean)"}
+    return None
+
+
 def run_adaptivity(run_dir: Path, standard_dir: Path, num_heads: int) -> dict[str, Any] | None:
     """:func:`adaptivity.adaptivity` of a run folder, difficulty = the same seed's standard model's loss."""
     ex_file, std_file = run_dir / "examples.json", standard_dir / "examples.json"
@@ -240,7 +252,8 @@ def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summ
                  _sdir: Path = sdir, _seed: int = seed) -> None:
             rec = record(_study.rows[arm], cfg.dataset, arm, _seed, command, _sdir / (run or arm), extra)
             if arm.startswith("budgetformer") and "control_of" not in rec:
-                rec["difficulty"] = difficulty(_sdir / arm, _sdir / "standard")
+                rec["difficulty"] = difficulty(_sdir / arm, _sdir / "standard") or _same_run_difficulty(
+                    summary_path, rec)
                 rec["adaptivity"] = run_adaptivity(_sdir / arm, _sdir / "standard", rec["model"]["num_heads"])
             upsert(summary_path, [rec])
             write_statistics(summary_path, out)

@@ -11,6 +11,7 @@ correlation of the pull and of s with the standard model's loss (difficulty) on 
 pull per difficulty quintile.
 
     python results/budget_search/gradients.py RUN_DIR [STANDARD_RUN_DIR] [--batches 20] [--save FILE.json]
+        [--max-test N --test-seed S]   # evaluate on the standard run's test subsample
 
 collect.py adds every results/budget_search/gradients_*.json to search.json.
 """
@@ -35,9 +36,9 @@ from condcomp.experiments.runconfig import RunConfig, prepare
 from condcomp.experiments.train import build_model
 
 
-def pulls(run: Path, batches: int, batch_size: int = 64) -> dict[str, Any]:
+def pulls(run: Path, batches: int, batch_size: int = 64, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     meta = read_checkpoint_config(run / "checkpoint")
-    cfg = RunConfig.from_dict(meta["run"])
+    cfg = RunConfig.from_dict({**meta["run"], **(overrides or {})})
     prep, _ = prepare(cfg)
     torch.manual_seed(0)
     model = build_model(ModelConfig.from_dict(meta["model"]), cfg)
@@ -93,9 +94,14 @@ def main() -> int:
     ap.add_argument("standard", type=Path, nargs="?")
     ap.add_argument("--batches", type=int, default=20)
     ap.add_argument("--save", type=Path, default=None, help="also write the summary to this JSON file")
+    ap.add_argument("--max-test", type=int, default=None, help="test subsample (match the standard run's)")
+    ap.add_argument("--test-seed", type=int, default=None)
+    ap.add_argument("--data-dir", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    res = pulls(args.run, args.batches)
+    overrides = {k: v for k, v in (("max_test", args.max_test), ("test_seed", args.test_seed),
+                                   ("data_dir", args.data_dir)) if v is not None}
+    res = pulls(args.run, args.batches, overrides=overrides)
     difficulty = None
     if args.standard and (args.standard / "examples.json").is_file():
         difficulty = json.loads((args.standard / "examples.json").read_text())["loss"]
