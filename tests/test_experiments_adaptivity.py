@@ -148,3 +148,37 @@ def test_statistics_from_records_alone() -> None:
     assert c["seed_t"]["mean"] == pytest.approx(0.04 / 3) and c["heads_b"] == [0.625] * 3
     assert c["seed_t"]["mdd_80"] == pytest.approx(S.min_detectable_difference(c["seed_t"]["sd"], 3))
     assert "bootstrap" not in c  # no per-example predictions: no example bootstrap
+
+
+def test_difficulty_of_the_same_run_is_carried_over_only_for_identical_runs(tmp_path: Path) -> None:
+    from condcomp.experiments.study import _same_run_difficulty
+
+    old = {"dataset": "d", "arm": "budgetformer", "seed": 0, "accuracy": 0.889474, "s_mean": 0.688808,
+           "setup": {"lr": 0.001}, "difficulty": {"loss": {"spearman_s": -0.18}}}
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps([old]))
+    same = {**old, "accuracy": 0.88947368, "s_mean": 0.68880756, "difficulty": None}  # unrounded, same run
+    got = _same_run_difficulty(path, same)
+    assert got is not None and got["loss"]["spearman_s"] == -0.18 and "earlier record" in got["from"]
+    assert _same_run_difficulty(path, {**same, "accuracy": 0.8891}) is None  # another model
+    assert _same_run_difficulty(path, {**same, "seed": 1}) is None
+    assert _same_run_difficulty(path, {**same, "setup": {"lr": 0.002}}) is None
+
+
+def test_signed_pull_policy_gives_every_example_the_same_weight() -> None:
+    from condcomp.policies.budgetformer import BudgetFormerPolicy
+
+    from condcomp.experiments.signed_budget import SignedPullBudgetPolicy
+
+    torch.manual_seed(0)
+    signed = SignedPullBudgetPolicy(d_model=16, num_heads=8).train()
+    plain = BudgetFormerPolicy(d_model=16, num_heads=8).train()
+    plain.load_state_dict(signed.state_dict())
+    x = torch.randn(4, 3, 16)
+    pull = torch.tensor([3.0, -1.0, 0.5, -0.5])  # dL/ds_i; mean |.| = 1.25
+    (signed(x, None).s * pull).sum().backward()
+    (plain(x, None).s * torch.tensor([1.25, -1.25, 1.25, -1.25])).sum().backward()  # by hand
+    for a, b in zip(signed.parameters(), plain.parameters()):
+        assert a.grad is not None and torch.allclose(a.grad, b.grad)
+    with torch.no_grad():  # evaluation: the same budget as the paper's policy
+        assert torch.equal(signed.eval()(x, None).s, plain.eval()(x, None).s)

@@ -22,6 +22,7 @@ from torch import nn
 
 from condcomp.api import routed_modules
 from condcomp.config import CondCompConfig
+from condcomp.experiments import signed_budget  # noqa: F401  (registers the "budgetformer_signed" policy)
 from condcomp.experiments.layer_budget import ConstantBudgetPolicy
 from condcomp.policies.fixed import FixedPolicy
 from condcomp.policies.full import FullPolicy

@@ -24,6 +24,9 @@ Arms (``--arms`` and the sweep flags):
   ``budgetformer_all_heads``, ``budgetformer_mode_k`` (every example's k replaced by its layer's most common k
   and s by the layer's mean s: the accuracy lost is what per-input adaptivity is worth; also recorded in the
   budgetformer record as ``control_mode_k``).
+- the ``standard`` arm (trained first when asked for) is the difficulty proxy of the budget arms: their
+  ``difficulty`` and the difficulty correlation in ``adaptivity`` need it in the same run folder (without it,
+  ``difficulty`` is taken from the summary's earlier record of the identical run, else left empty).
 - every BudgetFormer record carries ``adaptivity`` (:mod:`condcomp.experiments.adaptivity`): the per-example
   spread of s and k per layer, the share of examples off the layer's most common k, head-set entropy, and the
   rank correlation of s with the standard model's per-example loss.
