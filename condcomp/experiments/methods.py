@@ -22,7 +22,6 @@ from torch import nn
 
 from condcomp.api import routed_modules
 from condcomp.config import CondCompConfig
-from condcomp.experiments import signed_budget  # noqa: F401  (registers the "budgetformer_signed" policy)
 from condcomp.experiments.layer_budget import ConstantBudgetPolicy
 from condcomp.policies.fixed import FixedPolicy
 from condcomp.policies.full import FullPolicy
@@ -52,6 +51,11 @@ def method_config(method: str, num_heads: int, options: dict[str, Any] | None = 
         raise KeyError(f"unknown method {method!r}; valid: {list(METHODS)}")
     opts = {**DEFAULTS[method], **(options or {})}
     policy_spec, router_spec = opts.pop("policy", None), opts.pop("router", None)
+    spec_name = policy_spec if isinstance(policy_spec, str) or policy_spec is None else policy_spec[0]
+    if spec_name == "budgetformer_signed":  # a study variant, registered only when a run asks for it
+        from condcomp.experiments.signed_budget import register
+
+        register()
     H = num_heads
     policy: Any
     router: Any

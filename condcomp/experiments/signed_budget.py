@@ -5,7 +5,9 @@ respect to s points towards more heads on most examples and grows with difficult
 where it is large and points towards fewer heads; its heavy tail outweighs the rest, so the budget network
 learns to give hard-looking inputs fewer heads. ``budgetformer_signed`` keeps the paper's policy and loss and
 replaces, in training, each example's gradient on s by its sign times the batch's mean magnitude: every example
-then counts the same whatever its loss. Evaluation is unchanged.
+then counts the same whatever its loss. Evaluation is unchanged. It is registered (:func:`register`) only by a
+run that asks for it (``method_options={"policy": ["budgetformer_signed", {...}]}``), so the library's list of
+policies stays the library's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from condcomp.registry import register_policy
 from condcomp.types import Budget
 
 
-@register_policy("budgetformer_signed")
 class SignedPullBudgetPolicy(BudgetFormerPolicy):
     """:class:`BudgetFormerPolicy` whose s receives ``sign(g_i) * mean_j |g_j|`` instead of ``g_i`` in training."""
 
@@ -28,3 +29,14 @@ class SignedPullBudgetPolicy(BudgetFormerPolicy):
         if self.training and budget.s.requires_grad:
             budget.s.register_hook(lambda g: g.sign() * g.abs().mean())
         return budget
+
+
+NAME = "budgetformer_signed"
+
+
+def register() -> None:
+    """Register the policy as ``budgetformer_signed`` (once per process)."""
+    from condcomp.registry import POLICIES
+
+    if NAME not in POLICIES.names():
+        register_policy(NAME)(SignedPullBudgetPolicy)
