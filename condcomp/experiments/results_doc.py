@@ -288,8 +288,11 @@ def _summary_lines(stats: dict[str, Any], datasets: list[str]) -> list[str]:
                 continue
             t = c.get("seed_t") or {}
             mdd = t.get("mdd_80")
+            b = c.get("bootstrap") if t.get("lo") is None else None  # one seed: only the test-sample interval
             bits.append(f"{what}: {100 * t['mean']:+.2f} over {len(c['seeds'])} seed(s), {c.get('verdict')}"
-                        + (f" (MDD {100 * mdd:.2f})" if mdd is not None else ""))
+                        + (f" (MDD {100 * mdd:.2f})" if mdd is not None else "")
+                        + (f" (test-sample interval [{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}], which leaves out "
+                           "the seed-to-seed spread)" if b else ""))
         if bits:
             out.append(f"- **{NAMES.get(ds, ds).replace('**', '')}**: " + "; ".join(bits) + ".")
     return out + [""]

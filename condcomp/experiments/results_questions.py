@@ -187,6 +187,9 @@ def search_lines(search: dict[str, Any]) -> list[str]:
                 "| model | layer | examples | share pulling towards more heads | mean pull by difficulty quintile "
                 "(easiest .. hardest) | Spearman(difficulty, s) |", "|---|---|---|---|---|---|"]
         for name, g in search["gradients"].items():
+            policy = (g.get("method_options") or {}).get("policy")
+            if policy and policy[0] == "budgetformer_signed":
+                name += " (pull after the sign transform: what its budget network receives)"
             for layer, v in sorted(g["layers"].items()):
                 q = ", ".join(f"{x:+.3f}" for x in v.get("pull_by_difficulty_quintile", []))
                 rho = v.get("spearman_difficulty_s")
