@@ -34,3 +34,4 @@ run narrow_explore_598 --method budgetformer --max-steps 598 --method-options "{
 run narrow_explore_seed1 --method budgetformer --seed 1 --method-options "{$NARROW, $EXPLORE}"
 # the budget learns from the sign of each example's pull only (condcomp/experiments/signed_budget.py)
 run narrow_explore_signed --method budgetformer --method-options "{\"policy\": [\"budgetformer_signed\", {$NARROW}], $EXPLORE}"
+run narrow_explore_signed_598 --method budgetformer --max-steps 598 --method-options "{\"policy\": [\"budgetformer_signed\", {$NARROW}], $EXPLORE}"
