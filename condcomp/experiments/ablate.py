@@ -70,19 +70,22 @@ class Study:
         return row
 
     def control(self, name: str, base: str, policy: str | None = None, fraction: float = 0.5,
-                router: str | None = None) -> dict[str, Any]:
+                router: str | None = None, budgets: dict[str, list[float]] | None = None) -> dict[str, Any]:
         """Evaluate trained model ``base`` with its policy and/or router swapped (see ``methods.swapped``)."""
         model = self.models[base]
         d = self.out / name
         cfg = RunConfig.from_dict({**self.rows[base]["config"]})
-        self.swaps[name] = (base, {"policy": policy, "fraction": fraction, "router": router})
+        swap: dict[str, Any] = {"policy": policy, "fraction": fraction, "router": router}
+        if budgets is not None:
+            swap["budgets"] = budgets
+        self.swaps[name] = (base, swap)
         if self.reuse and (d / "metrics.json").is_file() and self.reused.get(base):
             row = json.loads((d / "metrics.json").read_text())
             if row.get("swap") == [base, self.swaps[name][1]] and row.get("config") == cfg.to_dict():
                 self.rows[name], self.reused[name] = row, True
                 return row
         self.reused[name] = False
-        with swapped(model, policy=policy, fraction=fraction, router=router):
+        with swapped(model, **swap):
             row = finish(model, self.prep, cfg, d, name)
         row.update({"control_of": base, "swap": self.swaps[name]})
         write_json(d / "metrics.json", row)

@@ -9,7 +9,7 @@ from typing import Any
 
 from condcomp.cli_args import json_object, json_object_file, output_file, output_folder, read_json_object
 from condcomp.experiments.runconfig import RunConfig
-from condcomp.experiments.study import CONTROLS, DEFAULT_ARMS
+from condcomp.experiments.study import CONTROLS, DEFAULT_ARMS, LAYER_ARMS
 
 # RunConfig fields exposed as flags: (type, help). Lists take several values; dicts are JSON strings.
 _HELP = {
@@ -191,7 +191,7 @@ def add_commands(sub: Any) -> None:
                    "statistics.json is written beside it")
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),
                    help=f"arms to run (default {' '.join(DEFAULT_ARMS)}); also "
-                   f"{' '.join(a for a in CONTROLS if a not in DEFAULT_ARMS)}")
+                   f"{' '.join(a for a in LAYER_ARMS + CONTROLS if a not in DEFAULT_ARMS)}")
     p.add_argument("--sweep-fractions", type=float, nargs="*", default=[],
                    help="fixed top-k fractions trained as arms fixed_<f> (1 = the standard arm)")
     p.add_argument("--budget-costs", type=float, nargs="*", default=[],

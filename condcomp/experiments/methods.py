@@ -7,6 +7,9 @@
 - ``moh``: ``full`` policy + ``moh`` router (shared heads + per-token top-k of the routed heads), load balance
   weighted as the released MoH scripts do (``balance="released"``: 0.01 * mean over layers of E * sum f_i P_i).
 - ``random``: static fraction, heads drawn at random (a control).
+- ``fixed_layers``: a fixed mean head count per layer (``heads``: layer name -> mean, fractional means rounded
+  per example, :class:`~condcomp.experiments.layer_budget.LayerMeanPolicy`), heads chosen by the ``topk`` scorer
+  (``routing="learned"``) or at random (``routing="random"``); installed by ``train.build_model``.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from torch import nn
 
 from condcomp.api import routed_modules
 from condcomp.config import CondCompConfig
+from condcomp.experiments.layer_budget import ConstantBudgetPolicy
 from condcomp.policies.fixed import FixedPolicy
 from condcomp.policies.full import FullPolicy
 from condcomp.routers.random import RandomRouter
 
-METHODS = ("standard", "budgetformer", "fixed", "moh", "random")
+METHODS = ("standard", "budgetformer", "fixed", "moh", "random", "fixed_layers")
 
 DEFAULTS: dict[str, dict[str, Any]] = {
     "standard": {},
@@ -31,6 +35,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "fixed": {"fraction": 0.5},
     "moh": {"shared_frac": 0.25, "routed_frac": 0.25, "balance": "released"},
     "random": {"fraction": 0.5},
+    "fixed_layers": {"heads": {}, "routing": "learned"},
 }
 
 
@@ -46,6 +51,11 @@ def method_config(method: str, num_heads: int, options: dict[str, Any] | None = 
         raise KeyError(f"unknown method {method!r}; valid: {list(METHODS)}")
     opts = {**DEFAULTS[method], **(options or {})}
     policy_spec, router_spec = opts.pop("policy", None), opts.pop("router", None)
+    spec_name = policy_spec if isinstance(policy_spec, str) or policy_spec is None else policy_spec[0]
+    if spec_name == "budgetformer_signed":  # a study variant, registered only when a run asks for it
+        from condcomp.experiments.signed_budget import register
+
+        register()
     H = num_heads
     policy: Any
     router: Any
@@ -59,6 +69,14 @@ def method_config(method: str, num_heads: int, options: dict[str, Any] | None = 
         policy, router = ("fixed", {"fraction": opts.pop("fraction"), **opts}), ("topk", router_kw)
     elif method == "random":
         policy, router = ("fixed", {"fraction": opts.pop("fraction")}), "random"
+    elif method == "fixed_layers":
+        heads, routing = opts.pop("heads"), opts.pop("routing")
+        if not heads:
+            raise ValueError("fixed_layers needs the per-layer mean head counts (option heads: {layer: mean})")
+        if routing not in ("learned", "random"):
+            raise ValueError(f"fixed_layers: routing must be 'learned' or 'random', got {routing!r}")
+        # the fixed policy is a placeholder: build_model replaces it layer by layer with the per-layer means
+        policy, router = ("fixed", {"fraction": 0.5}), ("topk" if routing == "learned" else "random")
     else:
         shared = opts.pop("shared_heads", None) or max(1, round(opts.pop("shared_frac") * H))
         top_k = opts.pop("top_k", None) or max(1, round(opts.pop("routed_frac") * H))
@@ -75,19 +93,24 @@ def method_config(method: str, num_heads: int, options: dict[str, Any] | None = 
 
 @contextmanager
 def swapped(model: nn.Module, policy: str | None = None, fraction: float = 0.5,
-            router: str | None = None) -> Iterator[nn.Module]:
-    """Temporarily replace every layer's policy (``"fixed"`` at ``fraction``, or ``"full"``) and/or router
-    (``"random"``) of a trained model: the inference-time controls of the ablation."""
+            router: str | None = None, budgets: dict[str, list[float]] | None = None) -> Iterator[nn.Module]:
+    """Temporarily replace every layer's policy (``"fixed"`` at ``fraction``, ``"full"``, or ``"constant"``:
+    layer name -> ``[k, s]`` in ``budgets``) and/or router (``"random"``) of a trained model: the
+    inference-time controls of the ablation."""
     saved = {}
     for name, r in routed_modules(model).items():
         saved[name] = (r.condcomp_policy, r.condcomp_router)
         H = r.layout.num_heads
-        if policy == "fixed":
+        if policy == "constant":
+            if not budgets or name not in budgets:
+                raise ValueError(f"swapped: policy 'constant' needs budgets[{name!r}] = [k, s]")
+            r.condcomp_policy = ConstantBudgetPolicy(H, int(budgets[name][0]), float(budgets[name][1]))
+        elif policy == "fixed":
             r.condcomp_policy = FixedPolicy(num_heads=H, fraction=fraction)
         elif policy == "full":
             r.condcomp_policy = FullPolicy(num_heads=H)
         elif policy is not None:
-            raise ValueError(f"swapped: policy must be 'fixed' or 'full', got {policy!r}")
+            raise ValueError(f"swapped: policy must be 'fixed', 'full' or 'constant', got {policy!r}")
         if router == "random":
             r.condcomp_router = RandomRouter(num_heads=H)
         elif router is not None:

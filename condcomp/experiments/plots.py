@@ -88,8 +88,10 @@ def plot_accuracy_vs_heads(rows: dict[str, dict[str, Any]], path: Path) -> bool:
 
 
 def _arm_family(arm: str) -> str:
-    if arm in ("standard",) or arm.startswith("fixed_"):
-        return "fixed top-k (standard = all heads)"
+    if arm == "standard" or (arm.startswith("fixed_") and arm[6:].replace(".", "", 1).isdigit()):
+        return "fixed top-k sweep (standard = all heads)"
+    if arm in ("fixed_matched", "fixed_per_layer"):
+        return "fixed top-k, matched / per-layer counts"
     if arm.startswith("budgetformer_cost") or arm == "budgetformer":
         return "BudgetFormer"
     if arm.startswith("moh"):
@@ -97,48 +99,63 @@ def _arm_family(arm: str) -> str:
     return "control"
 
 
+_STYLES = {"fixed top-k sweep (standard = all heads)": ("tab:grey", "s"),
+           "fixed top-k, matched / per-layer counts": ("dimgrey", "D"), "BudgetFormer": ("tab:blue", "o"),
+           "MoH": ("tab:orange", "^"), "control": ("tab:red", "x")}
+_OFFSETS = ((4, 3), (4, -9), (-6, 7), (-6, -12))  # label positions, cycled so neighbours do not overlap
+
+
 def plot_pareto(records: list[dict[str, Any]], path: Path, title: str = "") -> bool:
-    """Accuracy against realised heads (k/H) per arm of one dataset: the mean over seeds with its 95 % interval
-    (error bar) and every seed (small dots); fixed top-k arms joined by a line (the fixed-budget frontier)."""
+    """Accuracy against realised heads (k/H; left) and analytic FLOP fraction (right) per arm of one dataset: the
+    mean over seeds with its 95 % t-interval (one seed: the binomial interval of its test accuracy, dashed) and
+    every seed (small dots); the fixed top-k sweep joined by a line (the fixed-budget frontier)."""
     plt = _pyplot()
     if plt is None:
         return False
+    import math
+
     from condcomp.experiments.stats import mean_ci
 
     arms = sorted({r["arm"] for r in records if r.get("accuracy") is not None and r.get("heads") is not None})
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"fixed top-k (standard = all heads)": ("tab:grey", "s"), "BudgetFormer": ("tab:blue", "o"),
-              "MoH": ("tab:orange", "^"), "control": ("tab:red", "x")}
-    fixed_pts = []
-    seen: set[str] = set()
-    for arm in arms:
-        rs = [r for r in records if r["arm"] == arm]
-        if arm == "fixed_1" and any(r["arm"] == "standard" for r in records):
-            continue  # the same runs as "standard"
-        dirs = {r.get("run_dir") for r in rs}
-        if arm == "fixed_matched" and dirs <= {r.get("run_dir") for r in records if r["arm"].startswith("fixed_0")}:
-            continue  # every matched run is also a sweep arm's run (the same folder): drawn once
-        fam = _arm_family(arm)
-        color, marker = styles[fam]
-        acc = mean_ci([r["accuracy"] for r in rs])
-        heads = mean_ci([r["heads"] for r in rs])["mean"]
-        ax.scatter([r["heads"] for r in rs], [r["accuracy"] for r in rs], color=color, s=8, alpha=0.35)
-        err = None if acc["lo"] is None else [[acc["mean"] - acc["lo"]], [acc["hi"] - acc["mean"]]]
-        ax.errorbar([heads], [acc["mean"]], yerr=err, color=color, marker=marker, ms=6, capsize=3, ls="",
-                    label=fam if fam not in seen else None)
-        seen.add(fam)
-        ax.annotate(f"{arm} (n={len(rs)})", (heads, acc["mean"]), fontsize=6, xytext=(4, 3),
-                    textcoords="offset points")
-        if fam.startswith("fixed"):
-            fixed_pts.append((heads, acc["mean"]))
-    if len(fixed_pts) > 1:
-        fixed_pts.sort()
-        ax.plot([p[0] for p in fixed_pts], [p[1] for p in fixed_pts], color="tab:grey", lw=1, alpha=0.7)
-    ax.set_xlabel("realised heads (k/H, mean over test examples / tokens)")
-    ax.set_ylabel("test accuracy")
-    ax.set_xlim(0, 1.05)
-    ax.set_title(title or "accuracy vs heads", fontsize=9)
-    ax.legend(fontsize=7, loc="best")
+    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.4), sharey=True)
+    for ax, key, xlabel in ((axes[0], "heads", "realised heads (k/H, mean over test examples / tokens)"),
+                            (axes[1], "flop_fraction", "analytic FLOP fraction of the whole model")):
+        sweep = []
+        seen: set[str] = set()
+        drawn = 0
+        for arm in arms:
+            rs = [r for r in records if r["arm"] == arm and r.get(key) is not None]
+            if not rs or (arm == "fixed_1" and any(r["arm"] == "standard" for r in records)):
+                continue  # fixed_1: the same runs as "standard"
+            fam = _arm_family(arm)
+            color, marker = _STYLES[fam]
+            acc = mean_ci([r["accuracy"] for r in rs])
+            x = mean_ci([r[key] for r in rs])["mean"]
+            ax.scatter([r[key] for r in rs], [r["accuracy"] for r in rs], color=color, s=8, alpha=0.35)
+            if acc["lo"] is not None:
+                err, ls = [[acc["mean"] - acc["lo"]], [acc["hi"] - acc["mean"]]], "-"
+            else:
+                n = rs[0].get("n_test") or 0
+                half = 1.96 * math.sqrt(acc["mean"] * (1 - acc["mean"]) / n) if n else 0.0
+                err, ls = [[half], [half]], "--"
+            bars = ax.errorbar([x], [acc["mean"]], yerr=err, color=color, marker=marker, ms=5, capsize=3, ls="",
+                               label=fam if fam not in seen else None)
+            bars[-1][0].set_linestyle(ls)
+            seen.add(fam)
+            ax.annotate(f"{arm} ({len(rs)})", (x, acc["mean"]), fontsize=5.5, xytext=_OFFSETS[drawn % 4],
+                        textcoords="offset points")
+            drawn += 1
+            if fam.startswith("fixed top-k sweep"):
+                sweep.append((x, acc["mean"]))
+        if len(sweep) > 1:
+            sweep.sort()
+            ax.plot([p[0] for p in sweep], [p[1] for p in sweep], color="tab:grey", lw=1, alpha=0.7)
+        ax.set_xlabel(xlabel, fontsize=8)
+        xs = [r[key] for r in records if r.get(key) is not None]
+        ax.set_xlim(0 if key == "heads" or not xs else max(0.0, min(xs) - 0.08), 1.08)
+    axes[0].set_ylabel("test accuracy (label: arm (seeds))")
+    axes[0].legend(fontsize=6.5, loc="lower right")
+    fig.suptitle(title or "accuracy vs heads", fontsize=9)
     return _save(plt, fig, path)
 
 
@@ -164,7 +181,8 @@ def plot_head_heatmaps(freqs: dict[str, list[list[float]]], path: Path, title: s
                         color="white" if v < 0.5 else "black")
     fig.suptitle(title or "head selection frequency", fontsize=9)
     if im is not None:
-        fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
+        bar = fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
+        bar.set_label("share of test examples that ran the head (MoH: of tokens)", fontsize=7)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

@@ -13,12 +13,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from condcomp.experiments.results_questions import (
+    QUESTIONS,
+    adaptivity_section,
+    questions_section,
+    regime_section,
+)
 from condcomp.experiments.stats import mean_ci
 
 DATASETS = ("ag_news", "snli", "dbpedia_14", "imdb", "yelp", "digits")
 NAMES = {"ag_news": "AG News", "snli": "SNLI", "dbpedia_14": "DBpedia-14 (**re-split**)", "imdb": "IMDB",
          "yelp": "Yelp-5 (**re-split**)", "digits": "digits (ViT, scikit-learn)"}
-# BudgetFormer's reported numbers (the paper's tables): standard, BudgetFormer, s_mean, FLOPs saved.
+# BudgetFormer's reported numbers: standard, BudgetFormer, s_mean, FLOPs saved.
 PAPER = {"dbpedia_14": (0.9830, 0.9859, 0.085, "~3 %"), "ag_news": (0.9099, 0.9022, 0.212, "~3 %"),
          "imdb": (0.8354, 0.8356, 0.601, "~10 %"), "snli": (0.7835, 0.8106, 0.364, "~2 %"),
          "yelp": (0.5810, 0.6190, 0.198, "~20 %")}
@@ -121,36 +127,22 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
         "`statistics.json` (intervals, paired tests); do not edit by hand. Per-example predictions stay in the "
         "run folders the records name.",
         "",
+        "Arms: `standard` (every head); `budgetformer` (the learned per-input budget, the paper's loss); "
+        "`fixed_matched` (fixed top-k, the same head count in every layer, nearest to BudgetFormer's mean of "
+        "the same seed); `fixed_per_layer` (fixed top-k at BudgetFormer's mean head count *per layer*, a "
+        "fractional mean rounded per example: the learned allocation over layers without per-input variation); "
+        "`random_routing` (the same per-layer counts, random heads in training and evaluation); `moh`; "
+        "evaluation-only controls of the trained BudgetFormer: `budgetformer_mode_k` (every example's head "
+        "count set to its layer's most common one, s to the layer's mean), `budgetformer_random_heads` (random "
+        "heads at its own budget: does the model depend on its router's picks?).",
+        "",
     ]
-    # --- verdict first
-    out += ["## Learned budget vs fixed top-k at the matched head count", ""]
-    out += ["BudgetFormer (the paper's loss) against fixed top-k trained at the head count nearest to "
-            "BudgetFormer's realised mean of the same seed (the heads columns show both). "
-            "Difference = BudgetFormer - fixed accuracy, mean over "
-            "seeds, with a 95 % paired bootstrap interval (seeds and test examples resampled; the same test "
-            "examples for both arms) and exact McNemar p per seed. Verdict: \"better\"/\"worse\" when the interval "
-            "excludes 0.", ""]
-    out += ["| dataset | seeds | BF heads | fixed heads | BF acc | fixed acc | difference (pts) [95 %] | "
-            "McNemar p per seed | verdict |", "|---|---|---|---|---|---|---|---|---|"]
-    verdicts = {}
-    for ds in datasets:
-        comp = (stats.get(ds) or {}).get("comparisons", {}).get("budgetformer_vs_fixed_matched")
-        arms = (stats.get(ds) or {}).get("arms", {})
-        if not comp:
-            out.append(f"| {NAMES.get(ds, ds)} | - | - | - | - | - | not run yet | - | - |")
-            continue
-        b = comp["bootstrap"]
-        mc = ", ".join(f"{s}: {m['p']:.2g}" for s, m in comp["mcnemar"].items())
-        n_seeds = len(comp["seeds"])
-        verdicts[ds] = comp["verdict"] + ("" if n_seeds >= 3 else
-                                          f" (provisional, {n_seeds} seed{'s' if n_seeds > 1 else ''})")
-        out.append(f"| {NAMES.get(ds, ds)} | {', '.join(map(str, comp['seeds']))} | {comp['heads_a']:.3f} | "
-                   f"{comp['heads_b']:.3f} | {_ci(arms.get('budgetformer', {}).get('accuracy'))} | "
-                   f"{_ci(arms.get('fixed_matched', {}).get('accuracy'))} | {100 * b['diff']:+.2f} "
-                   f"[{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}] | {mc} | **{verdicts[ds]}** |")
-    out += ["", _verdict_sentence(verdicts), ""]
-    out += ["With one seed the bootstrap resamples the test examples only: the seed-to-seed spread is not in "
-            "that interval, so a one-seed verdict is provisional. With 3 seeds the seeds are resampled too.", ""]
+    out += _summary_lines(stats, datasets)
+    out += questions_section(stats, datasets, NAMES)
+    out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
+    search_file = folder.parent / "budget_search" / "search.json"
+    search = json.loads(search_file.read_text()) if search_file.is_file() else None
+    out += regime_section(records, datasets, NAMES, search)
     # --- coverage
     out += ["## Coverage: which cells are done", ""]
     want = list(MAIN)
@@ -175,8 +167,8 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
             + ("; ".join(missing) if missing else "none") + ".", ""]
     # --- paper vs ours
     out += ["## Our numbers beside the paper's", ""]
-    out += ["Paper: BudgetFormer's reported numbers (4x8x768, 10 epochs, full data, A100). Ours: mean [95 % interval] "
-            "over the seeds done; FLOPs saved = 1 - analytic FLOP fraction of the whole model.", ""]
+    out += ["Paper: BudgetFormer's reported results (4x8x768, 10 epochs, full data, A100). Ours: mean [95 % "
+            "t-interval] over the seeds done; FLOPs saved = 1 - analytic FLOP fraction of the whole model.", ""]
     out += ["| dataset | paper std | paper BF | paper s_mean | paper FLOPs saved | our std | our BF | our s_mean | "
             "our heads | our FLOPs saved |", "|---|---|---|---|---|---|---|---|---|---|"]
     for ds in datasets:
@@ -216,13 +208,18 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
     out += ["", "Commands that produced the records:", "", "```bash", *cmds, "```", ""]
     # --- per dataset tables + plots
     out += ["## Every arm, per dataset", ""]
-    out += ["The Pareto plots put every arm at its realised heads: the fixed top-k sweep (grey, joined; "
-            "`fixed_1` is the standard model), BudgetFormer with the paper's loss and with a price on heads "
-            "(blue), MoH at two K (orange), controls (red); mean over seeds with its 95 % interval, every seed as a "
-            "faint dot. Where the sweep arms are not run yet (coverage above) the curve has only the main arms.", ""]
-    out += ["Mean [95 % t-interval over seeds] (one seed: no interval). Latency in ms (median; executor in the "
-            "last column); peak activation memory at batch 64 in MiB; gCO2 of evaluating the whole test split.",
-            ""]
+    out += ["The Pareto plots put every arm at its realised heads (left) and at its analytic FLOP fraction of the "
+            "whole model (right; MoH's per-token routing saves less compute than its head share suggests): the "
+            "fixed top-k sweep `fixed_<f>` (grey squares, joined; `fixed_1` is the standard model), fixed top-k "
+            "at the matched or per-layer counts (grey, not joined: they mix head counts), BudgetFormer with the "
+            "paper's loss and with a price on heads (blue), MoH (orange), controls (red). Each point is the mean "
+            "over seeds with its 95 % t-interval over seeds; a one-seed point carries the binomial 95 % interval "
+            "of its test accuracy instead (dashed), which leaves out the seed-to-seed spread. Faint dots: the "
+            "single seeds.", ""]
+    out += ["Mean [95 % t-interval over seeds] (one seed: no interval). Latency in ms (median of one forward; "
+            "executor in the last column) on a shared machine whose load drifts: the intervals over seeds are "
+            "wide, read them before any ratio. Peak activation memory at batch 64 in MiB; gCO2 of evaluating the "
+            "whole test split.", ""]
     for ds in datasets:
         rs = [r for r in records if r["dataset"] == ds]
         arms_st = (stats.get(ds) or {}).get("arms", {})
@@ -232,24 +229,28 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
         for arm in _arms_sorted({r["arm"] for r in rs}):
             a = arms_st.get(arm, {})
             ar = [r for r in rs if r["arm"] == arm]
-            lat1, lat64 = _mean(ar, "latency_b1_s"), _mean(ar, "latency_b64_s")
             mem, g = _mean(ar, "peak_inference_memory_b64_bytes"), _mean(ar, "inference_gco2")
             gtxt = f"{g:.2g}" if g is not None else "null: " + (ar[0].get("inference_gco2_note") or "")
             out.append(f"| {arm} | {','.join(str(r['seed']) for r in sorted(ar, key=lambda r: r['seed']))} | "
                        f"{_ci(a.get('accuracy'))} | {_ci(a.get('heads'), '{:.3f}')} | "
                        f"{_ci(a.get('s_mean'), '{:.3f}')} | {_ci(a.get('flop_fraction'), '{:.3f}')} | "
-                       + (f"{1000 * lat1:.2f}" if lat1 else "-") + " | "
-                       + (f"{1000 * lat64:.1f}" if lat64 else "-") + " | "
+                       + f"{_ci(a.get('latency_b1_s'), '{:.2f}', 1000)} | "
+                       + f"{_ci(a.get('latency_b64_s'), '{:.1f}', 1000)} | "
                        + (f"{mem / 2**20:.1f}" if mem else "-") + f" | {gtxt} | {ar[0].get('latency_executor')} |")
         out += [""]
         comps = (stats.get(ds) or {}).get("comparisons", {})
-        other = [(n, c) for n, c in comps.items() if n != "budgetformer_vs_fixed_matched"]
+        asked = {name for _, group in QUESTIONS for name, _ in group}
+        other = [c for n, c in comps.items() if n not in asked]
         if other:
-            out += ["Other paired comparisons (difference a - b in points, 95 % paired bootstrap):", ""]
-            for _n, c in other:
-                b = c["bootstrap"]
+            out += ["Other paired comparisons (a - b in points; 95 % seed-level t; within-seed example bootstrap):",
+                    ""]
+            for c in other:
+                t, b = c.get("seed_t") or {}, c.get("bootstrap")
+                ci = f"[{100 * t['lo']:+.2f}, {100 * t['hi']:+.2f}]" if t.get("lo") is not None else "(one seed)"
+                boot = "" if not b else f"; bootstrap [{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}]" + (
+                    "" if b.get("resampled") == "examples" else " (seeds and examples)")
                 out.append(f"- {c['a']} vs {c['b']} (seeds {', '.join(map(str, c['seeds']))}): "
-                           f"{100 * b['diff']:+.2f} [{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}], {c['verdict']}")
+                           f"{100 * t.get('mean', 0.0):+.2f} {ci}{boot}: {c.get('verdict')}")
             out += [""]
         if plots:
             from condcomp.experiments.plots import plot_pareto
@@ -273,15 +274,33 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
     return text
 
 
-def _verdict_sentence(verdicts: dict[str, str]) -> str:
-    if not verdicts:
-        return "No dataset has both arms yet."
-    groups: dict[str, list[str]] = {}
-    for ds, v in verdicts.items():
-        groups.setdefault(v, []).append(NAMES.get(ds, ds).replace(" (**re-split**)", ""))
-    parts = [f"{v} on {', '.join(ds)}" for v, ds in sorted(groups.items())]
-    return "**In one line:** a learned per-input head budget vs fixed top-k at the same head count: " + \
-        "; ".join(parts) + "."
+def _summary_lines(stats: dict[str, Any], datasets: list[str]) -> list[str]:
+    """One bullet per dataset: the seed-level verdict of each question that has numbers."""
+    parts = (("budgetformer_vs_fixed_matched", "learned budget vs uniform fixed top-k at the matched count"),
+             ("fixed_per_layer_vs_fixed_matched", "per-layer allocation (fixed) vs uniform"),
+             ("budgetformer_vs_fixed_per_layer", "per-input budget vs fixed per-layer counts"),
+             ("budgetformer_vs_budgetformer_mode_k", "per-input head counts vs each layer's most common count "
+                                                     "(same model)"))
+    out = ["## In short", "",
+           "Accuracy differences in points, mean over seeds, 95 % seed-level t interval; MDD = the difference "
+           "the seeds detect with 80 % power.", ""]
+    for ds in datasets:
+        comps = (stats.get(ds) or {}).get("comparisons", {})
+        bits = []
+        for name, what in parts:
+            c = comps.get(name)
+            if not c:
+                continue
+            t = c.get("seed_t") or {}
+            mdd = t.get("mdd_80")
+            b = c.get("bootstrap") if t.get("lo") is None else None  # one seed: only the test-sample interval
+            bits.append(f"{what}: {100 * t['mean']:+.2f} over {len(c['seeds'])} seed(s), {c.get('verdict')}"
+                        + (f" (MDD {100 * mdd:.2f})" if mdd is not None else "")
+                        + (f" (test-sample interval [{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}], which leaves out "
+                           "the seed-to-seed spread)" if b else ""))
+        if bits:
+            out.append(f"- **{NAMES.get(ds, ds).replace('**', '')}**: " + "; ".join(bits) + ".")
+    return out + [""]
 
 
 def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,
@@ -289,7 +308,10 @@ def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot
     out = ["## Budget vs difficulty", "",
            "Per test example, BudgetFormer's predicted budget s (mean over layers) against two difficulty proxies: "
            "the *standard* model's loss on that example (same seed; an independent model, high = hard) and the "
-           "input length in tokens. Spearman rank correlation (several seeds: mean [range]); the paper claims s rises "
+           "input length in tokens (after truncation to the setup's max_len: where many inputs are longer, as on "
+           "IMDB and Yelp, the top length deciles all sit at that cap, and the length proxy says nothing there; "
+           "where every input has the same length, as the 64 pixel tokens of digits, there is no length proxy). "
+           "Spearman rank correlation (several seeds: mean [range]); the paper claims s rises "
            "with difficulty. s_sd: how much s varies across examples at all.", "",
            "| dataset | seeds | s_sd | Spearman(loss, s) | Spearman(length, s) | Spearman(loss, heads) |",
            "|---|---|---|---|---|---|"]
@@ -310,9 +332,12 @@ def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot
         sds = [x["s_sd"] for x in d if x.get("s_sd") is not None]
         out.append(f"| {NAMES.get(ds, ds)} | {','.join(str(r['seed']) for r in rs)} | "
                    + (f"{sum(sds) / len(sds):.4f}" if sds else "-") + " | "
-                   f"{fmt([x['loss']['spearman_s'] for x in d])} | {fmt([x['length']['spearman_s'] for x in d])} | "
+                   f"{fmt([x['loss']['spearman_s'] for x in d])} | "
+                   + ("- (one length)" if all(_constant(x["length"]["bins"]) for x in d)
+                      else fmt([x["length"]["spearman_s"] for x in d])) + " | "
                    f"{fmt([x['loss']['spearman_heads'] for x in d])} |")
-        series_by_ds[ds] = {f"{p}/seed {r['seed']}": r["difficulty"][p]["bins"] for r in rs for p in ("loss", "length")}
+        series_by_ds[ds] = {f"{p}/seed {r['seed']}": r["difficulty"][p]["bins"] for r in rs for p in ("loss", "length")
+                            if p == "loss" or not _constant(r["difficulty"][p]["bins"])}
     out += [""]
     if plots:
         from condcomp.experiments.plots import plot_difficulty
@@ -323,6 +348,11 @@ def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot
                                "difficulty (10 equal-count bins)"):
                 out += [f"![budget vs difficulty, {ds}]({rel(png)})", ""]
     return out
+
+
+def _constant(bins: list[dict[str, float]]) -> bool:
+    """A proxy that takes one value on every example (e.g. the length of fixed-size images)."""
+    return bool(bins) and bins[0]["x_lo"] == bins[-1]["x_hi"]
 
 
 def _heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,

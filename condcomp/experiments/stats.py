@@ -1,10 +1,15 @@
-"""Statistics of a multi-seed study, in plain Python (no scipy): intervals over seeds, paired tests on the test
-predictions, rank and linear correlation.
+"""Statistics of a multi-seed study: intervals over seeds, paired tests on the test predictions, power, rank and
+linear correlation. The seed-level test and the power need scipy (``pip install 'condcomp[report]'``).
 
 - :func:`mean_ci`: mean and a 95 % Student-t interval over seeds (n - 1 degrees of freedom).
-- :func:`paired_bootstrap`: learned vs fixed on the *same* test examples; each replicate draws the seeds with
-  replacement and the test examples with replacement (the same examples for both arms), so the interval
-  carries both the seed-to-seed and the test-sample variation.
+- :func:`paired_t`: the headline test: per-seed accuracy differences of two arms trained with the same seeds,
+  Student t over seeds (df = seeds - 1). The seed is the unit of replication: it carries the training noise.
+- :func:`min_detectable_difference`: the true mean difference that test detects with 80 % power at the
+  observed seed-to-seed sd; :func:`seeds_needed` for a target difference.
+- :func:`paired_bootstrap`: on the *same* test examples; with ``resample_seeds=False`` only the test examples
+  are resampled (the within-seed, test-sample part of the uncertainty); by default each replicate also draws
+  the seeds with replacement (which cannot leave the range of the per-seed values: with 3 seeds it
+  understates the seed-to-seed part; use :func:`paired_t` for that).
 - :func:`mcnemar`: the exact McNemar test of one seed (two-sided binomial on the discordant pairs).
 - :func:`verdict`: "better" / "worse" when the bootstrap interval excludes 0, else "no difference at this power".
 """
@@ -59,7 +64,7 @@ def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
 
 
 def paired_bootstrap(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], reps: int = 2000,
-                     seed: int = 0) -> dict[str, Any]:
+                     seed: int = 0, resample_seeds: bool = True) -> dict[str, Any]:
     """Accuracy difference a - b (mean over seeds) with a 95 % percentile interval and a two-sided p.
 
     ``a[s]`` and ``b[s]`` are the correctness vectors of seed ``s`` on the same test examples (same order).
@@ -81,6 +86,8 @@ def paired_bootstrap(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], r
     while len(stats) < reps:
         m = min(chunk, reps - len(stats))
         seeds = torch.randint(S, (m, S), generator=g)  # (m, S): seeds drawn with replacement
+        if not resample_seeds:
+            seeds = torch.arange(S).expand(m, S)  # every seed once: test examples resampled only
         idx = torch.randint(n, (m, n), generator=g)  # (m, n): examples drawn with replacement
         per_seed = diffs[:, idx].mean(-1)  # (S, m): every seed's mean difference on each resample
         stats += per_seed.gather(0, seeds.T).mean(0).tolist()
@@ -89,7 +96,105 @@ def paired_bootstrap(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], r
     below = sum(1 for v in stats if v <= 0) / reps
     above = sum(1 for v in stats if v >= 0) / reps
     return {"diff": observed, "lo": lo, "hi": hi, "p": min(1.0, 2 * min(below, above)), "reps": reps,
-            "seeds": S, "n": n}
+            "seeds": S, "n": n, "resampled": "seeds and examples" if resample_seeds else "examples"}
+
+
+def paired_t(diffs: Sequence[float], alpha: float = 0.05) -> dict[str, Any]:
+    """Mean of per-seed differences with its two-sided ``1 - alpha`` Student-t interval (df = n - 1) and p.
+
+    Fewer than two seeds: no interval (``lo``/``hi``/``p`` None). Identical differences: a zero-width interval
+    at the mean (sd 0) and p 0 unless the mean is 0 too.
+    """
+    from scipy import stats as sps
+
+    d = [float(v) for v in diffs]
+    n = len(d)
+    mean = sum(d) / n if n else None
+    out: dict[str, Any] = {"n": n, "df": n - 1, "mean": mean, "sd": None, "lo": None, "hi": None, "p": None}
+    if n < 2 or mean is None:
+        return out
+    sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1))
+    half = float(sps.t.ppf(1 - alpha / 2, n - 1)) * sd / math.sqrt(n)
+    if sd > 0:
+        p = float(2 * sps.t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1))
+    else:
+        p = 1.0 if mean == 0 else 0.0
+    out.update({"sd": sd, "lo": mean - half, "hi": mean + half, "p": p})
+    return out
+
+
+def t_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
+    """Power of the two-sided one-sample (paired) t test with ``n`` seeds to detect a true mean ``effect``.
+
+    The noncentral t probability written as an integral over the chi-square of the sd estimate:
+    ``T = (Z + nc) / sqrt(V / df)``, so ``P(|T| > c) = E_V[Phi(nc - c r) + Phi(-nc - c r)]``, ``r = sqrt(V / df)``
+    (scipy's ``nct`` returns NaN for large noncentralities at df = 1 or 2).
+    """
+    from scipy import integrate
+    from scipy import stats as sps
+
+    df, nc = n - 1, effect * math.sqrt(n) / sd
+    crit = float(sps.t.ppf(1 - alpha / 2, df))
+
+    log_norm = (df / 2) * math.log(2) + math.lgamma(df / 2)
+
+    def phi(x: float) -> float:
+        return 0.5 * math.erfc(-x / math.sqrt(2))
+
+    def integrand(v: float) -> float:  # plain math: quad calls it hundreds of times
+        r = math.sqrt(v / df)
+        density = math.exp((df / 2 - 1) * math.log(v) - v / 2 - log_norm) if v > 0 else 0.0  # chi2(df) pdf
+        return (phi(nc - crit * r) + phi(-nc - crit * r)) * density
+
+    lo, hi = float(sps.chi2.ppf(1e-12, df)), float(sps.chi2.ppf(1 - 1e-12, df))
+    return float(integrate.quad(integrand, lo, hi, limit=200)[0])
+
+
+def min_detectable_difference(sd: float | None, n: int, power: float = 0.8, alpha: float = 0.05) -> float | None:
+    """The smallest true mean difference the paired t over ``n`` seeds detects with ``power`` (noncentral t),
+    given the seed-to-seed sd of the differences; None without an sd (fewer than 2 seeds)."""
+    if sd is None or n < 2:
+        return None
+    if sd == 0:
+        return 0.0
+    from scipy.optimize import brentq
+
+    top = sd
+    while t_power(top, sd, n, alpha) < power:  # bracket: power grows with the effect
+        top *= 2
+    return float(brentq(lambda e: t_power(e, sd, n, alpha) - power, 0.0, top, xtol=1e-9 * sd))
+
+
+def seeds_needed(sd: float | None, target: float, power: float = 0.8, alpha: float = 0.05,
+                 most: int = 1000) -> int | None:
+    """The fewest seeds whose :func:`min_detectable_difference` is <= ``target`` (None: more than ``most``)."""
+    if sd is None:
+        return None
+
+    def ok(n: int) -> bool:
+        mdd = min_detectable_difference(sd, n, power, alpha)
+        return mdd is not None and mdd <= target
+
+    if not ok(most):
+        return None
+    lo, hi = 1, most  # not ok(lo) (one seed detects nothing), ok(hi); the MDD falls as seeds are added
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def seed_verdict(t: dict[str, Any], unit: float = 100.0, what: str = "points") -> str:
+    """Words that follow a :func:`paired_t` result (``unit`` scales the difference, e.g. to points)."""
+    if t.get("lo") is None:
+        return "one seed: no seed-level interval"
+    lo, hi = unit * t["lo"], unit * t["hi"]
+    if lo > 0:
+        return f"better (by {lo:.2f} to {hi:.2f} {what})"
+    if hi < 0:
+        return f"worse (by {-hi:.2f} to {-lo:.2f} {what})"
+    bound = max(abs(lo), abs(hi))
+    return f"no difference detected; differences above {bound:.2f} {what} excluded"
 
 
 def verdict(lo: float, hi: float) -> str:

@@ -15,9 +15,21 @@ Arms (``--arms`` and the sweep flags):
   the study, 0 by default). ``fixed_matched``: fixed top-k trained at the head count nearest to that seed's
   BudgetFormer realised mean (its run folder is ``fixed_<fraction>``, shared with the sweep arm of the same
   fraction). ``moh``: MoH with the released load-balance weighting.
+- ``fixed_per_layer``: fixed top-k trained at BudgetFormer's realised mean head count *per layer* (same seed;
+  a fractional mean is rounded per example so that the mean matches): the learned per-layer allocation without
+  per-input variation. ``random_routing``: the same per-layer counts, heads drawn at random in training and
+  evaluation (does learned routing beat random routing when both are trained?).
 - controls on the trained BudgetFormer model, no retraining: ``budgetformer_random_heads`` (random heads at its
   learned budget), ``budgetformer_forced_matched`` (forced to the matched fixed fraction),
-  ``budgetformer_all_heads``.
+  ``budgetformer_all_heads``, ``budgetformer_mode_k`` (every example's k replaced by its layer's most common k
+  and s by the layer's mean s: the accuracy lost is what per-input adaptivity is worth; also recorded in the
+  budgetformer record as ``control_mode_k``).
+- the ``standard`` arm (trained first when asked for) is the difficulty proxy of the budget arms: their
+  ``difficulty`` and the difficulty correlation in ``adaptivity`` need it in the same run folder (without it,
+  ``difficulty`` is taken from the summary's earlier record of the identical run, else left empty).
+- every BudgetFormer record carries ``adaptivity`` (:mod:`condcomp.experiments.adaptivity`): the per-example
+  spread of s and k per layer, the share of examples off the layer's most common k, head-set entropy, and the
+  rank correlation of s with the standard model's per-example loss.
 - sweep: ``fixed_<f>`` for ``--sweep-fractions`` (``fixed_1`` is the standard arm: k = H, gates 1 is the
   same model), ``budgetformer_cost<c>`` for ``--budget-costs`` (an extra price ``c * mean(s)`` on heads),
   ``moh_k<K>`` for ``--moh-topk`` (the main MoH arm's shared heads, another K).
@@ -36,15 +48,16 @@ from typing import Any
 
 from condcomp.experiments import stats as S
 from condcomp.experiments.ablate import Study, matched_fraction
+from condcomp.experiments.adaptivity import adaptivity, mode_budgets
 from condcomp.experiments.runconfig import RunConfig, check_same_settings
 from condcomp.experiments.runner import write_json
 
 MAIN_ARMS = ("standard", "budgetformer", "fixed_matched", "moh")
-CONTROLS = ("budgetformer_random_heads", "budgetformer_forced_matched", "budgetformer_all_heads")
+# Trained at BudgetFormer's per-layer mean head counts of the same seed: top-k scorer / random heads.
+LAYER_ARMS = ("fixed_per_layer", "random_routing")
+CONTROLS = ("budgetformer_random_heads", "budgetformer_forced_matched", "budgetformer_all_heads",
+            "budgetformer_mode_k")
 DEFAULT_ARMS = MAIN_ARMS + ("budgetformer_random_heads",)
-# Paired comparisons on the test predictions: (arm a, arm b); the first is the question of the study.
-COMPARISONS = (("budgetformer", "fixed_matched"), ("budgetformer", "standard"), ("moh", "standard"),
-               ("budgetformer", "budgetformer_random_heads"))
 SETUP_FIELDS = ("preset", "d_model", "num_layers", "num_heads", "d_ff", "max_len", "max_train", "max_test",
                 "test_seed", "tokenizer", "epochs", "max_steps", "batch_size", "lr", "weight_decay", "warmup",
                 "dropout", "pooling", "budget_cost", "threads", "latency_reps", "carbon_country")
@@ -60,7 +73,7 @@ class StudyPlan:
     budgetformer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        valid = set(MAIN_ARMS) | set(CONTROLS)
+        valid = set(MAIN_ARMS) | set(LAYER_ARMS) | set(CONTROLS)
         bad = [a for a in self.arms if a not in valid]
         if bad:
             raise ValueError(f"unknown arm(s) {bad}; valid: {sorted(valid)} (sweeps: --sweep-fractions, "
@@ -156,6 +169,28 @@ def difficulty(run_dir: Path, standard_dir: Path) -> dict[str, Any] | None:
     return out
 
 
+def _same_run_difficulty(summary_path: Path, rec: dict[str, Any]) -> dict[str, Any] | None:
+    """Without the standard run's folder: the difficulty of the summary's earlier record of the same run (same
+    dataset, arm, seed, command settings, and the same accuracy and s_mean to the summary's rounding: training is
+    deterministic on CPU, so a rerun reproduces the model), else None."""
+    for old in load_summary(summary_path):
+        if (old["dataset"], old["arm"], old["seed"]) == (rec["dataset"], rec["arm"], rec["seed"]) \
+                and old.get("difficulty") and old.get("setup") == _rounded(rec["setup"]) \
+                and old.get("accuracy") == _rounded(rec["accuracy"]) and old.get("s_mean") == _rounded(rec["s_mean"]):
+            return {**old["difficulty"], "from": "the earlier record of this run (identical accuracy and s_mean)"}
+    return None
+
+
+def run_adaptivity(run_dir: Path, standard_dir: Path, num_heads: int) -> dict[str, Any] | None:
+    """:func:`adaptivity.adaptivity` of a run folder, difficulty = the same seed's standard model's loss."""
+    ex_file, std_file = run_dir / "examples.json", standard_dir / "examples.json"
+    if not ex_file.is_file():
+        return None
+    ex = json.loads(ex_file.read_text())
+    loss = json.loads(std_file.read_text()).get("loss") if std_file.is_file() else None
+    return adaptivity(ex, num_heads, loss if loss is not None and len(loss) == len(ex["s"]) else None)
+
+
 def record(row: dict[str, Any], dataset: str, arm: str, seed: int, command: str, run_dir: Path,
            extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """One summary record from a run's metrics row."""
@@ -240,23 +275,42 @@ def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summ
                  _sdir: Path = sdir, _seed: int = seed) -> None:
             rec = record(_study.rows[arm], cfg.dataset, arm, _seed, command, _sdir / (run or arm), extra)
             if arm.startswith("budgetformer") and "control_of" not in rec:
-                rec["difficulty"] = difficulty(_sdir / arm, _sdir / "standard")
+                rec["difficulty"] = difficulty(_sdir / arm, _sdir / "standard") or _same_run_difficulty(
+                    summary_path, rec)
+                rec["adaptivity"] = run_adaptivity(_sdir / arm, _sdir / "standard", rec["model"]["num_heads"])
             upsert(summary_path, [rec])
             write_statistics(summary_path, out)
             log(f"{cfg.dataset} seed {_seed} {arm}: accuracy {rec['accuracy']:.4f}, heads {rec['heads']:.3f}"
                 + (" (reused)" if _study.reused.get(arm) else ""))
 
-        need_bf = any(n in names for n in ("budgetformer", "fixed_matched") + CONTROLS)
-        if "standard" in names or any(n.startswith("budgetformer") for n in names):
-            study.train("standard", "standard")  # the difficulty proxy of the budget arms
-            if "standard" in names:
-                done("standard")
+        need_bf = any(n in names for n in ("budgetformer", "fixed_matched") + LAYER_ARMS + CONTROLS)
+        if "standard" in names:  # first: it is the difficulty proxy of the budget arms (their loss per example)
+            study.train("standard", "standard")
+            done("standard")
         matched = None
         if need_bf:
             bf = study.train("budgetformer", "budgetformer", plan.budgetformer)
+            H = int(bf["model"]["num_heads"])
+            adapt = run_adaptivity(sdir / "budgetformer", sdir / "standard", H)
+            if "budgetformer_mode_k" in names:
+                if adapt is None:
+                    raise ValueError(f"{sdir / 'budgetformer'}: its examples.json has no per-layer head counts (a run "
+                                     "made before they were recorded); delete that folder to retrain it")
+                budgets = mode_budgets(adapt)
+                study.control("budgetformer_mode_k", "budgetformer", policy="constant", budgets=budgets)
             if "budgetformer" in names:
-                done("budgetformer")
-            matched = matched_fraction(bf["k_frac"], int(bf["model"]["num_heads"]), rounding="nearest")
+                mode_k = study.rows.get("budgetformer_mode_k")
+                done("budgetformer", {"control_mode_k": None if mode_k is None else {
+                    "accuracy": mode_k["accuracy"], "heads": mode_k["k_frac"],
+                    "accuracy_lost": bf["accuracy"] - mode_k["accuracy"]}})
+            if "budgetformer_mode_k" in names:
+                done("budgetformer_mode_k", {"budgets": budgets})
+            matched = matched_fraction(bf["k_frac"], H, rounding="nearest")
+            layer_heads = {n: min(float(H), max(1.0, v["k_frac"] * H)) for n, v in bf["layers"].items()}
+            for arm, routing in (("fixed_per_layer", "learned"), ("random_routing", "random")):
+                if arm in names:
+                    study.train(arm, "fixed_layers", {"heads": layer_heads, "routing": routing})
+                    done(arm, {"layer_heads": layer_heads})
         if "fixed_matched" in names:
             assert matched is not None
             run = f"fixed_{matched:g}"
@@ -302,80 +356,20 @@ def run_study(cfg: RunConfig, out: Path, seeds: list[int], plan: StudyPlan, summ
                             "latency_paired": bool(timed.get("latency_paired"))})
                 recs.append(rec)
             upsert(summary_path, recs)
+            write_statistics(summary_path, out)  # the re-timed latencies, from the same records
     return [r for r in load_summary(summary_path) if r["dataset"] == cfg.dataset]
 
 
 # --- statistics ------------------------------------------------------------------------------------------
 
 
-def _correct(run_dir: Path) -> list[bool] | None:
-    f = run_dir / "examples.json"
-    return json.loads(f.read_text())["correct"] if f.is_file() else None
-
-
-def statistics(records: list[dict[str, Any]], out: Path | None = None) -> dict[str, Any]:
-    """Per dataset: every arm's mean and 95 % interval over seeds; paired tests where the run folders hold the
-    per-example predictions of both arms for the same seeds."""
-    result: dict[str, Any] = {}
-    for ds in sorted({r["dataset"] for r in records}):
-        rows = [r for r in records if r["dataset"] == ds]
-        arms: dict[str, Any] = {}
-        for arm in sorted({r["arm"] for r in rows}):
-            rs = sorted((r for r in rows if r["arm"] == arm), key=lambda r: r["seed"])
-            arms[arm] = {"seeds": [r["seed"] for r in rs]}
-            for key in ("accuracy", "heads", "s_mean", "flop_fraction", "latency_b1_s", "latency_b64_s",
-                        "peak_inference_memory_b64_bytes", "inference_gco2"):
-                vals = [r[key] for r in rs if r.get(key) is not None]
-                arms[arm][key] = S.mean_ci(vals)
-        comps = {}
-        for a, b in COMPARISONS:
-            by_seed = {r["seed"]: r for r in rows if r["arm"] == a}
-            pairs = []
-            for r in rows:
-                if r["arm"] == b and r["seed"] in by_seed:
-                    ca, cb = _correct(Path(by_seed[r["seed"]]["run_dir"])), _correct(Path(r["run_dir"]))
-                    if ca is not None and cb is not None and len(ca) == len(cb):
-                        pairs.append((r["seed"], ca, cb))
-            if not pairs:
-                continue
-            pairs.sort()
-            if len({len(p[1]) for p in pairs}) > 1:
-                sizes = ", ".join(f"seed {p[0]}: {len(p[1])}" for p in pairs)
-                dirs = sorted(r["run_dir"] for r in rows if r["arm"] in (a, b))
-                raise ValueError(f"{ds}: {a} vs {b}: the seeds' runs were scored on different test sets ({sizes} "
-                                 f"examples), so they cannot be paired; their settings differ. Runs: "
-                                 f"{', '.join(dirs)}. Rerun them with one set of settings into a fresh --out and "
-                                 "--summary, or remove the odd seeds' records from the summary")
-            boot = S.paired_bootstrap([p[1] for p in pairs], [p[2] for p in pairs])
-            comps[f"{a}_vs_{b}"] = {
-                "a": a, "b": b, "seeds": [p[0] for p in pairs], "bootstrap": boot,
-                "verdict": S.verdict(boot["lo"], boot["hi"]),
-                "mcnemar": {str(p[0]): S.mcnemar(p[1], p[2]) for p in pairs},
-                "heads_a": S.mean_ci([by_seed[p[0]]["heads"] for p in pairs])["mean"],
-                "heads_b": S.mean_ci([r["heads"] for r in rows if r["arm"] == b and r["seed"] in
-                                      {p[0] for p in pairs}])["mean"],
-            }
-        result[ds] = {"arms": arms, "comparisons": comps}
-    return result
-
-
 def write_statistics(summary_path: Path, out: Path | None = None) -> dict[str, Any]:
-    """Recompute ``statistics.json`` beside the summary; comparisons whose run folders are gone are kept."""
+    """Recompute ``statistics.json`` beside the summary from its records (see :mod:`study_stats`)."""
+    from condcomp.experiments.study_stats import merge_kept, statistics
+
     with _locked(summary_path):
-        return _write_statistics(summary_path, out)
-
-
-def _write_statistics(summary_path: Path, out: Path | None) -> dict[str, Any]:
-    path = summary_path.parent / "statistics.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    records = load_summary(summary_path)
-    new = statistics(records, out)
-    have = {(r["dataset"], r["arm"], r["seed"]) for r in records}
-    for ds, st in new.items():
-        for name, comp in (old.get(ds) or {}).get("comparisons", {}).items():
-            # kept only while both arms' records of its seeds are still in the summary (not stale)
-            current = all((ds, arm, s) in have for arm in (comp["a"], comp["b"]) for s in comp["seeds"])
-            if name not in st["comparisons"] and current:
-                st["comparisons"][name] = comp
-    write_json(path, new)
-    return new
+        path = summary_path.parent / "statistics.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        new = merge_kept(statistics(load_summary(summary_path)), old)
+        write_json(path, _rounded(new))
+        return new

@@ -30,6 +30,10 @@ def build_model(mcfg: ModelConfig, cfg: RunConfig) -> EncoderClassifier:
     model = EncoderClassifier(mcfg)
     condcomp.apply_(model, method_config(cfg.method, mcfg.num_heads, cfg.method_options,
                                          num_layers=mcfg.num_layers))
+    if cfg.method == "fixed_layers":
+        from condcomp.experiments.layer_budget import install_layer_means
+
+        install_layer_means(model, {k: float(v) for k, v in cfg.method_options["heads"].items()})
     return model.to(torch.device(cfg.device))
 
 
@@ -172,8 +176,21 @@ def evaluate(model: EncoderClassifier, split: EncodedSplit, batch_size: int = 12
                      "loss": torch.cat(losses).tolist(), "length": torch.cat(lengths).tolist()},
         "_stats": stats,
     }
+    out["examples"]["layers"] = {n: per_example_layer(st, routed_modules(model)[n].layout.num_heads)
+                                 for n, st in stats.items()}
     if split.tags is not None:
         out["by_tag"] = group_stats(split.tags, s_ex, k_ex, ok)
+    return out
+
+
+def per_example_layer(st: dict[str, Tensor], num_heads: int) -> dict[str, list[Any]]:
+    """One layer's per-example budget ``s``, head count ``k`` and, where every example runs whole heads (sequence
+    routing), ``heads``: the set of heads it ran as a bit mask (bit h = head h)."""
+    out: dict[str, list[Any]] = {"s": st["s"].tolist(), "k": (st["k_frac"] * num_heads).round().long().tolist()}
+    hf = st["head_frac"]  # (N, H)
+    if bool(((hf == 0) | (hf == 1)).all()):
+        bits = 2 ** torch.arange(num_heads, dtype=torch.long)
+        out["heads"] = (hf.long() * bits).sum(1).tolist()
     return out
 
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The controls that separate a learned per-layer allocation from per-input adaptivity, and the adaptivity
+# measures of every BudgetFormer run: per dataset and seed, budgetformer (with its adaptivity record and the
+# evaluation-only control budgetformer_mode_k), fixed_per_layer, random_routing and standard (the difficulty proxy).
+# The same settings as run_study.sh; resumable (finished runs are skipped); each finished run is added to
+# results/reproduction/summary.json at once. One job per dataset list, one torch thread:
+#
+#   DATASETS="ag_news" nohup nice -n 10 bash results/reproduction/run_controls.sh > runs/controls_a.log 2>&1 &
+#   DATASETS="dbpedia_14" nohup nice -n 10 bash results/reproduction/run_controls.sh > runs/controls_b.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CONDCOMP=${CONDCOMP:-$( [ -x .venv/bin/condcomp ] && echo .venv/bin/condcomp || echo condcomp )}
+OUT=${OUT:-runs/study}
+SUMMARY=results/reproduction/summary.json
+COMMON="--preset small --max-len 128 --batch-size 32 --lr 1e-3 --threads 1 --latency-reps 10 --carbon-country USA"
+COMMON="$COMMON --data-dir ../shared/data --out $OUT --summary $SUMMARY"
+declare -A RUN=(
+  [ag_news]="--dataset ag_news --epochs 1"
+  [snli]="--dataset snli --epochs 3"
+  [dbpedia_14]="--dataset dbpedia_14 --epochs 3"
+  [imdb]="--dataset imdb --epochs 1"
+  [yelp]="--dataset yelp --epochs 3"
+  [digits]="--dataset digits --epochs 10"
+)
+ARMS="budgetformer budgetformer_mode_k fixed_per_layer random_routing"
+DATASETS=${DATASETS:-ag_news dbpedia_14 digits imdb yelp snli}
+SEEDS=${SEEDS:-0 1 2}
+for ds in $DATASETS; do
+  for seed in $SEEDS; do
+    # the new arms first, then the standard model (the difficulty proxy): the second call reuses the first's
+    # runs and adds the budget's correlation with difficulty to the budgetformer record
+    $CONDCOMP ablate ${RUN[$ds]} $COMMON --seeds $seed --arms $ARMS
+    $CONDCOMP ablate ${RUN[$ds]} $COMMON --seeds $seed --arms standard $ARMS
+  done
+done
