@@ -9,19 +9,7 @@
 #   DATASETS="dbpedia_14" nohup nice -n 10 bash results/reproduction/run_controls.sh > runs/controls_b.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-CONDCOMP=${CONDCOMP:-$( [ -x .venv/bin/condcomp ] && echo .venv/bin/condcomp || echo condcomp )}
-OUT=${OUT:-runs/study}
-SUMMARY=results/reproduction/summary.json
-COMMON="--preset small --max-len 128 --batch-size 32 --lr 1e-3 --threads 1 --latency-reps 10 --carbon-country USA"
-COMMON="$COMMON --data-dir ../shared/data --out $OUT --summary $SUMMARY"
-declare -A RUN=(
-  [ag_news]="--dataset ag_news --epochs 1"
-  [snli]="--dataset snli --epochs 3"
-  [dbpedia_14]="--dataset dbpedia_14 --epochs 3"
-  [imdb]="--dataset imdb --epochs 1"
-  [yelp]="--dataset yelp --epochs 3"
-  [digits]="--dataset digits --epochs 10"
-)
+source results/reproduction/study_settings.sh
 ARMS="budgetformer budgetformer_mode_k fixed_per_layer random_routing"
 DATASETS=${DATASETS:-ag_news dbpedia_14 digits imdb yelp snli}
 SEEDS=${SEEDS:-0 1 2}

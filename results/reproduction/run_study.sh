@@ -13,22 +13,7 @@
 #   DATASETS="imdb yelp digits" nohup bash results/reproduction/run_study.sh > runs/study_b.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-CONDCOMP=${CONDCOMP:-$( [ -x .venv/bin/condcomp ] && echo .venv/bin/condcomp || echo condcomp )}
-OUT=${OUT:-runs/study}
-SUMMARY=results/reproduction/summary.json
-COMMON="--preset small --max-len 128 --batch-size 32 --lr 1e-3 --threads 1 --latency-reps 10 --carbon-country USA"
-COMMON="$COMMON --data-dir ../shared/data --out $OUT --summary $SUMMARY"
-
-# Training length per dataset (epochs over the staged train split), chosen so that the standard model clears
-# 0.85 on AG News and 0.50 on SNLI (measured learning curves: docs/results.md, "Setup").
-declare -A RUN=(
-  [ag_news]="--dataset ag_news --epochs 1"
-  [snli]="--dataset snli --epochs 3"
-  [dbpedia_14]="--dataset dbpedia_14 --epochs 3"
-  [imdb]="--dataset imdb --epochs 1"
-  [yelp]="--dataset yelp --epochs 3"
-  [digits]="--dataset digits --epochs 10"
-)
+source results/reproduction/study_settings.sh
 MAIN="--arms standard budgetformer fixed_matched moh budgetformer_random_heads"
 SWEEP="--sweep-fractions 0.125 0.25 0.5 0.75 1 --budget-costs 0.1 0.3 --moh-topk 4"
 

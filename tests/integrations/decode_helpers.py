@@ -18,6 +18,8 @@ import condcomp
 t = pytest.importorskip("transformers")
 
 P = 6  # prompt width (left-padded)
+TOL = dict(atol=1e-4, rtol=1e-4)  # wrapped vs oracle logits (float32)
+GREEDY = dict(do_sample=False, pad_token_id=0)
 
 
 def llama(kv_heads: int = 2, seed: int = 0, **extra: object) -> nn.Module:

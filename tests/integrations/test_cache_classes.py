@@ -12,6 +12,8 @@ import copy
 import pytest
 import torch
 from decode_helpers import (
+    GREEDY,
+    TOL,
     P,
     extend,
     llama,
@@ -27,9 +29,6 @@ from decode_helpers import (
 from torch import nn
 
 import condcomp
-
-TOL = dict(atol=1e-4, rtol=1e-4)
-GREEDY = dict(do_sample=False, pad_token_id=0)
 
 
 @pytest.mark.parametrize("static", [False, True])

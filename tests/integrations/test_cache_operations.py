@@ -12,6 +12,8 @@ import pickle
 import pytest
 import torch
 from decode_helpers import (
+    GREEDY,
+    TOL,
     extend,
     gpt2,
     llama,
@@ -25,9 +27,6 @@ from decode_helpers import (
 )
 
 import condcomp
-
-TOL = dict(atol=1e-4, rtol=1e-4)
-GREEDY = dict(do_sample=False, pad_token_id=0)
 
 
 def _prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache: object) -> torch.Tensor:
