@@ -308,10 +308,14 @@ def request_plans(model: nn.Module, cache: object) -> dict[str, RequestPlan]:
     that hold no plan for this cache are left out.
 
     >>> out = model.generate(**batch, return_dict_in_generate=True)  # doctest: +SKIP
-    >>> plans = condcomp.request_plans(model, out.past_key_values)  # doctest: +SKIP
+    >>> plans = condcomp.request_plans(model, out.cache)  # doctest: +SKIP
     >>> plans["model.layers.0.self_attn"].kept_kv_groups()  # doctest: +SKIP
     [[0, 2], [1, 2]]
     """
+    if not (hasattr(cache, "layers") or hasattr(cache, "self_attention_cache")):
+        raise TypeError(f"condcomp.request_plans: expected the transformers KV cache a generate() or forward call "
+                        f"filled (e.g. `out.cache` of generate(..., return_dict_in_generate=True)), got "
+                        f"{type(cache).__name__}")
     out = {}
     for name, host in routing_hosts(model).items():
         record = host.adapter.held_record(cache) if hasattr(host.adapter, "held_record") else None

@@ -240,3 +240,9 @@ def test_chunked_prefill_whose_first_chunk_is_padding_is_refused_and_a_longer_ch
         model.generate(**kw, prefill_chunk_size=2)
     got = model.generate(**kw, prefill_chunk_size=5)
     assert torch.equal(got, reference_greedy(model, ids, mask, 3, prompt_len=5))
+
+
+@pytest.mark.parametrize("not_a_cache", [None, object(), (torch.zeros(1),)])
+def test_request_plans_refuses_what_is_not_a_kv_cache(not_a_cache: object) -> None:
+    with pytest.raises(TypeError, match="expected the transformers KV cache"):
+        condcomp.request_plans(wrap(llama()), not_a_cache)
