@@ -40,6 +40,7 @@ from .hf_base import (
     _sliding_bias,
     _TransformersAdapter,
     cross_attention_states,
+    decoder_request_plan,
     visible_keys,
 )
 from .hf_cache import open_step, request_plan
@@ -132,9 +133,7 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
                 if self.layer_idx is not None:
                     step = open_step(routed, cache, self.layer_idx, B, T)
                     q0 = step.query_start
-                    S_mask = mask.shape[-1] if isinstance(mask, Tensor) else q0 + T
-                    plan = request_plan(routed, step, x, _mask_parts(mask, B, T, S_mask, True, q0)[0], q0 + T,
-                                        decoder=True)
+                    plan = decoder_request_plan(routed, step, x, mask)
                 current = getattr(cache, "self_attention_cache", cache)
                 k, v = self._kv(core, x)
                 key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)

@@ -20,7 +20,7 @@ from condcomp.adapters import AttentionAdapter
 from condcomp.masks import check_mask_dtype
 from condcomp.versions import tensor_version
 
-from .hf_cache import held_record
+from .hf_cache import RequestStep, held_record, request_plan
 
 
 def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
@@ -83,6 +83,15 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_s
         raise ValueError(f"attention mask must be 2-D (B, S) or 4-D (B, 1, T, S), got shape {tuple(mask.shape)}")
     _LAST_MASK[0] = (mask, key, parts)
     return parts  # type: ignore[return-value]
+
+
+def decoder_request_plan(routed: Any, step: RequestStep, x: Tensor, mask: Any) -> Any:
+    """A decoder self-attention call's plan on a KV cache, before the cache grows: the request's plan stored in
+    the cache, or one decided now from the call's real tokens (``mask``: transformers' attention mask, or None)."""
+    B, T = x.shape[:2]
+    S = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T
+    query_mask, _, _ = _mask_parts(mask, B, T, S, True, step.query_start)
+    return request_plan(routed, step, x, query_mask, step.query_start + T, decoder=True)
 
 
 def visible_keys(k: Tensor, v: Tensor, mask: Any, query_start: int, T: int) -> tuple[Tensor, Tensor]:

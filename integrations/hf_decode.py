@@ -23,8 +23,8 @@ from condcomp.masks import build_attention_mask, dead_rows
 from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, HeadPlan
 
-from .hf_base import _mask_parts, _sliding_bias, visible_keys
-from .hf_cache import RequestStep, cache_layer, compact_write, request_plan
+from .hf_base import _mask_parts, _sliding_bias, decoder_request_plan, visible_keys
+from .hf_cache import RequestStep, cache_layer, compact_write
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -33,10 +33,7 @@ if TYPE_CHECKING:
 def decide_request_plan(routed: RoutedAttention, x: Tensor, mask: Any, step: RequestStep) -> HeadPlan:
     """The request's plan for this call: the one stored in the cache, or one decided now from the call's real
     tokens (at the request's first call; a sequence plan on a cache that holds tokens but no plan is refused)."""
-    B, T = x.shape[:2]
-    S = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T
-    query_mask, _, _ = _mask_parts(mask, B, T, S, True, step.query_start)
-    plan = request_plan(routed, step, x, query_mask, step.query_start + T, decoder=True)
+    plan = decoder_request_plan(routed, step, x, mask)
     if step.held is None and plan.granularity == "sequence" and routed.last is not None:
         routed.last = replace(routed.last, executor="held", route="kv_cache")
     return plan

@@ -27,6 +27,7 @@ from .hf_base import (
     _param_names,
     _TransformersAdapter,
     cross_attention_states,
+    decoder_request_plan,
     visible_keys,
 )
 from .hf_cache import open_step, request_plan
@@ -124,9 +125,7 @@ class GPT2AttentionAdapter(_TransformersAdapter):
                 # cached (a per-token plan may choose any head later).
                 step = open_step(routed, cache, self.layer_idx, B, T)
                 q0 = step.query_start
-                routing_mask, _, _ = _mask_parts(mask, B, T, mask.shape[-1] if isinstance(mask, Tensor) else q0 + T,
-                                                 True, q0)
-                plan = request_plan(routed, step, x, routing_mask, q0 + T, decoder=True)
+                plan = decoder_request_plan(routed, step, x, mask)
                 current = getattr(cache, "self_attention_cache", cache)
                 k, v = self._kv(routed.weights(), x)
                 key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)

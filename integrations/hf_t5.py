@@ -19,7 +19,15 @@ from condcomp.adapters import register_adapter
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
-from .hf_base import _bind, _import_classes, _mask_parts, _param_names, _TransformersAdapter, visible_keys
+from .hf_base import (
+    _bind,
+    _import_classes,
+    _mask_parts,
+    _param_names,
+    _TransformersAdapter,
+    decoder_request_plan,
+    visible_keys,
+)
 from .hf_cache import open_step, request_plan
 
 if TYPE_CHECKING:
@@ -97,10 +105,7 @@ class T5AttentionAdapter(_TransformersAdapter):
         q0 = step.query_start if step is not None and not cross else None
         plan = None
         if step is not None and not cross:  # decided (or read from the cache) before the cache grows
-            mask = a.get("mask")
-            S_mask = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T
-            routing_mask, _, _ = _mask_parts(mask, B, T, S_mask, True, q0)
-            plan = request_plan(routed, step, x, routing_mask, step.query_start + T, decoder=True)
+            plan = decoder_request_plan(routed, step, x, a.get("mask"))
         key_states = value_states = None
         if cross and cache is not None and is_updated:
             layer = current.layers[self.layer_idx]
