@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from condcomp.bench_decode import add_arguments, main
+from condcomp.bench.decode import add_arguments, main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

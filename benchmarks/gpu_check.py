@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from condcomp.bench_attention import run, table
+from condcomp.bench.attention import run, table
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor, tuning_for
 from condcomp.plans import plan_from_active, top_k_mask

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from condcomp.bench_attention import time_group
+from condcomp.bench.attention import time_group
 
 
 def cases(gen: torch.Generator) -> list[tuple[str, Tensor, Tensor, Tensor]]:

@@ -150,7 +150,7 @@ def remove_(model: nn.Module) -> list[str]:
     if not found:
         if routing_hosts(model):
             raise ValueError("remove_: the model is routed through transformers' AttentionInterface; undo it with "
-                             "condcomp.integrations.hf_interface.remove_interface_(model)")
+                             "condcomp.integrations.hf.interface.remove_interface_(model)")
         raise ValueError("remove_: the model contains no RoutedAttention (was condcomp.apply_ called on it?)")
     for name, routed in found.items():
         base = routed.sync_base()

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from condcomp.cli_args import OneLineParser
 
 # Modules that contribute commands, imported only when the command line is built (import condcomp stays light).
-COMMAND_MODULES = ("condcomp.experiments.commands", "condcomp.experiments.tune_llm",
+COMMAND_MODULES = ("condcomp.experiments.classification.commands", "condcomp.experiments.llm.command",
                    "condcomp.experiments.dit.commands")
-BENCH_MODULES = ("condcomp.bench_attention", "condcomp.bench_compile", "condcomp.bench_decode")
+BENCH_MODULES = ("condcomp.bench.attention", "condcomp.bench.compile", "condcomp.bench.decode")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,19 +61,18 @@ SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "budget_k", "top_k_mask", "plan_top_k", "plan_from_active", "full_plan", "select_kv")),
 )
 
-# Integration names: (module under condcomp.integrations, attribute). Reached as
-# ``condcomp.integrations.<module>.<name>``; each module imports its library (transformers) on first use.
+# Integration names: (module, attribute); each module imports its library (transformers) on first use.
 INTEGRATIONS: tuple[tuple[str, str], ...] = (
-    ("hf", "CondCompCallback"),
-    ("hf_checkpoint", "save_pretrained"),
-    ("hf_checkpoint", "from_pretrained"),
-    ("hf_checkpoint", "save_condcomp"),
-    ("hf_checkpoint", "load_condcomp"),
-    ("llm", "load_smollm2"),
-    ("hf", "register_transformers_attention"),
-    ("hf", "supported_transformers_classes"),
-    ("hf_interface", "apply_interface_"),
-    ("hf_interface", "remove_interface_"),
+    ("condcomp.integrations.hf", "CondCompCallback"),
+    ("condcomp.integrations.hf.checkpoint", "save_pretrained"),
+    ("condcomp.integrations.hf.checkpoint", "from_pretrained"),
+    ("condcomp.integrations.hf.checkpoint", "save_condcomp"),
+    ("condcomp.integrations.hf.checkpoint", "load_condcomp"),
+    ("condcomp.experiments.llm.smollm2", "load_smollm2"),
+    ("condcomp.integrations.hf", "register_transformers_attention"),
+    ("condcomp.integrations.hf", "supported_transformers_classes"),
+    ("condcomp.integrations.hf.interface", "apply_interface_"),
+    ("condcomp.integrations.hf.interface", "remove_interface_"),
 )
 
 
@@ -106,11 +105,11 @@ def _integrations() -> list[str]:
 
     lines = ["## Integrations (transformers, SmolLM2)", "",
              "`import condcomp` imports no third-party model library; each of these modules imports transformers "
-             "when first used (`pip install -e \".[hf]\"`; SmolLM2 needs `.[llm]`). Every name works as written "
-             "after `import condcomp`, e.g. `condcomp.integrations.hf.CondCompCallback()`.", ""]
+             "when first used (`pip install -e \".[hf]\"`; SmolLM2 needs `.[llm]`). Each heading names the module to "
+             "import (`from condcomp.integrations.hf.checkpoint import from_pretrained`).", ""]
     for module, name in INTEGRATIONS:
-        obj = getattr(importlib.import_module(f"condcomp.integrations.{module}"), name)
-        lines += _entry(f"condcomp.integrations.{module}.{name}", obj)
+        obj = getattr(importlib.import_module(module), name)
+        lines += _entry(f"{module}.{name}", obj)
     return lines
 
 

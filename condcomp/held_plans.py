@@ -10,7 +10,7 @@ that request. Two consequences make head budgets pay at decode time:
   a fraction of the cache. :class:`KVSelection` says which groups each row keeps and where they sit in the cache.
 
 The plan is stored *in* the request's KV cache, per layer and row (:class:`HeldPlan`; the transformers side is
-``condcomp.integrations.hf_cache``), so the cache's own operations (reset, crop, beam reordering, selecting rows,
+``condcomp.integrations.hf.cache``), so the cache's own operations (reset, crop, beam reordering, selecting rows,
 copies, pickling) act on it too. :func:`condcomp.request_plans` reads it (:class:`RequestPlan`).
 
 Training matches it with :func:`condcomp.plan_from_prompt`: inside it, sequence plans are decided from the first

@@ -1,7 +1,7 @@
 """RoutingHost: what every route that attaches routing to a model shares.
 
 Two routes attach a budget policy and a router to a model: the module swap (:class:`~condcomp.RoutedAttention`)
-and transformers' AttentionInterface (``condcomp.integrations.hf_interface``). Both are ``RoutingHost``s, so the
+and transformers' AttentionInterface (``condcomp.integrations.hf.interface``). Both are ``RoutingHost``s, so the
 model-level functions (``aux_loss``, ``set_progress``, ``head_usage``) have one code path for both, and both follow
 the same rules:
 

@@ -3,7 +3,7 @@
 It is what a loader needs to rebuild a wrapped model from its plain weights. ``apply_`` and ``remove_`` keep it in
 a transformers model's config (``model.config.condcomp``), so ``model.save_pretrained(dir)`` (what Trainer and
 ``push_to_hub`` call) writes it into ``config.json`` beside the routing tensors, and
-``condcomp.integrations.hf_checkpoint.from_pretrained`` replays it (``apply_record``).
+``condcomp.integrations.hf.checkpoint.from_pretrained`` replays it (``apply_record``).
 
 >>> record = routing_record(model)  # doctest: +SKIP
 >>> record["groups"][0]["modules"]  # doctest: +SKIP

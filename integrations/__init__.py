@@ -11,15 +11,16 @@ from types import ModuleType
 from condcomp.integrations import torch_mha  # noqa: F401
 
 # Submodules imported on first attribute access (each imports its third-party library).
-_LAZY = ("hf", "hf_base", "hf_checkpoint", "hf_clip", "hf_decode", "hf_distilbert", "hf_gpt2", "hf_interface",
-         "hf_plain", "hf_t5", "hf_trainer", "llm", "timm")
+_LAZY = ("hf", "timm")
+# Attribute names of the public contract (DESIGN.md) that name a module inside the ``hf`` package.
+_CONTRACT_NAMES = {"hf_checkpoint": "hf.checkpoint"}
 
 
 def __getattr__(name: str) -> ModuleType:
-    if name in _LAZY:
-        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY or name in _CONTRACT_NAMES:
+        return importlib.import_module(f"{__name__}.{_CONTRACT_NAMES.get(name, name)}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY, *_CONTRACT_NAMES})

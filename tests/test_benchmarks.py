@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from condcomp.bench_attention import add_arguments, main, paired_ratio
+from condcomp.bench.attention import add_arguments, main, paired_ratio
 
 
 def test_bench_attention_quick_writes_metrics(tmp_path: Path) -> None:

@@ -17,20 +17,21 @@ def _refuse_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def started(*args: object, **kwargs: object) -> None:
         raise AssertionError("the command started working before refusing its arguments")
 
-    import condcomp.bench_attention
-    import condcomp.bench_compile
-    import condcomp.bench_decode
-    import condcomp.experiments.demo
-    import condcomp.experiments.runner
-    import condcomp.experiments.study
-    import condcomp.experiments.tune_llm_run
+    import condcomp.bench.attention
+    import condcomp.bench.compile
+    import condcomp.bench.decode
+    import condcomp.experiments.classification.demo
+    import condcomp.experiments.classification.runner
+    import condcomp.experiments.classification.study
+    import condcomp.experiments.llm.study
 
-    for module, name in [(condcomp.experiments.runner, "run_single"), (condcomp.experiments.runner, "eval_checkpoint"),
-                         (condcomp.experiments.study, "run_study"), (condcomp.experiments.demo, "run_demo"),
-                         (condcomp.experiments.tune_llm_run, "run_study"),
-                         (condcomp.experiments.tune_llm_run, "write_summary"),
-                         (condcomp.bench_decode, "run"), (condcomp.bench_attention, "run"),
-                         (condcomp.bench_compile, "run")]:
+    classification = condcomp.experiments.classification
+    for module, name in [(classification.runner, "run_single"), (classification.runner, "eval_checkpoint"),
+                         (classification.study, "run_study"), (classification.demo, "run_demo"),
+                         (condcomp.experiments.llm.study, "run_study"),
+                         (condcomp.experiments.llm.study, "write_summary"),
+                         (condcomp.bench.decode, "run"), (condcomp.bench.attention, "run"),
+                         (condcomp.bench.compile, "run")]:
         monkeypatch.setattr(module, name, started)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import condcomp
-from condcomp.bench_compile import build, explain
+from condcomp.bench.compile import build, explain
 
 pytestmark = pytest.mark.slow
 EXECUTORS = condcomp.list_executors()

@@ -62,7 +62,7 @@ def test_disabled_needs_routing() -> None:
 
 def test_disabled_on_transformers_models_both_routes() -> None:
     transformers = pytest.importorskip("transformers")
-    from condcomp.integrations.hf_interface import apply_interface_
+    from condcomp.integrations.hf.interface import apply_interface_
 
     cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
                                    num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")

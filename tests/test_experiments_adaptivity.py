@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from condcomp.experiments import stats as S
-from condcomp.experiments.adaptivity import adaptivity, entropy_bits, layer_adaptivity, mode_budgets
-from condcomp.experiments.layer_budget import ConstantBudgetPolicy, LayerMeanPolicy
+from condcomp.experiments.classification.adaptivity import adaptivity, entropy_bits, layer_adaptivity, mode_budgets
+from condcomp.experiments.classification.layer_budget import ConstantBudgetPolicy, LayerMeanPolicy
 
 
 def test_layer_adaptivity_by_hand() -> None:
@@ -137,7 +137,7 @@ def test_ablate_layer_arms_and_the_mode_k_control(tmp_path: Path) -> None:
 
 def test_statistics_from_records_alone() -> None:
     pytest.importorskip("scipy", reason="the seed-level test needs scipy (extra 'report')")
-    from condcomp.experiments.study_stats import statistics
+    from condcomp.experiments.classification.study_stats import statistics
 
     recs = [{"dataset": "d", "arm": arm, "seed": s, "accuracy": acc, "heads": h, "run_dir": "/nonexistent"}
             for arm, h, accs in (("budgetformer", 0.6, (0.80, 0.82, 0.81)), ("fixed_matched", 0.625,
@@ -151,7 +151,7 @@ def test_statistics_from_records_alone() -> None:
 
 
 def test_difficulty_of_the_same_run_is_carried_over_only_for_identical_runs(tmp_path: Path) -> None:
-    from condcomp.experiments.study import _same_run_difficulty
+    from condcomp.experiments.classification.study import _same_run_difficulty
 
     old = {"dataset": "d", "arm": "budgetformer", "seed": 0, "accuracy": 0.889474, "s_mean": 0.688808,
            "setup": {"lr": 0.001}, "difficulty": {"loss": {"spearman_s": -0.18}}}
@@ -168,7 +168,7 @@ def test_difficulty_of_the_same_run_is_carried_over_only_for_identical_runs(tmp_
 def test_signed_pull_policy_gives_every_example_the_same_weight() -> None:
     from condcomp.policies.budgetformer import BudgetFormerPolicy
 
-    from condcomp.experiments.signed_budget import SignedPullBudgetPolicy
+    from condcomp.experiments.classification.signed_budget import SignedPullBudgetPolicy
 
     torch.manual_seed(0)
     signed = SignedPullBudgetPolicy(d_model=16, num_heads=8).train()

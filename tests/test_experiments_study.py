@@ -142,8 +142,8 @@ def test_ablate_rejects_unknown_arms(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_head_frequencies_add_up_to_the_heads_run() -> None:
-    from condcomp.experiments.runconfig import RunConfig, model_config, prepare
-    from condcomp.experiments.train import build_model, evaluate
+    from condcomp.experiments.classification.runconfig import RunConfig, model_config, prepare
+    from condcomp.experiments.classification.train import build_model, evaluate
 
     for method, opts, per_row in (("fixed", {"fraction": 0.5}, 2), ("moh", {"shared_heads": 1, "top_k": 2}, 3)):
         cfg = RunConfig(dataset="synthetic", synthetic_train=16, synthetic_test=40, preset="tiny", method=method,
@@ -191,7 +191,7 @@ def test_digits_without_scikit_learn_is_a_clear_error(monkeypatch: pytest.Monkey
 
 
 def test_matched_fraction_rules() -> None:
-    from condcomp.experiments.ablate import matched_fraction
+    from condcomp.experiments.classification.ablate import matched_fraction
 
     assert matched_fraction(0.630, 8, "nearest") == 5 / 8  # 5.04 heads: nearest 5, ceil 6
     assert matched_fraction(0.630, 8) == 6 / 8

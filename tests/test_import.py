@@ -39,8 +39,8 @@ import condcomp
 light = "transformers" not in sys.modules
 names = {}
 for path in ("integrations.hf.CondCompCallback", "integrations.hf_checkpoint.from_pretrained",
-             "integrations.hf_checkpoint.save_pretrained", "integrations.llm.load_smollm2",
-             "integrations.hf_interface.apply_interface_", "integrations.hf.register_transformers_attention"):
+             "integrations.hf_checkpoint.save_pretrained",
+             "integrations.hf.interface.apply_interface_", "integrations.hf.register_transformers_attention"):
     obj = condcomp
     for part in path.split("."):
         obj = getattr(obj, part)

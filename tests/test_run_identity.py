@@ -10,8 +10,8 @@ import pytest
 
 from condcomp.cli import main
 from condcomp.experiments import study as study_module
-from condcomp.experiments.runconfig import RunConfig, identity_differences
-from condcomp.experiments.study_stats import statistics
+from condcomp.experiments.classification.runconfig import RunConfig, identity_differences
+from condcomp.experiments.classification.study_stats import statistics
 
 FLAGS = ["--dataset", "synthetic", "--preset", "tiny", "--max-steps", "3"]
 

@@ -3,7 +3,7 @@
 Import-light: tokenizers, tqdm, matplotlib, safetensors and codecarbon are imported only when used.
 """
 
-from condcomp.experiments.model import PRESETS, EncoderClassifier, ModelConfig
-from condcomp.experiments.runconfig import RunConfig
+from condcomp.experiments.classification.model import PRESETS, EncoderClassifier, ModelConfig
+from condcomp.experiments.classification.runconfig import RunConfig
 
 __all__ = ["PRESETS", "EncoderClassifier", "ModelConfig", "RunConfig"]

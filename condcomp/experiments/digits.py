@@ -4,7 +4,7 @@ a small Vision Transformer.
 The images are 4-bit (pixel values 0..16), so the ViT here uses 1x1 patches: 64 pixel tokens in raster order
 with learned position embeddings, and a patch embedding that is a table over the 17 intensity levels (token id
 = value + 1; id 0 stays the padding id, unused: every image is 64 tokens). The encoder is the same
-:class:`~condcomp.experiments.model.EncoderClassifier` as for text, so every method, measurement and the whole
+:class:`~.classification.model.EncoderClassifier` as for text, so every method, measurement and the whole
 ablation apply unchanged. Split: stratified 80/20 with a fixed ``random.Random(0)``, the same for every training
 seed (paired comparisons need the same test images). ``pip install 'condcomp[vision]'`` (scikit-learn).
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from condcomp.experiments.batches import EncodedSplit
+from condcomp.experiments.classification.batches import EncodedSplit
 
 LEVELS = 17  # pixel values 0..16
 SPLIT_SEED = 0

@@ -1,7 +1,7 @@
 """Collect the budget-search runs (run_search.sh) into results/budget_search/search.json and print a table.
 
 Per run: its settings (the exact train command's options), accuracy, s_mean, the adaptivity measures
-(condcomp.experiments.adaptivity) with the standard run of the same settings as the difficulty proxy.
+(condcomp.experiments.classification.adaptivity) with the standard run of the same settings as the difficulty proxy.
 
     python results/budget_search/collect.py [runs/search]
 """
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from condcomp.experiments.adaptivity import adaptivity
+from condcomp.experiments.classification.adaptivity import adaptivity
 
 
 def main(out: Path) -> int:

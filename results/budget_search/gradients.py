@@ -30,10 +30,10 @@ import condcomp
 from condcomp.api import routed_modules
 from condcomp.checkpoint import load_checkpoint, read_checkpoint_config
 from condcomp.experiments import stats as S
-from condcomp.experiments.batches import on_device
-from condcomp.experiments.model import ModelConfig
-from condcomp.experiments.runconfig import RunConfig, prepare
-from condcomp.experiments.train import build_model
+from condcomp.experiments.classification.batches import on_device
+from condcomp.experiments.classification.model import ModelConfig
+from condcomp.experiments.classification.runconfig import RunConfig, prepare
+from condcomp.experiments.classification.train import build_model
 
 
 def pulls(run: Path, batches: int, batch_size: int = 64, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import condcomp
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
 
-from condcomp.integrations.hf_checkpoint import (  # noqa: E402
+from condcomp.integrations.hf.checkpoint import (  # noqa: E402
     CONFIG_FILE,
     ROUTING_FILE,
     from_pretrained,

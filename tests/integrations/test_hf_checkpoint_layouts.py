@@ -16,7 +16,7 @@ import condcomp
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
 pytest.importorskip("safetensors", reason="checkpoints need safetensors (pip install condcomp[hf])")
 
-from condcomp.integrations import hf_checkpoint  # noqa: E402
+from condcomp.integrations.hf import checkpoint as hf_checkpoint  # noqa: E402
 
 IDS = torch.tensor([[3, 17, 5, 9, 41, 2, 8], [11, 4, 30, 6, 7, 22, 1]])
 # (layer, query heads kept): 4 heads in 2 KV groups; each layer keeps a different group

@@ -11,7 +11,7 @@ import condcomp
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
 
-from condcomp.integrations.hf_interface import (  # noqa: E402
+from condcomp.integrations.hf.interface import (  # noqa: E402
     apply_interface_,
     interface_aux_loss,
     interface_head_usage,

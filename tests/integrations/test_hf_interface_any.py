@@ -15,7 +15,7 @@ from torch import nn
 import condcomp
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
-from condcomp.integrations.hf_interface import apply_interface_, remove_interface_  # noqa: E402
+from condcomp.integrations.hf.interface import apply_interface_, remove_interface_  # noqa: E402
 
 SMALL = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
 

@@ -17,7 +17,7 @@ import condcomp
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
 
-from condcomp.integrations.hf_interface import apply_interface_  # noqa: E402
+from condcomp.integrations.hf.interface import apply_interface_  # noqa: E402
 
 CFG = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk")
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install condcomp[hf])")
 
 from condcomp.integrations.hf import CondCompCallback  # noqa: E402
-from condcomp.integrations.hf_checkpoint import from_pretrained  # noqa: E402
+from condcomp.integrations.hf.checkpoint import from_pretrained  # noqa: E402
 
 # The hinge pulls s (initialised at 0.6) into [0.1, 0.2]; a large weight makes 12 steps enough to see it.
 CFG = condcomp.CondCompConfig(policy=("budgetformer", {"s_min": 0.1, "s_max": 0.2, "budget_weight": 50.0}),

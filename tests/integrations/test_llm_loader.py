@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from condcomp.integrations import llm
+
+from condcomp.experiments.llm import smollm2 as llm
 
 
 def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

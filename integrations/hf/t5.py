@@ -1,0 +1,137 @@
+"""T5: ``T5Attention`` (``q``/``k``/``v``/``o`` without biases), encoder and decoder self-attention, cross-attention.
+
+T5 adds a per-head relative position bias ``(1, H, T, S)`` to the scores and does not scale them (``scaling = 1``).
+The first layer of each stack owns ``relative_attention_bias`` and computes the bias; the stack hands it to every
+later layer through ``position_bias``. The wrapped module returns what ``T5Attention`` returns,
+``(output, position_bias, attn_weights)`` with the bias unmasked, so wrapped and unwrapped layers can be mixed.
+The bias reaches the executors as ``attn_bias`` (per head), added to the padding/causal mask. KV cache: decoder
+self-attention appends every head's keys/values, cross-attention computes them once (``is_updated``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from condcomp.adapters import register_adapter
+from condcomp.projections import linear_parts
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+
+from .cache import open_step, request_plan
+from .common import (
+    _bind,
+    _import_classes,
+    _mask_parts,
+    _param_names,
+    _TransformersAdapter,
+    decoder_request_plan,
+    visible_keys,
+)
+
+if TYPE_CHECKING:
+    from condcomp.routed import RoutedAttention
+
+
+@register_adapter
+class T5AttentionAdapter(_TransformersAdapter):
+    """``T5Attention``: self- or cross-attention (decided per call by ``key_value_states``, as in T5)."""
+
+    module_types = _import_classes([("transformers.models.t5.modeling_t5", "T5Attention")])
+
+    @classmethod
+    def structure_problem(cls, module: nn.Module) -> str | None:
+        want = {"q", "k", "v", "o", *(("relative_attention_bias",) if module.has_relative_attention_bias else ())}
+        prefixes = {n.split(".")[0] for n in _param_names(module)}
+        if prefixes != want:
+            return f"parameters under {sorted(prefixes)}, expected only {'/'.join(sorted(want))}"
+        if float(getattr(module, "scaling", 1.0)) != 1.0:
+            return f"scaling={module.scaling} (T5 does not scale its scores)"
+        return None
+
+    def __init__(self, module: Any) -> None:
+        H, Dh = int(module.n_heads), int(module.key_value_proj_dim)
+        self.layout = HeadLayout(
+            d_model=int(module.d_model), num_heads=H, num_kv_heads=H, head_dim=Dh, scale=1.0,
+            causal=bool(module.is_causal), dropout_p=float(module.dropout),
+        )
+        self.layer_idx = module.layer_idx
+        self.module_cls = type(module)
+        self.decoder = bool(getattr(module, "is_decoder", False))
+
+    def held_record(self, cache: Any) -> Any:
+        return super().held_record(cache) if self.decoder else None  # an encoder's layers hold no request plan
+
+    def cross_attention(self) -> bool:
+        return not self.layout.causal  # a decoder's non-causal T5Attention is its cross-attention
+
+    def weights(self, owner: Any) -> AttentionWeights:
+        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_parts(getattr(owner, n), n) for n in "qkvo")
+        return AttentionWeights(self.layout, qw, kw, vw, ow, qb, kb, vb, ob)
+
+    def _kv(self, routed: Any, source: Tensor) -> tuple[Tensor, Tensor]:
+        shape = (*source.shape[:-1], -1, self.layout.head_dim)
+        return (routed.k(source).view(shape).transpose(1, 2),  # (B, H, S, Dh), the projections' own forward
+                routed.v(source).view(shape).transpose(1, 2))
+
+    def _position_bias(self, routed: Any, T: int, S: int, x: Tensor, past: Any) -> Tensor:
+        """What T5Attention computes when no layer before it did: ``(1, H, T, S)``."""
+        if not routed.has_relative_attention_bias:
+            return torch.zeros(1, self.layout.num_heads, T, S, device=x.device, dtype=x.dtype)
+        # T5's own method on the wrapper: it reads the relative_attention_bias child the wrapper holds
+        bias: Tensor = self.module_cls.compute_bias(routed, T, S, device=x.device, past_seen_tokens=past)
+        return bias
+
+    def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, None]:
+        a = _bind(self.module_cls, args, kwargs)
+        x: Tensor = a["hidden_states"]
+        enc: Tensor | None = a.get("key_value_states")
+        cache: Any = a.get("cache")
+        extra = a["kwargs"]
+        cross = enc is not None
+        source = x if enc is None else enc  # (B, S, D): what the keys and values are computed from
+        if cross and self.layout.causal:
+            raise ValueError(f"{self.module_cls.__name__} is causal self-attention (is_causal=True); condcomp cannot "
+                             "run it as cross-attention")
+        B, T = x.shape[:2]
+        past = cache.get_seq_length(self.layer_idx) if cache is not None else 0  # before this call's update
+        past = past.clone() if isinstance(past, Tensor) else past
+        is_updated = bool(cache.is_updated.get(self.layer_idx)) if hasattr(cache, "is_updated") else False
+        current: Any = cache
+        if cache is not None and hasattr(cache, "self_attention_cache"):
+            current = cache.cross_attention_cache if cross else cache.self_attention_cache
+        step = open_step(routed, cache, self.layer_idx, B, T, cross=cross) if cache is not None else None
+        q0 = step.query_start if step is not None and not cross else None
+        plan = None
+        if step is not None and not cross:  # decided (or read from the cache) before the cache grows
+            plan = decoder_request_plan(routed, step, x, a.get("mask"))
+        key_states = value_states = None
+        if cross and cache is not None and is_updated:
+            layer = current.layers[self.layer_idx]
+            key_states, value_states = layer.keys, layer.values
+        elif cache is not None:
+            # Every head's K/V is cached: a head this token skips may be chosen by a later one.
+            k, v = self._kv(routed, source)
+            key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
+            if cross and hasattr(cache, "is_updated"):
+                cache.is_updated[self.layer_idx] = True
+            if q0 is not None:
+                key_states, value_states = visible_keys(key_states, value_states, a.get("mask"), q0, T)
+        S = source.shape[1] if key_states is None else key_states.shape[2]
+        position_bias = a.get("position_bias")
+        if position_bias is None:
+            position_bias = self._position_bias(routed, T, S, x, past)
+        query_mask, key_mask, mask_bias = _mask_parts(a.get("mask"), B, T, S, not cross, q0)
+        bias = position_bias if mask_bias is None else position_bias + mask_bias  # (B|1, H, T, S)
+        inputs = AttentionInputs(
+            x=x, key=enc if cross and key_states is None else None, mask=query_mask, key_mask=key_mask,
+            attn_bias=bias, key_states=key_states, value_states=value_states,
+            dropout_p=self.layout.dropout_p if routed.training else 0.0,
+        )
+        if plan is None:
+            plan = request_plan(routed, step, x, query_mask, S, decoder=self.decoder)
+        y = routed.attend(inputs, plan)
+        if step is not None:
+            step.keep(routed, plan, None)
+        return y, position_bias, None
