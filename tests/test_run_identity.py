@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from condcomp.cli import main
-from condcomp.experiments import study as study_module
+from condcomp.experiments.classification import study as study_module
 from condcomp.experiments.classification.runconfig import RunConfig, identity_differences
 from condcomp.experiments.classification.study_stats import statistics
 
