@@ -38,8 +38,8 @@ class LastForward:
     mask: Tensor | None  # (B, T)
     T: int
     S: int
-    executor: str | None = None  # the executor (and gathered route) that ran, when an executor ran
-    route: str | None = None
+    executor: str | None = None  # the executor (and gathered strategy) that ran, when an executor ran
+    strategy: str | None = None
 
 
 PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (optional when loading older ones)
@@ -238,7 +238,7 @@ class RoutingHost(nn.Module):
         s_mean = float(s.mean()) if s.numel() else 0.0
         extra = routing_flops(self.condcomp_policy, last.T) + routing_flops(self.condcomp_router, last.T)
         return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra), last.executor,
-                         last.route)
+                         last.strategy)
 
 
 def detached(plan: HeadPlan) -> HeadPlan:

@@ -107,9 +107,9 @@ class RoutedAttention(RoutingHost):
         if plan is None:
             plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys, condition)
         executor = resolve_executor(self.executor, weights, inputs, plan)
-        if self.last is not None:  # which executor (and gathered route) ran: HeadUsage reports it
+        if self.last is not None:  # which executor (and gathered strategy) ran: HeadUsage reports it
             self.last = replace(self.last, executor=getattr(executor, "name", None),
-                                route=getattr(executor, "route", None))
+                                strategy=getattr(executor, "strategy", None))
         return executor(weights, inputs, plan)  # type: ignore[no-any-return]
 
     def _validate(self, inputs: AttentionInputs) -> None:

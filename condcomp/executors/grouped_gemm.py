@@ -10,7 +10,7 @@ its x86 wheels link MKL statically and export the CBLAS symbols; this module cal
 Used only where it is safe to: CPU tensors, float32 or float64, and a library that exports the symbol and passes
 a self-test against ``torch.mm`` (:func:`available`; the self-test runs at the first call that asks, never at
 ``import condcomp``, and not at all while ``ENABLED`` is False). Anywhere else the executor keeps its
-batched-matmul routes.
+batched-matmul strategies.
 
 Two differentiable ops are built on it (``torch.autograd.Function``; their backward passes are grouped GEMMs too):
 
@@ -34,8 +34,8 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values
 _SYMBOLS = {torch.float32: ("cblas_sgemm_batch", ctypes.c_float), torch.float64: ("cblas_dgemm_batch", ctypes.c_double)}
 _INT = ctypes.c_int  # MKL_INT of the LP64 interface PyTorch links (checked by the self-test)
 
-# Set to False to keep the gathered executor on its batched-matmul routes everywhere (and skip the self-test).
-# Tests do not flip it: they choose a route by name or pass a GatheredTuning(grouped_gemm=False).
+# Set to False to keep the gathered executor on its batched-matmul strategies everywhere (and skip the self-test).
+# Tests do not flip it: they choose a strategy by name or pass a GatheredTuning(grouped_gemm=False).
 ENABLED = True
 
 

@@ -1,9 +1,9 @@
-"""Sequence-plan routes (one head set per example, variable ``k``), tried in this order (routes.py):
+"""Sequence-plan strategies (one head set per example, variable ``k``), tried in this order (strategies.py):
 
 1. ``sequence.shared_set``: every example chose the same heads: one plain k-head block on those heads' weights.
 2. ``sequence.grouped``: CPU, float32/float64, MKL: grouped GEMMs over the selected (example, head) pairs read
    input rows and weight blocks in place (no copies, no padding; sequence_grouped.py). A plan whose examples all
-   use the same ``k`` keeps route 3 while its weight copy is below ``tuning.min_grouped_copy``.
+   use the same ``k`` keeps strategy 3 while its weight copy is below ``tuning.min_grouped_copy``.
 3. ``sequence.one_bucket``: every example uses the same ``(k, k_kv)``: one batched block over the whole batch.
 4. ``sequence.buckets``: examples are bucketed by ``(k, k_kv)`` (active query heads, key/value heads they use);
    each bucket gathers its examples' input rows and heads' weight slices and runs as batched matmuls and one SDPA
@@ -20,7 +20,7 @@ from typing_extensions import override
 from condcomp.executors import grouped_gemm
 from condcomp.executors.base import keep_gates_in_graph, per_head, qkv_head_rows, zero_dead_rows
 from condcomp.executors.gathered.blocks import batched_project, heads_block, project_heads, take
-from condcomp.executors.gathered.call import GatheredCall, Route
+from condcomp.executors.gathered.call import GatheredCall, Strategy
 from condcomp.executors.gathered.sequence_grouped import sequence_pairs_grouped
 from condcomp.executors.gathered.sizing import kv_active
 from condcomp.masks import AttentionMask, dead_rows
@@ -122,7 +122,7 @@ def _finish(call: GatheredCall, y: Tensor) -> Tensor:
     return zero_dead_rows(y, dead_rows(call.mask, B, T))
 
 
-class SharedSet(Route):
+class SharedSet(Strategy):
     name, granularity = "sequence.shared_set", "sequence"
 
     @override
@@ -164,7 +164,7 @@ def grouped_gemm_reasons(call: GatheredCall) -> list[str]:
     return reasons
 
 
-class Grouped(Route):
+class Grouped(Strategy):
     name, granularity = "sequence.grouped", "sequence"
 
     @override
@@ -185,7 +185,7 @@ class Grouped(Route):
         return sequence_pairs_grouped(call.weights, call.inputs, call.plan, call.mask, call.pairs)
 
 
-class OneBucket(Route):
+class OneBucket(Strategy):
     name, granularity = "sequence.one_bucket", "sequence"
 
     @override
@@ -202,7 +202,7 @@ class OneBucket(Route):
         return _finish(call, _bucket(call.weights, call.inputs, call.plan, call.mask, None, k, kkv, fused_w))
 
 
-class Buckets(Route):
+class Buckets(Strategy):
     name, granularity = "sequence.buckets", "sequence"
 
     @override

@@ -1,6 +1,6 @@
-"""Sizing a call: the one device -> host read of the gathered executor, and the call object routes receive.
+"""Sizing a call: the one device -> host read of the gathered executor, and the call object strategies receive.
 
-Everything a route needs to decide whether it can run, and how large its packed tensors are, comes from one
+Everything a strategy needs to decide whether it can run, and how large its packed tensors are, comes from one
 ``tolist()`` of a few small tensors (:func:`gather_sizes`); nothing else in the executor synchronises.
 """
 
@@ -24,7 +24,7 @@ class GatherSizes:
     ``shared_heads``: sequence plans in which every example chose the same heads, those heads (else None).
     ``work_fraction``: share of the dense block's (query row, head) work the gathered path will compute.
     ``every_row_active``: token plans in which every (example, token) row chose at least one head.
-    ``head_sets``: token plans with at most ``tuning.max_set_heads`` heads and large enough for the per-set route,
+    ``head_sets``: token plans with at most ``tuning.max_set_heads`` heads and large enough for the per-set strategy,
     ``(heads as a bit mask, rows)`` of every distinct head set the (example, token) rows chose, ascending by mask
     (empty otherwise).
     """
@@ -77,7 +77,7 @@ def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadP
     every = (plan.counts > 0).all().view(1).long()
     parts = [plan.active.sum(1).amax(0), every]  # (H,) + 1
     # + (2**H,): how many rows chose each head set; skipped where even one set of every row would be too small
-    # for the per-set route (B*T*D bounds rows per set x D)
+    # for the per-set strategy (B*T*D bounds rows per set x D)
     if H <= tuning.max_set_heads and inputs.x.numel() >= tuning.min_set_work:
         parts.append(torch.bincount(head_set_keys(plan.active).reshape(-1), minlength=2 ** H))
     read = torch.cat(parts).tolist()  # the one device -> host read

@@ -1,4 +1,4 @@
-"""Token-plan routes (MoH: each (token, head) pair chooses), tried in this order (routes.py):
+"""Token-plan strategies (MoH: each (token, head) pair chooses), tried in this order (strategies.py):
 
 Keys and values are computed for every key/value head that some token of the batch chose (a later token may pick
 any head, so the whole sequence's keys are needed). Heads that at least ``tuning.dense_head_rows`` of the rows
@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from condcomp.executors.base import add_output_bias, keep_gates_in_graph, per_head, zero_dead_rows
 from condcomp.executors.gathered.blocks import heads_block, heads_of, index, project_heads, take
-from condcomp.executors.gathered.call import GatheredCall, Route
+from condcomp.executors.gathered.call import GatheredCall, Strategy
 from condcomp.executors.gathered.sizing import head_set_keys
 from condcomp.masks import causal_allowed, dead_rows
 from condcomp.rotary import rotate_half
@@ -191,7 +191,7 @@ def _token(call: GatheredCall, routed_part: RoutedPart | None) -> Tensor:
     return zero_dead_rows(y, dead_rows(mask, B, T))
 
 
-class Dense(Route):
+class Dense(Strategy):
     name, granularity = "token.dense", "token"
 
     @override
@@ -204,7 +204,7 @@ class Dense(Route):
         return _token(call, None)
 
 
-class BySet(Route):
+class BySet(Strategy):
     name, granularity = "token.by_set", "token"
 
     @override
@@ -229,7 +229,7 @@ class BySet(Route):
         return _token(call, _routed_by_set)
 
 
-class PerHead(Route):
+class PerHead(Strategy):
     name, granularity = "token.per_head", "token"
 
     @override
