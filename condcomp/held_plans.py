@@ -81,7 +81,7 @@ def select_kv(plan: HeadPlan, layout: HeadLayout) -> KVSelection:
                        bool((slot_gates == 1).all()))
 
 
-def routing_mask(mask: Tensor | None, prompt_len: int | None, B: int, T: int, device: torch.device) -> Tensor | None:
+def decision_mask(mask: Tensor | None, prompt_len: int | None, B: int, T: int, device: torch.device) -> Tensor | None:
     """The positions a sequence plan is decided from: real tokens among the first ``prompt_len`` (all if None)."""
     if prompt_len is None or prompt_len >= T:
         return mask

@@ -1,9 +1,9 @@
-"""RoutingHost: what every route that attaches routing to a model shares.
+"""RoutingHost: what both ways of attaching routing to a model share.
 
-Two routes attach a budget policy and a router to a model: the module swap (:class:`~condcomp.RoutedAttention`)
-and transformers' AttentionInterface (``condcomp.integrations.hf_interface``). Both are ``RoutingHost``s, so the
-model-level functions (``aux_loss``, ``set_progress``, ``head_usage``) have one code path for both, and both follow
-the same rules:
+Two modules attach a budget policy and a router to a model: the module swap (:class:`~condcomp.RoutedAttention`)
+and transformers' AttentionInterface path (``condcomp.integrations.hf_interface``). Both are ``RoutingHost``s, so
+the model-level functions (``aux_loss``, ``set_progress``, ``head_usage``) have one code path for both, and both
+follow the same rules:
 
 - **Routing stays float32.** Casting a wrapped model (``.to(torch.bfloat16)``, ``.half()``, ``.double()``, FSDP
   mixed precision) casts the attention weights and leaves the policy's and router's parameters in float32:
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.flops import flop_fraction, routing_flops
-from condcomp.held_plans import KVSelection, routing_mask
+from condcomp.held_plans import decision_mask
 from condcomp.plans import budget_k
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version
@@ -180,7 +180,7 @@ class RoutingHost(nn.Module):
         # router, or a per-token budget) see no future anyway and keep every real token.
         decide = mask
         if getattr(self.condcomp_router, "granularity", "sequence") == "sequence":
-            decide = routing_mask(mask, self.prompt_len, B, T, x.device)
+            decide = decision_mask(mask, self.prompt_len, B, T, x.device)
         with torch.autocast(x.device.type, enabled=False):
             budget: Budget = self._budget(x, decide, condition)
             if decide is not mask and budget.k.dim() == 2:
@@ -210,13 +210,6 @@ class RoutingHost(nn.Module):
         s = torch.full_like(budget.s, fraction)
         k = budget_k(s, self.layout.num_heads, int(getattr(policy, "k_min", 1)), getattr(policy, "rounding", "floor"))
         return Budget(s=s, k=k)
-
-    def held_plan(self, cache: Any) -> tuple[HeadPlan, KVSelection | None] | None:
-        """The plan of the request whose KV cache is ``cache``, as stored in it by this layer (decided at the
-        request's first call), and its KV selection (None where the cache keeps every key/value head); None when
-        the cache holds no plan for this layer. :func:`condcomp.request_plans` reads every layer's."""
-        held = self.adapter.held_record(cache) if cache is not None and hasattr(self.adapter, "held_record") else None
-        return None if held is None else (held.plan, held.selection)
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The last forward's (weighted) auxiliary losses, with their autograd graph."""
