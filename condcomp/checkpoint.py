@@ -307,7 +307,7 @@ def _read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[
 
 def _check_model(path: Path, state: dict[str, Tensor], model: nn.Module) -> None:
     expected = model.state_dict()
-    # condcomp 0.1 checkpoints predate the progress buffer: loading one keeps the model's current progress.
+    # A checkpoint without progress buffers loads and keeps the model's current progress.
     missing = [k for k in expected if k not in state and not k.endswith(PROGRESS_BUFFER)]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:

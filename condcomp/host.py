@@ -91,9 +91,11 @@ class RoutingHost(nn.Module):
         self._keep_routing_float32()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.pop("_held", None)  # pickled by an older condcomp (plans now live in the KV cache)
+        # A module pickled with a per-module plan store loads without it (a request's plan lives in its KV cache);
+        # one pickled without the scoped settings gets their defaults.
+        state.pop("_held", None)
         super().__setstate__(state)
-        self.__dict__.setdefault("prompt_len", None)  # pickled by condcomp 0.1
+        self.__dict__.setdefault("prompt_len", None)
         self.__dict__.setdefault("budget_fraction", None)
 
     # --------------------------------------------------------------------------------------------- progress
@@ -139,7 +141,7 @@ class RoutingHost(nn.Module):
                               error_msgs: list[str]) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        # A state_dict of the unwrapped model (or of condcomp 0.1) has no progress: loading it keeps the current one.
+        # A state_dict without progress buffers (the unwrapped model's, for one) keeps the current progress.
         if prefix + PROGRESS_BUFFER in missing_keys:
             missing_keys.remove(prefix + PROGRESS_BUFFER)
 
