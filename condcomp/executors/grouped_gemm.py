@@ -2,8 +2,8 @@
 
 Each GEMM of a batch reads its operands in place, at its own offset in a tensor (an example's input rows, a head's
 weight block, one (example, head) pair's output), so the gathered executor multiplies the selected (example, head)
-pairs without copying input rows or weight slices first: the copies were the whole gap between the bucketed
-batched matmuls and a k-head block (measured in the fifth round of docs/performance.md, in its git history).
+pairs without copying input rows or weight slices first: those copies are what separates the bucketed batched
+matmuls from a k-head block of the same heads (timed per step with ``condcomp bench attention``).
 PyTorch exposes no CPU grouped GEMM that takes pointers (``torch._grouped_mm`` has no CPU backward in 2.13), but
 its x86 wheels link MKL statically and export the CBLAS symbols; this module calls them with ``ctypes``.
 
@@ -184,8 +184,8 @@ class _PairProjection(torch.autograd.Function):
                        dx, b_idx.index_select(0, order) * (T * D), D, T, D, N, beta=1.0, chunks=sizes)
         if ctx.needs_input_grad[1]:  # dw[h] = sum over the pairs p of head h of d_out[p]^T @ x[b_p]
             # Each pair's product into its own block, then a sum per head. Adding into dw in place needs one call
-            # per rank of a pair within its head (GEMMs of one call must not write the same block): measured
-            # slower at every shape tried (fifth round; docs/performance.md in git history).
+            # per rank of a pair within its head (GEMMs of one call must not write the same block), which was
+            # slower at every shape of the attention benchmark.
             per_pair = x.new_empty(P, N, D)
             gemm_batch(d_out, pair * (T * N), N, True, x, b_idx * (T * D), D, False, per_pair, pair * (N * D), D,
                        N, D, T)

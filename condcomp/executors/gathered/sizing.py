@@ -1,4 +1,4 @@
-"""Sizing a call: the one device -> host read of the gathered executor, and the call object strategies receive.
+"""Sizing a call: the one device -> host read of the gathered executor (call.py wraps its result in the call object).
 
 Everything a strategy needs to decide whether it can run, and how large its packed tensors are, comes from one
 ``tolist()`` of a few small tensors (:func:`gather_sizes`); nothing else in the executor synchronises.
