@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from condcomp.executors.gathered.call import GatheredCall, Strategy
-from condcomp.executors.gathered.sizing import GatherSizes, gather_sizes, head_set_keys, kv_active
+from condcomp.executors.gathered.sizing import GatherSizes, gather_sizes, head_set_keys
 from condcomp.executors.gathered.strategies import STRATEGIES, Table, choose, get_strategy, rejections, strategy_names
 from condcomp.executors.gathered.tuning import CPU, CUDA, GatheredTuning, tuning_for
 from condcomp.protocols import Capabilities, Estimate
@@ -21,7 +21,7 @@ from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 __all__ = ["CPU", "CUDA", "STRATEGIES", "GatherSizes", "GatheredCall", "GatheredExecutor", "GatheredTuning",
-           "Prepared", "Strategy", "gather_sizes", "get_strategy", "head_set_keys", "kv_active", "strategy_names",
+           "Prepared", "Strategy", "gather_sizes", "get_strategy", "head_set_keys", "strategy_names",
            "tuning_for"]
 
 logger = logging.getLogger("condcomp")

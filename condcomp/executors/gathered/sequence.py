@@ -22,8 +22,8 @@ from condcomp.executors.base import keep_gates_in_graph, per_head, qkv_head_rows
 from condcomp.executors.gathered.blocks import batched_project, heads_block, project_heads, take
 from condcomp.executors.gathered.call import GatheredCall, Strategy
 from condcomp.executors.gathered.sequence_grouped import sequence_pairs_grouped
-from condcomp.executors.gathered.sizing import kv_active
 from condcomp.masks import AttentionMask, dead_rows
+from condcomp.plans import kv_groups_used
 from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
@@ -75,7 +75,9 @@ def _bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
         q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, flat_heads).view(n, k * Dh)
         q = batched_project(x, per_head(w.q_weight, H, Dh).index_select(0, flat_heads).view(n, k * Dh, -1), q_bias)
         q = q.view(n, T, k, Dh).transpose(1, 2)  # (n, k, T, Dh)
-        kv_heads = heads if G == 1 else pick(torch.argsort((~kv_active(plan.active, Hkv)).byte(), dim=1, stable=True))
+        kv_heads = heads
+        if G > 1:  # the key/value heads some selected query head reads, first, ascending
+            kv_heads = pick(torch.argsort((~kv_groups_used(plan.active, Hkv)).byte(), dim=1, stable=True))
         kv_heads = kv_heads[:, :kkv]  # (n, kkv) the key/value heads this bucket needs, ascending
         if inputs.key_states is not None and inputs.value_states is not None:
             b = torch.arange(n, device=x.device).unsqueeze(1)
@@ -98,7 +100,7 @@ def _bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
         if inputs.key_states is None:
             kk = apply_rotary(kk, cos, sin)
     if fused_w is None and G > 1:  # each query head reads its key/value head's slot among the kkv computed ones
-        slot = (torch.cumsum(kv_active(plan.active, Hkv).long(), 1) - 1)  # (B, Hkv)
+        slot = (torch.cumsum(kv_groups_used(plan.active, Hkv).long(), 1) - 1)  # (B, Hkv)
         slot = pick(slot).gather(1, torch.div(heads, G, rounding_mode="floor"))  # (n, k)
         ix = slot[:, :, None, None].expand(n, k, kk.shape[2], Dh)
         kk, v = kk.gather(1, ix), v.gather(1, ix)  # (n, k, S, Dh)
@@ -213,7 +215,7 @@ class Buckets(Strategy):
         D, Hkv = w.o_weight.shape[0], w.layout.num_kv_heads
         fused_w = qkv_head_rows(w) if _fused_layout(call) else None
         key = plan.counts.long() * (Hkv + 1)
-        key = key + (kv_active(plan.active, Hkv).sum(-1) if w.layout.group_size > 1 else plan.counts.long())
+        key = key + (kv_groups_used(plan.active, Hkv).sum(-1) if w.layout.group_size > 1 else plan.counts.long())
         perm = torch.argsort(key, stable=True)  # (B,) examples sorted by bucket
         buckets = call.sizes.buckets
         y = x.new_zeros(B, T, D) if buckets and buckets[0][0] == 0 else x.new_empty(B, T, D)

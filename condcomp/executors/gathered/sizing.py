@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from condcomp.executors.gathered.tuning import CPU, GatheredTuning
+from condcomp.plans import kv_groups_used
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 
@@ -38,12 +39,6 @@ class GatherSizes:
     head_sets: tuple[tuple[int, int], ...] = ()
 
 
-def kv_active(plan_active: Tensor, num_kv_heads: int) -> Tensor:
-    """``(..., Hkv)`` bool: key/value heads that some active query head uses."""
-    H = plan_active.shape[-1]
-    return plan_active.unflatten(-1, (num_kv_heads, H // num_kv_heads)).any(-1)
-
-
 def head_set_keys(active: Tensor) -> Tensor:
     """``(..., H)`` bool -> ``(...)`` int64: the chosen heads as a bit mask (bit h = head h)."""
     bits = torch.ones((), dtype=torch.long, device=active.device) << torch.arange(
@@ -60,7 +55,7 @@ def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadP
     H, Hkv = L.num_heads, L.num_kv_heads
     if plan.granularity == "sequence":
         counts = plan.counts.long()  # (B,)
-        kvc = kv_active(plan.active, Hkv).sum(-1) if L.group_size > 1 else counts  # (B,)
+        kvc = kv_groups_used(plan.active, Hkv).sum(-1) if L.group_size > 1 else counts  # (B,)
         B = plan.gates.shape[0]
         hist = torch.bincount(counts * (Hkv + 1) + kvc, minlength=(H + 1) * (Hkv + 1))
         same = (plan.active == plan.active[:1]).all().view(1) if B else hist.new_zeros(1)
