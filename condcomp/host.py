@@ -42,7 +42,7 @@ class LastForward:
     strategy: str | None = None
 
 
-PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (a state_dict may lack it: see loading)
+PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (one without it loads: _load_from_state_dict)
 
 
 def _progress_bits(progress: float) -> Tensor:
