@@ -59,15 +59,15 @@ def case(name: str, dtype: torch.dtype, dev: torch.device) -> tuple[AttentionWei
 def checks(dev: torch.device) -> list[dict]:
     results = []
     ref = get_executor("reference")
-    # token plans: the per-set route at these sizes (its size rule lifted), and forced per head
+    # token plans: the per-set strategy at these sizes (its size rule lifted), and forced per head
     by_set = GatheredExecutor(tuning=replace(tuning_for(dev), min_set_work=0))
-    routes = {"token_per_head": GatheredExecutor(route="token.per_head")}
+    strategies = {"token_per_head": GatheredExecutor(strategy="token.per_head")}
     for dtype in (torch.float32, torch.bfloat16):
         for name in CASES:
             torch.manual_seed(0)
             w, inputs, plan, leaves = case(name, dtype, dev)
             outs = []
-            for ex in (ref, routes.get(name, by_set)):
+            for ex in (ref, strategies.get(name, by_set)):
                 y = ex(w, inputs, plan)
                 # the plan's gates are one graph shared by both executors: keep it for the second backward
                 grads = torch.autograd.grad(y.float().square().sum(), leaves, retain_graph=True)

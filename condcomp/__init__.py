@@ -37,7 +37,7 @@ from condcomp.routed import RoutedAttention
 from condcomp.schedules import make_schedule
 from condcomp.types import AttentionInputs, AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "Capabilities",

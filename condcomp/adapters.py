@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from condcomp.types import AttentionWeights, HeadLayout
-
-if TYPE_CHECKING:
-    from condcomp.routed import RoutedAttention
 
 
 class AttentionAdapter:
@@ -26,6 +23,8 @@ class AttentionAdapter:
       original parameters under their original names) so that parameters swapped later (FSDP, ``to()``) are seen.
     - ``forward(routed, *args, **kwargs)``: the original module's signature and return type; turns the call into
       :class:`~condcomp.AttentionInputs` and returns ``routed.attend(inputs)`` in the original output format.
+      ``routed`` is the :class:`~condcomp.RoutedAttention` being called (subclasses annotate it so; this module
+      does not import it, since ``condcomp.routed`` builds on this one).
     """
 
     module_types: tuple[type, ...] = ()
@@ -59,7 +58,7 @@ class AttentionAdapter:
     def weights(self, owner: Any) -> AttentionWeights:
         raise NotImplementedError
 
-    def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, routed: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.host import PROGRESS_BUFFER
+from condcomp.staged_files import StagedDirectory
 
 FORMAT = "condcomp-checkpoint"
 VERSION = 1
@@ -146,11 +145,6 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 # ----------------------------------------------------------------------------------------------- saving
 
 
@@ -172,59 +166,48 @@ def save_checkpoint(directory: str | os.PathLike[str], model: nn.Module, config:
     directory = Path(directory)
     if config is not None and hasattr(config, "to_dict"):
         config = config.to_dict()
+    files, manifest = _contents(model, config, optimizer, train_state)
+    # an existing checkpoint loses the optional files this save does not write
+    with StagedDirectory(directory, remove=[f for f in (OPTIMIZER_FILE, STATE_FILE) if f not in files]) as stage:
+        for name, tensors in files.items():
+            tmp = stage.path(name)
+            st.save_file(tensors, str(tmp), metadata={"format": FORMAT})
+            manifest["files"][name] = file_digest(tmp)
+        # staged last, so renamed last: the manifest commits the files listed in it
+        stage.path(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return directory
+
+
+def _contents(model: nn.Module, config: dict[str, Any] | None, optimizer: torch.optim.Optimizer | None,
+              train_state: dict[str, Any] | None) -> tuple[dict[str, dict[str, Tensor]], dict[str, Any]]:
+    """The tensors of each file to write, and the manifest (its ``files`` digests filled in as they are written);
+    a config that is not JSON fails here, before anything is written."""
     files: dict[str, dict[str, Tensor]] = {}
-    model_tensors, aliases = _dedupe(model.state_dict())
-    files[MODEL_FILE] = model_tensors
-    optim_skeleton = None
+    files[MODEL_FILE], aliases = _dedupe(model.state_dict())
+    optim_skeleton = state_skeleton = None
     if optimizer is not None:
-        optim_tensors: dict[str, Tensor] = {}
-        optim_skeleton = _encode(optimizer.state_dict(), "optimizer", optim_tensors)
-        files[OPTIMIZER_FILE] = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in optim_tensors.items()}
-    state_tensors: dict[str, Tensor] = {}
-    state_skeleton = _encode(train_state, "train_state", state_tensors) if train_state is not None else None
-    if state_tensors:
-        files[STATE_FILE] = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_tensors.items()}
+        optim_skeleton, files[OPTIMIZER_FILE] = _split_tensors(optimizer.state_dict(), "optimizer")
+    if train_state is not None:
+        state_skeleton, state_tensors = _split_tensors(train_state, "train_state")
+        if state_tensors:
+            files[STATE_FILE] = state_tensors
     manifest: dict[str, Any] = {
         "format": FORMAT, "version": VERSION, "torch_version": torch.__version__,
         "config": config, "train_state": state_skeleton, "optimizer": optim_skeleton, "aliases": aliases,
         "tensors": {f: _index(t) for f, t in files.items()}, "files": {},
     }
-    try:  # fail on a non-JSON config before anything is written
+    try:
         json.dumps(manifest["config"], allow_nan=True)
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_checkpoint: config must hold JSON values only: {e}") from e
+    return files, manifest
 
-    fresh = not directory.exists()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    # A new checkpoint is built in a sibling temporary directory and renamed into place in one step.
-    work = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent)) if fresh else directory
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for name, tensors in files.items():
-            tmp = work / f".{name}.tmp-{os.getpid()}"
-            st.save_file(tensors, str(tmp), metadata={"format": FORMAT})
-            _fsync(tmp)
-            manifest["files"][name] = file_digest(tmp)
-            staged.append((tmp, work / name))
-        tmp = work / f".{MANIFEST}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _fsync(tmp)
-        staged.append((tmp, work / MANIFEST))  # last: the manifest commits the files listed in it
-        for src, dst in staged:
-            os.replace(src, dst)
-        for stale in (OPTIMIZER_FILE, STATE_FILE):
-            if stale not in files and (work / stale).exists():
-                (work / stale).unlink()
-        if fresh:
-            os.replace(work, directory)
-    except BaseException:
-        if fresh:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            for src, _ in staged:
-                src.unlink(missing_ok=True)
-        raise
-    return directory
+
+def _split_tensors(obj: Any, prefix: str) -> tuple[Any, dict[str, Tensor]]:
+    """``obj``'s JSON skeleton and its tensors, copied to contiguous CPU memory (what safetensors writes)."""
+    tensors: dict[str, Tensor] = {}
+    skeleton = _encode(obj, prefix, tensors)
+    return skeleton, {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -307,7 +290,7 @@ def _read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[
 
 def _check_model(path: Path, state: dict[str, Tensor], model: nn.Module) -> None:
     expected = model.state_dict()
-    # condcomp 0.1 checkpoints predate the progress buffer: loading one keeps the model's current progress.
+    # A checkpoint without progress buffers loads and keeps the model's current progress.
     missing = [k for k in expected if k not in state and not k.endswith(PROGRESS_BUFFER)]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:

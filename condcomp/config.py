@@ -88,7 +88,7 @@ class CondCompConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CondCompConfig:
-        if d.get("extra") == {}:  # configs written by 0.1 carry an always-empty ``extra`` that nothing read
+        if d.get("extra") == {}:  # a config with an always-empty ``extra`` (a field nothing reads) loads without it
             d = {k: v for k, v in d.items() if k != "extra"}
         return dataclass_from_dict(cls, d, "CondCompConfig")
 

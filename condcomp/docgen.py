@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import condcomp
-from condcomp.executors.gathered import CPU, ROUTES
+from condcomp.executors.gathered import CPU, STRATEGIES
 from condcomp.registry import EXECUTORS, LAYER_FACTS, POLICIES, ROUTERS, Registry
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
@@ -124,11 +124,11 @@ def _registry(registry: Registry[Any], title: str, label: str = "Options") -> li
 
 
 def _gathered() -> list[str]:
-    lines = ["## The gathered executor's routes and tuning", "",
-             "Routes are tried in this order; the first that can run a call runs it (`condcomp.explain` says why "
-             "the others did not).", "", "| granularity | route | implemented by |", "|---|---|---|"]
-    for granularity, routes in ROUTES.items():
-        lines += [f"| {granularity} | `{r.name}` | `{type(r).__module__}.{type(r).__qualname__}` |" for r in routes]
+    lines = ["## The gathered executor's strategies and tuning", "",
+             "Strategies are tried in this order; the first that can run a call runs it (`condcomp.explain` says why "
+             "the others did not).", "", "| granularity | strategy | implemented by |", "|---|---|---|"]
+    for granularity, strategies in STRATEGIES.items():
+        lines += [f"| {granularity} | `{r.name}` | `{type(r).__module__}.{type(r).__qualname__}` |" for r in strategies]
     lines += ["", "`GatheredTuning` fields and their CPU values (measured; the CUDA values are the same, unmeasured):",
               "", "| field | CPU |", "|---|---|"]
     assert is_dataclass(CPU)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from condcomp.plans import kv_groups_used
 from condcomp.types import HeadLayout, HeadPlan
 
 
@@ -23,7 +24,7 @@ def plan_flops(layout: HeadLayout, plan: HeadPlan, T: int, S: int) -> Tensor:
     head is computed if any of its query heads is active). Token plans compute queries, attention rows and
     output per selected (token, head) pair, and keys/values for every head some token of the sequence chose.
     """
-    D, H, Hkv, Dh = layout.d_model, layout.num_heads, layout.num_kv_heads, layout.head_dim
+    D, Hkv, Dh = layout.d_model, layout.num_kv_heads, layout.head_dim
     Dk, Dv = layout.kdim or D, layout.vdim or layout.kdim or D
     active = plan.active
     if plan.granularity == "sequence":
@@ -32,7 +33,7 @@ def plan_flops(layout: HeadLayout, plan: HeadPlan, T: int, S: int) -> Tensor:
     else:
         pairs = plan.counts.double().sum(-1)  # (B,)
         heads_any = active.any(1)  # (B, H)
-    kv_used = heads_any.view(-1, Hkv, H // Hkv).any(-1).sum(-1).double()  # (B,)
+    kv_used = kv_groups_used(heads_any, Hkv).sum(-1).double()  # (B,)
     per_pair = 2 * D * Dh + 4 * S * Dh + 2 * Dh * D
     return pairs * per_pair + kv_used * 2 * S * (Dk + Dv) * Dh
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from condcomp.plans import kv_groups_used
 from condcomp.types import HeadLayout, HeadPlan
 
 
@@ -62,7 +63,7 @@ def select_kv(plan: HeadPlan, layout: HeadLayout) -> KVSelection:
                          "pick any head at a later token, so every key/value head must stay cached")
     B, Hkv, r = plan.gates.shape[0], layout.num_kv_heads, layout.group_size
     gates = plan.gates.detach().masked_fill(~plan.active, 0.0)  # (B, H)
-    kept = plan.active.view(B, Hkv, r).any(-1)  # (B, Hkv): groups some active head reads
+    kept = kv_groups_used(plan.active, Hkv)  # (B, Hkv)
     counts = kept.sum(-1)  # (B,)
     # At least one slot, even when no row keeps a group (k = 0): a cache layer of zero heads holds no elements,
     # and transformers' layers then count no tokens (the request's plan would be dropped and the model's
@@ -81,7 +82,7 @@ def select_kv(plan: HeadPlan, layout: HeadLayout) -> KVSelection:
                        bool((slot_gates == 1).all()))
 
 
-def routing_mask(mask: Tensor | None, prompt_len: int | None, B: int, T: int, device: torch.device) -> Tensor | None:
+def decision_mask(mask: Tensor | None, prompt_len: int | None, B: int, T: int, device: torch.device) -> Tensor | None:
     """The positions a sequence plan is decided from: real tokens among the first ``prompt_len`` (all if None)."""
     if prompt_len is None or prompt_len >= T:
         return mask
@@ -181,9 +182,8 @@ class RequestPlan:
         """The public view of a plan held with a cache layer."""
         p = held.plan
         B, H = p.active.shape
-        r = H // held.num_kv_heads
         if held.selection is None:
             groups = torch.ones(B, held.num_kv_heads, dtype=torch.bool, device=p.active.device)
         else:
-            groups = p.active.view(B, held.num_kv_heads, r).any(-1)  # (B, Hkv)
+            groups = kv_groups_used(p.active, held.num_kv_heads)  # (B, Hkv)
         return cls(p.active.clone(), groups, p.gates.masked_fill(~p.active, 0.0), held.selection is not None)

@@ -1,9 +1,9 @@
-"""RoutingHost: what every route that attaches routing to a model shares.
+"""RoutingHost: what both ways of attaching routing to a model share.
 
-Two routes attach a budget policy and a router to a model: the module swap (:class:`~condcomp.RoutedAttention`)
-and transformers' AttentionInterface (``condcomp.integrations.hf.interface``). Both are ``RoutingHost``s, so the
-model-level functions (``aux_loss``, ``set_progress``, ``head_usage``) have one code path for both, and both follow
-the same rules:
+Two modules attach a budget policy and a router to a model: the module swap (:class:`~condcomp.RoutedAttention`)
+and transformers' AttentionInterface path (``condcomp.integrations.hf.interface``). Both are ``RoutingHost``s, so
+the model-level functions (``aux_loss``, ``set_progress``, ``head_usage``) have one code path for both, and both
+follow the same rules:
 
 - **Routing stays float32.** Casting a wrapped model (``.to(torch.bfloat16)``, ``.half()``, ``.double()``, FSDP
   mixed precision) casts the attention weights and leaves the policy's and router's parameters in float32:
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.flops import flop_fraction, routing_flops
-from condcomp.held_plans import KVSelection, routing_mask
+from condcomp.held_plans import decision_mask
 from condcomp.plans import budget_k
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version
@@ -38,11 +38,11 @@ class LastForward:
     mask: Tensor | None  # (B, T)
     T: int
     S: int
-    executor: str | None = None  # the executor (and gathered route) that ran, when an executor ran
-    route: str | None = None
+    executor: str | None = None  # the executor (and gathered strategy) that ran, when an executor ran
+    strategy: str | None = None
 
 
-PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (optional when loading older ones)
+PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (one without it loads: _load_from_state_dict)
 
 
 def _progress_bits(progress: float) -> Tensor:
@@ -91,9 +91,11 @@ class RoutingHost(nn.Module):
         self._keep_routing_float32()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.pop("_held", None)  # pickled by an older condcomp (plans now live in the KV cache)
+        # A module pickled with a per-module plan store loads without it (a request's plan lives in its KV cache);
+        # one pickled without the scoped settings gets their defaults.
+        state.pop("_held", None)
         super().__setstate__(state)
-        self.__dict__.setdefault("prompt_len", None)  # pickled by condcomp 0.1
+        self.__dict__.setdefault("prompt_len", None)
         self.__dict__.setdefault("budget_fraction", None)
 
     # --------------------------------------------------------------------------------------------- progress
@@ -139,7 +141,7 @@ class RoutingHost(nn.Module):
                               error_msgs: list[str]) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        # A state_dict of the unwrapped model (or of condcomp 0.1) has no progress: loading it keeps the current one.
+        # A state_dict without progress buffers (the unwrapped model's, for one) keeps the current progress.
         if prefix + PROGRESS_BUFFER in missing_keys:
             missing_keys.remove(prefix + PROGRESS_BUFFER)
 
@@ -180,7 +182,7 @@ class RoutingHost(nn.Module):
         # router, or a per-token budget) see no future anyway and keep every real token.
         decide = mask
         if getattr(self.condcomp_router, "granularity", "sequence") == "sequence":
-            decide = routing_mask(mask, self.prompt_len, B, T, x.device)
+            decide = decision_mask(mask, self.prompt_len, B, T, x.device)
         with torch.autocast(x.device.type, enabled=False):
             budget: Budget = self._budget(x, decide, condition)
             if decide is not mask and budget.k.dim() == 2:
@@ -211,13 +213,6 @@ class RoutingHost(nn.Module):
         k = budget_k(s, self.layout.num_heads, int(getattr(policy, "k_min", 1)), getattr(policy, "rounding", "floor"))
         return Budget(s=s, k=k)
 
-    def held_plan(self, cache: Any) -> tuple[HeadPlan, KVSelection | None] | None:
-        """The plan of the request whose KV cache is ``cache``, as stored in it by this layer (decided at the
-        request's first call), and its KV selection (None where the cache keeps every key/value head); None when
-        the cache holds no plan for this layer. :func:`condcomp.request_plans` reads every layer's."""
-        held = self.adapter.held_record(cache) if cache is not None and hasattr(self.adapter, "held_record") else None
-        return None if held is None else (held.plan, held.selection)
-
     def aux_losses(self) -> dict[str, Tensor]:
         """The last forward's (weighted) auxiliary losses, with their autograd graph."""
         return self.__dict__.get("_last_aux", {})
@@ -238,7 +233,7 @@ class RoutingHost(nn.Module):
         s_mean = float(s.mean()) if s.numel() else 0.0
         extra = routing_flops(self.condcomp_policy, last.T) + routing_flops(self.condcomp_router, last.T)
         return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra), last.executor,
-                         last.route)
+                         last.strategy)
 
 
 def detached(plan: HeadPlan) -> HeadPlan:

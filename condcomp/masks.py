@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from condcomp.rotary import apply_rotary, rotate_half  # noqa: F401  (their old home: kept importable)
 from condcomp.types import AttentionInputs
 
 

@@ -17,6 +17,22 @@ GateMode = Literal["binary", "weighted", "renormalized"]
 _ROUNDING_SLACK = 1e-6
 
 
+def kv_groups_used(active: Tensor, num_kv_heads: int) -> Tensor:
+    """``(..., H)`` bool -> ``(..., Hkv)`` bool: the key/value heads (GQA groups) some active query head reads.
+
+    Query head ``h`` reads key/value head ``h // (H / Hkv)``, so a group is used when any of its query heads is
+    active. Pass a sequence plan's ``active (B, H)``, or a token plan's ``(B, T, H)`` (per token) or
+    ``.any(1)`` of it (per example: a later token may read any group some token chose).
+
+    >>> kv_groups_used(torch.tensor([[True, False, False, False, False, True]]), 3).tolist()
+    [[True, False, True]]
+    """
+    H = active.shape[-1]
+    if num_kv_heads < 1 or H % num_kv_heads:
+        raise ValueError(f"{H} query heads do not split into {num_kv_heads} key/value groups")
+    return active.unflatten(-1, (num_kv_heads, H // num_kv_heads)).any(-1)
+
+
 def budget_k(s: Tensor, num_heads: int, k_min: int = 1, rounding: Rounding = "floor") -> Tensor:
     """The decided budget rule: ``k = clamp(floor(s * H), k_min, H)`` (int64, same shape as ``s``).
 

@@ -87,12 +87,12 @@ class Capabilities:
 class Estimate:
     """An executor's expected cost of one call, relative to dense attention over every head (``masked`` = 1.0).
 
-    ``run``: the executor bound to whatever it read to estimate (the gathered executor's sizes and route), so
-    running the call does not read again; None = call the executor. ``route`` names the way it would run the
+    ``run``: the executor bound to whatever it read to estimate (the gathered executor's sizes and strategy), so
+    running the call does not read again; None = call the executor. ``strategy`` names the way it would run the
     call, ``note`` says why the cost is what it is (both shown by ``condcomp.explain``).
     """
 
     cost: float
     run: Callable[[AttentionWeights, AttentionInputs, HeadPlan], Tensor] | None = None
-    route: str | None = None
+    strategy: str | None = None
     note: str = ""

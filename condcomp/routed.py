@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from condcomp.adapters import AttentionAdapter, find_adapter, supported_classes
 from condcomp.config import CondCompConfig
 from condcomp.executors.auto import resolve_executor
+from condcomp.held_plans import KVSelection
 from condcomp.host import RoutingHost
 from condcomp.projections import ProjectionError
 from condcomp.registry import POLICIES, ROUTERS
@@ -95,6 +96,13 @@ class RoutedAttention(RoutingHost):
         base.train(self.training)
         return base
 
+    def held_plan(self, cache: Any) -> tuple[HeadPlan, KVSelection | None] | None:
+        """The plan of the request whose KV cache is ``cache``, as stored in it by this layer (decided at the
+        request's first call), and its KV selection (None where the cache keeps every key/value head); None when
+        the cache holds no plan for this layer. :func:`condcomp.request_plans` reads every layer's."""
+        held = self.adapter.held_record(cache) if cache is not None and hasattr(self.adapter, "held_record") else None
+        return None if held is None else (held.plan, held.selection)
+
     def attend(self, inputs: AttentionInputs, plan: HeadPlan | None = None, condition: Tensor | None = None) -> Tensor:
         """Policy -> router -> executor on canonical inputs; returns ``(B, T, D)``.
 
@@ -107,9 +115,9 @@ class RoutedAttention(RoutingHost):
         if plan is None:
             plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys, condition)
         executor = resolve_executor(self.executor, weights, inputs, plan)
-        if self.last is not None:  # which executor (and gathered route) ran: HeadUsage reports it
+        if self.last is not None:  # which executor (and gathered strategy) ran: HeadUsage reports it
             self.last = replace(self.last, executor=getattr(executor, "name", None),
-                                route=getattr(executor, "route", None))
+                                strategy=getattr(executor, "strategy", None))
         return executor(weights, inputs, plan)  # type: ignore[no-any-return]
 
     def _validate(self, inputs: AttentionInputs) -> None:

@@ -77,7 +77,7 @@ class HeadUsage:
 
     ``s_mean``: predicted budget fraction; ``k_frac``: realised fraction of heads computed; ``flop_frac``:
     analytic FLOPs of the plan (routing included) relative to dense attention; ``executor``: the executor that
-    ran it and ``route``: the gathered executor's route (why a plan did or did not run faster:
+    ran it and ``strategy``: the gathered executor's strategy (why a plan did or did not run faster:
     ``condcomp.explain`` says more).
     """
 
@@ -85,7 +85,7 @@ class HeadUsage:
     k_frac: float
     flop_frac: float
     executor: str | None = None
-    route: str | None = None
+    strategy: str | None = None
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ def test_ablate_seeds_is_resumable_and_writes_the_summary(tmp_path: Path, capsys
     assert main(["report", str(summary.parent), "--doc", str(tmp_path / "doc" / "results.md"), *plots]) == 0
     page = (tmp_path / "doc" / "results.md").read_text()
     comp = json.loads((summary.parent / "statistics.json").read_text())["synthetic"]["comparisons"][
-        "budgetformer_vs_fixed_matched"]  # now over 3 seeds
+        "budgetformer_vs_fixed_matched"]  # over 3 seeds
     assert "Does a learned per-layer allocation beat a uniform one?" in page and comp["verdict"] in page
     assert "Can the learned budget reach the paper's regime" in page
     # a user's own study: nothing of this repository's study (its datasets, its scripts) is stamped into it

@@ -7,7 +7,7 @@ import torch
 from condcomp.policies.fixed import FixedPolicy
 
 import condcomp
-from condcomp.plans import budget_k, plan_top_k
+from condcomp.plans import budget_k, kv_groups_used, plan_top_k
 
 
 @pytest.mark.parametrize(
@@ -137,3 +137,18 @@ def test_with_aux_merges_losses() -> None:
     q = p.with_aux({"b": torch.tensor(2.0), "a": torch.tensor(3.0)})
     assert {k: float(v) for k, v in q.aux_losses.items()} == {"a": 3.0, "b": 2.0}
     assert float(p.aux_losses["a"]) == 1.0  # frozen: the original is untouched
+
+
+def test_kv_groups_used_by_hand() -> None:
+    """8 query heads over 4 KV groups (heads 2g and 2g+1 read group g), checked against groups written out."""
+    T, F = True, False
+    sequence = torch.tensor([[T, F, F, F, F, F, F, T],   # heads 0 and 7: groups 0 and 3
+                             [F, F, F, T, T, F, F, F],   # heads 3 and 4: groups 1 and 2
+                             [F, F, F, F, F, F, F, F]])  # no head (k = 0): no group
+    assert kv_groups_used(sequence, 4).tolist() == [[T, F, F, T], [F, T, T, F], [F, F, F, F]]
+    assert kv_groups_used(sequence, 1).tolist() == [[T], [T], [F]]  # multi-query: one group
+    assert torch.equal(kv_groups_used(sequence, 8), sequence)  # no grouping: each head its own group
+    token = torch.stack([sequence, sequence.roll(1, dims=-1)], dim=1)  # (B, T=2, H): heads shifted by one
+    assert kv_groups_used(token, 4)[:, 1].tolist() == [[T, F, F, F], [F, F, T, F], [F, F, F, F]]  # 0+1, 4+5
+    with pytest.raises(ValueError, match="do not split into 3"):
+        kv_groups_used(sequence, 3)

@@ -100,18 +100,18 @@ def test_editing_the_config_after_apply_does_not_change_the_wrapped_model() -> N
     assert saved.policy == ("fixed", {"fraction": 0.5}) and saved.executor == "auto"
 
 
-def test_a_checkpoint_saved_before_the_progress_buffer_loads(tmp_path: Path) -> None:
-    """condcomp 0.1 checkpoints have no condcomp_progress keys: they load, weights exactly, progress kept."""
+def test_a_checkpoint_without_progress_buffers_loads(tmp_path: Path) -> None:
+    """A checkpoint without condcomp_progress keys loads: weights exactly, the model's progress kept."""
     pytest.importorskip("safetensors")
     x = torch.randn(2, 5, 32)
     model = _model()
     want = _out(model, x)
 
-    class Old(nn.Module):  # what condcomp 0.1 wrote: the state without the progress buffers
+    class WithoutProgress(nn.Module):  # the state without the progress buffers
         def state_dict(self, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
             return {k: v for k, v in model.state_dict().items() if not k.endswith("condcomp_progress")}
 
-    condcomp.save_checkpoint(tmp_path / "old", Old())
+    condcomp.save_checkpoint(tmp_path / "old", WithoutProgress())
     fresh = _model()
     condcomp.set_progress(fresh, 0.0)
     condcomp.load_checkpoint(tmp_path / "old", fresh)

@@ -52,16 +52,16 @@ class Choice:
     instance: Any  # the executor object
     run: Any  # what to call: (weights, inputs, plan) -> (B, T, D)
     verdicts: list[tuple[str, str]] = field(default_factory=list)  # (executor, why it ran or did not)
-    routes: list[tuple[str, list[str]]] = field(default_factory=list)  # the chosen executor's routes, if any
+    strategies: list[tuple[str, list[str]]] = field(default_factory=list)  # the chosen executor's strategies, if any
 
     @property
-    def route(self) -> str | None:
-        return getattr(self.run, "route", None)
+    def strategy(self) -> str | None:
+        return getattr(self.run, "strategy", None)
 
     def __str__(self) -> str:
-        lines = [f"runs {self.executor}" + (f" (route {self.route})" if self.route else "")]
+        lines = [f"runs {self.executor}" + (f" (strategy {self.strategy})" if self.strategy else "")]
         lines += [f"  {name}: {why}" for name, why in self.verdicts]
-        lines += [f"  route {name}: {'; '.join(why) if why else 'can run'}" for name, why in self.routes]
+        lines += [f"  strategy {name}: {'; '.join(why) if why else 'can run'}" for name, why in self.strategies]
         return "\n".join(lines)
 
 
@@ -79,7 +79,7 @@ def choose(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: 
         reason = rejection(executor, weights, inputs, plan)
         if reason is not None:
             raise RuntimeError(f"executor {name!r} cannot run this call: {reason}")
-        prepare = getattr(executor, "prepare", None)  # size and route now (the gathered executor)
+        prepare = getattr(executor, "prepare", None)  # size and strategy now (the gathered executor)
         return Choice(executor.name, executor, prepare(weights, inputs, plan) if callable(prepare) else executor)
     verdicts: list[tuple[str, str]] = []
     ranked: list[tuple[float, int, Any, Any]] = []
@@ -111,7 +111,7 @@ def choose(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: 
 def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
                      pool: list[Any] | None = None) -> Any:
     """The executor to run this call (called as ``executor(weights, inputs, plan)``; its ``name`` and, for the
-    gathered executor, ``route`` say what runs); raises with every rejection and its reason when none can.
+    gathered executor, ``strategy`` say what runs); raises with every rejection and its reason when none can.
 
     >>> import torch, condcomp
     >>> from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
@@ -126,7 +126,7 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
 
 def explain(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, executor: str = "auto",
             pool: list[Any] | None = None) -> Choice:
-    """Which executor (and route) runs this call and why every other did not; print it to read it.
+    """Which executor (and strategy) runs this call and why every other did not; print it to read it.
 
     >>> import torch, condcomp
     >>> from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
@@ -137,7 +137,7 @@ def explain(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, 
     masked
     """
     choice = choose(executor, weights, inputs, plan, pool)
-    routes = getattr(choice.instance, "explain", None)
-    if callable(routes):
-        choice.routes = routes(weights, inputs, plan)
+    strategies = getattr(choice.instance, "explain", None)
+    if callable(strategies):
+        choice.strategies = strategies(weights, inputs, plan)
     return choice

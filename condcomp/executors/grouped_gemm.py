@@ -2,15 +2,15 @@
 
 Each GEMM of a batch reads its operands in place, at its own offset in a tensor (an example's input rows, a head's
 weight block, one (example, head) pair's output), so the gathered executor multiplies the selected (example, head)
-pairs without copying input rows or weight slices first: the copies were the whole gap between the bucketed
-batched matmuls and a k-head block (measured in the fifth round of docs/performance.md, in its git history).
+pairs without copying input rows or weight slices first: those copies are what separates the bucketed batched
+matmuls from a k-head block of the same heads (timed per step with ``condcomp bench attention``).
 PyTorch exposes no CPU grouped GEMM that takes pointers (``torch._grouped_mm`` has no CPU backward in 2.13), but
 its x86 wheels link MKL statically and export the CBLAS symbols; this module calls them with ``ctypes``.
 
 Used only where it is safe to: CPU tensors, float32 or float64, and a library that exports the symbol and passes
 a self-test against ``torch.mm`` (:func:`available`; the self-test runs at the first call that asks, never at
 ``import condcomp``, and not at all while ``ENABLED`` is False). Anywhere else the executor keeps its
-batched-matmul routes.
+batched-matmul strategies.
 
 Two differentiable ops are built on it (``torch.autograd.Function``; their backward passes are grouped GEMMs too):
 
@@ -34,8 +34,8 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values
 _SYMBOLS = {torch.float32: ("cblas_sgemm_batch", ctypes.c_float), torch.float64: ("cblas_dgemm_batch", ctypes.c_double)}
 _INT = ctypes.c_int  # MKL_INT of the LP64 interface PyTorch links (checked by the self-test)
 
-# Set to False to keep the gathered executor on its batched-matmul routes everywhere (and skip the self-test).
-# Tests do not flip it: they choose a route by name or pass a GatheredTuning(grouped_gemm=False).
+# Set to False to keep the gathered executor on its batched-matmul strategies everywhere (and skip the self-test).
+# Tests do not flip it: they choose a strategy by name or pass a GatheredTuning(grouped_gemm=False).
 ENABLED = True
 
 
@@ -184,8 +184,8 @@ class _PairProjection(torch.autograd.Function):
                        dx, b_idx.index_select(0, order) * (T * D), D, T, D, N, beta=1.0, chunks=sizes)
         if ctx.needs_input_grad[1]:  # dw[h] = sum over the pairs p of head h of d_out[p]^T @ x[b_p]
             # Each pair's product into its own block, then a sum per head. Adding into dw in place needs one call
-            # per rank of a pair within its head (GEMMs of one call must not write the same block): measured
-            # slower at every shape tried (fifth round; docs/performance.md in git history).
+            # per rank of a pair within its head (GEMMs of one call must not write the same block), which was
+            # slower at every shape of the attention benchmark.
             per_pair = x.new_empty(P, N, D)
             gemm_batch(d_out, pair * (T * N), N, True, x, b_idx * (T * D), D, False, per_pair, pair * (N * D), D,
                        N, D, T)

@@ -239,7 +239,7 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
             v = routed.v_proj(x).view(B, T, L.num_kv_heads, L.head_dim)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, Dh)
             if rotary is not None:
-                from condcomp.masks import apply_rotary
+                from condcomp.rotary import apply_rotary
 
                 k = apply_rotary(k, *rotary)
             key_states, value_states = cache.update(k, v, self.layer_idx, kwargs=extra)

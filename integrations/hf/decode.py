@@ -35,7 +35,7 @@ def decide_request_plan(routed: RoutedAttention, x: Tensor, mask: Any, step: Req
     tokens (at the request's first call; a sequence plan on a cache that holds tokens but no plan is refused)."""
     plan = decoder_request_plan(routed, step, x, mask)
     if step.held is None and plan.granularity == "sequence" and routed.last is not None:
-        routed.last = replace(routed.last, executor="held", route="kv_cache")
+        routed.last = replace(routed.last, executor="held", strategy="kv_cache")
     return plan
 
 

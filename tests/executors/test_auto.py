@@ -63,14 +63,14 @@ def test_auto_runs_dense_when_the_call_is_too_small_to_pay(granularity: str) -> 
 def test_a_third_party_executor_competes_on_cost_and_explain_says_why(restore_registries: None) -> None:
     """An executor that declares capabilities and a cost below everyone else's runs under auto; one whose
     capabilities exclude the call is rejected with the capability named; ``explain`` lists every verdict and the
-    gathered executor's routes."""
+    gathered executor's strategies."""
     w = make_weights(make_layout(H=8, Dh=8, D=64), torch.float32)
     x = torch.randn(8, 256, 64)
     plan, _ = leaf_plan(seq_active([2, 1, 3, 2, 1, 2, 2, 1], 8))
     choice = explain(w, AttentionInputs(x=x), plan)
-    assert choice.executor == "gathered" and choice.route == "sequence.grouped"
-    assert dict(choice.routes)["sequence.shared_set"] == ["the examples chose different head sets"]
-    assert "masked: cost 1.00" in str(choice) and "route sequence.buckets: can run" in str(choice)
+    assert choice.executor == "gathered" and choice.strategy == "sequence.grouped"
+    assert dict(choice.strategies)["sequence.shared_set"] == ["the examples chose different head sets"]
+    assert "masked: cost 1.00" in str(choice) and "strategy sequence.buckets: can run" in str(choice)
 
     @register_executor("cheap")
     class Cheap:
@@ -92,13 +92,13 @@ def test_a_third_party_executor_competes_on_cost_and_explain_says_why(restore_re
     assert choice.executor == "masked" and "cheap: cannot run: granularity 'token'" in str(choice)
 
 
-def test_head_usage_names_the_executor_and_route() -> None:
+def test_head_usage_names_the_executor_and_strategy() -> None:
     cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.25}), router="random", executor="gathered")
     layer = condcomp.RoutedAttention.wrap(condcomp.HeadAttention(64, 8), cfg)
     layer(torch.randn(4, 64, 64))
     usage = layer.head_usage()
     assert usage is not None and usage.executor == "gathered"
-    assert usage.route in {"sequence.one_bucket", "sequence.grouped"}
+    assert usage.strategy in {"sequence.one_bucket", "sequence.grouped"}
 
 
 def test_auto_skips_executors_that_reject_and_lists_reasons(restore_registries: None) -> None:

@@ -1,7 +1,7 @@
 """The gathered executor against the per-head reference on the situations its packing has to get right.
 
 The registry-driven suite (test_against_reference.py) already compares it on the common cases; these add the
-routes specific to packing: the sequence plans' grouped GEMMs and buckets (each forced by name), several (k, k_kv)
+strategies specific to packing: the sequence plans' grouped GEMMs and buckets (each forced by name), several (k, k_kv)
 buckets at once, one bucket covering the batch, every example at k = 0, cross-attention, token plans whose shared
 heads run densely next to gathered routed heads, token plans with causal masks, rotary, GQA, per-head additive
 biases and a KV cache, and half-precision dtypes.
@@ -33,14 +33,14 @@ from torch import Tensor
 from condcomp.executors import grouped_gemm
 from condcomp.executors.auto import get_executor
 from condcomp.executors.base import qkv_head_rows
-from condcomp.executors.gathered import CPU, GatheredCall, GatheredExecutor, GatherSizes, gather_sizes, get_route
+from condcomp.executors.gathered import CPU, GatheredCall, GatheredExecutor, GatherSizes, gather_sizes, get_strategy
 from condcomp.executors.gathered.sizing import routed_head_sets
 from condcomp.executors.gathered.token import _compact
 from condcomp.plans import top_k_mask
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 TOL = {**TOLERANCES, torch.float16: (3e-2, 3e-2)}
-TOY = replace(CPU, min_set_work=0)  # the per-set token route's size rule lifted for the tests' toy shapes
+TOY = replace(CPU, min_set_work=0)  # the per-set token strategy's size rule lifted for the tests' toy shapes
 
 
 def check(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, leaves: dict[str, Tensor],
@@ -68,12 +68,12 @@ def setup(B: int = 6, T: int = 7, H: int = 8, Hkv: int | None = None, Dh: int = 
     return w, x, {"x": x, **weight_leaves(w)}
 
 
-def sequence_route(path: str) -> GatheredExecutor:
-    """The gathered executor forced onto one route for variable-k sequence plans: ``grouped`` (grouped GEMMs, the
+def sequence_strategy(path: str) -> GatheredExecutor:
+    """The gathered executor forced onto one strategy for variable-k sequence plans: ``grouped`` (grouped GEMMs, the
     default on CPU with MKL) or ``buckets`` (batched matmuls per bucket, the default elsewhere)."""
     if path == "grouped" and not grouped_gemm.available(torch.zeros(1)):
         pytest.skip("this torch build exports no MKL cblas_?gemm_batch (only x86 builds with MKL do)")
-    return GatheredExecutor(route=f"sequence.{path}")
+    return GatheredExecutor(strategy=f"sequence.{path}")
 
 
 @pytest.mark.parametrize(("Hkv", "path", "causal"), [(8, "grouped", False), (8, "grouped", True), (4, "grouped", True),
@@ -85,7 +85,7 @@ def test_sequence_many_buckets(Hkv: int, path: str, causal: bool) -> None:
     Grouped GEMMs over the pairs (with GQA: keys and values once per example and key/value head), or one block
     per bucket.
     """
-    gathered = sequence_route(path)
+    gathered = sequence_strategy(path)
     w, x, leaves = setup(Hkv=Hkv, causal=causal)
     mask = torch.ones(6, 7, dtype=torch.bool)
     mask[1, 5:] = False
@@ -102,7 +102,7 @@ def test_sequence_many_buckets(Hkv: int, path: str, causal: bool) -> None:
 def test_sequence_fused_in_projection_and_missing_key_bias(path: str, drop_key_bias: bool) -> None:
     """q/k/v sliced from one in-projection are gathered from it directly (gradients reach the fused leaf), and a
     missing key bias counts as zeros while the query and value biases still apply (they were once dropped)."""
-    gathered = sequence_route(path)
+    gathered = sequence_strategy(path)
     w, x, _ = setup()
     w, leaves = fused_qkv_weights(replace(w, k_bias=None) if drop_key_bias else w)
     plan, gates = leaf_plan(seq_active([0, 1, 3, 3, 5, 8], 8))
@@ -135,8 +135,9 @@ def test_sequence_one_bucket(k: int) -> None:
     w, x, leaves = setup()
     plan, gates = leaf_plan(seq_active([k] * 6, 8))
     assert len(gather_sizes(w, AttentionInputs(x=x), plan).buckets) == 1
-    routes = {0: "sequence.buckets", 8: "sequence.shared_set"}  # k = 8: every example has every head
-    assert get_executor("gathered").prepare(w, AttentionInputs(x=x), plan).route == routes.get(k, "sequence.one_bucket")
+    strategies = {0: "sequence.buckets", 8: "sequence.shared_set"}  # k = 8: every example has every head
+    chosen = get_executor("gathered").prepare(w, AttentionInputs(x=x), plan).strategy
+    assert chosen == strategies.get(k, "sequence.one_bucket")
     y = check(w, AttentionInputs(x=x), plan, {**leaves, "gates": gates})
     if k == 0:
         assert torch.equal(y, torch.zeros_like(y))
@@ -150,7 +151,7 @@ def test_sequence_same_head_set_for_every_example(Hkv: int) -> None:
     active[:, [1, 4, 5]] = True
     plan, gates = leaf_plan(active)
     assert gather_sizes(w, AttentionInputs(x=x), plan).shared_heads == (1, 4, 5)
-    assert get_executor("gathered").prepare(w, AttentionInputs(x=x), plan).route == "sequence.shared_set"
+    assert get_executor("gathered").prepare(w, AttentionInputs(x=x), plan).strategy == "sequence.shared_set"
     mask = torch.ones(6, 7, dtype=torch.bool)
     mask[2, 3:] = False
     inputs = AttentionInputs(x=x, mask=mask, key_mask=mask, rotary=rotary_tables(6, 7, 4, torch.float64))
@@ -161,7 +162,7 @@ def test_sequence_same_head_set_for_every_example(Hkv: int) -> None:
 @pytest.mark.parametrize("Hkv", [8, 2])
 def test_sequence_rotary_kv_cache_and_bias(Hkv: int, path: str) -> None:
     """Rotary tables indexed per example, a KV cache (bottom-right causal) and a per-head additive bias."""
-    gathered = sequence_route(path)
+    gathered = sequence_strategy(path)
     w, x, leaves = setup(Hkv=Hkv, causal=True)
     B, T, S = 6, 7, 10
     ks_ = torch.randn(B, Hkv, S, 4, dtype=torch.float64).requires_grad_()
@@ -184,7 +185,7 @@ def test_sequence_rotary_kv_cache_and_bias(Hkv: int, path: str) -> None:
 def test_sequence_cross_attention(path: str, one_source: bool) -> None:
     """Cross-attention with GQA: keys and values from separate tensors (widths 12 and 10), or both from one
     (then grouped GEMMs project them together), S != T, a key padding mask with an all-padding example."""
-    gathered = sequence_route(path)
+    gathered = sequence_strategy(path)
     B, T, S = 4, 5, 8
     w = make_weights(make_layout(H=4, Hkv=2, Dh=4, D=16, kdim=12, vdim=12 if one_source else 10))
     x = torch.randn(B, T, 16, dtype=torch.float64).requires_grad_()
@@ -202,7 +203,7 @@ def test_sequence_cross_attention(path: str, one_source: bool) -> None:
 @pytest.fixture(params=["by_set", "per_head"])
 def routed_path(request: pytest.FixtureRequest) -> GatheredExecutor:
     """The gathered executor with the routed heads projected per head set (size rule lifted), then per head."""
-    return GatheredExecutor(tuning=TOY, route=f"token.{request.param}")
+    return GatheredExecutor(tuning=TOY, strategy=f"token.{request.param}")
 
 
 @pytest.mark.parametrize("Hkv", [8, 2])
@@ -290,15 +291,15 @@ def test_token_head_sets_are_counted_and_many_heads_run_per_head() -> None:
     plan, gates = leaf_plan(moh_active(B, T, H, 2, 3))
     assert gather_sizes(w, AttentionInputs(x=x), plan, TOY).head_sets == ()
     toy = GatheredExecutor(tuning=TOY)
-    assert toy.prepare(w, AttentionInputs(x=x), plan).route == "token.per_head"
+    assert toy.prepare(w, AttentionInputs(x=x), plan).strategy == "token.per_head"
     check(w, AttentionInputs(x=x), plan, {**leaves, "gates": gates}, toy)
 
 
-def test_per_set_route_only_for_large_sets() -> None:
+def test_per_set_strategy_only_for_large_sets() -> None:
     """The size rule with the CPU bound: mean rows per non-empty set times the width against ``min_set_work``.
     MoH top-2 of 6 at B*T = 4096 (15 sets of about 273 rows): per set at width 512 (about 140,000), per head at
     width 256 (about 70,000); no routed row: never. A call too small for any set has no histogram at all."""
-    by_set = get_route("token.by_set")
+    by_set = get_strategy("token.by_set")
     sets = ((0, 10),) + tuple((m, 273) for m in range(64) if bin(m).count("1") == 2)  # 15 two-head sets
     for width, runs in ((512, True), (256, False)):
         w = make_weights(make_layout(H=6, Dh=width // 8, D=width), torch.float32)

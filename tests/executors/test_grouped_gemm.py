@@ -141,7 +141,7 @@ def test_executor_takes_grouped_gemms_only_where_they_run(dtype: torch.dtype, Hk
             got = run(w, AttentionInputs(x=x), plan).float()
     tol = 3e-2 if dtype == torch.bfloat16 or autocast else 1e-5
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    assert (run.route == "sequence.grouped") == grouped
+    assert (run.strategy == "sequence.grouped") == grouped
 
 
 def test_falls_back_when_the_library_has_no_batch_gemm() -> None:
@@ -155,7 +155,7 @@ def test_falls_back_when_the_library_has_no_batch_gemm() -> None:
     plan, _ = leaf_plan(top_k_mask(torch.rand(6, 8), torch.tensor([0, 1, 3, 3, 5, 8])))
     want = get_executor("reference")(w, AttentionInputs(x=x), plan)
     run = GatheredExecutor(tuning=replace(CPU, grouped_gemm=False)).prepare(w, AttentionInputs(x=x), plan)
-    assert run.route == "sequence.buckets"
+    assert run.strategy == "sequence.buckets"
     torch.testing.assert_close(run(w, AttentionInputs(x=x), plan), want)
 
 
@@ -179,4 +179,4 @@ def test_one_bucket_plans_take_grouped_gemms_only_when_the_block_would_copy_enou
         want = get_executor("reference")(w, AttentionInputs(x=x), plan)
         run = gathered.prepare(w, AttentionInputs(x=x), plan)
         torch.testing.assert_close(run(w, AttentionInputs(x=x), plan), want)
-        assert (run.route == "sequence.grouped") == grouped
+        assert (run.strategy == "sequence.grouped") == grouped

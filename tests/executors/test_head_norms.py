@@ -1,7 +1,7 @@
 """Per-head query/key norms (Qwen3's ``q_norm``/``k_norm``: over Dh, after the projection, before rotary).
 
 The reference executor is checked against an independent float64 computation written here; then every executor
-and every gathered route, forced by name, against the reference on every case of the executor matrix, with the
+and every gathered strategy, forced by name, against the reference on every case of the executor matrix, with the
 norms on (outputs and the norms' weight gradients). A KV cache holds keys already normalised: only freshly
 projected keys go through ``k_norm``.
 """
@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from core_helpers import TOLERANCES, leaf_plan, make_layout, make_weights, random_active, rotary_tables, run_and_grads
 from test_against_reference import CASES, build_case
-from test_gathered_routes import TOY
+from test_gathered_strategies import TOY
 from torch import nn
 
 from condcomp.executors import grouped_gemm
 from condcomp.executors.auto import get_executor
-from condcomp.executors.gathered import GatheredExecutor, route_names
+from condcomp.executors.gathered import GatheredExecutor, strategy_names
 from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs
 
@@ -65,12 +65,12 @@ def test_reference_executor_equals_an_independent_computation(granularity: str) 
     torch.testing.assert_close(got, y, atol=1e-10, rtol=1e-9)
 
 
-@pytest.mark.parametrize("executor", ["masked", "gathered", *route_names()])
-def test_every_executor_and_route_applies_the_norms_like_the_reference(executor: str) -> None:
+@pytest.mark.parametrize("executor", ["masked", "gathered", *strategy_names()])
+def test_every_executor_and_strategy_applies_the_norms_like_the_reference(executor: str) -> None:
     if executor == "sequence.grouped" and not grouped_gemm.available(torch.zeros(1, dtype=torch.float64)):
         pytest.skip("this torch build exports no MKL cblas_?gemm_batch")
     run = get_executor(executor) if executor in ("masked", "gathered") else GatheredExecutor(tuning=TOY,
-                                                                                             route=executor)
+                                                                                             strategy=executor)
     ran = 0
     for name in CASES:
         if "." in executor and name.startswith("token") != executor.startswith("token"):
@@ -78,10 +78,10 @@ def test_every_executor_and_route_applies_the_norms_like_the_reference(executor:
         case = _with_norms(build_case(name, torch.float64))
         w, inputs, plan = case.weights, case.inputs, case.plan  # type: ignore[attr-defined]
         if "." in executor:
-            from condcomp.executors.gathered import ROUTES, GatheredCall, gather_sizes
+            from condcomp.executors.gathered import STRATEGIES, GatheredCall, gather_sizes
 
             call = GatheredCall(w, inputs, plan, gather_sizes(w, inputs, plan, TOY), TOY)
-            if next(r for r in ROUTES[plan.granularity] if r.name == executor).supports(call):
+            if next(r for r in STRATEGIES[plan.granularity] if r.name == executor).supports(call):
                 continue
         leaves = {**case.leaves, "q_norm": w.q_norm.weight, "k_norm": w.k_norm.weight}  # type: ignore[attr-defined]
         probe = torch.randn(*inputs.x.shape[:2], w.layout.d_model, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Tiny random models of the architectures added for issue 16 (GPT-2, Gemma, Mixtral, Qwen3, DistilBERT, CLIP,
+"""Tiny random models of more architectures (GPT-2, Gemma, Mixtral, Qwen3, DistilBERT, CLIP,
 SigLIP, T5), and the partial-budget reference for them.
 
 Built from transformers' config classes (nothing downloaded), float64. The reference for a partial budget is the

@@ -1,4 +1,4 @@
-"""Issue 16's architectures (GPT-2, Gemma, Mixtral, DistilBERT, CLIP, SigLIP, T5) x every executor.
+"""GPT-2, Gemma, Mixtral, DistilBERT, CLIP, SigLIP and T5 x every executor.
 
 Same contract as test_hf_adapters: full-budget parity with the unwrapped model on padded batches, ``remove_``
 exact, a half budget equal to the unwrapped model with the skipped heads' output columns zeroed (arch_models).

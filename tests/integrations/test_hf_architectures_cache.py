@@ -1,4 +1,4 @@
-"""KV-cache decoding of issue 16's architectures against the unwrapped model.
+"""KV-cache decoding of the arch_models architectures against the unwrapped model.
 
 Greedy ``generate()`` (its tokens and every step's logits; left-padded prompts for the causal LMs, a padded encoder
 input for T5) must equal the unwrapped model's at the full budget, and the unwrapped model without the skipped

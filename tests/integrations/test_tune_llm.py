@@ -107,8 +107,6 @@ def test_continuation_nll_equals_a_manual_float64_computation() -> None:
 
 
 def test_a_per_request_plan_is_decided_from_the_prompt_so_no_continuation_token_sees_the_future() -> None:
-    if not hasattr(condcomp, "plan_from_prompt"):
-        pytest.xfail("condcomp.plan_from_prompt is not in this condcomp (issue 17)")
     model = tiny_llama(dtype=torch.float64)
     torch.manual_seed(0)
     apply_variant(model, "request_1of3", "auto")

@@ -1,8 +1,8 @@
 """The gathered-sparse executor: only the selected (example, head) or (token, head) pairs are computed.
 
 Read it in this order: tuning.py (every threshold, per device), sizing.py (the one device -> host read), call.py
-(the sized call and what a route is), routes.py (the dispatch table: which route runs which call), then the routes:
-sequence.py (with sequence_grouped.py) and token.py, built from the shared blocks in blocks.py.
+(the sized call and what a strategy is), strategies.py (the dispatch table: which strategy runs which call), then
+the strategies: sequence.py (with sequence_grouped.py) and token.py, built from the shared blocks in blocks.py.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import logging
 import torch
 from torch import Tensor
 
-from condcomp.executors.gathered.call import GatheredCall, Route
-from condcomp.executors.gathered.routes import ROUTES, Table, choose, get_route, rejections, route_names
-from condcomp.executors.gathered.sizing import GatherSizes, gather_sizes, head_set_keys, kv_active
+from condcomp.executors.gathered.call import GatheredCall, Strategy
+from condcomp.executors.gathered.sizing import GatherSizes, gather_sizes, head_set_keys
+from condcomp.executors.gathered.strategies import STRATEGIES, Table, choose, get_strategy, rejections, strategy_names
 from condcomp.executors.gathered.tuning import CPU, CUDA, GatheredTuning, tuning_for
 from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
-__all__ = ["CPU", "CUDA", "ROUTES", "GatherSizes", "GatheredCall", "GatheredExecutor", "GatheredTuning",
-           "Prepared", "Route", "gather_sizes", "get_route", "head_set_keys", "kv_active", "route_names",
+__all__ = ["CPU", "CUDA", "STRATEGIES", "GatherSizes", "GatheredCall", "GatheredExecutor", "GatheredTuning",
+           "Prepared", "Strategy", "gather_sizes", "get_strategy", "head_set_keys", "strategy_names",
            "tuning_for"]
 
 logger = logging.getLogger("condcomp")
@@ -34,11 +34,11 @@ DENSE_IS_FASTER = 1.01
 
 
 class Prepared:
-    """A call sized and routed by :meth:`GatheredExecutor.prepare`: calling it runs the chosen route.
-    ``route`` is that route's name (what ``HeadUsage.route`` reports)."""
+    """A call sized by :meth:`GatheredExecutor.prepare`, its strategy chosen: calling it runs the chosen strategy.
+    ``strategy`` is that strategy's name (what ``HeadUsage.strategy`` reports)."""
 
-    def __init__(self, call: GatheredCall, chosen: Route, name: str = "gathered") -> None:
-        self.call, self.chosen, self.route, self.name = call, chosen, chosen.name, name
+    def __init__(self, call: GatheredCall, chosen: Strategy, name: str = "gathered") -> None:
+        self.call, self.chosen, self.strategy, self.name = call, chosen, chosen.name, name
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         call = self.call
@@ -51,16 +51,16 @@ class Prepared:
 class GatheredExecutor:
     """Computes only the selected heads: the work scales with the number of (row, head) pairs chosen.
 
-    Each call is sized once (one host synchronisation) and run by the first route of the dispatch table
-    (:data:`condcomp.executors.gathered.ROUTES`) that can run it. Same semantics as the ``reference`` executor:
+    Each call is sized once (one host synchronisation) and run by the first strategy of the dispatch table
+    (:data:`condcomp.executors.gathered.STRATEGIES`) that can run it. Same semantics as the ``reference`` executor:
     outputs and gradients agree with it. ``tuning``: thresholds (default: those of the call's device);
-    ``route``: run only this route (an error names why it cannot run a call), for tests and A/B timing;
-    ``routes``: the dispatch table (default :data:`ROUTES`; docs/extending.md adds a route).
+    ``strategy``: run only this strategy (an error names why it cannot run a call), for tests and A/B timing;
+    ``strategies``: the dispatch table (default :data:`STRATEGIES`; docs/extending.md adds a strategy).
 
     >>> from condcomp.executors import get_executor
     >>> get_executor("gathered").name
     'gathered'
-    >>> GatheredExecutor(route="sequence.buckets").route
+    >>> GatheredExecutor(strategy="sequence.buckets").strategy
     'sequence.buckets'
     """
 
@@ -68,11 +68,11 @@ class GatheredExecutor:
     granularities = ("sequence", "token")
     capabilities = Capabilities(dtypes=_FLOAT_DTYPES, skips_work=True)
 
-    def __init__(self, tuning: GatheredTuning | None = None, route: str | None = None,
-                 routes: Table | None = None) -> None:
-        self.tuning, self.route, self.routes = tuning, route, routes or ROUTES
-        if route is not None:
-            get_route(route, self.routes)  # a typo fails here, not at the first call
+    def __init__(self, tuning: GatheredTuning | None = None, strategy: str | None = None,
+                 strategies: Table | None = None) -> None:
+        self.tuning, self.strategy, self.strategies = tuning, strategy, strategies or STRATEGIES
+        if strategy is not None:
+            get_strategy(strategy, self.strategies)  # a typo fails here, not at the first call
 
     def tuning_of(self, x: Tensor) -> GatheredTuning:
         return self.tuning or tuning_for(x.device)
@@ -92,22 +92,22 @@ class GatheredExecutor:
 
     def prepare(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
                 sizes: GatherSizes | None = None) -> Prepared:
-        """Size the call (unless ``sizes`` are given) and choose its route; call the result to run it."""
+        """Size the call (unless ``sizes`` are given) and choose its strategy; call the result to run it."""
         tuning = self.tuning_of(inputs.x)
         if sizes is None:
             sizes = gather_sizes(weights, inputs, plan, tuning)
         call = GatheredCall(weights, inputs, plan, sizes, tuning)
-        route = choose(call, self.route, self.routes)
+        strategy = choose(call, self.strategy, self.strategies)
         if logger.isEnabledFor(logging.DEBUG):
-            tried = "; ".join(f"{name}: {', '.join(why)}" for name, why in rejections(call, self.routes) if why)
-            logger.debug("%s runs %s (not: %s)", self.name, route.name, tried or "-")
-        return Prepared(call, route, self.name)
+            tried = "; ".join(f"{name}: {', '.join(why)}" for name, why in rejections(call, self.strategies) if why)
+            logger.debug("%s runs %s (not: %s)", self.name, strategy.name, tried or "-")
+        return Prepared(call, strategy, self.name)
 
     def explain(self, weights: AttentionWeights, inputs: AttentionInputs,
                 plan: HeadPlan) -> list[tuple[str, list[str]]]:
-        """Every route of the plan's granularity, in table order, with its reasons against this call."""
+        """Every strategy of the plan's granularity, in table order, with its reasons against this call."""
         return rejections(GatheredCall(weights, inputs, plan, self.sizes(weights, inputs, plan),
-                                       self.tuning_of(inputs.x)), self.routes)
+                                       self.tuning_of(inputs.x)), self.strategies)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         """Cost relative to dense attention: the share of the dense (query row, head) work the plan keeps, or
@@ -120,10 +120,10 @@ class GatheredExecutor:
         prepared = self.prepare(weights, inputs, plan)
         share = prepared.call.sizes.work_fraction
         if tuning.prefers_dense(share, gran, size):
-            return Estimate(DENSE_IS_FASTER, prepared, prepared.route,
+            return Estimate(DENSE_IS_FASTER, prepared, prepared.strategy,
                             note=f"keeps {share:.2f} of the dense work (tuning.dense_work_{gran}, "
                                  f"tuning.min_skipped_work_{gran})")
-        return Estimate(share, prepared, prepared.route, note=f"keeps {share:.2f} of the dense work")
+        return Estimate(share, prepared, prepared.strategy, note=f"keeps {share:.2f} of the dense work")
 
     def run(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
             sizes: GatherSizes | None = None) -> Tensor:

@@ -1,4 +1,4 @@
-"""Blocks every gathered route shares: head-row selection, projections of a head list, the k-head block.
+"""Blocks every gathered strategy shares: head-row selection, projections of a head list, the k-head block.
 
 A "k-head block" is ordinary attention restricted to a fixed list of heads for every row: their q/k/v rows of the
 projections, one SDPA call, and the output projection on their columns only.

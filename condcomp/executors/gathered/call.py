@@ -1,7 +1,7 @@
-"""What a gathered route is: a named strategy that says why it cannot run a sized call, or runs it.
+"""What a gathered strategy is: a named way to compute a sized call that says why it cannot run it, or runs it.
 
-Routes are listed, in the order they are tried, in one dispatch table (routes.py); the first whose ``supports``
-returns no reason runs. Every rejection is a sentence, so ``condcomp.explain`` can show why a route did not run.
+Strategies are listed, in the order they are tried, in one dispatch table (strategies.py); the first whose ``supports``
+returns no reason runs. Every rejection is a sentence, so ``condcomp.explain`` can show why a strategy did not run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class TokenSplit:
 
 @dataclass(frozen=True)
 class GatheredCall:
-    """One sized call: what every route's ``supports`` and ``run`` receive."""
+    """One sized call: what every strategy's ``supports`` and ``run`` receive."""
 
     weights: AttentionWeights
     inputs: AttentionInputs
@@ -58,10 +58,10 @@ class GatheredCall:
         return TokenSplit(dense, routed, sets)
 
 
-class Route:
+class Strategy:
     """A named way to compute a plan of one granularity. Subclasses set ``name`` (``"<granularity>.<what>"``)
     and ``granularity``, and implement :meth:`run`; :meth:`supports` lists why it cannot run a call (empty: it
-    can). A route never reads the device: everything it decides on is in ``call.sizes`` and ``call.tuning``."""
+    can). A strategy never reads the device: everything it decides on is in ``call.sizes`` and ``call.tuning``."""
 
     name: str = ""
     granularity: str = ""
@@ -73,4 +73,4 @@ class Route:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"<route {self.name}>"
+        return f"<strategy {self.name}>"

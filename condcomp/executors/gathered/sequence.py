@@ -1,9 +1,9 @@
-"""Sequence-plan routes (one head set per example, variable ``k``), tried in this order (routes.py):
+"""Sequence-plan strategies (one head set per example, variable ``k``), tried in this order (strategies.py):
 
 1. ``sequence.shared_set``: every example chose the same heads: one plain k-head block on those heads' weights.
 2. ``sequence.grouped``: CPU, float32/float64, MKL: grouped GEMMs over the selected (example, head) pairs read
    input rows and weight blocks in place (no copies, no padding; sequence_grouped.py). A plan whose examples all
-   use the same ``k`` keeps route 3 while its weight copy is below ``tuning.min_grouped_copy``.
+   use the same ``k`` keeps strategy 3 while its weight copy is below ``tuning.min_grouped_copy``.
 3. ``sequence.one_bucket``: every example uses the same ``(k, k_kv)``: one batched block over the whole batch.
 4. ``sequence.buckets``: examples are bucketed by ``(k, k_kv)`` (active query heads, key/value heads they use);
    each bucket gathers its examples' input rows and heads' weight slices and runs as batched matmuls and one SDPA
@@ -20,10 +20,10 @@ from typing_extensions import override
 from condcomp.executors import grouped_gemm
 from condcomp.executors.base import keep_gates_in_graph, per_head, qkv_head_rows, zero_dead_rows
 from condcomp.executors.gathered.blocks import batched_project, heads_block, project_heads, take
-from condcomp.executors.gathered.call import GatheredCall, Route
+from condcomp.executors.gathered.call import GatheredCall, Strategy
 from condcomp.executors.gathered.sequence_grouped import sequence_pairs_grouped
-from condcomp.executors.gathered.sizing import kv_active
 from condcomp.masks import AttentionMask, dead_rows
+from condcomp.plans import kv_groups_used
 from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
@@ -75,7 +75,9 @@ def _bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
         q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh).index_select(0, flat_heads).view(n, k * Dh)
         q = batched_project(x, per_head(w.q_weight, H, Dh).index_select(0, flat_heads).view(n, k * Dh, -1), q_bias)
         q = q.view(n, T, k, Dh).transpose(1, 2)  # (n, k, T, Dh)
-        kv_heads = heads if G == 1 else pick(torch.argsort((~kv_active(plan.active, Hkv)).byte(), dim=1, stable=True))
+        kv_heads = heads
+        if G > 1:  # the key/value heads some selected query head reads, first, ascending
+            kv_heads = pick(torch.argsort((~kv_groups_used(plan.active, Hkv)).byte(), dim=1, stable=True))
         kv_heads = kv_heads[:, :kkv]  # (n, kkv) the key/value heads this bucket needs, ascending
         if inputs.key_states is not None and inputs.value_states is not None:
             b = torch.arange(n, device=x.device).unsqueeze(1)
@@ -98,7 +100,7 @@ def _bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: 
         if inputs.key_states is None:
             kk = apply_rotary(kk, cos, sin)
     if fused_w is None and G > 1:  # each query head reads its key/value head's slot among the kkv computed ones
-        slot = (torch.cumsum(kv_active(plan.active, Hkv).long(), 1) - 1)  # (B, Hkv)
+        slot = (torch.cumsum(kv_groups_used(plan.active, Hkv).long(), 1) - 1)  # (B, Hkv)
         slot = pick(slot).gather(1, torch.div(heads, G, rounding_mode="floor"))  # (n, k)
         ix = slot[:, :, None, None].expand(n, k, kk.shape[2], Dh)
         kk, v = kk.gather(1, ix), v.gather(1, ix)  # (n, k, S, Dh)
@@ -122,7 +124,7 @@ def _finish(call: GatheredCall, y: Tensor) -> Tensor:
     return zero_dead_rows(y, dead_rows(call.mask, B, T))
 
 
-class SharedSet(Route):
+class SharedSet(Strategy):
     name, granularity = "sequence.shared_set", "sequence"
 
     @override
@@ -164,7 +166,7 @@ def grouped_gemm_reasons(call: GatheredCall) -> list[str]:
     return reasons
 
 
-class Grouped(Route):
+class Grouped(Strategy):
     name, granularity = "sequence.grouped", "sequence"
 
     @override
@@ -185,7 +187,7 @@ class Grouped(Route):
         return sequence_pairs_grouped(call.weights, call.inputs, call.plan, call.mask, call.pairs)
 
 
-class OneBucket(Route):
+class OneBucket(Strategy):
     name, granularity = "sequence.one_bucket", "sequence"
 
     @override
@@ -202,7 +204,7 @@ class OneBucket(Route):
         return _finish(call, _bucket(call.weights, call.inputs, call.plan, call.mask, None, k, kkv, fused_w))
 
 
-class Buckets(Route):
+class Buckets(Strategy):
     name, granularity = "sequence.buckets", "sequence"
 
     @override
@@ -213,7 +215,7 @@ class Buckets(Route):
         D, Hkv = w.o_weight.shape[0], w.layout.num_kv_heads
         fused_w = qkv_head_rows(w) if _fused_layout(call) else None
         key = plan.counts.long() * (Hkv + 1)
-        key = key + (kv_active(plan.active, Hkv).sum(-1) if w.layout.group_size > 1 else plan.counts.long())
+        key = key + (kv_groups_used(plan.active, Hkv).sum(-1) if w.layout.group_size > 1 else plan.counts.long())
         perm = torch.argsort(key, stable=True)  # (B,) examples sorted by bucket
         buckets = call.sizes.buckets
         y = x.new_zeros(B, T, D) if buckets and buckets[0][0] == 0 else x.new_empty(B, T, D)

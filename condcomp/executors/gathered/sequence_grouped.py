@@ -1,4 +1,4 @@
-"""The ``sequence.grouped`` route's computation: grouped GEMMs over the selected (example, head) pairs (CPU, MKL).
+"""The ``sequence.grouped`` strategy's computation: grouped GEMMs over the selected (example, head) pairs (CPU, MKL).
 
 Every selected pair is one GEMM of a batch (:mod:`condcomp.executors.grouped_gemm`): its projections read its
 example's input rows and its head's weight block in place, one SDPA call covers all pairs, and each pair's output

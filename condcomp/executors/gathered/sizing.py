@@ -1,6 +1,6 @@
-"""Sizing a call: the one device -> host read of the gathered executor, and the call object routes receive.
+"""Sizing a call: the one device -> host read of the gathered executor (call.py wraps its result in the call object).
 
-Everything a route needs to decide whether it can run, and how large its packed tensors are, comes from one
+Everything a strategy needs to decide whether it can run, and how large its packed tensors are, comes from one
 ``tolist()`` of a few small tensors (:func:`gather_sizes`); nothing else in the executor synchronises.
 """
 
@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from condcomp.executors.gathered.tuning import CPU, GatheredTuning
+from condcomp.plans import kv_groups_used
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 
@@ -24,7 +25,7 @@ class GatherSizes:
     ``shared_heads``: sequence plans in which every example chose the same heads, those heads (else None).
     ``work_fraction``: share of the dense block's (query row, head) work the gathered path will compute.
     ``every_row_active``: token plans in which every (example, token) row chose at least one head.
-    ``head_sets``: token plans with at most ``tuning.max_set_heads`` heads and large enough for the per-set route,
+    ``head_sets``: token plans with at most ``tuning.max_set_heads`` heads and large enough for the per-set strategy,
     ``(heads as a bit mask, rows)`` of every distinct head set the (example, token) rows chose, ascending by mask
     (empty otherwise).
     """
@@ -36,12 +37,6 @@ class GatherSizes:
     shared_heads: tuple[int, ...] | None = None
     every_row_active: bool = False
     head_sets: tuple[tuple[int, int], ...] = ()
-
-
-def kv_active(plan_active: Tensor, num_kv_heads: int) -> Tensor:
-    """``(..., Hkv)`` bool: key/value heads that some active query head uses."""
-    H = plan_active.shape[-1]
-    return plan_active.unflatten(-1, (num_kv_heads, H // num_kv_heads)).any(-1)
 
 
 def head_set_keys(active: Tensor) -> Tensor:
@@ -60,7 +55,7 @@ def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadP
     H, Hkv = L.num_heads, L.num_kv_heads
     if plan.granularity == "sequence":
         counts = plan.counts.long()  # (B,)
-        kvc = kv_active(plan.active, Hkv).sum(-1) if L.group_size > 1 else counts  # (B,)
+        kvc = kv_groups_used(plan.active, Hkv).sum(-1) if L.group_size > 1 else counts  # (B,)
         B = plan.gates.shape[0]
         hist = torch.bincount(counts * (Hkv + 1) + kvc, minlength=(H + 1) * (Hkv + 1))
         same = (plan.active == plan.active[:1]).all().view(1) if B else hist.new_zeros(1)
@@ -77,7 +72,7 @@ def gather_sizes(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadP
     every = (plan.counts > 0).all().view(1).long()
     parts = [plan.active.sum(1).amax(0), every]  # (H,) + 1
     # + (2**H,): how many rows chose each head set; skipped where even one set of every row would be too small
-    # for the per-set route (B*T*D bounds rows per set x D)
+    # for the per-set strategy (B*T*D bounds rows per set x D)
     if H <= tuning.max_set_heads and inputs.x.numel() >= tuning.min_set_work:
         parts.append(torch.bincount(head_set_keys(plan.active).reshape(-1), minlength=2 ** H))
     read = torch.cat(parts).tolist()  # the one device -> host read

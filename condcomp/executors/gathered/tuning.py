@@ -1,4 +1,4 @@
-"""The gathered executor's tuning: every threshold that picks a route, as one frozen object per device.
+"""The gathered executor's tuning: every threshold that picks a strategy, as one frozen object per device.
 
 The CPU values were measured on a 2-core x86 CPU with MKL (``condcomp bench attention`` and the A/B scripts in
 benchmarks/; docs/performance.md has the tables). No GPU run has set the CUDA values yet: they are the CPU values,
@@ -15,16 +15,16 @@ import torch
 
 @dataclass(frozen=True)
 class GatheredTuning:
-    """Thresholds of the gathered executor's routes and of its cost estimate for ``executor="auto"``.
+    """Thresholds of the gathered executor's strategies and of its cost estimate for ``executor="auto"``.
 
     - ``min_grouped_copy``: a sequence plan whose examples all use the same number of heads runs as one batched
       block, gathering about ``pairs * 3 * Dh * D`` weight floats, while that is below this; at or above it, grouped
       GEMMs (grouped/block measured 1.07-1.35x at 0.2-0.8 million floats, 0.85-0.91x at 3.1 million).
-    - ``grouped_gemm``: use MKL's grouped GEMMs where the build has them (False: the batched-matmul routes only).
+    - ``grouped_gemm``: use MKL's grouped GEMMs where the build has them (False: the batched-matmul strategies only).
     - ``dense_head_rows``: token plans: a head chosen by at least this share of the query rows runs densely.
     - ``max_set_heads``: token plans with at most this many heads also count rows per head set (a ``2**H``-bin
-      histogram in the one host read), which the per-set route needs.
-    - ``max_head_sets``: the per-set route runs while the rows chose at most this many distinct routed-head sets
+      histogram in the one host read), which the per-set strategy needs.
+    - ``max_head_sets``: the per-set strategy runs while the rows chose at most this many distinct routed-head sets
       (MoH's top-2 of 6 makes 15).
     - ``min_set_work``: ... and while mean rows per set times the model width is at least this (per-set/per-head
       measured 0.99-1.08x at about 70,000, 0.81-0.98x from 140,000 on).

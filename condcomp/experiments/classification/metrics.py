@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from condcomp.api import routed_modules
 from condcomp.experiments.classification.model import EncoderClassifier
 from condcomp.flops import routing_flops
+from condcomp.plans import kv_groups_used
 from condcomp.registry import EXECUTORS
 
 
@@ -47,7 +48,7 @@ def layer_plan_stats(routed: Any) -> dict[str, Tensor]:
         heads_any = on_real.any(1)  # (B, H)
         head_frac = on_real.double().sum(1) / lengths.clamp_min(1).unsqueeze(-1)  # (B, H): share of its tokens
     L = routed.layout
-    kv_heads = heads_any.view(B, L.num_kv_heads, -1).any(-1).sum(-1).double()  # (B,)
+    kv_heads = kv_groups_used(heads_any, L.num_kv_heads).sum(-1).double()  # (B,)
     return {"s": s.double().cpu(), "k_frac": k_frac.cpu(), "pairs": pairs.cpu(), "kv_heads": kv_heads.cpu(),
             "lengths": lengths.cpu(), "head_frac": head_frac.cpu()}
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import condcomp
-from condcomp.executors.gathered import kv_active
+from condcomp.plans import kv_groups_used
 
 
 @contextlib.contextmanager
@@ -142,7 +142,7 @@ def _kept_kv_groups(module: nn.Module) -> Tensor | None:
     plan = last.plan if last is not None else None
     if plan is None or plan.active.dim() != 2:
         return None
-    return kv_active(plan.active, module.layout.num_kv_heads)  # type: ignore[union-attr,arg-type]
+    return kv_groups_used(plan.active, module.layout.num_kv_heads)  # type: ignore[union-attr,arg-type]
 
 
 def _kv_fraction(module: nn.Module) -> float | None:

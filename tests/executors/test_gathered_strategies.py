@@ -1,8 +1,8 @@
-"""Every route of the gathered executor's dispatch table, forced by name, against the per-head reference.
+"""Every strategy of the gathered executor's dispatch table, forced by name, against the per-head reference.
 
-Each route runs every case of the executor matrix (test_against_reference.CASES) of its granularity that it
+Each strategy runs every case of the executor matrix (test_against_reference.CASES) of its granularity that it
 supports, outputs and gradients in float64; where it declines, the reasons are sentences and forcing it raises
-with them. The tuning lifts the size rules so that the toy shapes reach every route.
+with them. The tuning lifts the size rules so that the toy shapes reach every strategy.
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ from test_against_reference import CASES, build_case
 
 from condcomp.executors import grouped_gemm
 from condcomp.executors.auto import get_executor
-from condcomp.executors.gathered import CPU, ROUTES, GatheredCall, GatheredExecutor, gather_sizes, route_names
+from condcomp.executors.gathered import CPU, STRATEGIES, GatheredCall, GatheredExecutor, gather_sizes, strategy_names
 
 TOY = replace(CPU, min_set_work=0, min_grouped_copy=0)
 TOKEN_CASES = [c for c in CASES if c.startswith("token")]
 SEQUENCE_CASES = [c for c in CASES if not c.startswith("token")]
 
 
-@pytest.mark.parametrize("route", route_names())
-def test_route_matches_reference_on_every_case_it_supports(route: str) -> None:
-    if route == "sequence.grouped" and not grouped_gemm.available(torch.zeros(1, dtype=torch.float64)):
+@pytest.mark.parametrize("strategy", strategy_names())
+def test_strategy_matches_reference_on_every_case_it_supports(strategy: str) -> None:
+    if strategy == "sequence.grouped" and not grouped_gemm.available(torch.zeros(1, dtype=torch.float64)):
         pytest.skip("this torch build exports no MKL cblas_?gemm_batch")
-    forced = GatheredExecutor(tuning=TOY, route=route)
+    forced = GatheredExecutor(tuning=TOY, strategy=strategy)
     ran = 0
-    for name in TOKEN_CASES if route.startswith("token") else SEQUENCE_CASES:
+    for name in TOKEN_CASES if strategy.startswith("token") else SEQUENCE_CASES:
         case = build_case(name, torch.float64)
         call = GatheredCall(case.weights, case.inputs, case.plan,
                             gather_sizes(case.weights, case.inputs, case.plan, TOY), TOY)
-        reasons = next(r for r in ROUTES[case.plan.granularity] if r.name == route).supports(call)
+        reasons = next(r for r in STRATEGIES[case.plan.granularity] if r.name == strategy).supports(call)
         if reasons:
             assert all(isinstance(r, str) and r for r in reasons)
             with pytest.raises(RuntimeError, match="cannot run this call"):
@@ -45,17 +45,17 @@ def test_route_matches_reference_on_every_case_it_supports(route: str) -> None:
         y_ref, g_ref = run_and_grads(get_executor("reference"), case.weights, case.inputs, case.plan, case.leaves,
                                      probe)
         y, g = run_and_grads(forced, case.weights, case.inputs, case.plan, case.leaves, probe)
-        torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{route} {n}: {m}")
+        torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{strategy} {n}: {m}")
         for leaf in case.leaves:
             torch.testing.assert_close(g[leaf], g_ref[leaf], atol=atol * 10, rtol=rtol * 10,
-                                       msg=lambda m, n=name, lf=leaf: f"{route} {n} grad of {lf}: {m}")
+                                       msg=lambda m, n=name, lf=leaf: f"{strategy} {n} grad of {lf}: {m}")
         ran += 1
-    assert ran >= 1, f"{route} ran no case"
+    assert ran >= 1, f"{strategy} ran no case"
 
 
-def test_forcing_a_route_checks_its_name_and_granularity() -> None:
+def test_forcing_a_strategy_checks_its_name_and_granularity() -> None:
     with pytest.raises(KeyError, match="sequence.buckets"):
-        GatheredExecutor(route="sequence.bucket")
+        GatheredExecutor(strategy="sequence.bucket")
     case = build_case("token", torch.float64)
     with pytest.raises(RuntimeError, match="runs sequence plans"):
-        GatheredExecutor(route="sequence.buckets")(case.weights, case.inputs, case.plan)
+        GatheredExecutor(strategy="sequence.buckets")(case.weights, case.inputs, case.plan)
