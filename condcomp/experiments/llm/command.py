@@ -35,12 +35,12 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     import torch
 
     from condcomp.experiments.data import resolve_data_dir
-    from condcomp.experiments.llm.report import load_decode_records
-    from condcomp.experiments.llm.study import run_study
+    from condcomp.experiments.llm.tuning_report import load_decode_records
+    from condcomp.experiments.llm.tuning_study import run_tuning_study
 
     decode = load_decode_records(args.decode_results) if args.decode_results else None
     if args.report_only:
-        from condcomp.experiments.llm.study import write_summary
+        from condcomp.experiments.llm.tuning_study import write_summary
 
         folders = folders_with([args.out, args.results], "*/metrics.json", "--report-only", "tune-llm results")
         for folder in folders:
@@ -49,7 +49,7 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["tune-llm"] else None
-    table = run_study(settings, args.variants, args.out, args.results, resolve_data_dir(args.data_dir), command,
+    table = run_tuning_study(settings, args.variants, args.out, args.results, resolve_data_dir(args.data_dir), command,
                       decode=decode)
     print(table)
     return 0

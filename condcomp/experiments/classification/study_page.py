@@ -13,13 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from condcomp.experiments.classification.results_questions import (
+from condcomp.experiments.classification.study_page_questions import (
     QUESTIONS,
     adaptivity_section,
     questions_section,
     regime_section,
 )
-from condcomp.experiments.stats import mean_ci
 
 DATASETS = ("ag_news", "snli", "dbpedia_14", "imdb", "yelp", "digits")
 NAMES = {"ag_news": "AG News", "snli": "SNLI", "dbpedia_14": "DBpedia-14 (**re-split**)", "imdb": "IMDB",
@@ -32,7 +31,7 @@ MAIN = ("standard", "budgetformer", "fixed_matched", "moh")
 ARM_ORDER = ("standard", "budgetformer", "fixed_matched", "moh", "budgetformer_random_heads",
              "budgetformer_forced_matched", "budgetformer_all_heads")
 SEEDS_WANTED = (0, 1, 2)
-PROJECT_STUDY = Path(__file__).resolve().parents[2] / "results" / "reproduction"  # this repository's own study
+PROJECT_STUDY = Path(__file__).resolve().parents[3] / "results" / "reproduction"  # this repository's own study
 
 DEPARTURES = [
     "**Model size.** The paper trains a 4-layer, 8-head, d = 768 encoder (FFN 3072) on an A100. Ours: the "
@@ -112,7 +111,7 @@ def _arms_sorted(arms: set[str]) -> list[str]:
     return sorted(arms, key=key)
 
 
-def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> str:
+def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True) -> str:
     """The results page (markdown) of the study in ``folder``; plots into ``folder/plots``; ``doc``: write it."""
     records, stats = _load(folder)
     datasets = [d for d in DATASETS if any(r["dataset"] == d for r in records)]
@@ -253,7 +252,7 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
                            f"{100 * t.get('mean', 0.0):+.2f} {ci}{boot}: {c.get('verdict')}")
             out += [""]
         if plots:
-            from condcomp.experiments.plots import plot_pareto
+            from condcomp.experiments.classification.plots import plot_pareto
 
             plot_dir.mkdir(parents=True, exist_ok=True)
             png = plot_dir / f"pareto_{ds}.png"
@@ -340,7 +339,7 @@ def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot
                             if p == "loss" or not _constant(r["difficulty"][p]["bins"])}
     out += [""]
     if plots:
-        from condcomp.experiments.plots import plot_difficulty
+        from condcomp.experiments.classification.plots import plot_difficulty
 
         for ds, series in series_by_ds.items():
             png = plot_dir / f"difficulty_{ds}.png"
@@ -374,7 +373,7 @@ def _heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir:
         if not freqs:
             continue
         if plots:
-            from condcomp.experiments.plots import plot_head_heatmaps
+            from condcomp.experiments.classification.plots import plot_head_heatmaps
 
             plot_dir.mkdir(parents=True, exist_ok=True)
             png = plot_dir / f"heads_{ds}.png"
@@ -388,4 +387,4 @@ def _heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir:
     return out
 
 
-__all__ = ["render_study", "mean_ci"]
+__all__ = ["render_study_page"]
