@@ -238,7 +238,7 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry point of ``condcomp bench attention`` and ``benchmarks/attention.py``."""
+    """Entry point of ``condcomp bench attention``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     passes = PASSES if args.passes == "both" else (args.passes,)

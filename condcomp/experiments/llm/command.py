@@ -74,7 +74,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--decode-results", type=Path, nargs="+", default=None, metavar="DIR",
                    help="folders of `condcomp bench decode` runs: the table adds decode ms/token x dense and KV MiB "
                         "at their largest prompt and batch, joined by kept KV fraction (e.g. "
-                        "benchmarks/results/decode_smollm2_cpu benchmarks/results/decode_smollm2_moh_cpu)")
+                        "results/bench/decode/smollm2_cpu results/bench/decode/smollm2_moh_cpu)")
     p.add_argument("--data-dir", default=None, help="staged datasets (default ../shared/data)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     for f in fields(TuneSettings):
