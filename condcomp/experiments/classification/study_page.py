@@ -58,8 +58,8 @@ DEPARTURES = [
     "1x1 patches = 64 pixel tokens with an embedding table over the 17 intensity levels) on scikit-learn's bundled "
     "8x8 digits (1,797 images, stratified 80/20 split with a fixed seed), trained from scratch.",
     "**FLOPs** are analytic (embeddings, projections, attention, FFN, routing; "
-    "`condcomp/experiments/metrics.py`) for the whole model; the paper does not say how it counted. Our model "
-    "is small, so attention is a larger share and the savings larger than the paper's.",
+    "`condcomp/experiments/classification/metrics.py`) for the whole model; the paper does not say how it counted. "
+    "Our model is small, so attention is a larger share and the savings larger than the paper's.",
     "**Latency** is the median wall-clock of one forward (batch 1 and batch 64 of test examples) with the "
     "executor named in the table (`gathered`: only the selected heads are computed), CPU, one thread, re-timed "
     "round-robin across the arms of a seed; a shared machine, so read ratios, not absolute times.",

@@ -1,4 +1,4 @@
-"""The tuning loop of ``condcomp tune-llm`` (the command is in tune_llm.py).
+"""The tuning loop of ``condcomp tune-llm`` (the command is in command.py, the study in tuning_study.py).
 
 Every variant is tuned with the same data, steps and method: LoRA on the attention projections (q, k, v, o) plus
 the routing parameters, loss on the continuation tokens only. Resumable: each variant checkpoints its trainable
@@ -30,7 +30,7 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 @dataclass
 class TuneSettings:
     """Sizes and tuning options. The defaults are the run a user would make (about 45 minutes per variant on two
-    CPU cores, the issue's budget); ``PRESETS["session"]`` is the reduced run of docs/llm.md's table."""
+    CPU cores); ``PRESETS["session"]`` is the reduced run of docs/llm.md's table."""
 
     seq_len: int = 256
     prompt_len: int = 64
@@ -73,7 +73,7 @@ class TuneSettings:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
-    # This session's reduced run: 40 steps of 4 x 256 tokens per variant (3-5 CPU minutes each, one thread).
+    # The reduced run: 40 steps of 4 x 256 tokens per variant (3-5 CPU minutes each, one thread).
     "session": {"steps": 40, "warmup": 4, "eval_seqs": 8, "calib_seqs": 4, "checkpoint_every": 5},
 }
 

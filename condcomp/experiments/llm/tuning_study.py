@@ -36,7 +36,7 @@ from condcomp.experiments.llm.variants import (
 )
 from condcomp.experiments.progress import progress_bar
 
-DECODE_NOTE = "from `condcomp bench decode` (issue 17); not measured by tune-llm"
+DECODE_NOTE = "from `condcomp bench decode`; not measured by tune-llm"
 
 
 def load_data(tokenizer: Any, data_dir: Path, s: TuneSettings) -> tuple[PackedSplit, PackedSplit, PackedSplit]:
