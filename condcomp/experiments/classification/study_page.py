@@ -14,23 +14,22 @@ from pathlib import Path
 from typing import Any
 
 from condcomp.experiments.classification.study_page_questions import (
-    QUESTIONS,
     adaptivity_section,
     questions_section,
     regime_section,
 )
+from condcomp.experiments.classification.study_page_sections import (
+    DATASETS,
+    NAMES,
+    coverage_section,
+    difficulty_section,
+    heads_section,
+    paper_section,
+    per_dataset_section,
+    setup_section,
+    summary_section,
+)
 
-DATASETS = ("ag_news", "snli", "dbpedia_14", "imdb", "yelp", "digits")
-NAMES = {"ag_news": "AG News", "snli": "SNLI", "dbpedia_14": "DBpedia-14 (**re-split**)", "imdb": "IMDB",
-         "yelp": "Yelp-5 (**re-split**)", "digits": "digits (ViT, scikit-learn)"}
-# BudgetFormer's reported numbers: standard, BudgetFormer, s_mean, FLOPs saved.
-PAPER = {"dbpedia_14": (0.9830, 0.9859, 0.085, "~3 %"), "ag_news": (0.9099, 0.9022, 0.212, "~3 %"),
-         "imdb": (0.8354, 0.8356, 0.601, "~10 %"), "snli": (0.7835, 0.8106, 0.364, "~2 %"),
-         "yelp": (0.5810, 0.6190, 0.198, "~20 %")}
-MAIN = ("standard", "budgetformer", "fixed_matched", "moh")
-ARM_ORDER = ("standard", "budgetformer", "fixed_matched", "moh", "budgetformer_random_heads",
-             "budgetformer_forced_matched", "budgetformer_all_heads")
-SEEDS_WANTED = (0, 1, 2)
 PROJECT_STUDY = Path(__file__).resolve().parents[3] / "results" / "reproduction"  # this repository's own study
 
 DEPARTURES = [
@@ -80,7 +79,6 @@ CHOSEN = (
     "warm-up."
 )
 
-
 def _load(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     summary = folder / "summary.json"
     if not summary.is_file():
@@ -91,26 +89,6 @@ def _load(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return records, stats
 
 
-def _ci(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
-    if not c or c.get("mean") is None:
-        return "-"
-    m = fmt.format(c["mean"] * scale)
-    if c.get("lo") is None:
-        return m  # one seed: no interval (the seeds column says how many)
-    return f"{m} [{fmt.format(c['lo'] * scale)}, {fmt.format(c['hi'] * scale)}]"
-
-
-def _mean(rs: list[dict[str, Any]], key: str) -> float | None:
-    vals = [r[key] for r in rs if r.get(key) is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
-def _arms_sorted(arms: set[str]) -> list[str]:
-    def key(a: str) -> tuple[int, str]:
-        return (ARM_ORDER.index(a), a) if a in ARM_ORDER else (len(ARM_ORDER), a)
-    return sorted(arms, key=key)
-
-
 def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True) -> str:
     """The results page (markdown) of the study in ``folder``; plots into ``folder/plots``; ``doc``: write it."""
     records, stats = _load(folder)
@@ -118,9 +96,38 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
     datasets += sorted({r["dataset"] for r in records} - set(datasets))
     plot_dir = folder / "plots"
     rel = (lambda p: os.path.relpath(p, doc.parent)) if doc is not None else (lambda p: str(p))
-    out: list[str] = ["# Results: the learned-budget vs fixed top-k study", ""]
     project = folder.resolve() == PROJECT_STUDY
     regenerate = f"condcomp report {folder}" + (f" --doc {doc}" if doc is not None else "")
+    out = _intro(folder, regenerate)
+    out += summary_section(stats, datasets)
+    out += questions_section(stats, datasets, NAMES)
+    out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
+    search_file = folder.parent / "budget_search" / "search.json"
+    search = json.loads(search_file.read_text()) if search_file.is_file() else None
+    out += regime_section(records, datasets, NAMES, search)
+    out += coverage_section(records, datasets, project)
+    out += paper_section(stats, datasets)
+    out += setup_section(records, stats, datasets)
+    out += ["", CHOSEN, ""]
+    cmds = sorted({r["command"] for r in records if r.get("command")})
+    out += ["", "Commands that produced the records:", "", "```bash", *cmds, "```", ""]
+    out += per_dataset_section(records, stats, datasets, plot_dir, rel, plots)
+    out += difficulty_section(records, datasets, plot_dir, rel, plots)
+    out += heads_section(records, datasets, plot_dir, rel, plots)
+    if project:
+        out += ["## Departures from the paper", ""] + [f"- {d}" for d in DEPARTURES] + [""]
+    rerun = (["bash results/reproduction/run_study.sh      # skips every finished run; one job, 1 thread"] if project
+             else sorted({str(r["command"]) for r in records if r.get("command")}))
+    out += ["## Continue the study / regenerate this page", "", "```bash", *rerun, regenerate, "```", ""]
+    text = "\n".join(out)
+    if doc is not None:
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        doc.write_text(text)
+    return text
+
+
+def _intro(folder: Path, regenerate: str) -> list[str]:
+    out: list[str] = ["# Results: the learned-budget vs fixed top-k study", ""]
     out += [
         f"Generated by `{regenerate}` from `{folder / 'summary.json'}` (one record per dataset x arm x seed) and "
         "`statistics.json` (intervals, paired tests); do not edit by hand. Per-example predictions stay in the "
@@ -136,254 +143,6 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
         "heads at its own budget: does the model depend on its router's picks?).",
         "",
     ]
-    out += _summary_lines(stats, datasets)
-    out += questions_section(stats, datasets, NAMES)
-    out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
-    search_file = folder.parent / "budget_search" / "search.json"
-    search = json.loads(search_file.read_text()) if search_file.is_file() else None
-    out += regime_section(records, datasets, NAMES, search)
-    # --- coverage
-    out += ["## Coverage: which cells are done", ""]
-    want = list(MAIN)
-    out += ["| dataset | " + " | ".join(want) + " | other arms (seeds) |", "|---|" + "---|" * (len(want) + 1)]
-    missing = []
-    for ds in datasets:
-        rs = [r for r in records if r["dataset"] == ds]
-        cells = []
-        for arm in want:
-            seeds = sorted(r["seed"] for r in rs if r["arm"] == arm)
-            cells.append(",".join(map(str, seeds)) or "-")
-            lack = [s for s in SEEDS_WANTED if s not in seeds]
-            if lack:
-                missing.append(f"{ds}/{arm} seeds {','.join(map(str, lack))}")
-        others = {a: sorted(r["seed"] for r in rs if r["arm"] == a) for a in {r["arm"] for r in rs} - set(want)}
-        cells.append("; ".join(f"{a} ({','.join(map(str, s))})" for a, s in sorted(others.items())) or "-")
-        out.append(f"| {NAMES.get(ds, ds)} | " + " | ".join(cells) + " |")
-    for ds in DATASETS if project else ():
-        if ds not in datasets:
-            missing.append(f"{ds}: not run yet")
-    out += ["", f"Missing for {len(MAIN)} arms x seeds {', '.join(map(str, SEEDS_WANTED))}: "
-            + ("; ".join(missing) if missing else "none") + ".", ""]
-    # --- paper vs ours
-    out += ["## Our numbers beside the paper's", ""]
-    out += ["Paper: BudgetFormer's reported results (4x8x768, 10 epochs, full data, A100). Ours: mean [95 % "
-            "t-interval] over the seeds done; FLOPs saved = 1 - analytic FLOP fraction of the whole model.", ""]
-    out += ["| dataset | paper std | paper BF | paper s_mean | paper FLOPs saved | our std | our BF | our s_mean | "
-            "our heads | our FLOPs saved |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for ds in datasets:
-        p = PAPER.get(ds)
-        arms = (stats.get(ds) or {}).get("arms", {})
-        std, bf = arms.get("standard", {}), arms.get("budgetformer", {})
-        saved = bf.get("flop_fraction", {}).get("mean")
-        ps = [f"{p[0]:.4f}", f"{p[1]:.4f}", f"{p[2]:.3f}", p[3]] if p else ["-"] * 4
-        out.append(f"| {NAMES.get(ds, ds)} | " + " | ".join(ps) + f" | {_ci(std.get('accuracy'))} | "
-                   f"{_ci(bf.get('accuracy'))} | {_ci(bf.get('s_mean'), '{:.3f}')} | "
-                   f"{_ci(bf.get('heads'), '{:.3f}')} | "
-                   + (f"{100 * (1 - saved):.1f} %" if saved is not None else "-") + " |")
-    out += [""]
-    # --- setup
-    out += ["## Setup (from the records)", ""]
-    out += ["| dataset | model (L x H x d, FFN) | max_len | train rows | test rows | steps | batch | lr | "
-            "threads | train s (standard, mean) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for ds in datasets:
-        rs = [r for r in records if r["dataset"] == ds and r["arm"] == "standard"] or \
-             [r for r in records if r["dataset"] == ds]
-        r0 = rs[0]
-        m, su = r0.get("model") or {}, r0.get("setup") or {}
-        ts = _mean(rs, "train_seconds")
-        out.append(f"| {NAMES.get(ds, ds)} | {m.get('num_layers')} x {m.get('num_heads')} x {m.get('d_model')}, "
-                   f"{m.get('d_ff')} | {su.get('max_len')} | {r0.get('n_train')} | {r0.get('n_test')} | "
-                   f"{r0.get('train_steps')} | {su.get('batch_size')} | {su.get('lr')} | {su.get('threads')} | "
-                   + (f"{ts:.0f}" if ts else "-") + " |")
-    out += [""]
-    for ds, goal in (("ag_news", 0.85), ("snli", 0.50)):
-        acc = ((stats.get(ds) or {}).get("arms", {}).get("standard") or {}).get("accuracy") or {}
-        if acc.get("mean") is not None:
-            ok = "met" if acc["mean"] >= goal else "**not met**"
-            out.append(f"- Trained enough? {NAMES[ds]} standard accuracy {acc['mean']:.4f} over {acc['n']} seed(s), "
-                       f"goal >= {goal:.2f}: {ok}.")
-    out += ["", CHOSEN, ""]
-    cmds = sorted({r["command"] for r in records if r.get("command")})
-    out += ["", "Commands that produced the records:", "", "```bash", *cmds, "```", ""]
-    # --- per dataset tables + plots
-    out += ["## Every arm, per dataset", ""]
-    out += ["The Pareto plots put every arm at its realised heads (left) and at its analytic FLOP fraction of the "
-            "whole model (right; MoH's per-token routing saves less compute than its head share suggests): the "
-            "fixed top-k sweep `fixed_<f>` (grey squares, joined; `fixed_1` is the standard model), fixed top-k "
-            "at the matched or per-layer counts (grey, not joined: they mix head counts), BudgetFormer with the "
-            "paper's loss and with a price on heads (blue), MoH (orange), controls (red). Each point is the mean "
-            "over seeds with its 95 % t-interval over seeds; a one-seed point carries the binomial 95 % interval "
-            "of its test accuracy instead (dashed), which leaves out the seed-to-seed spread. Faint dots: the "
-            "single seeds.", ""]
-    out += ["Mean [95 % t-interval over seeds] (one seed: no interval). Latency in ms (median of one forward; "
-            "executor in the last column) on a shared machine whose load drifts: the intervals over seeds are "
-            "wide, read them before any ratio. Peak activation memory at batch 64 in MiB; gCO2 of evaluating the "
-            "whole test split.", ""]
-    for ds in datasets:
-        rs = [r for r in records if r["dataset"] == ds]
-        arms_st = (stats.get(ds) or {}).get("arms", {})
-        out += [f"### {NAMES.get(ds, ds)}", ""]
-        out += ["| arm | seeds | accuracy | heads (k/H) | s_mean | FLOP frac | lat b1 ms | lat b64 ms | "
-                "peak MiB b64 | gCO2 (test split) | executor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for arm in _arms_sorted({r["arm"] for r in rs}):
-            a = arms_st.get(arm, {})
-            ar = [r for r in rs if r["arm"] == arm]
-            mem, g = _mean(ar, "peak_inference_memory_b64_bytes"), _mean(ar, "inference_gco2")
-            gtxt = f"{g:.2g}" if g is not None else "null: " + (ar[0].get("inference_gco2_note") or "")
-            out.append(f"| {arm} | {','.join(str(r['seed']) for r in sorted(ar, key=lambda r: r['seed']))} | "
-                       f"{_ci(a.get('accuracy'))} | {_ci(a.get('heads'), '{:.3f}')} | "
-                       f"{_ci(a.get('s_mean'), '{:.3f}')} | {_ci(a.get('flop_fraction'), '{:.3f}')} | "
-                       + f"{_ci(a.get('latency_b1_s'), '{:.2f}', 1000)} | "
-                       + f"{_ci(a.get('latency_b64_s'), '{:.1f}', 1000)} | "
-                       + (f"{mem / 2**20:.1f}" if mem else "-") + f" | {gtxt} | {ar[0].get('latency_executor')} |")
-        out += [""]
-        comps = (stats.get(ds) or {}).get("comparisons", {})
-        asked = {name for _, group in QUESTIONS for name, _ in group}
-        other = [c for n, c in comps.items() if n not in asked]
-        if other:
-            out += ["Other paired comparisons (a - b in points; 95 % seed-level t; within-seed example bootstrap):",
-                    ""]
-            for c in other:
-                t, b = c.get("seed_t") or {}, c.get("bootstrap")
-                ci = f"[{100 * t['lo']:+.2f}, {100 * t['hi']:+.2f}]" if t.get("lo") is not None else "(one seed)"
-                boot = "" if not b else f"; bootstrap [{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}]" + (
-                    "" if b.get("resampled") == "examples" else " (seeds and examples)")
-                out.append(f"- {c['a']} vs {c['b']} (seeds {', '.join(map(str, c['seeds']))}): "
-                           f"{100 * t.get('mean', 0.0):+.2f} {ci}{boot}: {c.get('verdict')}")
-            out += [""]
-        if plots:
-            from condcomp.experiments.classification.plots import plot_pareto
-
-            plot_dir.mkdir(parents=True, exist_ok=True)
-            png = plot_dir / f"pareto_{ds}.png"
-            if plot_pareto(rs, png, f"{NAMES.get(ds, ds).replace('**', '')}: accuracy vs realised heads"):
-                out += [f"![accuracy vs heads, {ds}]({rel(png)})", ""]
-    # --- difficulty
-    out += _difficulty_section(records, datasets, plot_dir, rel, plots)
-    out += _heads_section(records, datasets, plot_dir, rel, plots)
-    if project:
-        out += ["## Departures from the paper", ""] + [f"- {d}" for d in DEPARTURES] + [""]
-    rerun = (["bash results/reproduction/run_study.sh      # skips every finished run; one job, 1 thread"] if project
-             else sorted({str(r["command"]) for r in records if r.get("command")}))
-    out += ["## Continue the study / regenerate this page", "", "```bash", *rerun, regenerate, "```", ""]
-    text = "\n".join(out)
-    if doc is not None:
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        doc.write_text(text)
-    return text
-
-
-def _summary_lines(stats: dict[str, Any], datasets: list[str]) -> list[str]:
-    """One bullet per dataset: the seed-level verdict of each question that has numbers."""
-    parts = (("budgetformer_vs_fixed_matched", "learned budget vs uniform fixed top-k at the matched count"),
-             ("fixed_per_layer_vs_fixed_matched", "per-layer allocation (fixed) vs uniform"),
-             ("budgetformer_vs_fixed_per_layer", "per-input budget vs fixed per-layer counts"),
-             ("budgetformer_vs_budgetformer_mode_k", "per-input head counts vs each layer's most common count "
-                                                     "(same model)"))
-    out = ["## In short", "",
-           "Accuracy differences in points, mean over seeds, 95 % seed-level t interval; MDD = the difference "
-           "the seeds detect with 80 % power.", ""]
-    for ds in datasets:
-        comps = (stats.get(ds) or {}).get("comparisons", {})
-        bits = []
-        for name, what in parts:
-            c = comps.get(name)
-            if not c:
-                continue
-            t = c.get("seed_t") or {}
-            mdd = t.get("mdd_80")
-            b = c.get("bootstrap") if t.get("lo") is None else None  # one seed: only the test-sample interval
-            bits.append(f"{what}: {100 * t['mean']:+.2f} over {len(c['seeds'])} seed(s), {c.get('verdict')}"
-                        + (f" (MDD {100 * mdd:.2f})" if mdd is not None else "")
-                        + (f" (test-sample interval [{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}], which leaves out "
-                           "the seed-to-seed spread)" if b else ""))
-        if bits:
-            out.append(f"- **{NAMES.get(ds, ds).replace('**', '')}**: " + "; ".join(bits) + ".")
-    return out + [""]
-
-
-def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,
-                        plots: bool) -> list[str]:
-    out = ["## Budget vs difficulty", "",
-           "Per test example, BudgetFormer's predicted budget s (mean over layers) against two difficulty proxies: "
-           "the *standard* model's loss on that example (same seed; an independent model, high = hard) and the "
-           "input length in tokens (after truncation to the setup's max_len: where many inputs are longer, as on "
-           "IMDB and Yelp, the top length deciles all sit at that cap, and the length proxy says nothing there; "
-           "where every input has the same length, as the 64 pixel tokens of digits, there is no length proxy). "
-           "Spearman rank correlation (several seeds: mean [range]); the paper claims s rises "
-           "with difficulty. s_sd: how much s varies across examples at all.", "",
-           "| dataset | seeds | s_sd | Spearman(loss, s) | Spearman(length, s) | Spearman(loss, heads) |",
-           "|---|---|---|---|---|---|"]
-    series_by_ds: dict[str, dict[str, list[dict[str, float]]]] = {}
-    for ds in datasets:
-        rs = [r for r in records if r["dataset"] == ds and r["arm"] == "budgetformer" and r.get("difficulty")]
-        if not rs:
-            continue
-
-        def fmt(vals: list[float | None]) -> str:
-            v = [x for x in vals if x is not None]
-            if not v:
-                return "- (s constant)"
-            if len(v) == 1:
-                return f"{v[0]:+.3f}"
-            return f"{sum(v) / len(v):+.3f} [{min(v):+.3f}, {max(v):+.3f}]"
-        d = [r["difficulty"] for r in rs]
-        sds = [x["s_sd"] for x in d if x.get("s_sd") is not None]
-        out.append(f"| {NAMES.get(ds, ds)} | {','.join(str(r['seed']) for r in rs)} | "
-                   + (f"{sum(sds) / len(sds):.4f}" if sds else "-") + " | "
-                   f"{fmt([x['loss']['spearman_s'] for x in d])} | "
-                   + ("- (one length)" if all(_constant(x["length"]["bins"]) for x in d)
-                      else fmt([x["length"]["spearman_s"] for x in d])) + " | "
-                   f"{fmt([x['loss']['spearman_heads'] for x in d])} |")
-        series_by_ds[ds] = {f"{p}/seed {r['seed']}": r["difficulty"][p]["bins"] for r in rs for p in ("loss", "length")
-                            if p == "loss" or not _constant(r["difficulty"][p]["bins"])}
-    out += [""]
-    if plots:
-        from condcomp.experiments.classification.plots import plot_difficulty
-
-        for ds, series in series_by_ds.items():
-            png = plot_dir / f"difficulty_{ds}.png"
-            if plot_difficulty(series, png, f"{NAMES.get(ds, ds).replace('**', '')}: BudgetFormer's budget by "
-                               "difficulty (10 equal-count bins)"):
-                out += [f"![budget vs difficulty, {ds}]({rel(png)})", ""]
-    return out
-
-
-def _constant(bins: list[dict[str, float]]) -> bool:
-    """A proxy that takes one value on every example (e.g. the length of fixed-size images)."""
-    return bool(bins) and bins[0]["x_lo"] == bins[-1]["x_hi"]
-
-
-def _heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,
-                   plots: bool) -> list[str]:
-    out = ["## Which heads", "",
-           "Per layer x head: how often each head ran on the test split (BudgetFormer, fixed top-k: share of "
-           "examples; MoH: share of real tokens), mean over seeds. The first MoH heads are the shared ones "
-           "(always on).", ""]
-    for ds in datasets:
-        freqs: dict[str, list[list[float]]] = {}
-        for arm in ("budgetformer", "fixed_matched", "moh"):
-            rs = [r for r in records if r["dataset"] == ds and r["arm"] == arm and r.get("head_freq")]
-            if not rs:
-                continue
-            layers = sorted(rs[0]["head_freq"])
-            grid = [[sum(r["head_freq"][ly][h] for r in rs) / len(rs) for h in range(len(rs[0]["head_freq"][ly]))]
-                    for ly in layers]
-            freqs[f"{arm} ({len(rs)} seeds)"] = grid
-        if not freqs:
-            continue
-        if plots:
-            from condcomp.experiments.classification.plots import plot_head_heatmaps
-
-            plot_dir.mkdir(parents=True, exist_ok=True)
-            png = plot_dir / f"heads_{ds}.png"
-            if plot_head_heatmaps(freqs, png, f"{NAMES.get(ds, ds).replace('**', '')}: head selection frequency"):
-                out += [f"![head selection, {ds}]({rel(png)})", ""]
-        for name, grid in freqs.items():
-            spread = max(max(r) for r in grid) - min(min(r) for r in grid)
-            out.append(f"- {ds} {name}: per-layer mean heads " + ", ".join(f"{sum(r) / len(r):.2f}" for r in grid)
-                       + f"; max-min frequency over heads {spread:.2f}")
-        out += [""]
     return out
 
 
