@@ -147,7 +147,7 @@ def record(row: dict[str, Any], dataset: str, arm: str, seed: int, command: str,
 
 
 def write_statistics(summary_path: Path, out: Path | None = None) -> dict[str, Any]:
-    """Recompute ``statistics.json`` beside the summary from its records (see :mod:`study_stats`)."""
+    """Recompute ``statistics.json`` beside the summary from its records (see :mod:`.ablation_stats`)."""
     from condcomp.experiments.classification.ablation_stats import merge_kept, statistics
 
     with _locked(summary_path):

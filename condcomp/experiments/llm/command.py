@@ -2,7 +2,8 @@
 against KV memory, side by side with static pruning (docs/llm.md, "Continue-tuning: quality against KV memory").
 
 The tuning loop is in tuning.py, the study (data, reference, static head sets, variants, summary) in
-study.py, the variants in variants.py, the measurements in evaluation.py.
+tuning_study.py, its summary table and plot in tuning_report.py, the variants in variants.py, the measurements in
+evaluation.py.
 """
 
 from __future__ import annotations
