@@ -96,3 +96,15 @@ def test_scatter_benchmark_checks_every_variant_before_timing(tmp_path: Path, mo
     monkeypatch.setitem(sys.modules, "torch_scatter", fake_torch_scatter(correct=False))
     with pytest.raises(AssertionError, match="torch_scatter.scatter disagrees"):
         scatter_bench.run(reps=1, rounds=1)
+
+
+def test_condcomp_bench_scatter_runs_the_same_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line reaches the module's benchmark: every case and variant written to --out."""
+    from condcomp.cli import main as condcomp_main
+
+    monkeypatch.setitem(sys.modules, "torch_scatter", fake_torch_scatter(correct=True))
+    assert condcomp_main(["bench", "scatter", "--out", str(tmp_path), "--reps", "1", "--rounds", "1",
+                          "--threads", "1"]) == 0
+    records = json.loads((tmp_path / "metrics.json").read_text())
+    cases = load_benchmark_script("scatter").cases(torch.Generator().manual_seed(0))
+    assert len(records) == 4 * len(cases) and all(r["threads"] == 1 for r in records)
