@@ -99,7 +99,6 @@ class AblationPlan:
         return names
 
 
-
 def _seed_done(names: list[str], summary: list[dict[str, Any]], dataset: str, seed: int) -> bool:
     have = {r["arm"]: r for r in summary if r["dataset"] == dataset and r["seed"] == seed}
     return all(n in have and (Path(have[n]["run_dir"]) / "metrics.json").is_file() for n in names)

@@ -23,7 +23,8 @@ ARM_ORDER = ("standard", "budgetformer", "fixed_matched", "moh", "budgetformer_r
 SEEDS_WANTED = (0, 1, 2)
 
 
-def interval(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
+def _interval(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
+    """``mean [lo, hi]`` of an interval record (one seed: the mean alone; none: ``-``)."""
     if not c or c.get("mean") is None:
         return "-"
     m = fmt.format(c["mean"] * scale)
@@ -32,20 +33,20 @@ def interval(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0) 
     return f"{m} [{fmt.format(c['lo'] * scale)}, {fmt.format(c['hi'] * scale)}]"
 
 
-def mean_of(rs: list[dict[str, Any]], key: str) -> float | None:
+def _mean_of(rs: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rs if r.get(key) is not None]
     return sum(vals) / len(vals) if vals else None
 
 
-def arms_in_order(arms: set[str]) -> list[str]:
+def _arms_in_order(arms: set[str]) -> list[str]:
     def key(a: str) -> tuple[int, str]:
         return (ARM_ORDER.index(a), a) if a in ARM_ORDER else (len(ARM_ORDER), a)
     return sorted(arms, key=key)
 
+
 def coverage_section(records: list[dict[str, Any]], datasets: list[str], project: bool) -> list[str]:
     """Which dataset x arm cells have which seeds, and what is missing (``project``: every dataset is wanted)."""
-    out: list[str] = []
-    out += ["## Coverage: which cells are done", ""]
+    out: list[str] = ["## Coverage: which cells are done", ""]
     want = list(MAIN)
     out += ["| dataset | " + " | ".join(want) + " | other arms (seeds) |", "|---|" + "---|" * (len(want) + 1)]
     missing = []
@@ -71,8 +72,7 @@ def coverage_section(records: list[dict[str, Any]], datasets: list[str], project
 
 def paper_section(stats: dict[str, Any], datasets: list[str]) -> list[str]:
     """BudgetFormer's reported numbers beside ours."""
-    out: list[str] = []
-    out += ["## Our numbers beside the paper's", ""]
+    out: list[str] = ["## Our numbers beside the paper's", ""]
     out += ["Paper: BudgetFormer's reported results (4x8x768, 10 epochs, full data, A100). Ours: mean [95 % "
             "t-interval] over the seeds done; FLOPs saved = 1 - analytic FLOP fraction of the whole model.", ""]
     out += ["| dataset | paper std | paper BF | paper s_mean | paper FLOPs saved | our std | our BF | our s_mean | "
@@ -83,9 +83,9 @@ def paper_section(stats: dict[str, Any], datasets: list[str]) -> list[str]:
         std, bf = arms.get("standard", {}), arms.get("budgetformer", {})
         saved = bf.get("flop_fraction", {}).get("mean")
         ps = [f"{p[0]:.4f}", f"{p[1]:.4f}", f"{p[2]:.3f}", p[3]] if p else ["-"] * 4
-        out.append(f"| {NAMES.get(ds, ds)} | " + " | ".join(ps) + f" | {interval(std.get('accuracy'))} | "
-                   f"{interval(bf.get('accuracy'))} | {interval(bf.get('s_mean'), '{:.3f}')} | "
-                   f"{interval(bf.get('heads'), '{:.3f}')} | "
+        out.append(f"| {NAMES.get(ds, ds)} | " + " | ".join(ps) + f" | {_interval(std.get('accuracy'))} | "
+                   f"{_interval(bf.get('accuracy'))} | {_interval(bf.get('s_mean'), '{:.3f}')} | "
+                   f"{_interval(bf.get('heads'), '{:.3f}')} | "
                    + (f"{100 * (1 - saved):.1f} %" if saved is not None else "-") + " |")
     out += [""]
     return out
@@ -93,8 +93,7 @@ def paper_section(stats: dict[str, Any], datasets: list[str]) -> list[str]:
 
 def setup_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets: list[str]) -> list[str]:
     """The model, data and training of each dataset, from the records, and whether the standard model trained enough."""
-    out: list[str] = []
-    out += ["## Setup (from the records)", ""]
+    out: list[str] = ["## Setup (from the records)", ""]
     out += ["| dataset | model (L x H x d, FFN) | max_len | train rows | test rows | steps | batch | lr | "
             "threads | train s (standard, mean) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for ds in datasets:
@@ -102,7 +101,7 @@ def setup_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets
              [r for r in records if r["dataset"] == ds]
         r0 = rs[0]
         m, su = r0.get("model") or {}, r0.get("setup") or {}
-        ts = mean_of(rs, "train_seconds")
+        ts = _mean_of(rs, "train_seconds")
         out.append(f"| {NAMES.get(ds, ds)} | {m.get('num_layers')} x {m.get('num_heads')} x {m.get('d_model')}, "
                    f"{m.get('d_ff')} | {su.get('max_len')} | {r0.get('n_train')} | {r0.get('n_test')} | "
                    f"{r0.get('train_steps')} | {su.get('batch_size')} | {su.get('lr')} | {su.get('threads')} | "
@@ -120,8 +119,7 @@ def setup_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets
 def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets: list[str], plot_dir: Path,
                         rel: Callable[[Path], str], plots: bool) -> list[str]:
     """Every arm of every dataset: a table, the other paired comparisons and the Pareto plot."""
-    out: list[str] = []
-    out += ["## Every arm, per dataset", ""]
+    out: list[str] = ["## Every arm, per dataset", ""]
     out += ["The Pareto plots put every arm at its realised heads (left) and at its analytic FLOP fraction of the "
             "whole model (right; MoH's per-token routing saves less compute than its head share suggests): the "
             "fixed top-k sweep `fixed_<f>` (grey squares, joined; `fixed_1` is the standard model), fixed top-k "
@@ -140,16 +138,16 @@ def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], da
         out += [f"### {NAMES.get(ds, ds)}", ""]
         out += ["| arm | seeds | accuracy | heads (k/H) | s_mean | FLOP frac | lat b1 ms | lat b64 ms | "
                 "peak MiB b64 | gCO2 (test split) | executor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for arm in arms_in_order({r["arm"] for r in rs}):
+        for arm in _arms_in_order({r["arm"] for r in rs}):
             a = arms_st.get(arm, {})
             ar = [r for r in rs if r["arm"] == arm]
-            mem, g = mean_of(ar, "peak_inference_memory_b64_bytes"), mean_of(ar, "inference_gco2")
+            mem, g = _mean_of(ar, "peak_inference_memory_b64_bytes"), _mean_of(ar, "inference_gco2")
             gtxt = f"{g:.2g}" if g is not None else "null: " + (ar[0].get("inference_gco2_note") or "")
             out.append(f"| {arm} | {','.join(str(r['seed']) for r in sorted(ar, key=lambda r: r['seed']))} | "
-                       f"{interval(a.get('accuracy'))} | {interval(a.get('heads'), '{:.3f}')} | "
-                       f"{interval(a.get('s_mean'), '{:.3f}')} | {interval(a.get('flop_fraction'), '{:.3f}')} | "
-                       + f"{interval(a.get('latency_b1_s'), '{:.2f}', 1000)} | "
-                       + f"{interval(a.get('latency_b64_s'), '{:.1f}', 1000)} | "
+                       f"{_interval(a.get('accuracy'))} | {_interval(a.get('heads'), '{:.3f}')} | "
+                       f"{_interval(a.get('s_mean'), '{:.3f}')} | {_interval(a.get('flop_fraction'), '{:.3f}')} | "
+                       + f"{_interval(a.get('latency_b1_s'), '{:.2f}', 1000)} | "
+                       + f"{_interval(a.get('latency_b64_s'), '{:.1f}', 1000)} | "
                        + (f"{mem / 2**20:.1f}" if mem else "-") + f" | {gtxt} | {ar[0].get('latency_executor')} |")
         out += [""]
         comps = (stats.get(ds) or {}).get("comparisons", {})
