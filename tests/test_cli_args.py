@@ -20,18 +20,21 @@ def _refuse_work(monkeypatch: pytest.MonkeyPatch) -> None:
     import condcomp.bench.attention
     import condcomp.bench.compile
     import condcomp.bench.decode
+    import condcomp.bench.gpu_check
+    import condcomp.bench.scatter
+    import condcomp.experiments.classification.ablation
     import condcomp.experiments.classification.demo
     import condcomp.experiments.classification.runner
-    import condcomp.experiments.classification.study
-    import condcomp.experiments.llm.study
+    import condcomp.experiments.llm.tuning_study
 
     classification = condcomp.experiments.classification
     for module, name in [(classification.runner, "run_single"), (classification.runner, "eval_checkpoint"),
-                         (classification.study, "run_study"), (classification.demo, "run_demo"),
-                         (condcomp.experiments.llm.study, "run_study"),
-                         (condcomp.experiments.llm.study, "write_summary"),
+                         (classification.ablation, "run_ablation_study"), (classification.demo, "run_demo"),
+                         (condcomp.experiments.llm.tuning_study, "run_tuning_study"),
+                         (condcomp.experiments.llm.tuning_study, "write_summary"),
                          (condcomp.bench.decode, "run"), (condcomp.bench.attention, "run"),
-                         (condcomp.bench.compile, "run")]:
+                         (condcomp.bench.compile, "run"), (condcomp.bench.scatter, "run"),
+                         (condcomp.bench.gpu_check, "run"), (condcomp.bench.gpu_check, "checks")]:
         monkeypatch.setattr(module, name, started)
 
 
@@ -54,6 +57,8 @@ def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     ["tune-llm", "--out", "{dir}", "--results", "{file}"],
     ["bench", "attention", "--out", "{file}"],
     ["bench", "compile", "--out", "{file}"],
+    ["bench", "scatter", "--out", "{file}"],
+    ["bench", "gpu-check", "--out", "{file}"],
     ["bench", "decode", "--model", "tiny-llama", "--quick", "--out", "{file}"],
     ["bench", "decode", "--model", "tiny-llama", "--quick", "--out", "{file}/sub"],
 ], ids=lambda argv: " ".join(a for a in argv if not a.startswith("{")))

@@ -138,8 +138,7 @@ def time_group(fns: dict[str, Callable[[], Tensor]], passes: tuple[str, ...], re
                device: torch.device, inputs: list[Tensor]) -> dict[tuple[str, str], tuple[list[float], float]]:
     """Every repetition's milliseconds and the median minor page faults of every (variant, pass), variants
     interleaved within each repetition. Page faults are recorded because glibc's malloc may hand freed memory back
-    to the OS between calls; a call that then touches fresh pages pays for them (the "Allocator"
-    section of docs/performance.md's earlier versions, in git)."""
+    to the OS between calls; a call that then touches fresh pages pays for them."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[tuple[str, str], list[float]] = {(v, p): [] for v in fns for p in passes}
     faults: dict[tuple[str, str], list[int]] = {(v, p): [] for v in fns for p in passes}
@@ -238,7 +237,7 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry point of ``condcomp bench attention`` and ``benchmarks/attention.py``."""
+    """Entry point of ``condcomp bench attention``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     passes = PASSES if args.passes == "both" else (args.passes,)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import re
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from condcomp.cli_args import output_folder
+from condcomp.experiments.llm.variants import parse_decode_variant
 from condcomp.experiments.progress import progress_bar
 
 TINY_LLAMA: dict[str, Any] = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -65,25 +65,13 @@ def default_variants(model_name: str) -> list[str]:
     return ["dense", "full", *[f"keep_{f:.2f}" for f in KEPT_FRACTIONS.get(model_name, ())]]
 
 
-def parse_variant(name: str) -> tuple[str, float]:
-    """``(kind, fraction)`` of a variant name: ``dense`` / ``full`` (fraction 1), ``keep_<f>``, ``moh_<f>``."""
-    if name in ("dense", "full"):
-        return name, 1.0
-    kind, _, value = name.partition("_")
-    f = float(value) if re.fullmatch(r"\d*\.?\d+", value) else -1.0
-    if kind not in ("keep", "moh") or not 0.0 < f <= 1.0:
-        raise ValueError(f"unknown decode variant {name!r}: use dense, full, keep_<f> or moh_<f> with f in (0, 1], "
-                         "e.g. keep_0.33 or moh_0.75")
-    return kind, f
-
-
 def variant_config(name: str, num_heads: int) -> Any:
     """The CondCompConfig of a variant name (None for ``dense``): ``full``; ``keep_<f>`` (fixed budget f, topk
     router choosing whole KV groups: a per-request plan); ``moh_<f>`` (MoH's conversion keeping the fraction f of
     the heads per token, as ``condcomp tune-llm``'s ``moh_75`` / ``moh_50``)."""
     import condcomp
 
-    kind, f = parse_variant(name)
+    kind, f = parse_decode_variant(name)
     if kind == "dense":
         return None
     if kind == "full":
@@ -196,7 +184,7 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
         names: list[str] | None = None) -> list[dict[str, Any]]:
     from condcomp.experiments.llm.evaluation import usage_summary
 
-    parsed = [parse_variant(name) for name in names or ()]  # a typo fails now, not after loading the model
+    parsed = [parse_decode_variant(name) for name in names or ()]  # a typo fails now, not after loading the model
     if len(set(parsed)) < len(parsed):
         raise ValueError(f"--variants names one variant twice: {' '.join(names or ())}")
     torch.set_num_threads(threads)

@@ -32,6 +32,6 @@ run paper --method budgetformer
 # the most promising setting trained for a whole epoch (598 steps, as the study), and at a second seed
 run narrow_explore_598 --method budgetformer --max-steps 598 --method-options "{$NARROW, $EXPLORE}"
 run narrow_explore_seed1 --method budgetformer --seed 1 --method-options "{$NARROW, $EXPLORE}"
-# the budget learns from the sign of each example's pull only (condcomp/experiments/signed_budget.py)
+# the budget learns from the sign of each example's pull only (condcomp/experiments/classification/signed_budget.py)
 run narrow_explore_signed --method budgetformer --method-options "{\"policy\": [\"budgetformer_signed\", {$NARROW}], $EXPLORE}"
 run narrow_explore_signed_598 --method budgetformer --max-steps 598 --method-options "{\"policy\": [\"budgetformer_signed\", {$NARROW}], $EXPLORE}"

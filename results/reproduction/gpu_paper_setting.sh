@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The paper's setting on one GPU (prepared, NOT run: no GPU was lent to issue 19's session).
+# The paper's setting on one GPU (prepared, not yet run on a GPU).
 #
-# BudgetFormer as reported (SPEC.md section 1): encoder of 4 layers, 8 heads, d = 768 (FFN 3072), trained from
+# BudgetFormer as its paper reports it: encoder of 4 layers, 8 heads, d = 768 (FFN 3072), trained from
 # scratch per task, AdamW lr 2e-5, batch 16, 10 epochs; here on the staged subsets of ../shared/data (the full
 # datasets are not staged), max_len 256, every arm x 3 seeds, plus the Pareto sweep on every dataset.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The learned-budget vs fixed top-k study (issue 19), in the order that answers the question soonest.
+# The learned-budget vs fixed top-k study, in the order that answers the question soonest.
 # Resumable: every finished run (runs/study/DATASET/seedK/ARM/metrics.json + checkpoint) is skipped, so rerun
 # this script to continue; each finished run is added to results/reproduction/summary.json at once.
 # One job, one torch thread (the machine is shared). Then: condcomp report results/reproduction --doc docs/results.md

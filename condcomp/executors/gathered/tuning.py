@@ -1,7 +1,7 @@
 """The gathered executor's tuning: every threshold that picks a strategy, as one frozen object per device.
 
-The CPU values were measured on a 2-core x86 CPU with MKL (``condcomp bench attention`` and the A/B scripts in
-benchmarks/; docs/performance.md has the tables). No GPU run has set the CUDA values yet: they are the CPU values,
+The CPU values were measured on a 2-core x86 CPU with MKL (``condcomp bench attention`` and ``condcomp bench scatter``;
+docs/performance.md has the tables). No GPU run has set the CUDA values yet: they are the CPU values,
 marked ``measured=False`` so reports can say so. A :class:`GatheredExecutor` holds one (``tuning=``) or picks the
 one of the call's device; tests pass their own instead of rewriting module globals.
 """

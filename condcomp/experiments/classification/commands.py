@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from condcomp.cli_args import json_object, json_object_file, output_file, output_folder, read_json_object
+from condcomp.experiments.classification.ablation import CONTROLS, DEFAULT_ARMS, LAYER_ARMS
 from condcomp.experiments.classification.runconfig import RunConfig
-from condcomp.experiments.classification.study import CONTROLS, DEFAULT_ARMS, LAYER_ARMS
 
 # RunConfig fields exposed as flags: (type, help). Lists take several values; dicts are JSON strings.
 _HELP = {
@@ -85,7 +85,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from condcomp.experiments.classification.report import markdown_table, rows_of
+    from condcomp.experiments.classification.metrics_report import markdown_table, rows_of
     from condcomp.experiments.classification.runner import run_single
 
     cfg = run_config(args)
@@ -97,7 +97,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from condcomp.experiments.classification.report import markdown_table, rows_of
+    from condcomp.experiments.classification.metrics_report import markdown_table, rows_of
     from condcomp.experiments.classification.runner import eval_checkpoint
 
     overrides = {k: v for k, v in (("data_dir", args.data_dir), ("max_test", args.max_test),
@@ -113,19 +113,19 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     import shlex
     import sys
 
-    from condcomp.experiments.classification.report import markdown_table
-    from condcomp.experiments.classification.study import StudyPlan, run_study
+    from condcomp.experiments.classification.ablation import AblationPlan, run_ablation_study
+    from condcomp.experiments.classification.metrics_report import markdown_table
 
     cfg = run_config(args)
     _threads(cfg.threads)
-    plan = StudyPlan(arms=tuple(args.arms), sweep_fractions=tuple(args.sweep_fractions),
+    plan = AblationPlan(arms=tuple(args.arms), sweep_fractions=tuple(args.sweep_fractions),
                      budget_costs=tuple(args.budget_costs), moh_topk=tuple(args.moh_topk),
                      moh=args.moh or {},
                      budgetformer=cfg.method_options if cfg.method == "budgetformer" else {})
     seeds = list(args.seeds) if args.seeds else [cfg.seed]
     summary = args.summary or args.out / "summary.json"
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["ablate"] else None
-    records = run_study(cfg, args.out, seeds, plan, summary, command)
+    records = run_ablation_study(cfg, args.out, seeds, plan, summary, command)
     rows = {f"seed{r['seed']}/{r['arm']}": {"accuracy": r["accuracy"], "s_mean": r["s_mean"], "k_frac": r["heads"],
                                             "flop_frac": r["flop_fraction"], "latency_b1": r["latency_b1_s"],
                                             "latency_b64": r["latency_b64_s"],
@@ -137,21 +137,21 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from condcomp.experiments.classification.report import render
+    from condcomp.experiments.classification.metrics_report import render_metrics_report
 
     studies = [p for p in args.metrics if p.is_dir() and (p / "summary.json").is_file()]
     if studies:
-        from condcomp.experiments.classification.results_doc import render_study
+        from condcomp.experiments.classification.study_page import render_study_page
 
         if len(args.metrics) > 1:
             raise ValueError("report: a study folder (with summary.json) is reported on its own")
-        print(render_study(studies[0], args.doc, plots=not args.no_plots))
+        print(render_study_page(studies[0], args.doc, plots=not args.no_plots))
         if args.doc:
             print(f"wrote {args.doc} (plots in {studies[0] / 'plots'})")
         return 0
     if args.doc:
         raise ValueError("report: --doc needs a study folder holding summary.json")
-    print(render(args.metrics, args.out, plots=not args.no_plots))
+    print(render_metrics_report(args.metrics, args.out, plots=not args.no_plots))
     return 0
 
 

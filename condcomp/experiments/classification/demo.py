@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from condcomp.experiments.classification.ablate import Study, collect, matched_fraction
-from condcomp.experiments.classification.report import markdown_table
+from condcomp.experiments.classification.metrics_report import markdown_table
+from condcomp.experiments.classification.plots import plot_budget_by_difficulty, plot_layer_usage
 from condcomp.experiments.classification.runconfig import RunConfig
 from condcomp.experiments.classification.runner import write_json
-from condcomp.experiments.plots import plot_budget_by_difficulty, plot_layer_usage
+from condcomp.experiments.classification.seed_study import SeedStudy, collect, matched_fraction
 
 # 2 layers x 8 heads, d = 64, 24 tokens: big enough for heads to matter, small enough for ~90 s on 2 CPU cores.
 DEMO: dict[str, Any] = {
@@ -34,7 +34,7 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, **overrides: Any) ->
     """Train the four methods, print the table and verdict, write metrics.json and PNG plots into ``out``."""
     t0 = time.perf_counter()
     cfg = demo_config(seed, quick, **overrides)
-    study = Study(cfg, out, reuse=False)
+    study = SeedStudy(cfg, out, reuse=False)
     study.train("standard", "standard")
     bf = study.train("budgetformer", "budgetformer", cfg.method_options)
     H = int(bf["model"]["num_heads"])

@@ -87,7 +87,7 @@ class RunConfig:
 
 
 @dataclass
-class Prepared:
+class PreparedDataset:
     """Encoded splits and what the model needs from the data."""
 
     train: EncodedSplit
@@ -118,17 +118,17 @@ def overlap(premise: str, hypothesis: str) -> float:
     return sum(w in p for w in h) / max(1, len(h))
 
 
-def prepare(cfg: RunConfig, tokenizer: Any = None) -> tuple[Prepared, Any]:
+def prepare(cfg: RunConfig, tokenizer: Any = None) -> tuple[PreparedDataset, Any]:
     """Load, subsample, tokenise; returns the prepared data and the tokenizer (None for synthetic)."""
     if cfg.dataset == "digits":
-        from condcomp.experiments.digits import prepare_digits
+        from condcomp.experiments.classification.digit_tokens import prepare_digits
 
         d = prepare_digits(cfg.max_train, cfg.max_test)
-        return Prepared(d["train"], d["test"], d["vocab_size"], d["num_classes"], 1, d["notes"]), None
+        return PreparedDataset(d["train"], d["test"], d["vocab_size"], d["num_classes"], 1, d["notes"]), None
     if cfg.dataset == "synthetic":
         train = make_synthetic(cfg.synthetic_train, cfg.synthetic_len, seed=cfg.seed)
         test = make_synthetic(cfg.synthetic_test, cfg.synthetic_len, seed=cfg.seed + 10_000)
-        return Prepared(train, test, synthetic_vocab_size(), 4, 1, {"dataset": "synthetic"}), None
+        return PreparedDataset(train, test, synthetic_vocab_size(), 4, 1, {"dataset": "synthetic"}), None
     from condcomp.experiments.classification.tokenize import encode, load_tokenizer, vocab_size
 
     tr = D.subsample(_records(cfg, "train"), cfg.max_train, cfg.seed)
@@ -147,10 +147,10 @@ def prepare(cfg: RunConfig, tokenizer: Any = None) -> tuple[Prepared, Any]:
     if te.pairs is not None:
         test.info = {**notes, "overlap": [overlap(a, b) for a, b in zip(te.texts, te.pairs)]}
     segs = 2 if tr.pairs is not None else 1
-    return Prepared(train, test, vocab_size(tokenizer), num_classes, segs, notes), tokenizer
+    return PreparedDataset(train, test, vocab_size(tokenizer), num_classes, segs, notes), tokenizer
 
 
-def model_config(cfg: RunConfig, prep: Prepared) -> ModelConfig:
+def model_config(cfg: RunConfig, prep: PreparedDataset) -> ModelConfig:
     shape = preset(cfg.preset, d_model=cfg.d_model, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
                    d_ff=cfg.d_ff)
     shape["max_len"] = max(shape["max_len"], cfg.max_len, prep.train.ids.shape[1], prep.test.ids.shape[1])

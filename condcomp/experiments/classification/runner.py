@@ -23,7 +23,13 @@ from condcomp.experiments.classification.metrics import (
     set_executor,
 )
 from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig
-from condcomp.experiments.classification.runconfig import Prepared, RunConfig, model_config, prepare, seed_everything
+from condcomp.experiments.classification.runconfig import (
+    PreparedDataset,
+    RunConfig,
+    model_config,
+    prepare,
+    seed_everything,
+)
 from condcomp.experiments.classification.train import build_model, evaluate, train
 
 
@@ -70,7 +76,7 @@ def summarize(model: EncoderClassifier, ev: dict[str, Any], timing: dict[str, An
     return row
 
 
-def run_single(cfg: RunConfig, out: Path, resume: bool = False, prep: Prepared | None = None,
+def run_single(cfg: RunConfig, out: Path, resume: bool = False, prep: PreparedDataset | None = None,
                tokenizer: Any = None, name: str | None = None) -> tuple[dict[str, Any], EncoderClassifier]:
     """Train one method and write ``out/metrics.json`` (+ ``out/examples.json``, ``out/checkpoint/``)."""
     t0 = time.perf_counter()
@@ -93,7 +99,7 @@ def run_single(cfg: RunConfig, out: Path, resume: bool = False, prep: Prepared |
     return metrics, model
 
 
-def finish(model: EncoderClassifier, prep: Prepared, cfg: RunConfig, out: Path, name: str,
+def finish(model: EncoderClassifier, prep: PreparedDataset, cfg: RunConfig, out: Path, name: str,
            timing: bool = True) -> dict[str, Any]:
     """Evaluate + measure a trained model; writes examples.json; returns the metrics dict (not yet written)."""
     with CarbonTracker(cfg.carbon_country, str(out)) as carbon_eval:

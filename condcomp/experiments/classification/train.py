@@ -63,20 +63,12 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: RunConfig, steps: int, done:
 def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_dir: Path | None = None,
           resume: bool = False, meta: dict[str, Any] | None = None, desc: str = "train") -> dict[str, Any]:
     """Train in place; returns the train state (steps, final loss, seconds). Checkpoints into ``ckpt_dir``."""
-    from condcomp.checkpoint import load_checkpoint, save_checkpoint
+    from condcomp.checkpoint import save_checkpoint
 
     steps = total_steps(cfg, len(split))
     per_epoch = math.ceil(len(split) / cfg.batch_size)
     opt = make_optimizer(model, cfg)
-    state: dict[str, Any] = {"step": 0, "epoch": 0, "loss": None, "seconds": 0.0, "total_steps": steps}
-    rng = None
-    if resume:
-        if ckpt_dir is None or not (ckpt_dir / "condcomp.json").is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
-        loaded = load_checkpoint(ckpt_dir, model, opt)
-        state.update(loaded.get("train_state") or {})
-        state["total_steps"] = steps
-        rng = state.pop("torch_rng", None)
+    state, rng = _start_state(model, opt, steps, ckpt_dir, resume)
     sched = make_scheduler(opt, cfg, steps, int(state["step"]))
     if rng is not None:
         torch.set_rng_state(rng)  # last: nothing above may draw from the restored stream
@@ -100,21 +92,10 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
         for i, batch in enumerate(split.batches(cfg.batch_size, shuffle=True, generator=g)):
             if i < skip:
                 continue
-            ids, mask, seg, labels = on_device(batch, device)
             condcomp.set_progress(model, state["step"] / steps)
-            logits = model(ids, mask, seg)
-            loss = F.cross_entropy(logits, labels) + condcomp.aux_loss(model)
-            if budgets:
-                loss = loss + cfg.budget_cost * torch.stack([b.float().mean() for b in budgets]).mean()
-                budgets.clear()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
+            state["loss"] = _train_step(model, on_device(batch, device), opt, sched, cfg.budget_cost, budgets)
             state["step"] += 1
             state["epoch"] = epoch
-            state["loss"] = float(loss.detach())
             bar.update(1, loss=state["loss"])
             if cfg.checkpoint_every and state["step"] % cfg.checkpoint_every == 0:
                 save()
@@ -128,6 +109,41 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
     save()
     model.eval()
     return state
+
+
+def _start_state(model: EncoderClassifier, opt: torch.optim.Optimizer, steps: int, ckpt_dir: Path | None,
+                 resume: bool) -> tuple[dict[str, Any], Tensor | None]:
+    """The train state to start from and the random state to restore last: fresh, or ``--resume``'s checkpoint
+    (model and optimiser loaded in place)."""
+    from condcomp.checkpoint import load_checkpoint
+
+    state: dict[str, Any] = {"step": 0, "epoch": 0, "loss": None, "seconds": 0.0, "total_steps": steps}
+    if not resume:
+        return state, None
+    if ckpt_dir is None or not (ckpt_dir / "condcomp.json").is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
+    loaded = load_checkpoint(ckpt_dir, model, opt)
+    state.update(loaded.get("train_state") or {})
+    state["total_steps"] = steps
+    return state, state.pop("torch_rng", None)
+
+
+def _train_step(model: EncoderClassifier, batch: tuple[Tensor, Tensor, Tensor | None, Tensor],
+                opt: torch.optim.Optimizer, sched: Any, budget_cost: float, budgets: list[Tensor]) -> float:
+    """One optimiser step: task loss + auxiliary losses (+ ``budget_cost`` * the mean budget of this forward,
+    collected into ``budgets`` by the policies' hooks); returns the loss."""
+    ids, mask, seg, labels = batch
+    logits = model(ids, mask, seg)
+    loss = F.cross_entropy(logits, labels) + condcomp.aux_loss(model)
+    if budgets:
+        loss = loss + budget_cost * torch.stack([b.float().mean() for b in budgets]).mean()
+        budgets.clear()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return float(loss.detach())
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from condcomp.experiments.dit.study import DEFAULT_VARIANTS
 def _cmd_dit(args: argparse.Namespace) -> int:
     import torch
 
-    from condcomp.experiments.dit.study import run_study
+    from condcomp.experiments.dit.study import run_dit_study
     from condcomp.experiments.dit.train import DiTRunSettings
 
     torch.set_num_threads(args.threads)
@@ -29,7 +29,7 @@ def _cmd_dit(args: argparse.Namespace) -> int:
     settings = DiTRunSettings.from_dict(overrides)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["dit"] else None
     if not args.plots_only:
-        run_study(args.out, list(args.seeds), list(args.variants), settings, command, args.data, args.device)
+        run_dit_study(args.out, list(args.seeds), list(args.variants), settings, command, args.data, args.device)
     if not args.no_plots:
         from condcomp.experiments.dit.plots import write_plots
 

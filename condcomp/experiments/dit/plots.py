@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from condcomp.experiments.plots import _pyplot, _save
+from condcomp.experiments.plots import pyplot, save_figure
 
 LABELS = {"dense": "dense", "moh_90": "MoH 90 %", "moh_75": "MoH 75 %", "moh_50": "MoH 50 %",
           "budgetformer_cond": "BudgetFormer (reads t)", "budgetformer": "BudgetFormer (tokens only)",
@@ -27,7 +27,7 @@ def plot_samples(out: Path, variants: list[str], path: Path, seed: int = 0, per_
     """One panel per variant: ``per_class`` samples of each class (rows = classes), from ``seedS/V/samples.pt``."""
     found = [(v, out / f"seed{seed}" / v / "samples.pt") for v in variants]
     found = [(v, p) for v, p in found if p.is_file()]
-    plt = _pyplot() if found else None
+    plt = pyplot() if found else None
     if plt is None:
         return False
     fig, axes = plt.subplots(1, len(found), figsize=(2.4 * len(found), 3.4), squeeze=False)
@@ -40,14 +40,14 @@ def plot_samples(out: Path, variants: list[str], path: Path, seed: int = 0, per_
         ax.imshow(tiles.numpy(), cmap="gray_r", vmin=-1, vmax=1)
         ax.set_title(LABELS.get(v, v), fontsize=8)
         ax.axis("off")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_heads_vs_noise(summary: dict[str, Any], path: Path) -> bool:
     """Left: heads used (mean over layers) against the noise level t per routed variant. Right: per layer, the
     timestep-aware learned budget's heads and its budget s."""
     profiles = summary.get("noise_profiles", {})
-    plt = _pyplot() if profiles else None
+    plt = pyplot() if profiles else None
     if plt is None:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -67,13 +67,13 @@ def plot_heads_vs_noise(summary: dict[str, Any], path: Path) -> bool:
         right.set_title("learned budget per layer (solid: heads k/H, dashed: budget s)", fontsize=9)
         right.set_xlabel("noise level t")
         right.legend(fontsize=6, ncol=2)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_quality_vs_heads(summary: dict[str, Any], path: Path) -> bool:
     """Fréchet distance and class accuracy against heads used, mean and 95 % interval over seeds."""
     stats = summary.get("statistics", {})
-    plt = _pyplot() if stats else None
+    plt = pyplot() if stats else None
     if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -86,7 +86,7 @@ def plot_quality_vs_heads(summary: dict[str, Any], path: Path) -> bool:
         ax.set_xlabel("heads used (fraction)")
         ax.set_ylabel(label)
     axes[0].legend(fontsize=7)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _fmt(st: dict[str, Any], digits: int = 3) -> str:

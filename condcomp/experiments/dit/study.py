@@ -90,7 +90,7 @@ def load_data(settings: DiTRunSettings, data_file: Path | None, device: str) -> 
     return {k: (x.to(device), y.to(device)) for k, (x, y) in data.items()}
 
 
-def run_study(out: Path, seeds: list[int], variants: list[str], settings: DiTRunSettings,
+def run_dit_study(out: Path, seeds: list[int], variants: list[str], settings: DiTRunSettings,
               command: str | None = None, data_file: Path | None = None, device: str = "cpu") -> dict[str, Any]:
     """Run (or reuse) every variant at every seed and write ``OUT/summary.json``; returns the summary.
 

@@ -2,7 +2,8 @@
 against KV memory, side by side with static pruning (docs/llm.md, "Continue-tuning: quality against KV memory").
 
 The tuning loop is in tuning.py, the study (data, reference, static head sets, variants, summary) in
-study.py, the variants in variants.py, the measurements in evaluation.py.
+tuning_study.py, its summary table and plot in tuning_report.py, the variants in variants.py, the measurements in
+evaluation.py.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     import torch
 
     from condcomp.experiments.data import resolve_data_dir
-    from condcomp.experiments.llm.report import load_decode_records
-    from condcomp.experiments.llm.study import run_study
+    from condcomp.experiments.llm.tuning_report import load_decode_records
+    from condcomp.experiments.llm.tuning_study import run_tuning_study
 
     decode = load_decode_records(args.decode_results) if args.decode_results else None
     if args.report_only:
-        from condcomp.experiments.llm.study import write_summary
+        from condcomp.experiments.llm.tuning_study import write_summary
 
         folders = folders_with([args.out, args.results], "*/metrics.json", "--report-only", "tune-llm results")
         for folder in folders:
@@ -49,7 +50,7 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["tune-llm"] else None
-    table = run_study(settings, args.variants, args.out, args.results, resolve_data_dir(args.data_dir), command,
+    table = run_tuning_study(settings, args.variants, args.out, args.results, resolve_data_dir(args.data_dir), command,
                       decode=decode)
     print(table)
     return 0
@@ -74,7 +75,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--decode-results", type=Path, nargs="+", default=None, metavar="DIR",
                    help="folders of `condcomp bench decode` runs: the table adds decode ms/token x dense and KV MiB "
                         "at their largest prompt and batch, joined by kept KV fraction (e.g. "
-                        "benchmarks/results/decode_smollm2_cpu benchmarks/results/decode_smollm2_moh_cpu)")
+                        "results/bench/decode/smollm2_cpu results/bench/decode/smollm2_moh_cpu)")
     p.add_argument("--data-dir", default=None, help="staged datasets (default ../shared/data)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
     for f in fields(TuneSettings):

@@ -1,4 +1,4 @@
-"""The tuning loop of ``condcomp tune-llm`` (the command is in tune_llm.py).
+"""The tuning loop of ``condcomp tune-llm`` (the command is in command.py, the study in tuning_study.py).
 
 Every variant is tuned with the same data, steps and method: LoRA on the attention projections (q, k, v, o) plus
 the routing parameters, loss on the continuation tokens only. Resumable: each variant checkpoints its trainable
@@ -30,7 +30,7 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 @dataclass
 class TuneSettings:
     """Sizes and tuning options. The defaults are the run a user would make (about 45 minutes per variant on two
-    CPU cores, the issue's budget); ``PRESETS["session"]`` is the reduced run of docs/llm.md's table."""
+    CPU cores); ``PRESETS["session"]`` is the reduced run of docs/llm.md's table."""
 
     seq_len: int = 256
     prompt_len: int = 64
@@ -73,7 +73,7 @@ class TuneSettings:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
-    # This session's reduced run: 40 steps of 4 x 256 tokens per variant (3-5 CPU minutes each, one thread).
+    # The reduced run: 40 steps of 4 x 256 tokens per variant (3-5 CPU minutes each, one thread).
     "session": {"steps": 40, "warmup": 4, "eval_seqs": 8, "calib_seqs": 4, "checkpoint_every": 5},
 }
 
@@ -119,38 +119,11 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
     ``stop_after``: return after that many steps of this call (a checkpoint is written). Returns the record:
     step reached, seconds spent over all calls, and the loss history.
     """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
+    params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("tune: the model has no trainable parameter")
-    groups: list[dict[str, Any]] = [{"params": params}]  # one group unless router_lr (as checkpoints expect)
-    if settings.router_lr is not None:  # the LambdaLR schedule scales both groups alike
-        routing = {id(p) for n, p in named if "condcomp_policy" in n or "condcomp_router" in n}
-        groups = [{"params": [p for p in params if id(p) not in routing]}]
-        if routing:
-            groups.append({"params": [p for p in params if id(p) in routing], "lr": settings.router_lr})
-    opt = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, settings.steps, settings.warmup))
-    state: dict[str, Any] = {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
-    if checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False)
-        if saved["settings"] != settings.tuning_key():
-            raise ValueError(f"{checkpoint} was written with other settings ({saved['settings']}); use another "
-                             f"--out or delete it to start over")
-        names = {n for n, p in model.named_parameters() if p.requires_grad}
-        if set(saved["trainable"]) != names:
-            raise ValueError(f"{checkpoint} holds other trainable parameters than this variant's")
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in names:
-                    p.copy_(saved["trainable"][n])
-        opt.load_state_dict(saved["optimizer"])
-        sched.load_state_dict(saved["scheduler"])
-        torch.set_rng_state(saved["rng"])
-        kept = ("step", "seconds", "cpu_seconds", "history")
-        state = {"cpu_seconds": 0.0, **{k: saved[k] for k in kept if k in saved}}
-    else:
-        torch.manual_seed(settings.seed)
+    opt, sched = _optimizer(model, settings)
+    state = _resume(checkpoint, model, opt, sched, settings)
     order = _order(train_ids.shape[0], settings)
     routed = bool(condcomp.routed_modules(model))
     bar = progress_bar(settings.steps, initial=state["step"], desc=desc)
@@ -159,23 +132,14 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
         while state["step"] < settings.steps and (stop_after is None or done_here < stop_after):
             step = state["step"]
             started, cpu_started = time.perf_counter(), time.process_time()
-            if routed:
-                condcomp.set_progress(model, step / settings.steps)
-            model.train()
             batch = train_ids[order[step * settings.batch_size:(step + 1) * settings.batch_size]]
-            nll = continuation_nll(model, batch, settings.prompt_len).mean()
-            aux = condcomp.aux_loss(model) if routed else torch.zeros(())
-            opt.zero_grad(set_to_none=True)
-            (nll + aux).backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
+            nll, aux = _train_step(model, batch, step, settings, opt, sched, params, routed)
             state["step"] = step + 1
             state["seconds"] += time.perf_counter() - started  # wall clock: includes pauses on a shared machine
             state["cpu_seconds"] += time.process_time() - cpu_started  # this process's CPU time, all threads
-            state["history"].append({"step": step + 1, "loss": float(nll.detach()), "aux": float(aux.detach())})
+            state["history"].append({"step": step + 1, "loss": nll, "aux": aux})
             done_here += 1
-            bar.update(1, loss=float(nll.detach()))
+            bar.update(1, loss=nll)
             if state["step"] % settings.checkpoint_every == 0 or state["step"] == settings.steps:
                 _save(checkpoint, model, opt, sched, state, settings)
         if done_here and state["step"] % settings.checkpoint_every and state["step"] != settings.steps:
@@ -183,6 +147,63 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
     finally:
         bar.close()
     return state
+
+
+def _optimizer(model: nn.Module, settings: TuneSettings) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the trainable parameters and its warm-up/decay schedule; the routing parameters in a second
+    group only when ``router_lr`` is set (checkpoints expect one group otherwise)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    groups: list[dict[str, Any]] = [{"params": params}]
+    if settings.router_lr is not None:  # the LambdaLR schedule scales both groups alike
+        routing = {id(p) for n, p in named if "condcomp_policy" in n or "condcomp_router" in n}
+        groups = [{"params": [p for p in params if id(p) not in routing]}]
+        if routing:
+            groups.append({"params": [p for p in params if id(p) in routing], "lr": settings.router_lr})
+    opt = torch.optim.AdamW(groups, lr=settings.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, settings.steps, settings.warmup))
+    return opt, sched
+
+
+def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
+            settings: TuneSettings) -> dict[str, Any]:
+    """The tuning state: read back from ``checkpoint`` (weights, optimiser, schedule, random state) when it exists,
+    else a fresh one with the seeded generator."""
+    if not checkpoint.is_file():
+        torch.manual_seed(settings.seed)
+        return {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
+    saved = torch.load(checkpoint, weights_only=False)
+    if saved["settings"] != settings.tuning_key():
+        raise ValueError(f"{checkpoint} was written with other settings ({saved['settings']}); use another "
+                         f"--out or delete it to start over")
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    if set(saved["trainable"]) != names:
+        raise ValueError(f"{checkpoint} holds other trainable parameters than this variant's")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in names:
+                p.copy_(saved["trainable"][n])
+    opt.load_state_dict(saved["optimizer"])
+    sched.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"])
+    kept = ("step", "seconds", "cpu_seconds", "history")
+    return {"cpu_seconds": 0.0, **{k: saved[k] for k in kept if k in saved}}
+
+
+def _train_step(model: nn.Module, batch: Tensor, step: int, settings: TuneSettings, opt: torch.optim.Optimizer,
+                sched: Any, params: list[nn.Parameter], routed: bool) -> tuple[float, float]:
+    """One optimiser step on ``batch (B, seq_len)``; returns the continuation loss and the auxiliary loss."""
+    if routed:
+        condcomp.set_progress(model, step / settings.steps)
+    model.train()
+    nll = continuation_nll(model, batch, settings.prompt_len).mean()
+    aux = condcomp.aux_loss(model) if routed else torch.zeros(())
+    opt.zero_grad(set_to_none=True)
+    (nll + aux).backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    return float(nll.detach()), float(aux.detach())
 
 
 def _order(n: int, settings: TuneSettings) -> Tensor:

@@ -8,6 +8,7 @@ for a whole request.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,19 @@ def moh_config(fraction: float, num_heads: int) -> dict[str, Any]:
     kept = max(1, math.ceil(fraction * num_heads - 1e-9))
     shared = math.ceil(kept / 2)
     return {"policy": "full", "router": ["norm", {"shared_heads": shared, "top_k": kept - shared}]}
+
+
+def parse_decode_variant(name: str) -> tuple[str, float]:
+    """``(kind, fraction)`` of a ``condcomp bench decode`` variant name: ``dense`` / ``full`` (fraction 1),
+    ``keep_<f>``, ``moh_<f>``."""
+    if name in ("dense", "full"):
+        return name, 1.0
+    kind, _, value = name.partition("_")
+    f = float(value) if re.fullmatch(r"\d*\.?\d+", value) else -1.0
+    if kind not in ("keep", "moh") or not 0.0 < f <= 1.0:
+        raise ValueError(f"unknown decode variant {name!r}: use dense, full, keep_<f> or moh_<f> with f in (0, 1], "
+                         "e.g. keep_0.33 or moh_0.75")
+    return kind, f
 
 
 def num_heads(model: nn.Module) -> int:

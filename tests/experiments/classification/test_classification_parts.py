@@ -202,7 +202,7 @@ def test_bert_wordpiece_pairs_get_segments() -> None:
 
 def test_budget_by_proxy_bins_and_report(tmp_path: Path) -> None:
     from condcomp.experiments.classification.analysis import budget_by_proxy
-    from condcomp.experiments.classification.report import render
+    from condcomp.experiments.classification.metrics_report import render_metrics_report
 
     for arm, payload in {
         "budgetformer": {"s": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "k_frac": [0.125] * 3 + [0.25] * 3,
@@ -218,4 +218,4 @@ def test_budget_by_proxy_bins_and_report(tmp_path: Path) -> None:
     assert high["s_mean"] == pytest.approx(0.2) and high["accuracy"] == pytest.approx(2 / 3)
     assert res["confidence"]["pearson_s"] < -0.8
     (tmp_path / "metrics.json").write_text(json.dumps({"kind": "ablation", "dataset": "toy", "rows": {}}))
-    assert "budget by overlap" in render([tmp_path])
+    assert "budget by overlap" in render_metrics_report([tmp_path])

@@ -1,12 +1,13 @@
-"""Native scatter-adds (``index_add_``, ``scatter_add_``) against torch-scatter on the gathered executor's shapes.
+"""``condcomp bench scatter``: native scatter-adds (``index_add_``, ``scatter_add_``) against torch-scatter on the
+gathered executor's shapes.
 
 The gathered executor sums packed rows back into their tokens or examples with native ``index_add_`` /
 ``scatter_add_``. It would take torch-scatter, as an optional dependency, only where that measurably wins; this
-script is the measurement (it does not: docs/performance.md, "Scatter"). torch-scatter has no wheels for current
+benchmark is the measurement (it does not: docs/performance.md, "Scatter"). torch-scatter has no wheels for current
 torch, so build it first (about 10 minutes on 2 cores):
 
     pip install --no-build-isolation torch-scatter
-    python benchmarks/scatter.py --out results/scatter_cpu
+    condcomp bench scatter --out results/bench/scatter/cpu
 
 Every variant is checked against a float64 ``index_add`` before it is timed. The variants are interleaved within each
 of ``--reps`` repetitions; a time is the median over them, each call including a clone of the destination (timed
@@ -20,12 +21,13 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from condcomp.bench.attention import time_group
+from condcomp.cli_args import output_folder
 
 
 def cases(gen: torch.Generator) -> list[tuple[str, Tensor, Tensor, Tensor]]:
@@ -85,13 +87,19 @@ def table(records: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for metrics.json")
-    parser.add_argument("--reps", type=int, default=41)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json")
+    parser.add_argument("--reps", type=int, default=41, help="interleaved repetitions per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each reporting its medians")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    """Entry point of ``condcomp bench scatter`` and ``python -m condcomp.bench.scatter``."""
+    if args is None:
+        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        args = parser.parse_args()
     try:
         import torch_scatter  # noqa: F401
     except ImportError:
@@ -104,6 +112,14 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(records, indent=1) + "\n")
     return 0
+
+
+def add_bench_commands(bench_subparsers: Any) -> None:
+    """Register ``condcomp bench scatter``."""
+    p = bench_subparsers.add_parser("scatter", help="native scatter-adds vs torch-scatter on the gathered "
+                                    "executor's shapes (needs torch-scatter built from source)")
+    add_arguments(p)
+    p.set_defaults(func=main)
 
 
 if __name__ == "__main__":

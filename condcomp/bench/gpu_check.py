@@ -1,7 +1,8 @@
-"""One prepared GPU run: check the gathered executor against the reference on CUDA, then time everything.
+"""``condcomp bench gpu-check``: one prepared GPU run: check the gathered executor against the reference on CUDA,
+then time everything.
 
-    python benchmarks/gpu_check.py --out results/gpu_check            # checks + full CUDA benchmark
-    python benchmarks/gpu_check.py --out results/gpu_check --quick    # checks + a tiny timing run
+    condcomp bench gpu-check --out results/bench/gpu_check/cuda            # checks + full CUDA benchmark
+    condcomp bench gpu-check --out results/bench/gpu_check/cuda --quick    # checks + a tiny timing run
 
 Writes ``checks.json`` (every comparison with its max error and tolerance), ``metrics.json`` and ``table.md``
 (the ``condcomp bench attention --device cuda`` records) into ``--out``. Exits non-zero if a check fails.
@@ -14,20 +15,22 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from condcomp.bench.attention import run, table
+from condcomp.cli_args import output_folder
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor, tuning_for
 from condcomp.plans import plan_from_active, top_k_mask
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 5e-2}  # max abs error relative to the output's max abs value
 CASES = ("seq", "seq_causal", "seq_gqa", "seq_same", "token", "token_per_head", "token_causal", "token_gqa")
 
 
-def case(name: str, dtype: torch.dtype, dev: torch.device) -> tuple[AttentionWeights, AttentionInputs, object,
+def case(name: str, dtype: torch.dtype, dev: torch.device) -> tuple[AttentionWeights, AttentionInputs, HeadPlan,
                                                                         list[torch.Tensor]]:
     B, T, D, H, Dh = 6, 64, 256, 8, 32
     Hkv = 2 if "gqa" in name else H
@@ -81,11 +84,18 @@ def checks(dev: torch.device) -> list[dict]:
     return results
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=output_folder, required=True,
+                        help="folder for checks.json, metrics.json and table.md")
+    parser.add_argument("--quick", action="store_true", help="the checks and a tiny timing run")
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    """Entry point of ``condcomp bench gpu-check`` and ``python -m condcomp.bench.gpu_check``."""
+    if args is None:
+        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: torch.cuda.is_available() is False; run it on a machine with a CUDA GPU")
         return 2
@@ -100,6 +110,14 @@ def main() -> int:
     (out / "table.md").write_text(table(records) + "\n")
     print(table(records))
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def add_bench_commands(bench_subparsers: Any) -> None:
+    """Register ``condcomp bench gpu-check``."""
+    p = bench_subparsers.add_parser("gpu-check", help="on a CUDA GPU: gathered vs reference checks, then the "
+                                    "attention benchmark (checks.json, metrics.json, table.md)")
+    add_arguments(p)
+    p.set_defaults(func=main)
 
 
 if __name__ == "__main__":

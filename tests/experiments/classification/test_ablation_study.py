@@ -162,7 +162,7 @@ def test_head_frequencies_add_up_to_the_heads_run() -> None:
 
 def test_digits_split_is_stratified_and_fixed() -> None:
     pytest.importorskip("sklearn", reason="digits need scikit-learn (extra 'vision')")
-    from condcomp.experiments.digits import prepare_digits
+    from condcomp.experiments.classification.digit_tokens import prepare_digits
 
     a, b = prepare_digits(), prepare_digits()
     assert len(a["train"]) + len(a["test"]) == 1797
@@ -191,7 +191,7 @@ def test_digits_without_scikit_learn_is_a_clear_error(monkeypatch: pytest.Monkey
 
 
 def test_matched_fraction_rules() -> None:
-    from condcomp.experiments.classification.ablate import matched_fraction
+    from condcomp.experiments.classification.seed_study import matched_fraction
 
     assert matched_fraction(0.630, 8, "nearest") == 5 / 8  # 5.04 heads: nearest 5, ceil 6
     assert matched_fraction(0.630, 8) == 6 / 8

@@ -23,8 +23,8 @@ from condcomp.experiments.llm.head_importance import (
     keep_groups,
     warm_start_scores,
 )
-from condcomp.experiments.llm.report import decode_of, decode_setting, plot_ppl_vs_kv, summary_table
 from condcomp.experiments.llm.tuning import TuneSettings, copy_model, dump_json, make_trainable, tune
+from condcomp.experiments.llm.tuning_report import decode_of, decode_setting, plot_ppl_vs_kv, summary_table
 from condcomp.experiments.llm.variants import (
     DEFAULT_ORDER,
     VARIANTS,
@@ -36,7 +36,7 @@ from condcomp.experiments.llm.variants import (
 )
 from condcomp.experiments.progress import progress_bar
 
-DECODE_NOTE = "from `condcomp bench decode` (issue 17); not measured by tune-llm"
+DECODE_NOTE = "from `condcomp bench decode`; not measured by tune-llm"
 
 
 def load_data(tokenizer: Any, data_dir: Path, s: TuneSettings) -> tuple[PackedSplit, PackedSplit, PackedSplit]:
@@ -150,7 +150,7 @@ def dense_reference(dense: nn.Module, tokenizer: Any, prompts: Tensor, s: TuneSe
     return tokens
 
 
-def run_study(s: TuneSettings, variants: list[str], out: Path, results: Path | None, data_dir: Path,
+def run_tuning_study(s: TuneSettings, variants: list[str], out: Path, results: Path | None, data_dir: Path,
               command: str | None = None, loader: Any = None, decode: list[dict[str, Any]] | None = None) -> str:
     """Every variant in order; a variant this condcomp cannot run is recorded as skipped and the study goes on."""
     from condcomp.experiments.llm.smollm2 import load_smollm2

@@ -26,7 +26,7 @@ def quick_judge(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_study_writes_records_matches_the_fixed_arm_and_resumes(tmp_path: Path, quick_judge: None,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     settings = DiTRunSettings.from_dict(TOY)
-    summary = study.run_study(tmp_path, [0], ["fixed", "dense", "budgetformer_cond"], settings, "condcomp dit")
+    summary = study.run_dit_study(tmp_path, [0], ["fixed", "dense", "budgetformer_cond"], settings, "condcomp dit")
     assert list(summary["statistics"]) == ["dense", "budgetformer_cond", "fixed"]
     records = {r["variant"]: r for r in summary["records"]}
     assert records["dense"]["heads"] == 1.0 and records["dense"]["flop_fraction"] == 1.0
@@ -43,10 +43,10 @@ def test_study_writes_records_matches_the_fixed_arm_and_resumes(tmp_path: Path, 
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(study, "run_one", no_training)
-    again = study.run_study(tmp_path, [0], ["dense", "budgetformer_cond", "fixed"], settings)
+    again = study.run_dit_study(tmp_path, [0], ["dense", "budgetformer_cond", "fixed"], settings)
     assert again["records"] == summary["records"]
     with pytest.raises(ValueError, match="other settings"):
-        study.run_study(tmp_path, [0], ["dense"], DiTRunSettings.from_dict({**TOY, "steps": 3}))
+        study.run_dit_study(tmp_path, [0], ["dense"], DiTRunSettings.from_dict({**TOY, "steps": 3}))
 
 
 def test_study_refuses_unknown_or_unmatched_variants(tmp_path: Path) -> None:
@@ -82,12 +82,12 @@ def test_an_npz_image_set_runs_with_a_conv_judge_and_wrong_shapes_are_named(tmp_
               "test_images": rng.integers(0, 256, (20, 8, 8, 3), dtype=np.uint8), "test_labels": np.arange(20) % 10}
     np.savez(tmp_path / "set.npz", **arrays)
     settings = DiTRunSettings.from_dict({**TOY, "model": {**TOY["model"], "channels": 3}})
-    summary = study.run_study(tmp_path / "out", [0], ["dense"], settings, data_file=tmp_path / "set.npz")
+    summary = study.run_dit_study(tmp_path / "out", [0], ["dense"], settings, data_file=tmp_path / "set.npz")
     assert summary["judge"]["kind"] == "ConvJudge"
     assert summary["records"][0]["num_samples"] == 20
     with pytest.raises(ValueError, match=r"expects \(1, 8, 8\)"):
-        study.run_study(tmp_path / "out2", [0], ["dense"], DiTRunSettings.from_dict(TOY),
+        study.run_dit_study(tmp_path / "out2", [0], ["dense"], DiTRunSettings.from_dict(TOY),
                         data_file=tmp_path / "set.npz")
     np.savez(tmp_path / "bad.npz", train_images=arrays["train_images"])
     with pytest.raises(ValueError, match="missing arrays"):
-        study.run_study(tmp_path / "out3", [0], ["dense"], settings, data_file=tmp_path / "bad.npz")
+        study.run_dit_study(tmp_path / "out3", [0], ["dense"], settings, data_file=tmp_path / "bad.npz")

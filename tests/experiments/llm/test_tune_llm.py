@@ -293,7 +293,7 @@ class CharTokenizer:
 
 def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_path: Path) -> None:
     pytest.importorskip("peft", reason="peft is not installed (pip install condcomp[peft])")
-    from condcomp.experiments.llm.study import run_study
+    from condcomp.experiments.llm.tuning_study import run_tuning_study
 
     data = staged(tmp_path / "data")
     s = TuneSettings(seq_len=16, prompt_len=6, batch_size=2, steps=2, warmup=1, lora_rank=2, eval_seqs=2,
@@ -305,7 +305,7 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
         loads.append(1)
         return tiny_llama(), CharTokenizer()
 
-    table = run_study(s, variants, tmp_path / "out", tmp_path / "results", data, "cmd", loader)
+    table = run_tuning_study(s, variants, tmp_path / "out", tmp_path / "results", data, "cmd", loader)
     records = {v: json.loads((tmp_path / "results" / v / "metrics.json").read_text()) for v in variants}
     if not hasattr(condcomp, "plan_from_prompt"):
         assert records.pop("request_1of3")["status"] == "skipped"
@@ -319,7 +319,7 @@ def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_
     assert (tmp_path / "results" / "static_importance.json").is_file()
     assert not list((tmp_path / "results").rglob("checkpoint.pt"))
     before = (tmp_path / "out" / "moh_50" / "metrics.json").stat().st_mtime_ns
-    run_study(s, ["moh_50"], tmp_path / "out", None, data, None, loader)
+    run_tuning_study(s, ["moh_50"], tmp_path / "out", None, data, None, loader)
     assert (tmp_path / "out" / "moh_50" / "metrics.json").stat().st_mtime_ns == before  # read back, not rerun
 
 
@@ -329,8 +329,8 @@ def test_the_summary_joins_the_decode_benchmark_by_kept_fraction(tmp_path: Path,
     its kept KV fraction (MoH: its own cell, dense: dense); BudgetFormer (a varying fraction) gets none."""
     from condcomp.cli import main
 
-    root = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-    folders = [root / "decode_smollm2_cpu", root / "decode_smollm2_moh_cpu"]
+    root = Path(__file__).resolve().parents[3] / "results" / "bench" / "decode"
+    folders = [root / "smollm2_cpu", root / "smollm2_moh_cpu"]
     bench = [r for f in folders for r in json.loads((f / "metrics.json").read_text())["records"]]
     cell = {(r["variant"], r["prompt"], r["batch"]): r for r in bench}
     rows = {"dense_tuned": 1.0, "moh_75": 1.0, "static_1of3": 1 / 3, "request_2of3": 2 / 3, "budgetformer": 0.5}

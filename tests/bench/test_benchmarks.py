@@ -1,10 +1,10 @@
-"""The benchmark scripts and ``condcomp bench attention``: they run, write their records, and check their
-answers before timing. No timing is asserted."""
+"""The benchmarks (``condcomp bench attention``, ``scatter``, ``gpu-check``): they run, write their records, and
+check their answers before timing. No timing is asserted."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import statistics
 import sys
@@ -50,16 +50,12 @@ def test_paired_ratio_pairs_repetitions() -> None:
 
 
 def load_benchmark_script(name: str) -> types.ModuleType:
-    """``benchmarks/<name>.py`` as a module (the scripts are not part of the package)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``condcomp.bench.<name>``, the module behind ``condcomp bench <name>``."""
+    return importlib.import_module(f"condcomp.bench.{name}")
 
 
 def test_prepared_gpu_script_checks_pass_on_cpu() -> None:
-    """benchmarks/gpu_check.py is run once, on a lent GPU, with no chance to debug it there: its correctness part
+    """``condcomp bench gpu-check`` is run once, on a lent GPU, with no chance to debug it there: its correctness part
     (gathered vs reference, float32 and bfloat16, eight situations) must already run and pass on CPU."""
     gpu_check = load_benchmark_script("gpu_check")
     results = gpu_check.checks(torch.device("cpu"))
@@ -82,7 +78,7 @@ def fake_torch_scatter(correct: bool) -> types.ModuleType:
 
 def test_scatter_benchmark_checks_every_variant_before_timing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """benchmarks/scatter.py: without torch-scatter it says how to get it; with it, every case times all four
+    """``condcomp bench scatter``: without torch-scatter it says how to get it; with it, every case times all four
     variants and writes them; a variant that disagrees with the float64 reference stops the run."""
     scatter_bench = load_benchmark_script("scatter")
     monkeypatch.setitem(sys.modules, "torch_scatter", None)  # None in sys.modules: the import fails
@@ -100,3 +96,15 @@ def test_scatter_benchmark_checks_every_variant_before_timing(tmp_path: Path, mo
     monkeypatch.setitem(sys.modules, "torch_scatter", fake_torch_scatter(correct=False))
     with pytest.raises(AssertionError, match="torch_scatter.scatter disagrees"):
         scatter_bench.run(reps=1, rounds=1)
+
+
+def test_condcomp_bench_scatter_runs_the_same_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line reaches the module's benchmark: every case and variant written to --out."""
+    from condcomp.cli import main as condcomp_main
+
+    monkeypatch.setitem(sys.modules, "torch_scatter", fake_torch_scatter(correct=True))
+    assert condcomp_main(["bench", "scatter", "--out", str(tmp_path), "--reps", "1", "--rounds", "1",
+                          "--threads", "1"]) == 0
+    records = json.loads((tmp_path / "metrics.json").read_text())
+    cases = load_benchmark_script("scatter").cases(torch.Generator().manual_seed(0))
+    assert len(records) == 4 * len(cases) and all(r["threads"] == 1 for r in records)

@@ -130,11 +130,11 @@ def test_config_file_and_flags(tmp_path: Path) -> None:
 
 
 def test_ablation_reuses_finished_arms_only_with_the_same_settings(tmp_path: Path) -> None:
-    from condcomp.experiments.classification.ablate import Study
+    from condcomp.experiments.classification.seed_study import SeedStudy
 
     cfg = tiny(max_steps=2)
-    first = Study(cfg, tmp_path).train("standard", "standard")
-    again = Study(cfg, tmp_path).train("standard", "standard")  # reused: same numbers, no retraining
+    first = SeedStudy(cfg, tmp_path).train("standard", "standard")
+    again = SeedStudy(cfg, tmp_path).train("standard", "standard")  # reused: same numbers, no retraining
     assert again["accuracy"] == first["accuracy"] and again["wall_seconds"] == first["wall_seconds"]
     with pytest.raises(ValueError, match="lr"):
-        Study(tiny(max_steps=2, lr=0.5), tmp_path).train("standard", "standard")
+        SeedStudy(tiny(max_steps=2, lr=0.5), tmp_path).train("standard", "standard")

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from condcomp.cli import main
-from condcomp.experiments.classification import study as study_module
+from condcomp.experiments.classification import ablation as ablation_module
+from condcomp.experiments.classification.ablation_stats import statistics
 from condcomp.experiments.classification.runconfig import RunConfig, identity_differences
-from condcomp.experiments.classification.study_stats import statistics
 
 FLAGS = ["--dataset", "synthetic", "--preset", "tiny", "--max-steps", "3"]
 
 
 class Trained(Exception):
-    """Raised by a stand-in Study: the command got past its checks and would train."""
+    """Raised by a stand-in SeedStudy: the command got past its checks and would train."""
 
 
 def _finished(out: Path, arm: str, **settings: object) -> Path:
@@ -35,7 +35,7 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise Trained
 
-    monkeypatch.setattr(study_module, "Study", refuse)
+    monkeypatch.setattr(ablation_module, "SeedStudy", refuse)
 
 
 def test_other_settings_are_refused_before_anything_trains(tmp_path: Path, no_training: None,

@@ -1,7 +1,7 @@
-"""The building block of an ablation on one dataset and seed: :class:`Study` trains arms (reusing finished
+"""The building block of an ablation on one dataset and seed: :class:`SeedStudy` trains arms (reusing finished
 ones), evaluates inference-time controls on a trained model, and re-times the arms round-robin.
 
-The multi-seed study (``condcomp ablate``) is :mod:`condcomp.experiments.classification.study`. A finished run (its
+The multi-seed study (``condcomp ablate``) is :mod:`condcomp.experiments.classification.ablation`. A finished run (its
 ``metrics.json`` and checkpoint present, same settings) is reused, so an interrupted study restarts where it
 stopped.
 """
@@ -21,15 +21,15 @@ from condcomp.experiments.classification.batches import on_device
 from condcomp.experiments.classification.methods import swapped
 from condcomp.experiments.classification.metrics import inference_executor, restore_executor, set_executor
 from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig
-from condcomp.experiments.classification.runconfig import Prepared, RunConfig, prepare
+from condcomp.experiments.classification.runconfig import PreparedDataset, RunConfig, prepare
 from condcomp.experiments.classification.runner import finish, run_single, write_json
 from condcomp.experiments.classification.train import build_model
 
 
-class Study:
+class SeedStudy:
     """Runs methods on one prepared dataset under ``out/<name>/`` and collects their metrics rows."""
 
-    def __init__(self, cfg: RunConfig, out: Path, prep: Prepared | None = None, tokenizer: Any = None,
+    def __init__(self, cfg: RunConfig, out: Path, prep: PreparedDataset | None = None, tokenizer: Any = None,
                  reuse: bool = True) -> None:
         self.cfg, self.out, self.reuse = cfg, out, reuse
         t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def matched_fraction(k_frac: float, num_heads: int, rounding: str = "ceil") -> f
     return max(1, min(num_heads, k)) / num_heads
 
 
-def collect(study: Study, matched: float) -> dict[str, Any]:
+def collect(study: SeedStudy, matched: float) -> dict[str, Any]:
     """The ablation summary: one row per arm (speedups vs standard), the matched fraction, data notes."""
     std = study.rows["standard"]
     rows = {}

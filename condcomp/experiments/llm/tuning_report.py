@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from condcomp.experiments.llm.variants import parse_decode_variant
+
 
 def _f(v: Any, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
@@ -121,8 +123,6 @@ def decode_of(row: dict[str, Any], bench: list[dict[str, Any]]) -> dict[str, Any
     ``moh_<f>`` at the variant's head fraction for MoH, ``keep_<f>`` at its KV fraction for static and
     per-request plans (speed depends on how many groups are kept, not which). Ratios are to the dense model of
     the same benchmark run. None where no cell matches (BudgetFormer: its kept fraction varies by request)."""
-    from condcomp.bench.decode import parse_variant
-
     name, setting = row["variant"], decode_setting(bench)
     if setting is None:
         return None
@@ -135,7 +135,7 @@ def decode_of(row: dict[str, Any], bench: list[dict[str, Any]]) -> dict[str, Any
     else:
         return None
     for r in bench:
-        kind, f = parse_variant(r["variant"])
+        kind, f = parse_decode_variant(r["variant"])
         if (r["prompt"], r["batch"]) == setting and kind == want[0] and abs(f - want[1]) < 0.01:
             return {"bench_variant": r["variant"], "prompt": r["prompt"], "batch": r["batch"],
                     "ms_per_token": r["decode_ms_per_token"], "ratio": r["decode_ratio"], "kv_bytes": r["kv_bytes"]}

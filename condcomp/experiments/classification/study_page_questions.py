@@ -105,7 +105,7 @@ def adaptivity_section(records: list[dict[str, Any]], datasets: list[str], names
                        f"{100 * a['k_off_mode_any']:.1f} % | " + (f"{rho:+.3f}" if rho is not None else "-") + " |")
     out += [""]
     if plots:
-        from condcomp.experiments.classification.plots_adaptivity import plot_adaptivity
+        from condcomp.experiments.classification.plots import plot_adaptivity
 
         plot_dir.mkdir(parents=True, exist_ok=True)
 
