@@ -34,14 +34,14 @@ from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 from . import clip, distilbert, gpt2, t5  # noqa: F401
 from .cache import open_step, request_plan
 from .common import (
-    _bind,
-    _import_classes,
-    _mask_parts,
-    _param_names,
-    _sliding_bias,
-    _TransformersAdapter,
+    TransformersAdapter,
+    bind_arguments,
     cross_attention_states,
     decoder_request_plan,
+    import_classes,
+    mask_parts,
+    parameter_names,
+    sliding_window_bias,
     visible_keys,
 )
 from .decode import compact_selection, decide_request_plan, held_attention
@@ -62,21 +62,21 @@ _PROJ_CLASSES = [("transformers.models.vit.modeling_vit", "ViTAttention"),
 
 
 @register_adapter
-class BertStyleAttentionAdapter(_TransformersAdapter):
+class BertStyleAttentionAdapter(TransformersAdapter):
     """``BertAttention`` / ``RobertaAttention`` (self- and cross-attention, decoder KV cache)."""
 
-    module_types = _import_classes(_BERT_CLASSES)
+    module_types = import_classes(_BERT_CLASSES)
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
         core, out = getattr(module, "self", None), getattr(module, "output", None)
         if core is None or out is None:
             return "no .self / .output children"
-        prefixes = {n.split(".")[0] for n in _param_names(core)}
+        prefixes = {n.split(".")[0] for n in parameter_names(core)}
         if prefixes != {"query", "key", "value"}:
             return f".self has parameters under {sorted(prefixes)}, expected only query/key/value"
-        prefixes = {n.split(".")[0] for n in _param_names(out)}
-        if prefixes != {"dense", "LayerNorm"} or _param_names(out.LayerNorm) != {"weight", "bias"}:
+        prefixes = {n.split(".")[0] for n in parameter_names(out)}
+        if prefixes != {"dense", "LayerNorm"} or parameter_names(out.LayerNorm) != {"weight", "bias"}:
             return f".output has parameters under {sorted(prefixes)}, expected dense and LayerNorm (weight, bias)"
         if not hasattr(core, "attention_head_size") or not hasattr(core, "num_attention_heads"):
             return ".self lacks num_attention_heads / attention_head_size"
@@ -107,7 +107,7 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
                 core.value(source).view(shape).transpose(1, 2))
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-        a = _bind(self.module_cls, args, kwargs)
+        a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
         cache, extra = a.get("cache"), a["kwargs"]
         core = routed.self
@@ -140,7 +140,7 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
                 if q0 is not None:
                     key_states, value_states = visible_keys(key_states, value_states, mask, q0, T)
             S = T if key_states is None else key_states.shape[2]
-        query_mask, key_mask, bias = _mask_parts(mask, B, T, S, not self.cross, q0)
+        query_mask, key_mask, bias = mask_parts(mask, B, T, S, not self.cross, q0)
         inputs = AttentionInputs(
             x=x, key=enc if key_states is None else None, mask=query_mask, key_mask=key_mask, attn_bias=bias,
             key_states=key_states, value_states=value_states,
@@ -156,16 +156,16 @@ class BertStyleAttentionAdapter(_TransformersAdapter):
 
 
 @register_adapter
-class ProjectionAttentionAdapter(_TransformersAdapter):
+class ProjectionAttentionAdapter(TransformersAdapter):
     """``ViTAttention``, ``LlamaAttention``, ``Qwen2Attention``, ``Qwen3Attention``, ``MistralAttention``, ...:
     q/k/v/o projections, GQA, per-head q/k norms (Qwen3), rotary ``position_embeddings``, sliding window, KV cache
     (``cache`` / ``past_key_values``)."""
 
-    module_types = _import_classes(_PROJ_CLASSES)
+    module_types = import_classes(_PROJ_CLASSES)
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
-        names = _param_names(module)
+        names = parameter_names(module)
         prefixes = {n.split(".")[0] for n in names}
         projections = {"q_proj", "k_proj", "v_proj", "o_proj"}
         if prefixes not in (projections, projections | {"q_norm", "k_norm"}):
@@ -201,7 +201,7 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
         return w if q_norm is None and k_norm is None else dataclasses.replace(w, q_norm=q_norm, k_norm=k_norm)
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-        a = _bind(self.module_cls, args, kwargs)
+        a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
         cache, extra = a.get("cache"), a["kwargs"]
         B, T = x.shape[:2]
@@ -247,9 +247,9 @@ class ProjectionAttentionAdapter(_TransformersAdapter):
                 key_states, value_states = visible_keys(key_states, value_states, mask, step.query_start, T)
         S = T if key_states is None else key_states.shape[2]
         q0 = None if step is None else step.query_start
-        query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True, q0)
+        query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, q0)
         if mask is None and self.sliding_window is not None and S > self.sliding_window:
-            bias = _sliding_bias(T, S, int(self.sliding_window), x.device, x.dtype)
+            bias = sliding_window_bias(T, S, int(self.sliding_window), x.device, x.dtype)
         inputs = AttentionInputs(
             x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=rotary,
             key_states=key_states, value_states=value_states, dropout_p=L.dropout_p if routed.training else 0.0,
@@ -272,7 +272,7 @@ def register_transformers_attention(cls: type, family: str) -> None:
     >>> from transformers.models.electra.modeling_electra import ElectraAttention  # doctest: +SKIP
     >>> register_transformers_attention(ElectraAttention, "bert")  # doctest: +SKIP
     """
-    adapters: dict[str, type[_TransformersAdapter]] = {"bert": BertStyleAttentionAdapter,
+    adapters: dict[str, type[TransformersAdapter]] = {"bert": BertStyleAttentionAdapter,
                                                        "projection": ProjectionAttentionAdapter}
     if family not in adapters:
         raise ValueError(f"family must be one of {sorted(adapters)}, got {family!r}")

@@ -23,7 +23,9 @@ from condcomp.versions import tensor_version
 from .cache import RequestStep, held_record, request_plan
 
 
-def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
+def import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
+    """The classes of ``table`` (``(module, class name)`` pairs) that the installed transformers has; the others
+    are skipped, so an adapter's ``module_types`` lists what this version can build."""
     found = []
     for module_name, cls_name in table:
         try:
@@ -33,7 +35,8 @@ def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
     return tuple(found)
 
 
-def _param_names(module: nn.Module) -> set[str]:
+def parameter_names(module: nn.Module) -> set[str]:
+    """Every parameter name of ``module`` (dotted, as ``named_parameters`` spells it): what structure checks read."""
     return {n for n, _ in module.named_parameters()}
 
 
@@ -44,7 +47,7 @@ def _param_names(module: nn.Module) -> set[str]:
 _LAST_MASK: list[Any] = [None]  # one (mask, key, parts) tuple, replaced whole (safe if threads share the model)
 
 
-def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_start: int | None = None
+def mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_start: int | None = None
                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask.
 
@@ -90,7 +93,7 @@ def decoder_request_plan(routed: Any, step: RequestStep, x: Tensor, mask: Any) -
     the cache, or one decided now from the call's real tokens (``mask``: transformers' attention mask, or None)."""
     B, T = x.shape[:2]
     S = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T
-    query_mask, _, _ = _mask_parts(mask, B, T, S, True, step.query_start)
+    query_mask, _, _ = mask_parts(mask, B, T, S, True, step.query_start)
     return request_plan(routed, step, x, query_mask, step.query_start + T, decoder=True)
 
 
@@ -102,7 +105,7 @@ def visible_keys(k: Tensor, v: Tensor, mask: Any, query_start: int, T: int) -> t
     return k, v
 
 
-def _sliding_bias(T: int, S: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+def sliding_window_bias(T: int, S: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """Additive ``(1, 1, T, S)`` bias forbidding keys more than ``window`` positions back (bottom-right aligned)."""
     i = torch.arange(T, device=device).unsqueeze(1) + (S - T)
     j = torch.arange(S, device=device).unsqueeze(0)
@@ -152,7 +155,7 @@ def warn_if_attentions_requested(kwargs: dict[str, Any]) -> None:
         warnings.warn(ATTENTIONS_NOT_RETURNED, UserWarning, stacklevel=4)
 
 
-def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def bind_arguments(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``).
 
     Every module-swap adapter binds its call here first, so this is also where a request for attention maps,
@@ -182,7 +185,7 @@ def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
     return named
 
 
-class _TransformersAdapter(AttentionAdapter):
+class TransformersAdapter(AttentionAdapter):
     """Shared parts: class + structure matching and the ``attn_implementation`` check."""
 
     required: set[str] = set()

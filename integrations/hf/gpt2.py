@@ -22,13 +22,13 @@ from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 from .cache import open_step, request_plan
 from .common import (
-    _bind,
-    _import_classes,
-    _mask_parts,
-    _param_names,
-    _TransformersAdapter,
+    TransformersAdapter,
+    bind_arguments,
     cross_attention_states,
     decoder_request_plan,
+    import_classes,
+    mask_parts,
+    parameter_names,
     visible_keys,
 )
 
@@ -46,15 +46,15 @@ def _upcast_problem(module: Any, dtype: torch.dtype) -> str | None:
 
 
 @register_adapter
-class GPT2AttentionAdapter(_TransformersAdapter):
+class GPT2AttentionAdapter(TransformersAdapter):
     """``GPT2Attention``: causal self-attention with KV cache, or cross-attention (``is_cross_attention``)."""
 
-    module_types = _import_classes([("transformers.models.gpt2.modeling_gpt2", "GPT2Attention")])
+    module_types = import_classes([("transformers.models.gpt2.modeling_gpt2", "GPT2Attention")])
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
         want = {"c_attn", "c_proj", *(("q_attn",) if getattr(module, "is_cross_attention", False) else ())}
-        prefixes = {n.split(".")[0] for n in _param_names(module)}
+        prefixes = {n.split(".")[0] for n in parameter_names(module)}
         if prefixes != want:
             return f"parameters under {sorted(prefixes)}, expected only {'/'.join(sorted(want))}"
         if not hasattr(module, "scaling") or not hasattr(module, "head_dim"):
@@ -93,7 +93,7 @@ class GPT2AttentionAdapter(_TransformersAdapter):
         return k, v
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-        a = _bind(self.module_cls, args, kwargs)
+        a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
         problem = _upcast_problem(routed.base, x.dtype)  # implementation and dtype can change after wrapping
         if problem is not None:
@@ -116,7 +116,7 @@ class GPT2AttentionAdapter(_TransformersAdapter):
             key_states, value_states = cross_attention_states(cache, self.layer_idx,
                                                               lambda: self._kv(routed.weights(), enc))
             S = enc.shape[1] if key_states is None else key_states.shape[2]
-            query_mask, key_mask, bias = _mask_parts(mask, B, T, S, False)
+            query_mask, key_mask, bias = mask_parts(mask, B, T, S, False)
         else:
             mask = a.get("attention_mask")
             q0 = None
@@ -131,7 +131,7 @@ class GPT2AttentionAdapter(_TransformersAdapter):
                 key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
                 key_states, value_states = visible_keys(key_states, value_states, mask, q0, T)
             S = T if key_states is None else key_states.shape[2]
-            query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True, q0)
+            query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, q0)
         inputs = AttentionInputs(
             x=x, key=enc if self.cross and key_states is None else None, mask=query_mask, key_mask=key_mask,
             attn_bias=bias, key_states=key_states, value_states=value_states,

@@ -36,7 +36,7 @@ from condcomp.host import RoutingHost
 from condcomp.registry import POLICIES, ROUTERS
 from condcomp.types import HeadLayout, HeadPlan
 
-from . import BertStyleAttentionAdapter, ProjectionAttentionAdapter, _mask_parts
+from . import BertStyleAttentionAdapter, ProjectionAttentionAdapter, mask_parts
 from .common import warn_if_attentions_requested
 
 ATTN_NAME = "condcomp"
@@ -107,7 +107,7 @@ def condcomp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
                              "'eager' without condcomp")
     B, H, T, _ = query.shape
     S = key.shape[2]
-    query_mask, key_mask, _ = _mask_parts(attention_mask, B, T, S, not getattr(routing.adapter, "cross", False))
+    query_mask, key_mask, _ = mask_parts(attention_mask, B, T, S, not getattr(routing.adapter, "cross", False))
     mask = attention_mask if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4 else None
     if mask is None and key_mask is not None:
         mask = key_mask[:, None, None, :]  # (B, 1, 1, S)

@@ -17,20 +17,20 @@ from condcomp.masks import causal_allowed
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
-from .common import _bind, _mask_parts, _param_names, _TransformersAdapter
+from .common import TransformersAdapter, bind_arguments, mask_parts, parameter_names
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
 
 
-class PlainSelfAttentionAdapter(_TransformersAdapter):
+class PlainSelfAttentionAdapter(TransformersAdapter):
     """Base: ``projections`` = (q, k, v, out) child names; subclasses implement :meth:`facts`."""
 
     projections: tuple[str, str, str, str] = ("q_proj", "k_proj", "v_proj", "out_proj")
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
-        prefixes = {n.split(".")[0] for n in _param_names(module)}
+        prefixes = {n.split(".")[0] for n in parameter_names(module)}
         if prefixes != set(cls.projections):
             return f"parameters under {sorted(prefixes)}, expected only {'/'.join(cls.projections)}"
         return None
@@ -55,10 +55,10 @@ class PlainSelfAttentionAdapter(_TransformersAdapter):
         return AttentionWeights(self.layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-        a = _bind(self.module_cls, args, kwargs)
+        a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
         B, T = x.shape[:2]
-        query_mask, key_mask, bias = _mask_parts(a.get("attention_mask"), B, T, T, True)
+        query_mask, key_mask, bias = mask_parts(a.get("attention_mask"), B, T, T, True)
         # CLIP's text tower asks its (non-causal) attention modules for causal attention per call: is_causal=True
         causal = bool(a["kwargs"].get("is_causal", self.layout.causal))
         if causal and not self.layout.causal:

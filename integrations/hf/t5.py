@@ -21,12 +21,12 @@ from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
 
 from .cache import open_step, request_plan
 from .common import (
-    _bind,
-    _import_classes,
-    _mask_parts,
-    _param_names,
-    _TransformersAdapter,
+    TransformersAdapter,
+    bind_arguments,
     decoder_request_plan,
+    import_classes,
+    mask_parts,
+    parameter_names,
     visible_keys,
 )
 
@@ -35,15 +35,15 @@ if TYPE_CHECKING:
 
 
 @register_adapter
-class T5AttentionAdapter(_TransformersAdapter):
+class T5AttentionAdapter(TransformersAdapter):
     """``T5Attention``: self- or cross-attention (decided per call by ``key_value_states``, as in T5)."""
 
-    module_types = _import_classes([("transformers.models.t5.modeling_t5", "T5Attention")])
+    module_types = import_classes([("transformers.models.t5.modeling_t5", "T5Attention")])
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
         want = {"q", "k", "v", "o", *(("relative_attention_bias",) if module.has_relative_attention_bias else ())}
-        prefixes = {n.split(".")[0] for n in _param_names(module)}
+        prefixes = {n.split(".")[0] for n in parameter_names(module)}
         if prefixes != want:
             return f"parameters under {sorted(prefixes)}, expected only {'/'.join(sorted(want))}"
         if float(getattr(module, "scaling", 1.0)) != 1.0:
@@ -84,7 +84,7 @@ class T5AttentionAdapter(_TransformersAdapter):
         return bias
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, None]:
-        a = _bind(self.module_cls, args, kwargs)
+        a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
         enc: Tensor | None = a.get("key_value_states")
         cache: Any = a.get("cache")
@@ -122,7 +122,7 @@ class T5AttentionAdapter(_TransformersAdapter):
         position_bias = a.get("position_bias")
         if position_bias is None:
             position_bias = self._position_bias(routed, T, S, x, past)
-        query_mask, key_mask, mask_bias = _mask_parts(a.get("mask"), B, T, S, not cross, q0)
+        query_mask, key_mask, mask_bias = mask_parts(a.get("mask"), B, T, S, not cross, q0)
         bias = position_bias if mask_bias is None else position_bias + mask_bias  # (B|1, H, T, S)
         inputs = AttentionInputs(
             x=x, key=enc if cross and key_states is None else None, mask=query_mask, key_mask=key_mask,
