@@ -1,8 +1,7 @@
 """What every transformers adapter shares: class tables, mask reading, argument binding, the base adapter.
 
-Kept apart from :mod:`.hf` (the BERT-style and projection-style families) so that the adapter modules of other
-architectures (:mod:`.gpt2`, :mod:`.t5`, :mod:`.distilbert`, :mod:`.clip`) and the package import it
-without importing each other.
+Every family module (:mod:`.bert`, :mod:`.projection`, :mod:`.gpt2`, :mod:`.t5`, :mod:`.plain`) imports these
+helpers from here, so the families never import each other.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ from condcomp.host import RoutingHost
 from condcomp.registry import POLICIES, ROUTERS
 from condcomp.types import HeadLayout, HeadPlan
 
-from . import BertStyleAttentionAdapter, ProjectionAttentionAdapter, mask_parts
-from .common import warn_if_attentions_requested
+from .bert import BertStyleAttentionAdapter
+from .common import mask_parts, warn_if_attentions_requested
+from .projection import ProjectionAttentionAdapter
 
 ATTN_NAME = "condcomp"
 

@@ -2,8 +2,8 @@
 
 DistilBERT (``q_lin``/``k_lin``/``v_lin``/``out_lin``), CLIP and SigLIP (``q_proj``/``k_proj``/``v_proj``/
 ``out_proj``) compute ``out(attention(q(x), k(x), v(x), mask))`` and return ``(output, attn_weights)``; a subclass
-names the projections and reads the head count, head width, scale and dropout (:mod:`.hf_distilbert`,
-:mod:`.hf_clip`). ``attn_weights`` is None, as in transformers' sdpa path.
+names the projections and reads the head count, head width, scale and dropout (:mod:`.distilbert`,
+:mod:`.clip`). ``attn_weights`` is None, as in transformers' sdpa path.
 """
 
 from __future__ import annotations
