@@ -112,6 +112,17 @@ class RoutedAttention(RoutingHost):
                                 route=getattr(executor, "route", None))
         return executor(weights, inputs, plan)  # type: ignore[no-any-return]
 
+    def attend_parts(self, x: Tensor, plan: HeadPlan | None = None, *, key: Tensor | None = None,
+                     value: Tensor | None = None, mask: Tensor | None = None, key_mask: Tensor | None = None,
+                     attn_bias: Tensor | None = None, rotary: tuple[Tensor, Tensor] | None = None,
+                     key_states: Tensor | None = None, value_states: Tensor | None = None) -> Tensor:
+        """:meth:`attend` on one call's parts (the fields of :class:`~condcomp.AttentionInputs`), with the layer's
+        attention dropout in training and none in evaluation: the step every adapter's ``forward`` ends with."""
+        inputs = AttentionInputs(x=x, key=key, value=value, mask=mask, key_mask=key_mask, attn_bias=attn_bias,
+                                 rotary=rotary, key_states=key_states, value_states=value_states,
+                                 dropout_p=self.layout.dropout_p if self.training else 0.0)
+        return self.attend(inputs, plan)  # (B, T, D)
+
     def _validate(self, inputs: AttentionInputs) -> None:
         x, L = inputs.x, self.layout
         if x.dim() != 3:

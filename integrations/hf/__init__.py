@@ -2,10 +2,12 @@
 
 Read in this order:
 
-1. :mod:`.common`: what every adapter shares: binding a call's arguments (:func:`~.common.bind_arguments`), reading
-   transformers' masks (:func:`~.common.mask_parts`), projecting and caching every head's keys and values, and
-   the step every forward ends with; the base class :class:`~.common.TransformersAdapter`
-   (class + structure matching, the ``attn_implementation`` check).
+1. :mod:`.common`: what every adapter shares, in the order a forward uses it: binding the call's arguments
+   (:func:`~.common.bind_arguments`), reading transformers' masks (:func:`~.common.mask_parts`), every head's keys
+   and values into the cache (:func:`~.common.cache_every_head`, :func:`~.common.cross_attention_states`), and the
+   step every forward ends with (:func:`~.common.attend_call`: mask parts -> plan -> ``attend`` -> the plan kept);
+   the base class :class:`~.common.TransformersAdapter` (class + structure matching, the ``attn_implementation``
+   check). Splitting a projection into heads is :func:`condcomp.dense.split_heads`.
 2. The families, each an :class:`~condcomp.AttentionAdapter` registered on import:
    :mod:`.bert` (``BertAttention``, ``RobertaAttention``), :mod:`.projection` (``ViTAttention`` and the Llama
    family), :mod:`.gpt2`, :mod:`.t5`, :mod:`.plain` (the base of :mod:`.distilbert` and :mod:`.clip`: CLIP and

@@ -13,25 +13,25 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
+from condcomp.dense import split_heads
 from condcomp.projections import linear_parts
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout
 
-from .cache import open_step, request_plan
+from .cache import open_step
 from .common import (
     TransformersAdapter,
+    attend_call,
     bind_arguments,
+    cache_every_head,
     cross_attention_states,
     decoder_request_plan,
     import_classes,
-    mask_parts,
     parameter_names,
-    visible_keys,
 )
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
 
-# (module, class) pairs tried at import; classes absent from the installed transformers are skipped.
 # (module, class) pairs tried at import; classes absent from the installed transformers are skipped.
 BERT_CLASSES = [("transformers.models.bert.modeling_bert", "BertAttention"),
                  ("transformers.models.roberta.modeling_roberta", "RobertaAttention")]
@@ -78,19 +78,19 @@ class BertStyleAttentionAdapter(TransformersAdapter):
         return AttentionWeights(self.layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
     def _kv(self, core: Any, source: Tensor) -> tuple[Tensor, Tensor]:
-        shape = (*source.shape[:-1], -1, self.layout.head_dim)
-        return (core.key(source).view(shape).transpose(1, 2),  # (B, H, S, Dh)
-                core.value(source).view(shape).transpose(1, 2))
+        """Every head's keys and values ``(B, H, S, Dh)`` of ``source``: the projections' own forward."""
+        Dh = self.layout.head_dim
+        return split_heads(core.key(source), Dh), split_heads(core.value(source), Dh)
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
         a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
         cache, extra = a.get("cache"), a["kwargs"]
-        core = routed.self
         B, T = x.shape[:2]
-        key_states = value_states = None
-        step = plan = None
-        q0 = None
+        enc: Tensor | None = None
+        key_states: Tensor | None = None
+        value_states: Tensor | None = None
+        step, plan = None, None
         if self.cross:
             enc = a.get("encoder_hidden_states")
             if enc is None:
@@ -99,33 +99,19 @@ class BertStyleAttentionAdapter(TransformersAdapter):
             mask = a.get("encoder_attention_mask")
             if cache is not None and self.layer_idx is not None:
                 step = open_step(routed, cache, self.layer_idx, B, T, cross=True)
-            key_states, value_states = cross_attention_states(cache, self.layer_idx, lambda: self._kv(core, enc))
-            S = enc.shape[1] if key_states is None else key_states.shape[2]
+            key_states, value_states = cross_attention_states(cache, self.layer_idx,
+                                                              lambda: self._kv(routed.self, enc))
         else:
-            enc, mask = None, a.get("attention_mask")
+            mask = a.get("attention_mask")
             if cache is not None:
-                # The request's plan is decided (or read from the cache) before the cache grows; per-token plans
-                # cannot shrink a KV cache later tokens may read: every head's K/V is cached.
+                # The request's plan is decided (or read from the cache) before the cache grows.
                 if self.layer_idx is not None:
                     step = open_step(routed, cache, self.layer_idx, B, T)
-                    q0 = step.query_start
                     plan = decoder_request_plan(routed, step, x, mask)
-                current = getattr(cache, "self_attention_cache", cache)
-                k, v = self._kv(core, x)
-                key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
-                if q0 is not None:
-                    key_states, value_states = visible_keys(key_states, value_states, mask, q0, T)
-            S = T if key_states is None else key_states.shape[2]
-        query_mask, key_mask, bias = mask_parts(mask, B, T, S, not self.cross, q0)
-        inputs = AttentionInputs(
-            x=x, key=enc if key_states is None else None, mask=query_mask, key_mask=key_mask, attn_bias=bias,
-            key_states=key_states, value_states=value_states,
-            dropout_p=self.layout.dropout_p if routed.training else 0.0,
-        )
-        if plan is None:
-            plan = request_plan(routed, step, x, query_mask, S, decoder=self.cross or self.layout.causal)
-        y = routed.attend(inputs, plan)  # (B, T, D), output bias included on rows with an active head
-        if step is not None:
-            step.keep(routed, plan, None)
+                key_states, value_states = cache_every_head(cache, self.layer_idx, *self._kv(routed.self, x), extra,
+                                                            mask, step)
+        y = attend_call(routed, x, mask, self_attention=not self.cross, step=step, plan=plan,
+                        decoder=self.cross or self.layout.causal, key=enc if key_states is None else None,
+                        key_states=key_states, value_states=value_states)  # (B, T, D), output bias on active rows
         out = routed.output
         return out.LayerNorm(out.dropout(y) + x), None

@@ -16,17 +16,18 @@ from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
 from condcomp.attention import linear_weights
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.dense import split_heads
+from condcomp.types import AttentionWeights, HeadLayout
 
-from .cache import open_step, request_plan
+from .cache import open_step
 from .common import (
     TransformersAdapter,
+    attend_call,
     bind_arguments,
+    cache_every_head,
     import_classes,
-    mask_parts,
     parameter_names,
     sliding_window_bias,
-    visible_keys,
 )
 from .decode import compact_selection, decide_request_plan, held_attention
 
@@ -119,32 +120,14 @@ class ProjectionAttentionAdapter(TransformersAdapter):
                 return y, None
         key_states = value_states = None
         if cache is not None:
-            # Every key/value head is projected and cached: a head a token skips now may be chosen by a later one.
             # The projections' own forward: exact for LoRA layers too.
-            k = routed.k_proj(x).view(B, T, L.num_kv_heads, L.head_dim)
-            if getattr(routed, "k_norm", None) is not None:  # Qwen3: per-head norm before rotary
-                k = routed.k_norm(k)
-            v = routed.v_proj(x).view(B, T, L.num_kv_heads, L.head_dim)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hkv, T, Dh)
-            if rotary is not None:
-                from condcomp.masks import apply_rotary
-
-                k = apply_rotary(k, *rotary)
-            key_states, value_states = cache.update(k, v, self.layer_idx, kwargs=extra)
-            if step is not None:
-                key_states, value_states = visible_keys(key_states, value_states, mask, step.query_start, T)
+            k = split_heads(routed.k_proj(x), L.head_dim, getattr(routed, "k_norm", None), rotary)  # (B, Hkv, T, Dh)
+            v = split_heads(routed.v_proj(x), L.head_dim)
+            key_states, value_states = cache_every_head(cache, self.layer_idx, k, v, extra, mask, step)
         S = T if key_states is None else key_states.shape[2]
-        q0 = None if step is None else step.query_start
-        query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, q0)
+        band = None
         if mask is None and self.sliding_window is not None and S > self.sliding_window:
-            bias = sliding_window_bias(T, S, int(self.sliding_window), x.device, x.dtype)
-        inputs = AttentionInputs(
-            x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=rotary,
-            key_states=key_states, value_states=value_states, dropout_p=L.dropout_p if routed.training else 0.0,
-        )
-        if plan is None:
-            plan = request_plan(routed, None, x, query_mask, S, decoder=L.causal)
-        y = routed.attend(inputs, plan)
-        if step is not None:
-            step.keep(routed, plan, None)
+            band = sliding_window_bias(T, S, int(self.sliding_window), x.device, x.dtype)
+        y = attend_call(routed, x, mask, step=step, plan=plan, decoder=L.causal, key_states=key_states,
+                        value_states=value_states, rotary=rotary, extra_bias=band)
         return y, None
