@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for
-from condcomp.api import aux_loss, check_projections, head_usage, matches_pattern, set_progress
+from condcomp.api import aux_loss, head_usage, select_targets, set_progress
 from condcomp.config import CondCompConfig
 from condcomp.host import RoutingHost
-from condcomp.registry import POLICIES, ROUTERS
+from condcomp.routed import build_routing, read_adapter
 from condcomp.types import HeadLayout, HeadPlan
 
 from .bert import BertStyleAttentionAdapter
@@ -158,14 +158,14 @@ class InterfaceLayoutAdapter:
     """The head layout of an attention module known only through its config: enough to route it (the attention
     function receives the projected q/k/v; nothing else is read)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, name: str = "module") -> None:
         config = getattr(module, "config", None)
         H = _first_int(module, config, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
         D = _first_int(config, module, ("hidden_size", "d_model", "dim", "n_embd", "embed_dim"))
         if H is None or D is None:
-            raise ValueError(f"cannot read the number of heads and the width of {type(module).__qualname__} from "
-                             "its attributes or config; wrap it with condcomp.apply_ and an AttentionAdapter "
-                             "(docs/extending.md)")
+            raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): cannot read its number of heads "
+                             "and width from its attributes or config; wrap it with condcomp.apply_ and an "
+                             "AttentionAdapter (docs/extending.md)")
         Dh = _first_int(module, config, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv")) or D // H
         Hkv = _first_int(module, config, ("num_key_value_heads",)) or H
         self.layout = HeadLayout(d_model=D, num_heads=H, num_kv_heads=Hkv, head_dim=Dh, scale=Dh**-0.5)
@@ -204,18 +204,13 @@ def _interface_targets(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module
     found: list[tuple[str, nn.Module, nn.Module, Any]] = []
     claimed: set[int] = set()
     for name, module in model.named_modules():
-        adapter_cls = find_adapter(module)
-        if adapter_cls in (BertStyleAttentionAdapter, ProjectionAttentionAdapter):
-            reason = adapter_cls.unsupported_reason(module)  # type: ignore[union-attr]
-            if reason is not None:
-                raise ValueError(f"cannot route {name} ({type(module).__qualname__}): {reason}")
-            adapter = adapter_cls(module)  # type: ignore[misc]
-            check_projections(adapter, module, name)
+        if find_adapter(module) in (BertStyleAttentionAdapter, ProjectionAttentionAdapter):
+            adapter = read_adapter(module, name)  # the module swap's checks and errors, naming the layer
             core = module.self if isinstance(adapter, BertStyleAttentionAdapter) else module
             found.append((name, module, core, adapter))
             claimed.add(id(core))
         elif id(module) not in claimed and dispatches_through_interface(module):
-            found.append((name, module, module, InterfaceLayoutAdapter(module)))
+            found.append((name, module, module, InterfaceLayoutAdapter(module, name)))
     return found
 
 
@@ -230,23 +225,18 @@ def apply_interface_(model: nn.Module, config: CondCompConfig | None = None) -> 
     load_integrations_for(model)
     if cores(model):
         raise ValueError("model already routed through the AttentionInterface; call remove_interface_ first")
-    targets, excludes = config.target_modules, config.exclude_modules
-    chosen = [t for t in _interface_targets(model)
-              if (targets is None or any(matches_pattern(t[0], p) for p in targets))
-              and not (excludes and any(matches_pattern(t[0], p) for p in excludes))]
+    found = _interface_targets(model)
+    selected = set(select_targets([target[0] for target in found], config))
+    chosen = [target for target in found if target[0] in selected]
     if not chosen:
         raise ValueError("apply_interface_ matched no attention module that dispatches through transformers' "
                          f"AttentionInterface; target_modules={config.target_modules}")
     shared = None
-    for _name, module, core, adapter in chosen:
-        L = adapter.layout
-        facts = {"d_model": L.d_model, "num_heads": L.num_heads, "num_kv_heads": L.num_kv_heads,
-                 "head_dim": L.head_dim}
-        policy = shared or POLICIES.build(config.policy[0], config.policy[1], facts)
+    for name, module, core, adapter in chosen:
+        device = next(core.parameters()).device
+        policy, router = build_routing(config, adapter, device, name, shared)
         if config.share_policy:
             shared = policy
-        router = ROUTERS.build(config.router[0], config.router[1], facts)
-        device = next(core.parameters()).device
         routing = CoreRouting(policy, router, adapter, module).to(device)
         core.add_module("condcomp_core", routing)
         routing.hook = core.register_forward_pre_hook(routing.capture, with_kwargs=True)
