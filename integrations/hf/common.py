@@ -152,8 +152,8 @@ def _output_collector() -> Any:
 
 def warn_if_attentions_requested(kwargs: dict[str, Any]) -> None:
     """Warn that attention maps are not returned when the caller asked for them (transformers 5 records them with
-    hooks on its own attention classes, which a wrapped layer's forward never returns; older versions passed
-    ``output_attentions`` to the layer)."""
+    hooks on its own attention classes, which a wrapped layer's forward never returns; a caller may also pass
+    ``output_attentions`` to the layer itself)."""
     collector = _output_collector()
     collected = collector.get() if collector is not None else None
     if kwargs.get("output_attentions") or (collected and ("attentions" in collected
