@@ -192,7 +192,7 @@ def remove_(model: nn.Module) -> list[str]:
 
 def routing_hosts(model: nn.Module) -> dict[str, RoutingHost]:
     """Every module holding condcomp routing, by name: the module swap's ``RoutedAttention`` modules and the
-    AttentionInterface route's ``condcomp_core`` children alike."""
+    attention-function attachment's ``condcomp_core`` children alike."""
     return {n: m for n, m in model.named_modules() if isinstance(m, RoutingHost)}
 
 

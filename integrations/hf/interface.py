@@ -1,9 +1,12 @@
-"""The lighter transformers route: a ``"condcomp"`` attention function in ``AttentionInterface``, no module swap.
+"""The attention-function attachment: a ``"condcomp"`` attention function in transformers' ``AttentionInterface``,
+no module swap.
 
-transformers 5 lets a model call any registered attention function on its already-projected ``q``/``k``/``v``.
-This route registers one that routes heads and computes only the selected (example, head) pairs, and attaches
-the policy and router to each attention module as a ``condcomp_core`` child (so the routing parameters live in
-the model's ``state_dict``, under ``...condcomp_core.condcomp_policy.*``).
+Routing attaches to a model in one of two ways (its *attachment*): the module swap (``condcomp.apply_`` replaces
+each attention module by a ``RoutedAttention``) or this one. transformers 5 lets a model call any registered
+attention function on its already-projected ``q``/``k``/``v``; this attachment registers one that routes heads and
+computes only the selected (example, head) pairs, and attaches the policy and router to each attention module as a
+``condcomp_core`` child (so the routing parameters live in the model's ``state_dict``, under
+``...condcomp_core.condcomp_policy.*``).
 
 What it saves, compared with the module swap (``condcomp.apply_``):
 
@@ -44,7 +47,7 @@ ATTN_NAME = "condcomp"
 
 
 class CoreRouting(RoutingHost):
-    """Policy + router attached to one attention module for the AttentionInterface route."""
+    """Policy + router attached to one attention module by the attention-function attachment."""
 
     def __init__(self, policy: Any, router: Any, adapter: Any, owner: nn.Module) -> None:
         super().__init__()
@@ -264,7 +267,7 @@ def remove_interface_(model: nn.Module) -> list[str]:
     return list(found)
 
 
-# Kept for code written against v0.1: the core functions serve this route too.
+# The core statistics under this module's names: one code path serves both attachments.
 interface_head_usage = head_usage
 interface_aux_loss = aux_loss
 interface_set_progress = set_progress

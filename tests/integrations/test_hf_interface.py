@@ -1,4 +1,5 @@
-"""transformers AttentionInterface route: routing without a module swap, against the unwrapped model."""
+"""The attention-function attachment (transformers' AttentionInterface): routing without a module swap, against the
+unwrapped model."""
 
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def test_learned_routing_lives_in_the_state_dict_and_trains() -> None:
         apply_interface_(model, condcomp.CondCompConfig(policy="full", router="random"))
 
 
-def test_core_functions_serve_the_interface_route() -> None:
-    """aux_loss, set_progress and head_usage are one code path for both routes: with the interface route the
+def test_core_functions_serve_the_attention_function() -> None:
+    """aux_loss, set_progress and head_usage are one code path for both attachments: with the attention function the
     budget hinge and the schedules must reach training exactly as with the module swap."""
     torch.manual_seed(0)
     swap, routed = build("bert"), build("bert")
