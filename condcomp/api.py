@@ -18,12 +18,7 @@ from condcomp.held_plans import RequestPlan
 from condcomp.host import RoutingHost, check_progress
 from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
-from condcomp.routed import (  # noqa: F401  (wrap_module, check_projections: their old home)
-    RoutedAttention,
-    check_projections,
-    layer_facts,
-    wrap_module,
-)
+from condcomp.routed import RoutedAttention, layer_facts, wrap_module
 from condcomp.types import HeadUsage
 
 
@@ -45,10 +40,13 @@ def _did_you_mean(pattern: str, names: list[str]) -> str:
     return f"; did you mean {close}?" if close else ""
 
 
-def _head_count(module: nn.Module) -> int:
-    adapter_cls = find_adapter(module)
-    assert adapter_cls is not None
-    return adapter_cls(module).layout.num_heads
+def select_targets(names: list[str], config: CondCompConfig) -> list[str]:
+    """The module ``names`` that ``config.target_modules`` selects (all when None) and ``exclude_modules`` does not:
+    the one target matcher of both attachments (module swap and attention function)."""
+    targets, excludes = config.target_modules, config.exclude_modules
+    return [n for n in names
+            if (targets is None or any(matches_pattern(n, p) for p in targets))
+            and not (excludes and any(matches_pattern(n, p) for p in excludes))]
 
 
 def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
@@ -66,33 +64,57 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     # Layers wrapped by an earlier apply_ stay as they are: applying again to other targets is how layers get
     # different routers (a different K per layer, say).
     wrapped = list(routed_modules(model))
+    candidates = _attention_candidates(model, wrapped)
+    _check_target_patterns(model, config, candidates, wrapped)
+    chosen = select_targets(candidates, config)
+    _check_chosen(model, config, chosen, candidates, wrapped)
+    built = _build_wrappers(model, config, chosen, keep_preparation=bool(wrapped))
+    for name, routed in built.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, routed)
+    store_record_in_config(model)  # a transformers model's save_pretrained then writes how to rebuild it
+    return chosen
+
+
+def _attention_candidates(model: nn.Module, wrapped: list[str]) -> list[str]:
+    """Names of the modules some adapter matches, outermost first: one per attention layer, none inside a layer
+    already wrapped."""
     candidates: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(c + ".") or c == "" for c in candidates + wrapped):
             continue  # inside a module already chosen: one wrapped module per attention layer
         if find_adapter(module) is not None:
             candidates.append(name)
+    return candidates
+
+
+def _check_target_patterns(model: nn.Module, config: CondCompConfig, candidates: list[str],
+                           wrapped: list[str]) -> None:
+    """Refuse a ``target_modules`` pattern that is a typo, selects a wrapped layer, or only unsupported modules."""
+    targets = config.target_modules
+    for pattern in targets or ():
+        hits = [n for n, _ in model.named_modules() if matches_pattern(n, pattern)]
+        if not hits and len(targets or ()) > 1:  # (one pattern matching nothing is the error below, with a list)
+            raise ValueError(f"target {pattern!r} matches no module (a typo?); attention modules that would "
+                             f"match: {candidates[:6]}{_did_you_mean(pattern, candidates + wrapped)}")
+        again = [n for n in hits if n in wrapped]
+        if again:
+            raise ValueError(f"target {pattern!r} matches modules that are already wrapped: {again}; "
+                             "call condcomp.remove_(model) first to change their routing")
+        # A pattern that selects some attention module may also match other modules (a broad regex);
+        # one that selects none but matches other modules is a mistake worth naming.
+        unsupported = [n for n in hits if n not in candidates and not any(n.startswith(w + ".") for w in wrapped)]
+        if unsupported and not any(n in candidates for n in hits):
+            kinds = {n: type(model.get_submodule(n)).__qualname__ for n in unsupported}
+            raise ValueError(f"target {pattern!r} matches modules that are not supported attention modules: "
+                             f"{kinds}; supported classes: {', '.join(supported_classes())}")
+
+
+def _check_chosen(model: nn.Module, config: CondCompConfig, chosen: list[str], candidates: list[str],
+                  wrapped: list[str]) -> None:
+    """Refuse an empty choice (saying what the model holds), the model itself, and a shared policy over layers of
+    different head counts."""
     targets, excludes = config.target_modules, config.exclude_modules
-    if targets is not None:
-        for pattern in targets:
-            hits = [n for n, _ in model.named_modules() if matches_pattern(n, pattern)]
-            if not hits and len(targets) > 1:  # (one pattern matching nothing is the error below, with a list)
-                raise ValueError(f"target {pattern!r} matches no module (a typo?); attention modules that would "
-                                 f"match: {candidates[:6]}{_did_you_mean(pattern, candidates + wrapped)}")
-            again = [n for n in hits if n in wrapped]
-            if again:
-                raise ValueError(f"target {pattern!r} matches modules that are already wrapped: {again}; "
-                                 "call condcomp.remove_(model) first to change their routing")
-            # A pattern that selects some attention module may also match other modules (a broad regex);
-            # one that selects none but matches other modules is a mistake worth naming.
-            unsupported = [n for n in hits if n not in candidates and not any(n.startswith(w + ".") for w in wrapped)]
-            if unsupported and not any(n in candidates for n in hits):
-                kinds = {n: type(model.get_submodule(n)).__qualname__ for n in unsupported}
-                raise ValueError(f"target {pattern!r} matches modules that are not supported attention modules: "
-                                 f"{kinds}; supported classes: {', '.join(supported_classes())}")
-    chosen = [n for n in candidates
-              if (targets is None or any(matches_pattern(n, p) for p in targets))
-              and not (excludes and any(matches_pattern(n, p) for p in excludes))]
     if not chosen and wrapped and targets is None:
         raise ValueError(f"every supported attention module is already wrapped ({len(wrapped)}: {wrapped[:3]}...); "
                          "call condcomp.remove_(model) first to change the routing")
@@ -112,31 +134,37 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
                              "share it among layers of one size (target_modules) or set share_policy=False")
     if "" in chosen:
         raise ValueError("the model itself is an attention module: use condcomp.RoutedAttention.wrap(model, cfg)")
+
+
+def _head_count(module: nn.Module) -> int:
+    adapter_cls = find_adapter(module)
+    assert adapter_cls is not None
+    return adapter_cls(module).layout.num_heads
+
+
+def _build_wrappers(model: nn.Module, config: CondCompConfig, chosen: list[str],
+                    keep_preparation: bool) -> dict[str, RoutedAttention]:
+    """A RoutedAttention for every chosen module, each built before the first swap: a module that cannot be wrapped
+    (an unsupported option, a bad component option) leaves the model exactly as it was, not half converted.
+    ``keep_preparation``: an earlier apply_ prepared the model, which must survive this call's failure."""
     adapter_classes = {find_adapter(model.get_submodule(n)) for n in chosen}
     for adapter_cls in adapter_classes:
         assert adapter_cls is not None
         adapter_cls.prepare(model)
     try:
-        # Every wrapper is built before the first swap: a module that cannot be wrapped (an unsupported option,
-        # a bad component option) leaves the model exactly as it was, not half converted.
         shared = None
         if config.share_policy:
             first = model.get_submodule(chosen[0])
             adapter_cls = find_adapter(first)
             assert adapter_cls is not None
             shared = POLICIES.build(config.policy[0], config.policy[1], layer_facts(adapter_cls(first)))
-        built = {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
+        return {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
     except Exception:
-        if not wrapped:  # an earlier apply_'s preparation must survive this call's failure
+        if not keep_preparation:
             for adapter_cls in adapter_classes:
                 assert adapter_cls is not None
                 adapter_cls.restore(model)
         raise
-    for name, routed in built.items():
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, routed)
-    store_record_in_config(model)  # a transformers model's save_pretrained then writes how to rebuild it
-    return chosen
 
 
 def routed_modules(model: nn.Module) -> dict[str, RoutedAttention]:
@@ -164,7 +192,7 @@ def remove_(model: nn.Module) -> list[str]:
 
 def routing_hosts(model: nn.Module) -> dict[str, RoutingHost]:
     """Every module holding condcomp routing, by name: the module swap's ``RoutedAttention`` modules and the
-    AttentionInterface route's ``condcomp_core`` children alike."""
+    attention-function attachment's ``condcomp_core`` children alike."""
     return {n: m for n, m in model.named_modules() if isinstance(m, RoutingHost)}
 
 

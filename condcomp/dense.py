@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -12,17 +14,31 @@ from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, AttentionWeights
 
 
+def split_heads(t: Tensor, head_dim: int, norm: Callable[[Tensor], Tensor] | None = None,
+                rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """A projection's output ``(B, S, h*Dh)`` as heads ``(B, h, S, Dh)``: through a per-head norm over ``Dh``
+    first (Qwen3's ``q_norm``/``k_norm``), then rotary (``(cos, sin)``, each ``(B|1, S, Dh)``)."""
+    t = t.unflatten(-1, (-1, head_dim))  # (B, S, h, Dh), a view
+    if norm is not None:
+        t = norm(t)
+    t = t.transpose(1, 2)  # (B, h, S, Dh)
+    return t if rotary is None else apply_rotary(t, *rotary)
+
+
+def kv_heads(w: AttentionWeights, key_source: Tensor, value_source: Tensor,
+             rotary: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Keys and values of every key/value head of ``key_source (B, S, Dk)`` / ``value_source (B, S, Dv)``:
+    ``(B, Hkv, S, Dh)`` each, keys normalised per head and rotated (what a KV cache holds)."""
+    Dh = w.layout.head_dim
+    k = split_heads(F.linear(key_source, w.k_weight, w.k_bias), Dh, w.k_norm, rotary)
+    return k, split_heads(F.linear(value_source, w.v_weight, w.v_bias), Dh)
+
+
 def project_kv(w: AttentionWeights, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
-    """Keys and values of every key/value head, ``(B, Hkv, S, Dh)`` each (rotary applied to keys)."""
+    """Keys and values of every key/value head of a call, ``(B, Hkv, S, Dh)`` each (its cached ones if given)."""
     if inputs.key_states is not None and inputs.value_states is not None:
         return inputs.key_states, inputs.value_states
-    Hkv, Dh = w.layout.num_kv_heads, w.layout.head_dim
-    k = F.linear(inputs.key_input, w.k_weight, w.k_bias).unflatten(-1, (Hkv, Dh)).transpose(1, 2)
-    v = F.linear(inputs.value_input, w.v_weight, w.v_bias).unflatten(-1, (Hkv, Dh)).transpose(1, 2)
-    k = w.norm_keys(k)
-    if inputs.rotary is not None:
-        k = apply_rotary(k, *inputs.rotary)
-    return k, v
+    return kv_heads(w, inputs.key_input, inputs.value_input, inputs.rotary)
 
 
 # torch >= 2.5 reads grouped keys/values in place (no copy of the cache per call); 2.4 needs them repeated.
@@ -53,10 +69,7 @@ def all_heads_attention(weights: AttentionWeights, inputs: AttentionInputs) -> t
     B, T, _ = x.shape
     L = weights.layout
     mask = build_attention_mask(inputs, L.causal, x.dtype)
-    q = F.linear(x, weights.q_weight, weights.q_bias).unflatten(-1, (L.num_heads, L.head_dim)).transpose(1, 2)
-    q = weights.norm_queries(q)
-    if inputs.rotary is not None:
-        q = apply_rotary(q, *inputs.rotary)
+    q = split_heads(F.linear(x, weights.q_weight, weights.q_bias), L.head_dim, weights.q_norm, inputs.rotary)
     k, v = project_kv(weights, inputs)  # (B, Hkv, S, Dh)
     out = grouped_sdpa(q, k, v, mask.mask, mask.is_causal, L.scale, inputs.dropout_p)  # (B, H, T, Dh)
     if mask.dead is not None:

@@ -55,6 +55,25 @@ def causal_allowed(T: int, S: int, device: torch.device) -> Tensor:
     return j <= i + (S - T)
 
 
+def additive_bias(allowed: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A bool mask (True = may attend) as the additive bias attention adds to its scores: 0 where allowed, ``-inf``
+    where not, same shape (``dtype`` None: torch's default float type)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def causal_bias(T: int, S: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Additive ``(1, 1, T, S)`` bias of bottom-right aligned causal attention (:func:`causal_allowed`)."""
+    return additive_bias(causal_allowed(T, S, device), dtype)[None, None]
+
+
+def attended_keys(allowed: Tensor, B: int, S: int) -> Tensor:
+    """``(B, S)`` bool: the keys some query may attend, from a bool mask of allowed (query, key) pairs that
+    broadcasts to ``(B, H, T, S)``. A key no query may attend is padding: policies pool over the others."""
+    while allowed.dim() < 4:
+        allowed = allowed.unsqueeze(0)
+    return allowed.any(dim=1).any(dim=1).expand(B, S)  # (B|1, H|1, T|1, S) -> (B, S)
+
+
 def build_attention_mask(inputs: AttentionInputs, causal: bool, dtype: torch.dtype) -> AttentionMask:
     """Combine key padding, causal structure and an additive bias into one :class:`AttentionMask`."""
     x = inputs.x

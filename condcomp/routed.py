@@ -120,6 +120,17 @@ class RoutedAttention(RoutingHost):
                                 strategy=getattr(executor, "strategy", None))
         return executor(weights, inputs, plan)  # type: ignore[no-any-return]
 
+    def attend_parts(self, x: Tensor, plan: HeadPlan | None = None, *, key: Tensor | None = None,
+                     value: Tensor | None = None, mask: Tensor | None = None, key_mask: Tensor | None = None,
+                     attn_bias: Tensor | None = None, rotary: tuple[Tensor, Tensor] | None = None,
+                     key_states: Tensor | None = None, value_states: Tensor | None = None) -> Tensor:
+        """:meth:`attend` on one call's parts (the fields of :class:`~condcomp.AttentionInputs`), with the layer's
+        attention dropout in training and none in evaluation: the step every adapter's ``forward`` ends with."""
+        inputs = AttentionInputs(x=x, key=key, value=value, mask=mask, key_mask=key_mask, attn_bias=attn_bias,
+                                 rotary=rotary, key_states=key_states, value_states=value_states,
+                                 dropout_p=self.layout.dropout_p if self.training else 0.0)
+        return self.attend(inputs, plan)  # (B, T, D)
+
     def _validate(self, inputs: AttentionInputs) -> None:
         x, L = inputs.x, self.layout
         if x.dim() != 3:
@@ -186,7 +197,8 @@ def layer_facts(adapter: Any) -> dict[str, int]:
     return {"d_model": L.d_model, "num_heads": L.num_heads, "num_kv_heads": L.num_kv_heads, "head_dim": L.head_dim}
 
 
-def _module_device(module: nn.Module) -> torch.device:
+def module_device(module: nn.Module) -> torch.device:
+    """The device of the module's first parameter (cpu without any)."""
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
@@ -201,8 +213,10 @@ def check_projections(adapter: Any, module: nn.Module, name: str) -> None:
         raise ProjectionError(f"cannot wrap {name} ({type(module).__qualname__}): {e}") from None
 
 
-def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module") -> RoutedAttention:
-    """One supported attention module -> RoutedAttention (components built from ``config``)."""
+def read_adapter(module: nn.Module, name: str = "module") -> AttentionAdapter:
+    """The adapter of one supported attention module, its projections read once. A module condcomp cannot wrap (no
+    adapter matches, an option the adapter cannot honour, a projection it cannot read exactly) is refused here, by
+    name: both attachments (the module swap and transformers' attention function) read their modules through it."""
     adapter_cls = find_adapter(module)
     if adapter_cls is None:
         raise TypeError(f"{name} ({type(module).__qualname__}) is not a supported attention module; "
@@ -213,8 +227,14 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
         raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): {reason}")
     adapter = adapter_cls(module)
     check_projections(adapter, module, name)
+    return adapter
+
+
+def build_routing(config: CondCompConfig, adapter: Any, device: torch.device, name: str = "module",
+                  policy: Any = None) -> tuple[Any, Any]:
+    """One layer's ``(policy, router)``, built from ``config`` for the adapter's layout (``policy``: one shared with
+    other layers) and placed on ``device``, float32 whatever the model's dtype (RoutingHost's rule)."""
     facts = layer_facts(adapter)
-    device = _module_device(module)
     try:  # options checked against the layer (e.g. one init score per head) name the layer when they fail
         if policy is None:
             policy = POLICIES.build(config.policy[0], config.policy[1], facts)
@@ -223,7 +243,14 @@ def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, n
         raise type(e)(f"cannot wrap {name}: {e}") from None
     for component in (policy, router):
         if isinstance(component, nn.Module):
-            component.to(device)  # on the layer's device; float32 whatever the model's dtype (RoutingHost's rule)
+            component.to(device)
+    return policy, router
+
+
+def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module") -> RoutedAttention:
+    """One supported attention module -> RoutedAttention (components built from ``config``)."""
+    adapter = read_adapter(module, name)
+    policy, router = build_routing(config, adapter, module_device(module), name, policy)
     routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
     # What built it, so saving needs no config passed back in (a copy: editing the caller's config object later
     # must not change what a save writes).

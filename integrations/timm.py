@@ -18,9 +18,9 @@ from timm.layers import Attention as TimmAttention
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter, register_adapter
-from condcomp.masks import causal_allowed, check_mask_dtype
+from condcomp.masks import additive_bias, attended_keys, causal_bias, check_mask_dtype
 from condcomp.projections import linear_parts, projection_problem
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -69,21 +69,13 @@ class TimmAttentionAdapter(AttentionAdapter):
         B, N, _ = x.shape
         bias = query_mask = None
         if is_causal:  # as in timm: is_causal wins over attn_mask
-            bias = torch.zeros(N, N, dtype=x.dtype, device=x.device).masked_fill(
-                ~causal_allowed(N, N, x.device), float("-inf"))[None, None]
+            bias = causal_bias(N, N, x.device, x.dtype)
         elif attn_mask is not None:
             check_mask_dtype(attn_mask, "attn_mask")
             if attn_mask.dtype == torch.bool:
-                allowed = attn_mask
-                bias = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill(~attn_mask,
-                                                                                               float("-inf"))
+                allowed, bias = attn_mask, additive_bias(attn_mask, x.dtype)
             else:
-                allowed = ~torch.isneginf(attn_mask)
-                bias = attn_mask
-            while allowed.dim() < 4:
-                allowed = allowed.unsqueeze(0)
+                allowed, bias = ~torch.isneginf(attn_mask), attn_mask
             # A patch that no query may attend is padding (NaFlex): the policy pools over the others.
-            query_mask = allowed.any(dim=1).any(dim=1).expand(B, N)  # (B, N)
-        inputs = AttentionInputs(x=x, mask=query_mask, attn_bias=bias,
-                                 dropout_p=self.layout.dropout_p if routed.training else 0.0)
-        return routed.proj_drop(routed.attend(inputs))  # (B, N, dim_out)
+            query_mask = attended_keys(allowed, B, N)  # (B, N)
+        return routed.proj_drop(routed.attend_parts(x, mask=query_mask, attn_bias=bias))  # (B, N, dim_out)

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter, register_adapter
-from condcomp.masks import causal_allowed, check_mask_dtype
+from condcomp.masks import additive_bias, causal_bias, check_mask_dtype
 from condcomp.projections import linear_parts, tensor_problem
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -19,9 +19,7 @@ if TYPE_CHECKING:
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """nn.MultiheadAttention's masks: bool True = *not* allowed, or already additive floats."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
-    return mask.to(dtype)
+    return additive_bias(~mask, dtype) if mask.dtype == torch.bool else mask.to(dtype)
 
 
 @register_adapter
@@ -132,18 +130,10 @@ class TorchMultiheadAttentionAdapter(AttentionAdapter):
             m = m[None, None] if m.dim() == 2 else m.view(B, self.layout.num_heads, T, S)
             bias = m if bias is None else bias + m
         elif is_causal:
-            bias = torch.zeros(T, S, dtype=query.dtype, device=query.device).masked_fill(
-                ~causal_allowed(T, S, query.device), float("-inf"))[None, None]
-        inputs = AttentionInputs(
-            x=query,
-            key=None if self_attention else key,
-            value=None if self_attention or value is key else value,
-            mask=key_mask if self_attention else None,
-            key_mask=key_mask,
-            attn_bias=bias,
-            dropout_p=self.layout.dropout_p if routed.training else 0.0,
-        )
-        y = routed.attend(inputs)  # (B, T, D)
+            bias = causal_bias(T, S, query.device, query.dtype)
+        y = routed.attend_parts(query, key=None if self_attention else key,  # (B, T, D)
+                                value=None if self_attention or value is key else value,
+                                mask=key_mask if self_attention else None, key_mask=key_mask, attn_bias=bias)
         if unbatched:
             y = y.squeeze(0)
         elif not self.batch_first:

@@ -118,7 +118,7 @@ def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[s
     else:
         config = CondCompConfig.from_dict(stored)
         modules = sorted(k[: -len(_PROGRESS)] for k in saved if k.endswith(_PROGRESS))
-        if not modules:  # a routing file without progress (condcomp 0.1): the config finds the modules
+        if not modules:  # a routing file without progress buffers names no modules: the config's targets find them
             names = apply_(model, config)
             _load_routing(model, saved, str(routing_path))
             return names
@@ -151,7 +151,7 @@ def _load_routing(model: nn.Module, saved: dict[str, Tensor], source: str) -> No
 def _verify_routing_file(directory: Path) -> None:
     path = directory / MANIFEST_FILE
     if not path.is_file():
-        warnings.warn(f"{directory} has no {MANIFEST_FILE} (saved by condcomp 0.1): the routing file's integrity "
+        warnings.warn(f"{directory} has no {MANIFEST_FILE} (its writer kept no digests): the routing file's integrity "
                       "cannot be checked; save it again to add one", stacklevel=3)
         return
     try:

@@ -12,7 +12,7 @@ from typing import Any
 
 from condcomp.adapters import register_adapter
 
-from .common import _import_classes
+from .common import import_classes
 from .plain import PlainSelfAttentionAdapter
 
 
@@ -20,7 +20,7 @@ from .plain import PlainSelfAttentionAdapter
 class ClipAttentionAdapter(PlainSelfAttentionAdapter):
     """``CLIPAttention`` / ``SiglipAttention``: one head width ``embed_dim // num_heads``, scale ``module.scale``."""
 
-    module_types = _import_classes([("transformers.models.clip.modeling_clip", "CLIPAttention"),
+    module_types = import_classes([("transformers.models.clip.modeling_clip", "CLIPAttention"),
                                     ("transformers.models.siglip.modeling_siglip", "SiglipAttention")])
     projections = ("q_proj", "k_proj", "v_proj", "out_proj")
 

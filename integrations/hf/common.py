@@ -1,8 +1,10 @@
-"""What every transformers adapter shares: class tables, mask reading, argument binding, the base adapter.
+"""What every transformers adapter shares, in the order a forward uses it: argument binding
+(:func:`bind_arguments`), mask reading (:func:`mask_parts`), every head's keys and values into the cache
+(:func:`cache_every_head`, :func:`cross_attention_states`), and the step every forward ends with
+(:func:`attend_call`); the class tables and the base adapter (:class:`TransformersAdapter`).
 
-Kept apart from :mod:`.hf` (the BERT-style and projection-style families) so that the adapter modules of other
-architectures (:mod:`.gpt2`, :mod:`.t5`, :mod:`.distilbert`, :mod:`.clip`) and the package import it
-without importing each other.
+Every family module (:mod:`.bert`, :mod:`.projection`, :mod:`.gpt2`, :mod:`.t5`, :mod:`.plain`) imports these
+helpers from here, so the families never import each other.
 """
 
 from __future__ import annotations
@@ -11,19 +13,25 @@ import functools
 import importlib
 import inspect
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter
-from condcomp.masks import check_mask_dtype
+from condcomp.masks import additive_bias, attended_keys, check_mask_dtype
+from condcomp.types import HeadPlan
 from condcomp.versions import tensor_version
 
 from .cache import RequestStep, held_record, request_plan
 
+if TYPE_CHECKING:
+    from condcomp.routed import RoutedAttention
 
-def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
+
+def import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
+    """The classes of ``table`` (``(module, class name)`` pairs) that the installed transformers has; the others
+    are skipped, so an adapter's ``module_types`` lists what this version can build."""
     found = []
     for module_name, cls_name in table:
         try:
@@ -33,7 +41,8 @@ def _import_classes(table: list[tuple[str, str]]) -> tuple[type, ...]:
     return tuple(found)
 
 
-def _param_names(module: nn.Module) -> set[str]:
+def parameter_names(module: nn.Module) -> set[str]:
+    """Every parameter name of ``module`` (dotted, as ``named_parameters`` spells it): what structure checks read."""
     return {n for n, _ in module.named_parameters()}
 
 
@@ -44,7 +53,7 @@ def _param_names(module: nn.Module) -> set[str]:
 _LAST_MASK: list[Any] = [None]  # one (mask, key, parts) tuple, replaced whole (safe if threads share the model)
 
 
-def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_start: int | None = None
+def mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_start: int | None = None
                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask.
 
@@ -71,12 +80,12 @@ def _mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_s
         check_mask_dtype(mask, "a 4-D attention_mask")
         if mask.dtype == torch.bool:
             allowed = mask
-            bias = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+            bias = additive_bias(mask)
         else:
             # eager masks use the dtype's most negative finite number, not -inf (rows stay finite, as in HF)
             allowed = mask > torch.finfo(mask.dtype).min / 2
             bias = mask
-        key_ok = allowed.any(dim=1).any(dim=1).expand(B, S)  # (B, S): a key some query may attend
+        key_ok = attended_keys(allowed, B, S)  # (B, S)
         query_mask = key_ok[:, q0:q0 + T] if self_attention and 0 <= q0 <= S - T else None
         parts = (query_mask, None, bias)
     else:
@@ -90,7 +99,7 @@ def decoder_request_plan(routed: Any, step: RequestStep, x: Tensor, mask: Any) -
     the cache, or one decided now from the call's real tokens (``mask``: transformers' attention mask, or None)."""
     B, T = x.shape[:2]
     S = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T
-    query_mask, _, _ = _mask_parts(mask, B, T, S, True, step.query_start)
+    query_mask, _, _ = mask_parts(mask, B, T, S, True, step.query_start)
     return request_plan(routed, step, x, query_mask, step.query_start + T, decoder=True)
 
 
@@ -102,11 +111,11 @@ def visible_keys(k: Tensor, v: Tensor, mask: Any, query_start: int, T: int) -> t
     return k, v
 
 
-def _sliding_bias(T: int, S: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+def sliding_window_bias(T: int, S: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """Additive ``(1, 1, T, S)`` bias forbidding keys more than ``window`` positions back (bottom-right aligned)."""
     i = torch.arange(T, device=device).unsqueeze(1) + (S - T)
     j = torch.arange(S, device=device).unsqueeze(0)
-    return torch.zeros(T, S, device=device, dtype=dtype).masked_fill(j <= i - window, float("-inf"))[None, None]
+    return additive_bias(j > i - window, dtype)[None, None]
 
 
 @functools.cache
@@ -143,8 +152,8 @@ def _output_collector() -> Any:
 
 def warn_if_attentions_requested(kwargs: dict[str, Any]) -> None:
     """Warn that attention maps are not returned when the caller asked for them (transformers 5 records them with
-    hooks on its own attention classes, which a wrapped layer's forward never returns; older versions passed
-    ``output_attentions`` to the layer)."""
+    hooks on its own attention classes, which a wrapped layer's forward never returns; a caller may also pass
+    ``output_attentions`` to the layer itself)."""
     collector = _output_collector()
     collected = collector.get() if collector is not None else None
     if kwargs.get("output_attentions") or (collected and ("attentions" in collected
@@ -152,7 +161,7 @@ def warn_if_attentions_requested(kwargs: dict[str, Any]) -> None:
         warnings.warn(ATTENTIONS_NOT_RETURNED, UserWarning, stacklevel=4)
 
 
-def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def bind_arguments(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The original forward's arguments by name (``past_key_values`` is the pre-5.40 name of ``cache``).
 
     Every module-swap adapter binds its call here first, so this is also where a request for attention maps,
@@ -182,17 +191,14 @@ def _bind(module_cls: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
     return named
 
 
-class _TransformersAdapter(AttentionAdapter):
-    """Shared parts: class + structure matching and the ``attn_implementation`` check."""
-
-    required: set[str] = set()
-
-    @classmethod
-    def matches(cls, module: nn.Module) -> bool:
-        return isinstance(module, cls.module_types) if cls.module_types else False
+class TransformersAdapter(AttentionAdapter):
+    """The base of every transformers adapter: a module is supported when it is one of ``module_types`` *and*
+    :meth:`structure_problem` (each family's) finds nothing wrong, under an ``attn_implementation`` condcomp reads;
+    the request plan a KV cache holds for the adapter's layer (:meth:`held_record`)."""
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
+        """What in ``module``'s parameters differs from the family's structure, or None (each family says)."""
         raise NotImplementedError
 
     def held_record(self, cache: Any) -> Any:
@@ -220,15 +226,67 @@ class _TransformersAdapter(AttentionAdapter):
         return None
 
 
-def cross_attention_states(cache: Any, layer_idx: Any, project: Any) -> tuple[Any, Any]:
-    """Keys and values of a cross-attention layer through an ``EncoderDecoderCache``: ``project()`` once, at the
-    first call, then read back (``(None, None)`` without a cache)."""
+def cache_every_head(cache: Any, layer_idx: Any, keys: Tensor, values: Tensor, extra: dict[str, Any],
+                     mask: Any = None, step: RequestStep | None = None) -> tuple[Tensor, Tensor]:
+    """Append a self-attention call's keys and values of every key/value head, ``(B, Hkv, T, Dh)`` each, to the
+    layer's cache (the self-attention half of an ``EncoderDecoderCache``); returns the keys and values the call's
+    queries see, ``(B, Hkv, S, Dh)`` each (:func:`visible_keys`, when the call opened a ``step``).
+
+    Every head is cached whatever the plan: a head this token skips may be chosen by a later one. ``extra``: the
+    call's other keyword arguments, which the cache reads (``cache_position``, ...)."""
+    T = keys.shape[2]
+    current = getattr(cache, "self_attention_cache", cache)
+    keys, values = current.update(keys, values, layer_idx, kwargs=extra)
+    if step is not None:
+        keys, values = visible_keys(keys, values, mask, step.query_start, T)
+    return keys, values
+
+
+def cross_attention_states(cache: Any, layer_idx: Any, project: Any, extra: dict[str, Any] | None = None
+                           ) -> tuple[Any, Any]:
+    """Keys and values ``(B, H, S, Dh)`` of a cross-attention layer through its cache: with an
+    ``EncoderDecoderCache``, ``project()`` at the first call, read back at the later ones; a cache of one stack has
+    them appended at every call, as transformers' own modules do; ``(None, None)`` without a cache. ``extra``: the
+    keyword arguments the cache update receives (as the module passes them)."""
     if cache is None:
         return None, None
+    options = {} if extra is None else {"kwargs": extra}
+    if not hasattr(cache, "cross_attention_cache"):
+        k, v = project()
+        return cache.update(k, v, layer_idx, **options)  # type: ignore[no-any-return]
     if cache.is_updated.get(layer_idx):
         layer = cache.cross_attention_cache.layers[layer_idx]
         return layer.keys, layer.values
     k, v = project()
-    states = cache.cross_attention_cache.update(k, v, layer_idx)
+    states = cache.cross_attention_cache.update(k, v, layer_idx, **options)
     cache.is_updated[layer_idx] = True
     return states
+
+
+def attend_call(routed: RoutedAttention, x: Tensor, mask: Any, *, self_attention: bool = True,
+                step: RequestStep | None = None, plan: HeadPlan | None = None, decoder: bool = False,
+                key: Tensor | None = None, key_states: Tensor | None = None, value_states: Tensor | None = None,
+                rotary: tuple[Tensor, Tensor] | None = None, extra_bias: Tensor | None = None) -> Tensor:
+    """The step every transformers adapter's forward ends with: transformers' attention ``mask`` -> condcomp's mask
+    parts -> the call's plan -> :meth:`~condcomp.RoutedAttention.attend_parts` -> the plan kept in the cache.
+    Returns ``(B, T, D)`` for queries ``x (B, T, D)``.
+
+    ``key``: the encoder states ``(B, S, D)`` of a cross-attention call without cached keys; ``key_states`` /
+    ``value_states``: the keys and values read from a cache, ``(B, Hkv, S, Dh)``. ``step``: the call's cache step
+    (:func:`.cache.open_step`) or None; ``plan``: the plan decided before the cache grew, if any; ``decoder``: the
+    layer's plan is a request's (causal self-attention, cross-attention). ``extra_bias``: added to the mask's bias,
+    broadcastable to ``(B, H, T, S)`` (T5's position bias, a causal or sliding-window band).
+    """
+    B, T = x.shape[:2]
+    S = key_states.shape[2] if key_states is not None else (x if key is None else key).shape[1]
+    query_start = step.query_start if step is not None and self_attention else None
+    query_mask, key_mask, bias = mask_parts(mask, B, T, S, self_attention, query_start)
+    if extra_bias is not None:
+        bias = extra_bias if bias is None else bias + extra_bias  # (B|1, H|1, T, S)
+    if plan is None and (step is not None or decoder):
+        plan = request_plan(routed, step, x, query_mask, S, decoder)
+    y = routed.attend_parts(x, plan, key=key, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=rotary,
+                            key_states=key_states, value_states=value_states)
+    if step is not None and plan is not None:
+        step.keep(routed, plan, None)
+    return y

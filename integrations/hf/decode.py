@@ -24,7 +24,7 @@ from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, HeadPlan
 
 from .cache import RequestStep, cache_layer, compact_write
-from .common import _mask_parts, _sliding_bias, decoder_request_plan, visible_keys
+from .common import decoder_request_plan, mask_parts, sliding_window_bias, visible_keys
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -84,9 +84,9 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
         k, v = cache.update(k, v, layer_idx, kwargs=extra)  # (B, g, S, Dh): the kept groups' whole history
     k, v = visible_keys(k, v, mask, step.query_start, T)
     S = k.shape[2]
-    query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True, step.query_start)
+    query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, step.query_start)
     if mask is None and sliding_window is not None and S > sliding_window:
-        bias = _sliding_bias(T, S, int(sliding_window), x.device, x.dtype)
+        bias = sliding_window_bias(T, S, int(sliding_window), x.device, x.dtype)
     am = build_attention_mask(AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias,
                                               key_states=k, value_states=v), L.causal, q.dtype)
     out = grouped_sdpa(q, k, v, am.mask, am.is_causal, L.scale,

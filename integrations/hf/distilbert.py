@@ -11,7 +11,7 @@ from typing import Any
 
 from condcomp.adapters import register_adapter
 
-from .common import _import_classes
+from .common import import_classes
 from .plain import PlainSelfAttentionAdapter
 
 
@@ -19,7 +19,7 @@ from .plain import PlainSelfAttentionAdapter
 class DistilBertAttentionAdapter(PlainSelfAttentionAdapter):
     """``DistilBertSelfAttention``: bidirectional self-attention, no cache."""
 
-    module_types = _import_classes([("transformers.models.distilbert.modeling_distilbert", "DistilBertSelfAttention")])
+    module_types = import_classes([("transformers.models.distilbert.modeling_distilbert", "DistilBertSelfAttention")])
     projections = ("q_lin", "k_lin", "v_lin", "out_lin")
 
     @staticmethod

@@ -13,23 +13,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
+from condcomp.dense import kv_heads
 from condcomp.projections import linear_parts
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout
 
-from .cache import open_step, request_plan
+from .cache import open_step
 from .common import (
-    _bind,
-    _import_classes,
-    _mask_parts,
-    _param_names,
-    _TransformersAdapter,
+    TransformersAdapter,
+    attend_call,
+    bind_arguments,
+    cache_every_head,
     cross_attention_states,
     decoder_request_plan,
-    visible_keys,
+    import_classes,
+    parameter_names,
 )
 
 if TYPE_CHECKING:
@@ -46,15 +46,15 @@ def _upcast_problem(module: Any, dtype: torch.dtype) -> str | None:
 
 
 @register_adapter
-class GPT2AttentionAdapter(_TransformersAdapter):
+class GPT2AttentionAdapter(TransformersAdapter):
     """``GPT2Attention``: causal self-attention with KV cache, or cross-attention (``is_cross_attention``)."""
 
-    module_types = _import_classes([("transformers.models.gpt2.modeling_gpt2", "GPT2Attention")])
+    module_types = import_classes([("transformers.models.gpt2.modeling_gpt2", "GPT2Attention")])
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
         want = {"c_attn", "c_proj", *(("q_attn",) if getattr(module, "is_cross_attention", False) else ())}
-        prefixes = {n.split(".")[0] for n in _param_names(module)}
+        prefixes = {n.split(".")[0] for n in parameter_names(module)}
         if prefixes != want:
             return f"parameters under {sorted(prefixes)}, expected only {'/'.join(sorted(want))}"
         if not hasattr(module, "scaling") or not hasattr(module, "head_dim"):
@@ -86,14 +86,8 @@ class GPT2AttentionAdapter(_TransformersAdapter):
             return AttentionWeights(self.layout, qw, ws[0], ws[1], ow, qb, bs[0], bs[1], ob)
         return AttentionWeights(self.layout, ws[0], ws[1], ws[2], ow, bs[0], bs[1], bs[2], ob)
 
-    def _kv(self, w: AttentionWeights, source: Tensor) -> tuple[Tensor, Tensor]:
-        """Every head's keys and values ``(B, H, S, Dh)`` of ``source``, for the cache."""
-        k = F.linear(source, w.k_weight, w.k_bias).unflatten(-1, (-1, self.layout.head_dim)).transpose(1, 2)
-        v = F.linear(source, w.v_weight, w.v_bias).unflatten(-1, (-1, self.layout.head_dim)).transpose(1, 2)
-        return k, v
-
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-        a = _bind(self.module_cls, args, kwargs)
+        a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
         problem = _upcast_problem(routed.base, x.dtype)  # implementation and dtype can change after wrapping
         if problem is not None:
@@ -114,32 +108,15 @@ class GPT2AttentionAdapter(_TransformersAdapter):
             if cache is not None:
                 step = open_step(routed, cache, self.layer_idx, B, T, cross=True)
             key_states, value_states = cross_attention_states(cache, self.layer_idx,
-                                                              lambda: self._kv(routed.weights(), enc))
-            S = enc.shape[1] if key_states is None else key_states.shape[2]
-            query_mask, key_mask, bias = _mask_parts(mask, B, T, S, False)
+                                                              lambda: kv_heads(routed.weights(), enc, enc))
         else:
             mask = a.get("attention_mask")
-            q0 = None
             if cache is not None:
-                # The request's plan is decided (or read from the cache) before the cache grows; every head's K/V is
-                # cached (a per-token plan may choose any head later).
+                # The request's plan is decided (or read from the cache) before the cache grows.
                 step = open_step(routed, cache, self.layer_idx, B, T)
-                q0 = step.query_start
                 plan = decoder_request_plan(routed, step, x, mask)
-                current = getattr(cache, "self_attention_cache", cache)
-                k, v = self._kv(routed.weights(), x)
-                key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
-                key_states, value_states = visible_keys(key_states, value_states, mask, q0, T)
-            S = T if key_states is None else key_states.shape[2]
-            query_mask, key_mask, bias = _mask_parts(mask, B, T, S, True, q0)
-        inputs = AttentionInputs(
-            x=x, key=enc if self.cross and key_states is None else None, mask=query_mask, key_mask=key_mask,
-            attn_bias=bias, key_states=key_states, value_states=value_states,
-            dropout_p=self.layout.dropout_p if routed.training else 0.0,
-        )
-        if plan is None:
-            plan = request_plan(routed, step, x, query_mask, S, decoder=True)
-        y = routed.attend(inputs, plan)
-        if step is not None:
-            step.keep(routed, plan, None)
+                key_states, value_states = cache_every_head(cache, self.layer_idx, *kv_heads(routed.weights(), x, x),
+                                                            extra, mask, step)
+        y = attend_call(routed, x, mask, self_attention=not self.cross, step=step, plan=plan, decoder=True,
+                        key=enc if key_states is None else None, key_states=key_states, value_states=value_states)
         return routed.resid_dropout(y), None

@@ -1,9 +1,12 @@
-"""The lighter transformers route: a ``"condcomp"`` attention function in ``AttentionInterface``, no module swap.
+"""The attention-function attachment: a ``"condcomp"`` attention function in transformers' ``AttentionInterface``,
+no module swap.
 
-transformers 5 lets a model call any registered attention function on its already-projected ``q``/``k``/``v``.
-This route registers one that routes heads and computes only the selected (example, head) pairs, and attaches
-the policy and router to each attention module as a ``condcomp_core`` child (so the routing parameters live in
-the model's ``state_dict``, under ``...condcomp_core.condcomp_policy.*``).
+Routing attaches to a model in one of two ways (its *attachment*): the module swap (``condcomp.apply_`` replaces
+each attention module by a ``RoutedAttention``) or this one. transformers 5 lets a model call any registered
+attention function on its already-projected ``q``/``k``/``v``; this attachment registers one that routes heads and
+computes only the selected (example, head) pairs, and attaches the policy and router to each attention module as a
+``condcomp_core`` child (so the routing parameters live in the model's ``state_dict``, under
+``...condcomp_core.condcomp_policy.*``).
 
 What it saves, compared with the module swap (``condcomp.apply_``):
 
@@ -30,20 +33,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for
-from condcomp.api import aux_loss, check_projections, head_usage, matches_pattern, set_progress
+from condcomp.api import aux_loss, head_usage, select_targets, set_progress
 from condcomp.config import CondCompConfig
 from condcomp.host import RoutingHost
-from condcomp.registry import POLICIES, ROUTERS
+from condcomp.routed import build_routing, read_adapter
 from condcomp.types import HeadLayout, HeadPlan
 
-from . import BertStyleAttentionAdapter, ProjectionAttentionAdapter, _mask_parts
-from .common import warn_if_attentions_requested
+from .bert import BertStyleAttentionAdapter
+from .common import mask_parts, warn_if_attentions_requested
+from .projection import ProjectionAttentionAdapter
 
 ATTN_NAME = "condcomp"
 
 
 class CoreRouting(RoutingHost):
-    """Policy + router attached to one attention module for the AttentionInterface route."""
+    """Policy + router attached to one attention module by the attention-function attachment."""
 
     def __init__(self, policy: Any, router: Any, adapter: Any, owner: nn.Module) -> None:
         super().__init__()
@@ -107,7 +111,7 @@ def condcomp_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
                              "'eager' without condcomp")
     B, H, T, _ = query.shape
     S = key.shape[2]
-    query_mask, key_mask, _ = _mask_parts(attention_mask, B, T, S, not getattr(routing.adapter, "cross", False))
+    query_mask, key_mask, _ = mask_parts(attention_mask, B, T, S, not getattr(routing.adapter, "cross", False))
     mask = attention_mask if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4 else None
     if mask is None and key_mask is not None:
         mask = key_mask[:, None, None, :]  # (B, 1, 1, S)
@@ -157,14 +161,14 @@ class InterfaceLayoutAdapter:
     """The head layout of an attention module known only through its config: enough to route it (the attention
     function receives the projected q/k/v; nothing else is read)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, name: str = "module") -> None:
         config = getattr(module, "config", None)
         H = _first_int(module, config, ("num_heads", "num_attention_heads", "n_heads", "n_head"))
         D = _first_int(config, module, ("hidden_size", "d_model", "dim", "n_embd", "embed_dim"))
         if H is None or D is None:
-            raise ValueError(f"cannot read the number of heads and the width of {type(module).__qualname__} from "
-                             "its attributes or config; wrap it with condcomp.apply_ and an AttentionAdapter "
-                             "(docs/extending.md)")
+            raise ValueError(f"cannot wrap {name} ({type(module).__qualname__}): cannot read its number of heads "
+                             "and width from its attributes or config; wrap it with condcomp.apply_ and an "
+                             "AttentionAdapter (docs/extending.md)")
         Dh = _first_int(module, config, ("head_dim", "attention_head_size", "key_value_proj_dim", "d_kv")) or D // H
         Hkv = _first_int(module, config, ("num_key_value_heads",)) or H
         self.layout = HeadLayout(d_model=D, num_heads=H, num_kv_heads=Hkv, head_dim=Dh, scale=Dh**-0.5)
@@ -203,18 +207,13 @@ def _interface_targets(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module
     found: list[tuple[str, nn.Module, nn.Module, Any]] = []
     claimed: set[int] = set()
     for name, module in model.named_modules():
-        adapter_cls = find_adapter(module)
-        if adapter_cls in (BertStyleAttentionAdapter, ProjectionAttentionAdapter):
-            reason = adapter_cls.unsupported_reason(module)  # type: ignore[union-attr]
-            if reason is not None:
-                raise ValueError(f"cannot route {name} ({type(module).__qualname__}): {reason}")
-            adapter = adapter_cls(module)  # type: ignore[misc]
-            check_projections(adapter, module, name)
+        if find_adapter(module) in (BertStyleAttentionAdapter, ProjectionAttentionAdapter):
+            adapter = read_adapter(module, name)  # the module swap's checks and errors, naming the layer
             core = module.self if isinstance(adapter, BertStyleAttentionAdapter) else module
             found.append((name, module, core, adapter))
             claimed.add(id(core))
         elif id(module) not in claimed and dispatches_through_interface(module):
-            found.append((name, module, module, InterfaceLayoutAdapter(module)))
+            found.append((name, module, module, InterfaceLayoutAdapter(module, name)))
     return found
 
 
@@ -229,23 +228,18 @@ def apply_interface_(model: nn.Module, config: CondCompConfig | None = None) -> 
     load_integrations_for(model)
     if cores(model):
         raise ValueError("model already routed through the AttentionInterface; call remove_interface_ first")
-    targets, excludes = config.target_modules, config.exclude_modules
-    chosen = [t for t in _interface_targets(model)
-              if (targets is None or any(matches_pattern(t[0], p) for p in targets))
-              and not (excludes and any(matches_pattern(t[0], p) for p in excludes))]
+    found = _interface_targets(model)
+    selected = set(select_targets([target[0] for target in found], config))
+    chosen = [target for target in found if target[0] in selected]
     if not chosen:
         raise ValueError("apply_interface_ matched no attention module that dispatches through transformers' "
                          f"AttentionInterface; target_modules={config.target_modules}")
     shared = None
-    for _name, module, core, adapter in chosen:
-        L = adapter.layout
-        facts = {"d_model": L.d_model, "num_heads": L.num_heads, "num_kv_heads": L.num_kv_heads,
-                 "head_dim": L.head_dim}
-        policy = shared or POLICIES.build(config.policy[0], config.policy[1], facts)
+    for name, module, core, adapter in chosen:
+        device = next(core.parameters()).device
+        policy, router = build_routing(config, adapter, device, name, shared)
         if config.share_policy:
             shared = policy
-        router = ROUTERS.build(config.router[0], config.router[1], facts)
-        device = next(core.parameters()).device
         routing = CoreRouting(policy, router, adapter, module).to(device)
         core.add_module("condcomp_core", routing)
         routing.hook = core.register_forward_pre_hook(routing.capture, with_kwargs=True)
@@ -273,7 +267,7 @@ def remove_interface_(model: nn.Module) -> list[str]:
     return list(found)
 
 
-# Kept for code written against v0.1: the core functions serve this route too.
+# The core statistics under this module's names: one code path serves both attachments.
 interface_head_usage = head_usage
 interface_aux_loss = aux_loss
 interface_set_progress = set_progress

@@ -2,35 +2,34 @@
 
 DistilBERT (``q_lin``/``k_lin``/``v_lin``/``out_lin``), CLIP and SigLIP (``q_proj``/``k_proj``/``v_proj``/
 ``out_proj``) compute ``out(attention(q(x), k(x), v(x), mask))`` and return ``(output, attn_weights)``; a subclass
-names the projections and reads the head count, head width, scale and dropout (:mod:`.hf_distilbert`,
-:mod:`.hf_clip`). ``attn_weights`` is None, as in transformers' sdpa path.
+names the projections and reads the head count, head width, scale and dropout (:mod:`.distilbert`,
+:mod:`.clip`). ``attn_weights`` is None, as in transformers' sdpa path.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 
-from condcomp.masks import causal_allowed
+from condcomp.masks import causal_bias
 from condcomp.projections import linear_parts
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout
 
-from .common import _bind, _mask_parts, _param_names, _TransformersAdapter
+from .common import TransformersAdapter, attend_call, bind_arguments, parameter_names
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
 
 
-class PlainSelfAttentionAdapter(_TransformersAdapter):
+class PlainSelfAttentionAdapter(TransformersAdapter):
     """Base: ``projections`` = (q, k, v, out) child names; subclasses implement :meth:`facts`."""
 
     projections: tuple[str, str, str, str] = ("q_proj", "k_proj", "v_proj", "out_proj")
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
-        prefixes = {n.split(".")[0] for n in _param_names(module)}
+        prefixes = {n.split(".")[0] for n in parameter_names(module)}
         if prefixes != set(cls.projections):
             return f"parameters under {sorted(prefixes)}, expected only {'/'.join(cls.projections)}"
         return None
@@ -55,18 +54,12 @@ class PlainSelfAttentionAdapter(_TransformersAdapter):
         return AttentionWeights(self.layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
-        a = _bind(self.module_cls, args, kwargs)
+        a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
-        B, T = x.shape[:2]
-        query_mask, key_mask, bias = _mask_parts(a.get("attention_mask"), B, T, T, True)
+        T = x.shape[1]
         # CLIP's text tower asks its (non-causal) attention modules for causal attention per call: is_causal=True
         causal = bool(a["kwargs"].get("is_causal", self.layout.causal))
-        if causal and not self.layout.causal:
-            allowed = causal_allowed(T, T, x.device)
-            causal_bias = torch.zeros(T, T, device=x.device, dtype=x.dtype).masked_fill(~allowed, float("-inf"))
-            bias = causal_bias[None, None] if bias is None else bias + causal_bias  # (B|1, 1, T, T)
-        elif self.layout.causal and not causal:
+        if self.layout.causal and not causal:
             raise ValueError(f"{self.module_cls.__name__} is causal; condcomp cannot run it with is_causal=False")
-        inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias,
-                                 dropout_p=self.layout.dropout_p if routed.training else 0.0)
-        return routed.attend(inputs), None
+        band = causal_bias(T, T, x.device, x.dtype) if causal and not self.layout.causal else None
+        return attend_call(routed, x, a.get("attention_mask"), extra_bias=band), None

@@ -16,18 +16,20 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
+from condcomp.dense import split_heads
 from condcomp.projections import linear_parts
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout
 
-from .cache import open_step, request_plan
+from .cache import open_step
 from .common import (
-    _bind,
-    _import_classes,
-    _mask_parts,
-    _param_names,
-    _TransformersAdapter,
+    TransformersAdapter,
+    attend_call,
+    bind_arguments,
+    cache_every_head,
+    cross_attention_states,
     decoder_request_plan,
-    visible_keys,
+    import_classes,
+    parameter_names,
 )
 
 if TYPE_CHECKING:
@@ -35,15 +37,15 @@ if TYPE_CHECKING:
 
 
 @register_adapter
-class T5AttentionAdapter(_TransformersAdapter):
+class T5AttentionAdapter(TransformersAdapter):
     """``T5Attention``: self- or cross-attention (decided per call by ``key_value_states``, as in T5)."""
 
-    module_types = _import_classes([("transformers.models.t5.modeling_t5", "T5Attention")])
+    module_types = import_classes([("transformers.models.t5.modeling_t5", "T5Attention")])
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
         want = {"q", "k", "v", "o", *(("relative_attention_bias",) if module.has_relative_attention_bias else ())}
-        prefixes = {n.split(".")[0] for n in _param_names(module)}
+        prefixes = {n.split(".")[0] for n in parameter_names(module)}
         if prefixes != want:
             return f"parameters under {sorted(prefixes)}, expected only {'/'.join(sorted(want))}"
         if float(getattr(module, "scaling", 1.0)) != 1.0:
@@ -71,9 +73,9 @@ class T5AttentionAdapter(_TransformersAdapter):
         return AttentionWeights(self.layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
     def _kv(self, routed: Any, source: Tensor) -> tuple[Tensor, Tensor]:
-        shape = (*source.shape[:-1], -1, self.layout.head_dim)
-        return (routed.k(source).view(shape).transpose(1, 2),  # (B, H, S, Dh), the projections' own forward
-                routed.v(source).view(shape).transpose(1, 2))
+        """Every head's keys and values ``(B, H, S, Dh)`` of ``source``: the projections' own forward."""
+        Dh = self.layout.head_dim
+        return split_heads(routed.k(source), Dh), split_heads(routed.v(source), Dh)
 
     def _position_bias(self, routed: Any, T: int, S: int, x: Tensor, past: Any) -> Tensor:
         """What T5Attention computes when no layer before it did: ``(1, H, T, S)``."""
@@ -84,54 +86,33 @@ class T5AttentionAdapter(_TransformersAdapter):
         return bias
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, None]:
-        a = _bind(self.module_cls, args, kwargs)
+        a = bind_arguments(self.module_cls, args, kwargs)
         x: Tensor = a["hidden_states"]
         enc: Tensor | None = a.get("key_value_states")
         cache: Any = a.get("cache")
-        extra = a["kwargs"]
+        extra, mask = a["kwargs"], a.get("mask")
         cross = enc is not None
-        source = x if enc is None else enc  # (B, S, D): what the keys and values are computed from
         if cross and self.layout.causal:
             raise ValueError(f"{self.module_cls.__name__} is causal self-attention (is_causal=True); condcomp cannot "
                              "run it as cross-attention")
         B, T = x.shape[:2]
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0  # before this call's update
         past = past.clone() if isinstance(past, Tensor) else past
-        is_updated = bool(cache.is_updated.get(self.layer_idx)) if hasattr(cache, "is_updated") else False
-        current: Any = cache
-        if cache is not None and hasattr(cache, "self_attention_cache"):
-            current = cache.cross_attention_cache if cross else cache.self_attention_cache
         step = open_step(routed, cache, self.layer_idx, B, T, cross=cross) if cache is not None else None
-        q0 = step.query_start if step is not None and not cross else None
         plan = None
-        if step is not None and not cross:  # decided (or read from the cache) before the cache grows
-            plan = decoder_request_plan(routed, step, x, a.get("mask"))
         key_states = value_states = None
-        if cross and cache is not None and is_updated:
-            layer = current.layers[self.layer_idx]
-            key_states, value_states = layer.keys, layer.values
-        elif cache is not None:
-            # Every head's K/V is cached: a head this token skips may be chosen by a later one.
-            k, v = self._kv(routed, source)
-            key_states, value_states = current.update(k, v, self.layer_idx, kwargs=extra)
-            if cross and hasattr(cache, "is_updated"):
-                cache.is_updated[self.layer_idx] = True
-            if q0 is not None:
-                key_states, value_states = visible_keys(key_states, value_states, a.get("mask"), q0, T)
-        S = source.shape[1] if key_states is None else key_states.shape[2]
+        if enc is not None:
+            key_states, value_states = cross_attention_states(cache, self.layer_idx, lambda: self._kv(routed, enc),
+                                                              extra)
+        elif step is not None:
+            plan = decoder_request_plan(routed, step, x, mask)  # decided (or read from the cache) before it grows
+            key_states, value_states = cache_every_head(cache, self.layer_idx, *self._kv(routed, x), extra, mask,
+                                                        step)
+        S = (x if enc is None else enc).shape[1] if key_states is None else key_states.shape[2]
         position_bias = a.get("position_bias")
         if position_bias is None:
             position_bias = self._position_bias(routed, T, S, x, past)
-        query_mask, key_mask, mask_bias = _mask_parts(a.get("mask"), B, T, S, not cross, q0)
-        bias = position_bias if mask_bias is None else position_bias + mask_bias  # (B|1, H, T, S)
-        inputs = AttentionInputs(
-            x=x, key=enc if cross and key_states is None else None, mask=query_mask, key_mask=key_mask,
-            attn_bias=bias, key_states=key_states, value_states=value_states,
-            dropout_p=self.layout.dropout_p if routed.training else 0.0,
-        )
-        if plan is None:
-            plan = request_plan(routed, step, x, query_mask, S, decoder=self.decoder)
-        y = routed.attend(inputs, plan)
-        if step is not None:
-            step.keep(routed, plan, None)
+        y = attend_call(routed, x, mask, self_attention=not cross, step=step, plan=plan, decoder=self.decoder,
+                        key=enc if key_states is None else None, key_states=key_states, value_states=value_states,
+                        extra_bias=position_bias)  # position bias (B|1, H, T, S) plus the mask's
         return y, position_bias, None

@@ -218,7 +218,7 @@ def test_default_targets_one_module_per_layer_and_patterns() -> None:
                                                                target_modules="encoder.layer.0.attention.self"))
 
 
-def _phi3() -> nn.Module:  # fused qkv_proj: no adapter reads it (the interface route does)
+def _phi3() -> nn.Module:  # fused qkv_proj: no adapter reads it (the attention-function attachment does)
     t = transformers
     return t.Phi3Model(t.Phi3Config(**COMMON, num_key_value_heads=2, vocab_size=100, pad_token_id=0,
                                     eos_token_id=1, bos_token_id=1))

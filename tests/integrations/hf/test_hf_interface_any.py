@@ -1,4 +1,4 @@
-"""The AttentionInterface route on architectures the module swap has no adapter for: any module that dispatches
+"""The attention-function attachment on architectures the module swap has no adapter for: any module that dispatches
 through transformers' ``AttentionInterface`` is routed. Reference: the unwrapped model (full budget, and with the
 skipped heads' output columns zeroed where the output projection is a plain ``o_proj``)."""
 

@@ -1,4 +1,5 @@
-"""transformers AttentionInterface route: routing without a module swap, against the unwrapped model."""
+"""The attention-function attachment (transformers' AttentionInterface): routing without a module swap, against the
+unwrapped model."""
 
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def test_learned_routing_lives_in_the_state_dict_and_trains() -> None:
         apply_interface_(model, condcomp.CondCompConfig(policy="full", router="random"))
 
 
-def test_core_functions_serve_the_interface_route() -> None:
-    """aux_loss, set_progress and head_usage are one code path for both routes: with the interface route the
+def test_core_functions_serve_the_attention_function() -> None:
+    """aux_loss, set_progress and head_usage are one code path for both attachments: with the attention function the
     budget hinge and the schedules must reach training exactly as with the module swap."""
     torch.manual_seed(0)
     swap, routed = build("bert"), build("bert")
@@ -115,3 +116,19 @@ def test_interface_routing_stays_float32_through_a_cast() -> None:
     assert routing == {torch.float32}
     out = model(input_ids=torch.randint(0, 100, (2, 5))).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_a_module_it_cannot_wrap_is_refused_by_name() -> None:
+    """The attention-function attachment reads its modules through the module swap's wrap path: an option the
+    adapter cannot honour, or a component option that does not fit the layer, is refused naming the layer, and
+    nothing is attached."""
+    model = build("llama")
+    model.config._attn_implementation = "flex_attention"  # every layer's config: BlockMasks, which condcomp refuses
+    with pytest.raises(ValueError, match=r"cannot wrap model\.layers\.0\.self_attn \(LlamaAttention\): "
+                                         r"attn_implementation='flex_attention'"):
+        apply_interface_(model, condcomp.CondCompConfig(policy="full", router="random"))
+    model.config._attn_implementation = "sdpa"
+    wrong = condcomp.CondCompConfig(policy="full", router=("topk", {"init_scores": [1.0, 2.0, 3.0]}))
+    with pytest.raises(ValueError, match=r"cannot wrap model\.layers\.0\.self_attn: .*3 scores but the layer has"):
+        apply_interface_(model, wrong)
+    assert not [n for n, _ in model.named_modules() if n.endswith("condcomp_core")]
