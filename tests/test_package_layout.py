@@ -58,75 +58,10 @@ def test_no_import_cycles() -> None:
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-# Files over the limit that another branch owns right now, named so that they are not forgotten: trim, then remove.
-OVER_THE_LIMIT_FOR_NOW: set[str] = set()
-
-# Private names another module takes, in files another branch owns right now (the transformers adapters, the
-# experiments' plots), under the module names before and after the package moves: the lead empties this set after
-# merging those branches, when the shared helpers have public names. Nothing may be added to it.
-PRIVATE_IMPORTS_FOR_NOW: set[str] = {
-    "condcomp.experiments.classification.plots_adaptivity: condcomp.experiments.plots._pyplot",
-    "condcomp.experiments.classification.plots_adaptivity: condcomp.experiments.plots._save",
-    "condcomp.experiments.dit.plots: condcomp.experiments.plots._pyplot",
-    "condcomp.experiments.dit.plots: condcomp.experiments.plots._save",
-    "condcomp.experiments.plots_adaptivity: condcomp.experiments.plots._pyplot",
-    "condcomp.experiments.plots_adaptivity: condcomp.experiments.plots._save",
-    "condcomp.integrations.hf.clip: condcomp.integrations.hf.common._import_classes",
-    "condcomp.integrations.hf.decode: condcomp.integrations.hf.common._mask_parts",
-    "condcomp.integrations.hf.decode: condcomp.integrations.hf.common._sliding_bias",
-    "condcomp.integrations.hf.distilbert: condcomp.integrations.hf.common._import_classes",
-    "condcomp.integrations.hf.gpt2: condcomp.integrations.hf.common._TransformersAdapter",
-    "condcomp.integrations.hf.gpt2: condcomp.integrations.hf.common._bind",
-    "condcomp.integrations.hf.gpt2: condcomp.integrations.hf.common._import_classes",
-    "condcomp.integrations.hf.gpt2: condcomp.integrations.hf.common._mask_parts",
-    "condcomp.integrations.hf.gpt2: condcomp.integrations.hf.common._param_names",
-    "condcomp.integrations.hf.interface: condcomp.integrations.hf._mask_parts",
-    "condcomp.integrations.hf.plain: condcomp.integrations.hf.common._TransformersAdapter",
-    "condcomp.integrations.hf.plain: condcomp.integrations.hf.common._bind",
-    "condcomp.integrations.hf.plain: condcomp.integrations.hf.common._mask_parts",
-    "condcomp.integrations.hf.plain: condcomp.integrations.hf.common._param_names",
-    "condcomp.integrations.hf.t5: condcomp.integrations.hf.common._TransformersAdapter",
-    "condcomp.integrations.hf.t5: condcomp.integrations.hf.common._bind",
-    "condcomp.integrations.hf.t5: condcomp.integrations.hf.common._import_classes",
-    "condcomp.integrations.hf.t5: condcomp.integrations.hf.common._mask_parts",
-    "condcomp.integrations.hf.t5: condcomp.integrations.hf.common._param_names",
-    "condcomp.integrations.hf: condcomp.integrations.hf.common._TransformersAdapter",
-    "condcomp.integrations.hf: condcomp.integrations.hf.common._bind",
-    "condcomp.integrations.hf: condcomp.integrations.hf.common._import_classes",
-    "condcomp.integrations.hf: condcomp.integrations.hf.common._mask_parts",
-    "condcomp.integrations.hf: condcomp.integrations.hf.common._param_names",
-    "condcomp.integrations.hf: condcomp.integrations.hf.common._sliding_bias",
-    "condcomp.integrations.hf: condcomp.integrations.hf_base._TransformersAdapter",
-    "condcomp.integrations.hf: condcomp.integrations.hf_base._bind",
-    "condcomp.integrations.hf: condcomp.integrations.hf_base._import_classes",
-    "condcomp.integrations.hf: condcomp.integrations.hf_base._mask_parts",
-    "condcomp.integrations.hf: condcomp.integrations.hf_base._param_names",
-    "condcomp.integrations.hf: condcomp.integrations.hf_base._sliding_bias",
-    "condcomp.integrations.hf_clip: condcomp.integrations.hf_base._import_classes",
-    "condcomp.integrations.hf_decode: condcomp.integrations.hf_base._mask_parts",
-    "condcomp.integrations.hf_decode: condcomp.integrations.hf_base._sliding_bias",
-    "condcomp.integrations.hf_distilbert: condcomp.integrations.hf_base._import_classes",
-    "condcomp.integrations.hf_gpt2: condcomp.integrations.hf_base._TransformersAdapter",
-    "condcomp.integrations.hf_gpt2: condcomp.integrations.hf_base._bind",
-    "condcomp.integrations.hf_gpt2: condcomp.integrations.hf_base._import_classes",
-    "condcomp.integrations.hf_gpt2: condcomp.integrations.hf_base._mask_parts",
-    "condcomp.integrations.hf_gpt2: condcomp.integrations.hf_base._param_names",
-    "condcomp.integrations.hf_interface: condcomp.integrations.hf._mask_parts",
-    "condcomp.integrations.hf_plain: condcomp.integrations.hf_base._TransformersAdapter",
-    "condcomp.integrations.hf_plain: condcomp.integrations.hf_base._bind",
-    "condcomp.integrations.hf_plain: condcomp.integrations.hf_base._mask_parts",
-    "condcomp.integrations.hf_plain: condcomp.integrations.hf_base._param_names",
-    "condcomp.integrations.hf_t5: condcomp.integrations.hf_base._TransformersAdapter",
-    "condcomp.integrations.hf_t5: condcomp.integrations.hf_base._bind",
-    "condcomp.integrations.hf_t5: condcomp.integrations.hf_base._import_classes",
-    "condcomp.integrations.hf_t5: condcomp.integrations.hf_base._mask_parts",
-    "condcomp.integrations.hf_t5: condcomp.integrations.hf_base._param_names",
-}
-
 
 def test_no_source_file_over_400_lines() -> None:
     long = {str(p.relative_to(ROOT)): n for p in modules().values() if (n := len(p.read_text().splitlines())) > 400}
-    assert set(long) <= OVER_THE_LIMIT_FOR_NOW, long
+    assert long == {}, long
 
 
 def private_uses(name: str, path: Path, known: dict[str, Path]) -> set[str]:
@@ -185,4 +120,4 @@ def is_private(attr: str) -> bool:
 def test_no_private_name_is_imported_across_modules() -> None:
     known = modules()
     found = {f"{name}: {use}" for name, path in known.items() for use in private_uses(name, path, known)}
-    assert found <= PRIVATE_IMPORTS_FOR_NOW, sorted(found - PRIVATE_IMPORTS_FOR_NOW)
+    assert found == set(), sorted(found)
