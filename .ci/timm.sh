@@ -4,7 +4,7 @@
 # Why a second venv: timm imports torchvision at import time, and the PyPI torchvision wheels need the torch they
 # were built against (torchvision 0.28 beside the CPU torch 2.13 wheel fails with "operator torchvision::nms does
 # not exist"). torch 2.14.1 + torchvision 0.29.1 install from this machine's local package index (a CUDA build
-# that runs on the CPU). Measured cost (docs/integrations.md): ~2 min and ~5.6 GB on the first run; seconds after.
+# that runs on the CPU). Measured cost: ~2 min and ~5.6 GB on the first run; seconds after.
 # Idempotent: an existing venv that already imports timm is reused; only condcomp is re-installed (editable).
 set -euo pipefail
 cd "$(dirname "$0")/.."
