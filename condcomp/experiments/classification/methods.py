@@ -18,14 +18,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from condcomp.policies.fixed import FixedPolicy
+from condcomp.policies.full import FullPolicy
+from condcomp.routers.random import RandomRouter
 from torch import nn
 
 from condcomp.api import routed_modules
 from condcomp.config import CondCompConfig
 from condcomp.experiments.classification.layer_budget import ConstantBudgetPolicy
-from condcomp.policies.fixed import FixedPolicy
-from condcomp.policies.full import FullPolicy
-from condcomp.routers.random import RandomRouter
 
 METHODS = ("standard", "budgetformer", "fixed", "moh", "random", "fixed_layers")
 

@@ -12,9 +12,9 @@ policies stays the library's.
 
 from __future__ import annotations
 
+from condcomp.policies.budgetformer import BudgetFormerPolicy
 from torch import Tensor
 
-from condcomp.policies.budgetformer import BudgetFormerPolicy
 from condcomp.registry import register_policy
 from condcomp.types import Budget
 
