@@ -279,10 +279,16 @@ def check_cache_free_generation(routed: Any, plan: HeadPlan) -> None:
     """``generate(use_cache=False)`` would decide a decoder's plan again at every step from the prompt *and* the
     text generated so far (different tokens from generating with a cache): refused, with the fix, unless the plan
     is decided from the prompt (``plan_from_prompt``) or keeps every head."""
-    if routed.training or routed.prompt_len is not None or bool(plan.active.all()):
+    streams = getattr(routed.condcomp_router, "stream", None) is not None
+    if routed.training or (routed.prompt_len is not None and not streams) or bool(plan.active.all()):
         return
     if not _inside_generate(routed):
         return
+    if streams:
+        raise ValueError(
+            "generate(use_cache=False) with a router that streams the key/value groups a plan does not keep "
+            "(stream_window): streamed groups exist only in a KV cache (without one their heads would be skipped, "
+            "a different text). Generate with the cache (the default)")
     raise ValueError(
         "generate(use_cache=False) with per-request plans: without a KV cache every step would decide the plan again "
         "from the prompt and the tokens generated so far, so the text would differ from generate() with a cache. "
