@@ -74,12 +74,13 @@ class PlanCarrier:
             self.condcomp_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        self._condcomp_base.crop(self, tokens_to_remove)
-        if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
-            self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
         windows, held = self.condcomp_windows, self.condcomp_plan
         if windows is not None and held is not None and held.selection is not None and held.selection.window:
-            self.condcomp_windows = windows.crop(abs(tokens_to_remove), held.selection.window)
+            windows = windows.crop(abs(tokens_to_remove), held.selection.window)  # refused before anything changes
+        self._condcomp_base.crop(self, tokens_to_remove)
+        self.condcomp_windows = windows
+        if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
+            self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
         if _length(self) == 0:  # nothing left: the next call is a new request
             self.condcomp_plan = None
             self.condcomp_windows = None

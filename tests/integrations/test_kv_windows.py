@@ -26,9 +26,9 @@ t = pytest.importorskip("transformers")
 SINKS, WINDOW, NEW = 1, 3, 4
 
 
-def streaming(kv_heads: int, fraction: float = 0.5) -> nn.Module:
+def streaming(kv_heads: int, fraction: float = 0.5, window: int = WINDOW) -> nn.Module:
     model = llama(kv_heads)
-    router = ("topk", {"kv_groups": True, "stream_window": WINDOW, "stream_sinks": SINKS})
+    router = ("topk", {"kv_groups": True, "stream_window": window, "stream_sinks": SINKS})
     condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": fraction}), router=router))
     return model.eval()
 
@@ -146,3 +146,17 @@ def test_head_usage_reports_the_decode_step_and_the_kv_cache_executor() -> None:
     assert usage and all(u.executor == "kv_cache" for u in usage.values())
     for routed in condcomp.api.routed_modules(model).values():
         assert routed.last is not None and routed.last.T == 1 and routed.last.S == ids.shape[1] + 1
+
+
+def test_crop_before_the_window_is_outgrown_continues_like_the_reference_and_is_refused_after() -> None:
+    model = streaming(4, window=12)  # 1 + 12 tokens: nothing evicted within this test's 6 + 2 tokens
+    ids, mask = prompts()
+    tokens, full_mask, logits, cache = generate(model, ids, mask, 2)
+    cache.crop(-1)  # forget the last token, then feed it again
+    got = step(model, tokens, full_mask, cache, 1)
+    torch.testing.assert_close(got, logits[-1], atol=1e-5, rtol=1e-5)
+    model = streaming(4)  # 1 + 3 tokens: the 6-token prompts already evicted some
+    tokens, full_mask, logits, cache = generate(model, ids, mask, 1)
+    with pytest.raises(ValueError, match="evicted"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == tokens.shape[1]  # refused before anything changed
