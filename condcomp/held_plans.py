@@ -20,7 +20,7 @@ computed with a plan that saw the whole prompt).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -28,20 +28,54 @@ from torch import Tensor
 from condcomp.plans import kv_groups_used
 from condcomp.types import HeadLayout, HeadPlan
 
+KV_NONE, KV_WINDOW, KV_FULL = 0, 1, 2  # a request's KV group: not cached, a streaming window, the full cache
+KV_MODE_NAMES = ("none", "window", "full")
+
+
+@dataclass(frozen=True)
+class StreamWindow:
+    """What a streaming KV group keeps: the request's first ``sinks`` tokens plus its last ``window`` tokens.
+
+    A query at position ``p`` of a streaming group attends to keys at positions ``j <= p`` with ``j < sinks`` or
+    ``p - j < window`` (positions count the request's real tokens, padding excluded); the cache holds at most
+    ``sinks + window`` tokens per streaming group, so its bytes stop growing with the context.
+
+    >>> StreamWindow(sinks=4, window=60).capacity
+    64
+    """
+
+    sinks: int = 4
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        for name, low in (("sinks", 0), ("window", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"StreamWindow.{name} must be an int >= {low}, got {v!r}")
+
+    @property
+    def capacity(self) -> int:
+        """Tokens a streaming group's cache holds at most."""
+        return self.sinks + self.window
+
 
 @dataclass(frozen=True)
 class KVSelection:
     """Which key/value heads a held sequence plan keeps, per row, in the compact order the cache stores them.
 
-    - ``kv_index (B, g)`` int64: row b's cache slot j holds key/value head ``kv_index[b, j]``. ``g`` is the
-      largest number of kept groups in the batch; a row that keeps fewer repeats its first kept group in the
-      spare slots (finite values, gate 0), so rows with different kept sets share one tensor.
+    - ``kv_index (B, g)`` int64: row b's cache slot j holds key/value head ``kv_index[b, j]`` in full. ``g`` is
+      the largest number of fully kept groups in the batch; a row that keeps fewer repeats its first kept group in
+      the spare slots (finite values, gate 0), so rows with different kept sets share one tensor.
     - ``slot_gates (B, g * r)``: the gate of every query head that reads a slot (``r = H / Hkv`` per slot, in
       head order), 0 for heads the plan skips inside a kept group and for spare slots.
     - ``row_active (B,)``: rows with at least one active head (a row with none outputs exactly zero), or None
       when every row has one.
     - ``identity``: every row keeps every group in order (the full budget): no gathers, no scatters.
     - ``unit_gates``: every slot gate is exactly 1: no gate multiply.
+    - ``window_index (B, gw)`` / ``window_gates (B, gw * r)``: the groups each row keeps as a streaming window
+      (``window`` says how much) in the slots of a second, trimmed tensor, spare slots as above; None when no row
+      streams a group.
+    - ``modes (B, Hkv)`` int8: each request's mode per group (``KV_NONE``, ``KV_WINDOW``, ``KV_FULL``).
     """
 
     kv_index: Tensor
@@ -49,37 +83,66 @@ class KVSelection:
     row_active: Tensor | None
     identity: bool
     unit_gates: bool
+    window_index: Tensor | None = None
+    window_gates: Tensor | None = None
+    window: StreamWindow | None = None
+    modes: Tensor | None = None
 
     @property
     def slots(self) -> int:
-        """``g``: key/value heads cached per row."""
+        """``g``: key/value heads cached in full per row."""
         return int(self.kv_index.shape[1])
 
+    @property
+    def window_slots(self) -> int:
+        """``gw``: key/value heads cached as a streaming window per row."""
+        return 0 if self.window_index is None else int(self.window_index.shape[1])
 
-def select_kv(plan: HeadPlan, layout: HeadLayout) -> KVSelection:
-    """The :class:`KVSelection` of a sequence plan (a few host syncs, at prefill only: ``g`` sizes the cache)."""
+
+def _slots_of(chosen: Tensor, gates: Tensor, r: int, at_least_one: bool) -> tuple[Tensor, Tensor]:
+    """``(index (B, g), slot gates (B, g*r))`` of the groups ``chosen (B, Hkv)``, ascending; spare slots repeat
+    the row's first chosen group (group 0 if none) with gate 0."""
+    B, Hkv = chosen.shape
+    counts = chosen.sum(-1)  # (B,)
+    g = int(counts.max()) if B else 0
+    g = max(g, 1) if at_least_one and B else g
+    groups = torch.arange(Hkv, device=chosen.device)
+    order = torch.argsort((~chosen).long() * Hkv + groups, dim=-1)[:, :g]  # (B, g): chosen first, ascending
+    valid = torch.arange(g, device=chosen.device) < counts.unsqueeze(-1)  # (B, g)
+    index = torch.where(valid, order, order[:, :1].expand(B, g) if g else order)
+    slot_gates = gates.view(B, Hkv, r).gather(1, index.unsqueeze(-1).expand(B, g, r))  # (B, g, r)
+    return index, (slot_gates * valid.unsqueeze(-1)).reshape(B, g * r)
+
+
+def select_kv(plan: HeadPlan, layout: HeadLayout, window: StreamWindow | None = None,
+              detach: bool = True) -> KVSelection:
+    """The :class:`KVSelection` of a sequence plan (a few host syncs, at prefill only: ``g`` sizes the cache).
+
+    ``window``: the groups the plan does not keep are streamed (sinks + recent tokens, every query head of the
+    group computed with gate 1) instead of dropped. ``detach=False`` keeps the gates' graph (cache-free calls).
+    """
     if plan.granularity != "sequence":
         raise ValueError("only sequence plans (one head set per request) can shrink a KV cache; a token plan may "
                          "pick any head at a later token, so every key/value head must stay cached")
     B, Hkv, r = plan.gates.shape[0], layout.num_kv_heads, layout.group_size
-    gates = plan.gates.detach().masked_fill(~plan.active, 0.0)  # (B, H)
-    kept = kv_groups_used(plan.active, Hkv)  # (B, Hkv)
-    counts = kept.sum(-1)  # (B,)
-    # At least one slot, even when no row keeps a group (k = 0): a cache layer of zero heads holds no elements,
-    # and transformers' layers then count no tokens (the request's plan would be dropped and the model's
-    # positions restart) or cannot quantize it; the slot holds group 0 with gate 0 and the rows output zeros.
-    g = max(int(counts.max()), 1) if B else 0
-    groups = torch.arange(Hkv, device=kept.device)
-    # kept groups first, ascending; a row's spare slots repeat its first kept group (group 0 if it keeps none)
-    order = torch.argsort((~kept).long() * Hkv + groups, dim=-1)[:, :g]  # (B, g)
-    valid = torch.arange(g, device=kept.device) < counts.unsqueeze(-1)  # (B, g)
-    kv_index = torch.where(valid, order, order[:, :1].expand(B, g) if g else order)
-    slot_gates = gates.view(B, Hkv, r).gather(1, kv_index.unsqueeze(-1).expand(B, g, r))  # (B, g, r)
-    slot_gates = (slot_gates * valid.unsqueeze(-1)).reshape(B, g * r)
-    identity = g == Hkv and bool((kv_index == groups).all()) if B else True
-    row_active = plan.active.any(-1)  # (B,)
+    gates = plan.gates.masked_fill(~plan.active, 0.0)  # (B, H)
+    gates = gates.detach() if detach else gates
+    kept = kv_groups_used(plan.active, Hkv)  # (B, Hkv): groups some active head reads
+    streamed = ~kept if window is not None else torch.zeros_like(kept)
+    modes = torch.where(kept, KV_FULL, torch.where(streamed, KV_WINDOW, KV_NONE)).to(torch.int8)  # (B, Hkv)
+    streams = B > 0 and bool(streamed.any())
+    # At least one full slot unless groups stream, even when no row keeps a group (k = 0): a cache layer of zero
+    # heads holds no elements, and transformers' layers then count no tokens (the request's plan would be dropped
+    # and the model's positions restart); the slot holds group 0 with gate 0 and the rows output zeros.
+    kv_index, slot_gates = _slots_of(kept, gates, r, at_least_one=not streams)
+    g = kv_index.shape[1]
+    identity = g == Hkv and bool((kv_index == torch.arange(Hkv, device=kept.device)).all()) if B else True
+    row_active = plan.active.any(-1) | streamed.any(-1)  # (B,)
+    window_index = window_gates = None
+    if streams:
+        window_index, window_gates = _slots_of(streamed, torch.ones_like(gates), r, at_least_one=False)
     return KVSelection(kv_index, slot_gates, None if bool(row_active.all()) else row_active, identity,
-                       bool((slot_gates == 1).all()))
+                       bool((slot_gates == 1).all()), window_index, window_gates, window if streams else None, modes)
 
 
 def decision_mask(mask: Tensor | None, prompt_len: int | None, B: int, T: int, device: torch.device) -> Tensor | None:
@@ -92,9 +155,12 @@ def decision_mask(mask: Tensor | None, prompt_len: int | None, B: int, T: int, d
 
 def _take_rows(selection: KVSelection, index: Tensor) -> KVSelection:
     # identity and unit gates hold for any subset of rows that had them (dropping rows cannot break them)
-    row_active = None if selection.row_active is None else selection.row_active[index]
-    return KVSelection(selection.kv_index[index], selection.slot_gates[index], row_active, selection.identity,
-                       selection.unit_gates)
+    def rows(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[index]
+
+    return KVSelection(selection.kv_index[index], selection.slot_gates[index], rows(selection.row_active),
+                       selection.identity, selection.unit_gates, rows(selection.window_index),
+                       rows(selection.window_gates), selection.window, rows(selection.modes))
 
 
 def pad_slots(selection: KVSelection, slots: int) -> KVSelection:
@@ -109,7 +175,7 @@ def pad_slots(selection: KVSelection, slots: int) -> KVSelection:
     first = selection.kv_index[:, :1] if g else selection.kv_index.new_zeros(B, 1)
     kv_index = torch.cat([selection.kv_index, first.expand(B, slots - g)], 1)  # (B, slots)
     gates = torch.cat([selection.slot_gates, selection.slot_gates.new_zeros(B, (slots - g) * r)], 1)
-    return KVSelection(kv_index, gates, selection.row_active, False, False)
+    return replace(selection, kv_index=kv_index, slot_gates=gates, identity=False, unit_gates=False)
 
 
 @dataclass(frozen=True)
@@ -157,33 +223,47 @@ class HeldPlan:
 class RequestPlan:
     """What each request (row of a KV cache) keeps in one layer: read it with :func:`condcomp.request_plans`.
 
-    - ``heads (B, H)`` bool: the query heads each row computes.
-    - ``kv_groups (B, Hkv)`` bool: the key/value heads (GQA groups) each row's cache holds; every group when the
-      cache holds every head (adapters without a compact cache, or a per-token plan).
-    - ``gates (B, H)``: each head's gate (0 for skipped heads).
+    - ``heads (B, H)`` bool: the query heads each row computes (a streamed group's heads included).
+    - ``kv_groups (B, Hkv)`` bool: the key/value heads (GQA groups) each row's cache holds in full; every group
+      when the cache holds every head (adapters without a compact cache, or a per-token plan).
+    - ``gates (B, H)``: each head's gate (0 for skipped heads, 1 for a streamed group's heads).
     - ``compact``: whether the cache stores only the kept groups (so its bytes scale with them).
+    - ``kv_modes (B, Hkv)`` int8: each group's mode, ``KV_FULL`` (2), ``KV_WINDOW`` (1) or ``KV_NONE`` (0); read
+      as names with :meth:`group_modes`. ``window``: what a streamed group keeps (None when none streams).
     """
 
     heads: Tensor
     kv_groups: Tensor
     gates: Tensor
     compact: bool
+    kv_modes: Tensor | None = None
+    window: StreamWindow | None = None
 
     def kept_heads(self) -> list[list[int]]:
         """Per row, the indices of the heads it computes."""
         return [row.nonzero().flatten().tolist() for row in self.heads]
 
     def kept_kv_groups(self) -> list[list[int]]:
-        """Per row, the indices of the key/value groups its cache holds."""
+        """Per row, the indices of the key/value groups its cache holds in full."""
         return [row.nonzero().flatten().tolist() for row in self.kv_groups]
+
+    def group_modes(self) -> list[list[str]]:
+        """Per row, each key/value group's mode: ``"full"``, ``"window"`` or ``"none"``."""
+        modes = self.kv_modes if self.kv_modes is not None else self.kv_groups.to(torch.int8) * KV_FULL
+        return [[KV_MODE_NAMES[int(m)] for m in row] for row in modes]
 
     @classmethod
     def of(cls, held: HeldPlan) -> RequestPlan:
         """The public view of a plan held with a cache layer."""
-        p = held.plan
+        p, sel = held.plan, held.selection
         B, H = p.active.shape
-        if held.selection is None:
+        r = H // held.num_kv_heads
+        gates = p.gates.masked_fill(~p.active, 0.0)
+        if sel is None:
             groups = torch.ones(B, held.num_kv_heads, dtype=torch.bool, device=p.active.device)
-        else:
-            groups = kv_groups_used(p.active, held.num_kv_heads)  # (B, Hkv)
-        return cls(p.active.clone(), groups, p.gates.masked_fill(~p.active, 0.0), held.selection is not None)
+            return cls(p.active.clone(), groups, gates, False, groups.to(torch.int8) * KV_FULL)
+        groups = kv_groups_used(p.active, held.num_kv_heads)  # (B, Hkv)
+        modes = sel.modes if sel.modes is not None else groups.to(torch.int8) * KV_FULL
+        streamed = (modes == KV_WINDOW).repeat_interleave(r, dim=1)  # (B, H)
+        return cls(p.active | streamed, groups, torch.where(streamed, torch.ones_like(gates), gates), True,
+                   modes.clone(), sel.window)

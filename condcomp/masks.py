@@ -112,3 +112,18 @@ def dead_rows(mask: AttentionMask, B: int, T: int) -> Tensor | None:
     if mask.dead is None:
         return None
     return mask.dead.all(1).expand(B, T)
+
+
+def streaming_allowed(query_pos: Tensor, key_pos: Tensor, sinks: int, window: int) -> Tensor:
+    """The streaming rule ``(B, T, S)``: a query at real-token position ``p`` may attend a key at ``j`` when
+    ``0 <= j <= p`` and ``j < sinks`` (attention sinks) or ``p - j < window`` (the recent band). Positions count a
+    request's real tokens (padding is ``-1`` and sees and is seen by nothing); ``query_pos (B, T)``,
+    ``key_pos (B, S)``.
+
+    >>> p = torch.arange(5)[None]
+    >>> streaming_allowed(p, p, sinks=1, window=2)[0, 4].tolist()
+    [True, False, False, True, True]
+    """
+    q = query_pos.unsqueeze(-1)  # (B, T, 1)
+    k = key_pos.unsqueeze(-2)  # (B, 1, S)
+    return (q >= 0) & (k >= 0) & (k <= q) & ((k < sinks) | (q - k < window))

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from condcomp.held_plans import StreamWindow
 from condcomp.plans import plan_from_active, plan_top_k, top_k_mask
 from condcomp.registry import register_router
 from condcomp.relaxations import entropy, masked_mean, rows_with_tokens, soft_threshold, soft_topk_mask
@@ -49,6 +50,11 @@ class TopKRouter(nn.Module):
     head; MHA: single heads): one score per group, ``ceil(k / r)`` groups kept, every head of a kept group on.
     Budgets then translate into KV-cache savings (a held plan caches kept groups only, :mod:`condcomp.held_plans`).
 
+    ``stream_window=n`` (with ``stream_sinks``, default 4): at inference with a KV cache, the key/value groups a
+    request's plan does not keep are not dropped but streamed: their query heads attend to the request's first
+    ``stream_sinks`` tokens and its last ``n`` tokens (gate 1), and the cache holds only those for them
+    (:class:`~condcomp.held_plans.StreamWindow`). Without a cache (training) the plan is unchanged.
+
     ``init_scores`` warm-starts the scorer from a prior ranking (one score per scored unit: a head, or a KV group
     with ``kv_groups``): the scorer's output bias starts at these scores and its output weights at zero, so the
     router starts as static pruning of the lowest-scored units (every input gets the same heads) and training
@@ -67,13 +73,16 @@ class TopKRouter(nn.Module):
                  temperature: ScheduleSpec = DEFAULT_TEMPERATURE, noise_std: ScheduleSpec = DEFAULT_NOISE,
                  entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA, train_mode: TrainMode = "straight_through",
                  mask_temperature: float = 0.25, gates: str = "binary", kv_groups: bool = False,
-                 num_kv_heads: int | None = None, init_scores: Sequence[float] | None = None) -> None:
+                 num_kv_heads: int | None = None, init_scores: Sequence[float] | None = None,
+                 stream_window: int | None = None, stream_sinks: int = 4) -> None:
         super().__init__()
         self.validate_options(hidden=hidden, temperature=temperature, noise_std=noise_std, entropy_beta=entropy_beta,
                               train_mode=train_mode, mask_temperature=mask_temperature, gates=gates,
                               init_scores=init_scores)
         self.d_model, self.num_heads = d_model, num_heads
         self.kv_groups = bool(kv_groups)
+        # groups a request's plan does not keep get a streaming window in its KV cache instead of nothing
+        self.stream = None if stream_window is None else StreamWindow(int(stream_sinks), int(stream_window))
         # heads per scored unit: a KV group's query heads, or 1 (num_kv_heads None: a layer without GQA facts)
         self.group_size = num_heads // (num_kv_heads or num_heads) if self.kv_groups else 1
         units = num_heads // self.group_size

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 
+from condcomp.executors.streaming import WindowCache
 from condcomp.held_plans import HeldPlan, KVSelection
 from condcomp.host import detached
 from condcomp.types import HeadPlan
@@ -60,36 +62,48 @@ class PlanCarrier:
     ``condcomp_plan`` rides with the layer's tensors through the layer's own operations."""
 
     condcomp_plan: HeldPlan | None = None
+    condcomp_windows: WindowCache | None = None  # the streamed groups' trimmed keys/values (see .decode)
     condcomp_tokens: int  # static layers only: tokens held, counted on the host
     _condcomp_base: Any = object
 
     def reset(self) -> None:
         self._condcomp_base.reset(self)
         self.condcomp_plan = None
+        self.condcomp_windows = None
         if "condcomp_tokens" in self.__dict__:
             self.condcomp_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:
+        windows, held = self.condcomp_windows, self.condcomp_plan
+        if windows is not None and held is not None and held.selection is not None and held.selection.window:
+            windows = windows.crop(abs(tokens_to_remove), held.selection.window)  # refused before anything changes
         self._condcomp_base.crop(self, tokens_to_remove)
+        self.condcomp_windows = windows
         if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
             self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
         if _length(self) == 0:  # nothing left: the next call is a new request
             self.condcomp_plan = None
+            self.condcomp_windows = None
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self._condcomp_base.reorder_cache(self, beam_idx)
+        self._take_rows(beam_idx)
+
+    def _take_rows(self, index: Tensor) -> None:
         if self.condcomp_plan is not None:
-            self.condcomp_plan = self.condcomp_plan.take_rows(beam_idx)
+            self.condcomp_plan = self.condcomp_plan.take_rows(index)
+        if self.condcomp_windows is not None:
+            self.condcomp_windows = self.condcomp_windows.take_rows(index)
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self._condcomp_base.batch_select_indices(self, indices)
-        if self.condcomp_plan is not None:
-            self.condcomp_plan = self.condcomp_plan.take_rows(indices)
+        self._take_rows(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._condcomp_base.batch_repeat_interleave(self, repeats)
         if self.condcomp_plan is not None:
-            self.condcomp_plan = self.condcomp_plan.repeat_rows(repeats)
+            rows = self.condcomp_plan.rows
+            self._take_rows(torch.arange(rows, device=self.condcomp_plan.plan.gates.device).repeat_interleave(repeats))
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         held = self.condcomp_plan
@@ -111,8 +125,8 @@ class PlanCarrier:
         return _rebuild_layer, (self._condcomp_base,), dict(self.__dict__)
 
 
-_CARRIED = ("reset", "crop", "reorder_cache", "batch_select_indices", "batch_repeat_interleave", "update",
-            "__reduce_ex__")
+_CARRIED = ("reset", "crop", "reorder_cache", "_take_rows", "batch_select_indices", "batch_repeat_interleave",
+            "update", "__reduce_ex__")
 
 
 @functools.cache
@@ -121,7 +135,8 @@ def carrier_class(base: Any) -> Any:
     ``base`` (so a layer's class can be swapped in place), one per base."""
     methods = {name: PlanCarrier.__dict__[name] for name in _CARRIED}
     return type(base.__name__, (base,), {**methods, "__module__": __name__, "__qualname__": base.__qualname__,
-                                         "_condcomp_base": base, "condcomp_plan": None, "_layer_type": None})
+                                         "_condcomp_base": base, "condcomp_plan": None, "condcomp_windows": None,
+                                         "_layer_type": None})
 
 
 def is_carrier(layer: Any) -> bool:
@@ -210,7 +225,7 @@ def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bo
                              "(batch_select_indices, batch_repeat_interleave, reorder_cache), which carry the plans")
         keys = getattr(layer, "keys", None)
         if held.selection is not None and isinstance(keys, Tensor) and keys.dim() == 4 and (
-                keys.shape[1] != held.selection.slots):
+                keys.shape[1] != max(held.selection.slots, 1 if held.selection.window_index is not None else 0)):
             raise ValueError(f"layer {layer_idx}: the KV cache holds {keys.shape[1]} key/value heads per row but its "
                              f"plan keeps {held.selection.slots}: its tensors were replaced by another model's")
     return RequestStep(cache, layer_idx, cross, past, query_start, held)
@@ -265,13 +280,60 @@ def check_cache_free_generation(routed: Any, plan: HeadPlan) -> None:
     """``generate(use_cache=False)`` would decide a decoder's plan again at every step from the prompt *and* the
     text generated so far (different tokens from generating with a cache): refused, with the fix, unless the plan
     is decided from the prompt (``plan_from_prompt``) or keeps every head."""
-    if routed.training or routed.prompt_len is not None or bool(plan.active.all()):
+    streams = getattr(routed.condcomp_router, "stream", None) is not None
+    if routed.training or (routed.prompt_len is not None and not streams) or bool(plan.active.all()):
         return
     if not _inside_generate(routed):
         return
+    if streams:
+        raise ValueError(
+            "generate(use_cache=False) with a router that streams the key/value groups a plan does not keep "
+            "(stream_window): streamed groups exist only in a KV cache (without one their heads would be skipped, "
+            "a different text). Generate with the cache (the default)")
     raise ValueError(
         "generate(use_cache=False) with per-request plans: without a KV cache every step would decide the plan again "
         "from the prompt and the tokens generated so far, so the text would differ from generate() with a cache. "
         "Generate with the cache (the default), or decide every step's plan from the prompt: "
         "`with condcomp.plan_from_prompt(model, input_ids.shape[1]): model.generate(..., use_cache=False)` "
         "(the same tokens as with a cache)")
+
+
+def _tensor_bytes(value: Any, seen: set[int]) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, a container of them, or a streamed-groups cache), each
+    storage counted once."""
+    if isinstance(value, Tensor):
+        key = value.untyped_storage().data_ptr() if value.numel() else id(value)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return value.numel() * value.element_size()
+    if isinstance(value, WindowCache):
+        return sum(_tensor_bytes(t, seen) for t in (value.keys, value.values, value.positions, value.seen))
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, seen) for v in value.values())
+    return 0
+
+
+def cache_bytes(cache: Any) -> list[int]:
+    """The bytes each layer of a transformers KV cache holds in tensors: keys and values (quantized ones and their
+    scales too, for a quantized cache) and condcomp's streamed-group windows; the plan itself (a few bytes per
+    request and head) is not counted. ``sum(cache_bytes(c)) / sum(cache_bytes(dense))`` is the measured KV fraction.
+
+    >>> import torch, transformers  # doctest: +SKIP
+    >>> cache = transformers.DynamicCache()  # doctest: +SKIP
+    >>> _ = cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)  # doctest: +SKIP
+    >>> cache_bytes(cache)  # doctest: +SKIP
+    [320]
+    """
+    if hasattr(cache, "self_attention_cache"):
+        return cache_bytes(cache.self_attention_cache)
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"cache_bytes: expected a transformers KV cache (with .layers), got {type(cache).__name__}")
+    out = []
+    for layer in layers:
+        seen: set[int] = set()
+        out.append(sum(_tensor_bytes(v, seen) for k, v in vars(layer).items() if k != "condcomp_plan"))
+    return out

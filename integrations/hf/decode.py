@@ -14,17 +14,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 
-from condcomp.dense import grouped_sdpa
-from condcomp.held_plans import KVSelection, pad_slots, select_kv
-from condcomp.masks import build_attention_mask, dead_rows
-from condcomp.rotary import apply_rotary
+from condcomp.executors.auto import get_executor
+from condcomp.executors.cached import CompactKV, Projections
+from condcomp.held_plans import KVSelection, StreamWindow, pad_slots, select_kv
+from condcomp.host import LastForward
 from condcomp.types import AttentionInputs, HeadPlan
 
 from .cache import RequestStep, cache_layer, compact_write
-from .common import decoder_request_plan, mask_parts, sliding_window_bias, visible_keys
+from .common import decoder_request_plan, mask_parts, sliding_window_bias
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -35,14 +34,25 @@ def decide_request_plan(routed: RoutedAttention, x: Tensor, mask: Any, step: Req
     tokens (at the request's first call; a sequence plan on a cache that holds tokens but no plan is refused)."""
     plan = decoder_request_plan(routed, step, x, mask)
     if step.held is None and plan.granularity == "sequence" and routed.last is not None:
-        routed.last = replace(routed.last, executor="held", strategy="kv_cache")
+        routed.last = replace(routed.last, executor="kv_cache")
     return plan
+
+
+def stream_window(routed: RoutedAttention) -> StreamWindow | None:
+    """What groups a plan does not keep still see: the router's streaming window (``topk``'s ``stream_window``),
+    or None (they are dropped)."""
+    window = getattr(routed.condcomp_router, "stream", None)
+    return window if isinstance(window, StreamWindow) else None
 
 
 def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep) -> KVSelection:
     """The slots of a plan decided now; a static cache layer allocated earlier fixes the slot count."""
-    selection = select_kv(plan, routed.layout)
+    selection = select_kv(plan, routed.layout, stream_window(routed))
     layer = cache_layer(step.cache, step.layer_idx)
+    static = hasattr(layer, "max_cache_len") or type(step.cache).__name__.startswith("Static")
+    if selection.window_index is not None and static:
+        raise ValueError("streamed key/value groups (the router's stream_window) keep a trimmed window beside the "
+                         "cache, which a static cache cannot hold: generate with the default DynamicCache")
     slots = getattr(layer, "num_heads", None) if getattr(layer, "is_initialized", False) else None
     if isinstance(slots, int) and hasattr(layer, "max_cache_len"):  # static: (B, slots, max_len, Dh) allocated
         if selection.slots <= slots:
@@ -51,56 +61,47 @@ def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep
     return selection
 
 
+def _route(sel: KVSelection) -> str:
+    if sel.window_index is not None:
+        return "full+window" if sel.slots else "window"
+    return "full" if sel.identity else "compact"
+
+
 def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary: tuple[Tensor, Tensor] | None,
                    step: RequestStep, mask: Any, sliding_window: int | None, extra: dict[str, Any]) -> Tensor:
-    """One call under a request's plan: ``x (B, T, D)`` -> ``(B, T, D)``, caching the kept key/value heads only."""
+    """One call under a request's plan: ``x (B, T, D)`` -> ``(B, T, D)``, run by the ``kv_cache`` executor; this
+    only translates transformers' arguments (mask, cache, projections) into its call."""
     cache, layer_idx = step.cache, step.layer_idx
     L = routed.layout
     B, T, _ = x.shape
-    Hkv, r, Dh, g = L.num_kv_heads, L.group_size, L.head_dim, sel.slots
-    if g == 0:  # an empty batch (select_kv gives every non-empty batch at least one slot)
-        empty = x.new_zeros(B, 0, T, Dh)
+    if B == 0:  # an empty batch: nothing to attend, the cache still learns the call's length
+        empty = x.new_zeros(B, 0, T, L.head_dim)
         with compact_write():
             cache.update(empty, empty, layer_idx, kwargs=extra)
         return x.new_zeros(B, T, L.d_model)
-    # The projections' own forward (exact for LoRA layers), then the kept groups of each row.
-    q = routed.q_proj(x).view(B, T, Hkv, r, Dh)
-    k = routed.k_proj(x).view(B, T, Hkv, Dh)
-    v = routed.v_proj(x).view(B, T, Hkv, Dh)
-    if not sel.identity:
-        idx = sel.kv_index[:, None, :, None]  # (B, 1, g, 1)
-        q = q.gather(2, idx.unsqueeze(-1).expand(B, T, g, r, Dh))
-        k = k.gather(2, idx.expand(B, T, g, Dh))
-        v = v.gather(2, idx.expand(B, T, g, Dh))
-    q = q.reshape(B, T, g * r, Dh)
-    if getattr(routed, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
-        q = routed.q_norm(q)
-    if getattr(routed, "k_norm", None) is not None:
-        k = routed.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, g*r | g, T, Dh)
-    if rotary is not None:
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-    with compact_write():
-        k, v = cache.update(k, v, layer_idx, kwargs=extra)  # (B, g, S, Dh): the kept groups' whole history
-    k, v = visible_keys(k, v, mask, step.query_start, T)
-    S = k.shape[2]
+    S = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T  # keys after this call's update
     query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, step.query_start)
     if mask is None and sliding_window is not None and S > sliding_window:
         bias = sliding_window_bias(T, S, int(sliding_window), x.device, x.dtype)
-    am = build_attention_mask(AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias,
-                                              key_states=k, value_states=v), L.causal, q.dtype)
-    out = grouped_sdpa(q, k, v, am.mask, am.is_causal, L.scale,
-                       L.dropout_p if routed.training else 0.0)  # (B, g*r, T, Dh)
-    if am.dead is not None:  # queries with no key to attend (all padding) output zeros, as every executor does
-        out = out.masked_fill(am.dead.unsqueeze(-1), 0.0)
-    if not sel.unit_gates:
-        out = out * sel.slot_gates[:, :, None, None].to(out.dtype)
-    out = out.transpose(1, 2).reshape(B, T, g, r * Dh)
-    if not sel.identity:  # back to the heads' columns; spare slots add exact zeros
-        full = out.new_zeros(B, T, Hkv, r * Dh)
-        out = full.scatter_add(2, sel.kv_index[:, None, :, None].expand(B, T, g, r * Dh), out)
-    y = routed.o_proj(out.reshape(B, T, Hkv * r * Dh))
-    if sel.row_active is not None:  # a row with no active head outputs exactly zero (no output bias)
-        y = torch.where(sel.row_active[:, None, None], y, torch.zeros_like(y))
-    dead = dead_rows(am, B, T)  # (B, T) or None: all-padding queries output zeros, bias included
-    return y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)  # type: ignore[no-any-return]
+
+    def store(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        with compact_write():
+            return cache.update(k, v, layer_idx, kwargs=extra)  # type: ignore[no-any-return]
+
+    def keep_windows(windows: Any) -> None:
+        cache_layer(cache, layer_idx).condcomp_windows = windows  # read back by the request's next call
+
+    layer = cache_layer(cache, layer_idx)
+    windows = getattr(layer, "condcomp_windows", None) if step.held is not None else None
+    proj = Projections(routed.q_proj, routed.k_proj, routed.v_proj, routed.o_proj,  # the modules: exact for LoRA
+                       getattr(routed, "q_norm", None), getattr(routed, "k_norm", None))
+    compact = CompactKV(sel, store, S if mask is None else None, windows, keep_windows, proj)
+    inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=rotary,
+                             dropout_p=L.dropout_p if routed.training else 0.0)
+    plan = step.held.plan if step.held is not None else (routed.last.plan if routed.last is not None else None)
+    y = get_executor("kv_cache").run_cached(L, inputs, plan, compact)
+    if plan is not None:  # head_usage reports this call (a decode step's T and keys), not the prefill's
+        last = routed.last
+        s = last.s if last is not None and tuple(last.s.shape) == (B,) else plan.counts.float() / plan.num_heads
+        routed.last = LastForward(s, plan, query_mask, T, S, "kv_cache", _route(sel))
+    return y  # type: ignore[no-any-return]

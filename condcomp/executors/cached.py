@@ -1,0 +1,290 @@
+"""Cached decoding as an executor: a request's held plan over a compact KV cache (full groups, windows, none).
+
+A decoder request's sequence plan is decided at its prefill and held in its KV cache. This executor computes a call
+under such a plan the way a compact cache stores it: only the key/value groups the plan keeps are projected, cached
+and read (``(B, g, S, Dh)``, :class:`~condcomp.held_plans.KVSelection`); groups it streams read a trimmed window
+(sinks + recent tokens, :mod:`.streaming`); the rest are never computed. A model adapter translates its arguments
+into :class:`CompactKV` (how to write the cache, what it holds) and calls the executor with it.
+
+Called without a cache (``executor="kv_cache"`` on any sequence-plan call) it computes the same kept-groups
+attention from the call's own keys and values: that is how it is compared with the reference executor, on the same
+plans, as every executor is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from condcomp.dense import grouped_sdpa, project_kv
+from condcomp.executors.base import keep_gates_in_graph
+from condcomp.executors.streaming import WindowCache, extend, query_positions, trim
+from condcomp.held_plans import KVSelection, select_kv
+from condcomp.masks import AttentionMask, build_attention_mask, dead_rows, streaming_allowed
+from condcomp.protocols import Capabilities, Estimate
+from condcomp.registry import register_executor
+from condcomp.rotary import apply_rotary
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
+
+Project = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Projections:
+    """The layer's projections as the call runs them: ``q``/``k``/``v`` map ``(B, T, D)`` to every head's
+    ``(B, T, H*Dh)`` / ``(B, T, Hkv*Dh)``, ``o`` maps ``(B, T, H*Dh)`` to ``(B, T, D)`` with its bias; per-head
+    norms over ``Dh`` (Qwen3) or None. A wrapped model passes its modules' own forwards (exact for LoRA)."""
+
+    q: Project
+    k: Project
+    v: Project
+    o: Project
+    q_norm: Project | None = None
+    k_norm: Project | None = None
+
+    @classmethod
+    def of_weights(cls, w: AttentionWeights) -> Projections:
+        """The projections of canonical weights."""
+        return cls(lambda x: F.linear(x, w.q_weight, w.q_bias), lambda x: F.linear(x, w.k_weight, w.k_bias),
+                   lambda x: F.linear(x, w.v_weight, w.v_bias), lambda y: F.linear(y, w.o_weight, w.o_bias),
+                   w.q_norm, w.k_norm)
+
+
+@dataclass(frozen=True)
+class CompactKV:
+    """A request's compact KV cache as one call sees it.
+
+    - ``selection``: the held plan's slots (full groups, streamed groups).
+    - ``store(k, v)``: appends the full slots' new keys/values ``(B, g, T, Dh)`` and returns their whole history
+      ``(B, g, S, Dh)`` (a transformers cache layer's ``update``).
+    - ``visible``: keys the queries may see (a static cache's empty slots after them are dropped); None = all.
+    - ``windows``: the streamed groups' cache before the call (None at prefill); ``keep_windows`` stores the new one.
+    - ``projections``: how to project (None: the canonical weights).
+    """
+
+    selection: KVSelection
+    store: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+    visible: int | None = None
+    windows: WindowCache | None = None
+    keep_windows: Callable[[WindowCache], None] | None = None
+    projections: Projections | None = None
+
+
+def _heads_of_slots(index: Tensor, r: int) -> Tensor:
+    """``(B, g*r)``: the query heads that read slots ``index (B, g)``."""
+    return (index.unsqueeze(-1) * r + torch.arange(r, device=index.device)).flatten(1)
+
+
+def _slot_mask(am: AttentionMask, heads: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The mask and dead rows of the query heads ``heads (B, n)`` (per-head masks gathered, shared ones kept)."""
+    B, n = heads.shape
+    m, dead = am.mask, am.dead
+    if m is not None and m.shape[1] > 1:
+        m = m.expand(B, *m.shape[1:]).gather(1, heads[:, :, None, None].expand(B, n, *m.shape[2:]))
+    if dead is not None and dead.shape[1] > 1:
+        dead = dead.expand(B, *dead.shape[1:]).gather(1, heads[:, :, None].expand(B, n, dead.shape[2]))
+    return m, dead
+
+
+def _slots(t: Tensor, index: Tensor, identity: bool) -> Tensor:
+    """``t (B, T, Hkv, ...)`` at the groups ``index (B, g)`` -> ``(B, T, g, ...)``."""
+    if identity:
+        return t
+    B, T = t.shape[:2]
+    idx = index[:, None, :].reshape(B, 1, -1, *([1] * (t.dim() - 3)))
+    return t.gather(2, idx.expand(B, T, index.shape[1], *t.shape[3:]))
+
+
+def _queries(q: Tensor, proj: Projections, rotary: tuple[Tensor, Tensor] | None) -> Tensor:
+    """``(B, T, g, r, Dh)`` -> normed, rotated ``(B, g*r, T, Dh)``."""
+    B, T, g, r, Dh = q.shape
+    q = q.reshape(B, T, g * r, Dh)
+    if proj.q_norm is not None:
+        q = proj.q_norm(q)
+    q = q.transpose(1, 2)
+    return apply_rotary(q, *rotary) if rotary is not None else q
+
+
+def _keys(k: Tensor, proj: Projections, rotary: tuple[Tensor, Tensor] | None) -> Tensor:
+    """``(B, T, g, Dh)`` -> normed, rotated ``(B, g, T, Dh)``."""
+    if proj.k_norm is not None:
+        k = proj.k_norm(k)
+    k = k.transpose(1, 2)
+    return apply_rotary(k, *rotary) if rotary is not None else k
+
+
+def _gated(out: Tensor, gates: Tensor, dead: Tensor | None) -> Tensor:
+    """Slot outputs ``(B, n, T, Dh)`` times their gates ``(B, n)`` or ``(B, n, T)``, dead (query, head) rows
+    exactly zero."""
+    if dead is not None:
+        out = out.masked_fill(dead.unsqueeze(-1), 0.0)
+    g = gates[:, :, None, None] if gates.dim() == 2 else gates.unsqueeze(-1)
+    return out * g.to(out.dtype)
+
+
+def _combine(parts: list[tuple[Tensor, Tensor]], layout: HeadLayout, identity: bool) -> Tensor:
+    """Slot outputs ``(B, n, T, Dh)`` at their groups ``(B, n/r)`` -> every head's columns ``(B, T, H*Dh)``."""
+    r, Dh = layout.group_size, layout.head_dim
+    B, _, T, _ = parts[0][0].shape
+    flat = [(o.transpose(1, 2).reshape(B, T, idx.shape[1], r * Dh), idx) for o, idx in parts]
+    if identity and len(flat) == 1:
+        return flat[0][0].reshape(B, T, layout.num_heads * Dh)
+    full = flat[0][0].new_zeros(B, T, layout.num_kv_heads, r * Dh)
+    for out, idx in flat:  # spare slots add exact zeros
+        full = full.scatter_add(2, idx[:, None, :, None].expand(B, T, idx.shape[1], r * Dh), out)
+    return full.reshape(B, T, layout.num_heads * Dh)
+
+
+def _streamed(q: Tensor, k: Tensor, v: Tensor, sel: KVSelection, cache: CompactKV, query_mask: Tensor | None,
+              scale: float) -> tuple[Tensor, Tensor]:
+    """The streamed slots' outputs ``(B, gw*r, T, Dh)`` and their dead queries ``(B, T)``; stores the trimmed
+    window. ``q (B, gw*r, T, Dh)``, ``k``/``v (B, gw, T, Dh)``: this call's."""
+    assert sel.window is not None
+    B, _, T, _ = q.shape
+    state = cache.windows
+    pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
+    keys, values, key_pos = extend(state, k, v, pos)
+    allowed = streaming_allowed(pos, key_pos, sel.window.sinks, sel.window.window)  # (B, T, N)
+    dead = ~allowed.any(-1)  # (B, T): padding queries
+    out = grouped_sdpa(q, keys, values, (allowed | dead.unsqueeze(-1)).unsqueeze(1), False, scale)
+    if cache.keep_windows is not None:
+        seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
+        cache.keep_windows(trim(keys, values, key_pos, seen, sel.window))
+    return out, dead.unsqueeze(1)
+
+
+def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV) -> Tensor:
+    """One call under a held plan on a compact cache: ``inputs.x (B, T, D)`` -> ``(B, T, D)``. ``inputs``: the
+    query input, padding (``mask``, ``key_mask``, ``attn_bias`` over the full slots' keys) and ``rotary``."""
+    x, sel, proj = inputs.x, cache.selection, cache.projections
+    assert proj is not None
+    B, T, _ = x.shape
+    Hkv, r, Dh, g = layout.num_kv_heads, layout.group_size, layout.head_dim, sel.slots
+    q_all = proj.q(x).view(B, T, Hkv, r, Dh)
+    k_all, v_all = proj.k(x).view(B, T, Hkv, Dh), proj.v(x).view(B, T, Hkv, Dh)
+    parts: list[tuple[Tensor, Tensor]] = []
+    dead: Tensor | None = None
+    if g > 0:
+        q = _queries(_slots(q_all, sel.kv_index, sel.identity), proj, inputs.rotary)  # (B, g*r, T, Dh)
+        k = _keys(_slots(k_all, sel.kv_index, sel.identity), proj, inputs.rotary)  # (B, g, T, Dh)
+        k, v = cache.store(k, _slots(v_all, sel.kv_index, sel.identity).transpose(1, 2))  # (B, g, S, Dh)
+        if cache.visible is not None and k.shape[2] > cache.visible:
+            k, v = k[:, :, :cache.visible], v[:, :, :cache.visible]
+        am = build_attention_mask(AttentionInputs(x=x, mask=inputs.mask, key_mask=inputs.key_mask,
+                                                  attn_bias=inputs.attn_bias, key_states=k, value_states=v),
+                                  layout.causal, q.dtype)
+        mask, slot_dead = _slot_mask(am, _heads_of_slots(sel.kv_index, r))
+        out = grouped_sdpa(q, k, v, mask, am.is_causal, layout.scale, inputs.dropout_p)  # (B, g*r, T, Dh)
+        gated = out if sel.unit_gates and slot_dead is None else _gated(out, sel.slot_gates, slot_dead)
+        parts.append((gated, sel.kv_index))
+        dead = dead_rows(am, B, T)
+    else:  # only streamed groups: the full-length tensor holds one placeholder of width 1 (it counts the tokens)
+        placeholder = x.new_zeros(B, 1, T, 1)
+        cache.store(placeholder, placeholder)
+    if sel.window_index is not None and sel.window_gates is not None:
+        q = _queries(_slots(q_all, sel.window_index, False), proj, inputs.rotary)
+        k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)
+        v = _slots(v_all, sel.window_index, False).transpose(1, 2)
+        out, w_dead = _streamed(q, k, v, sel, cache, inputs.mask, layout.scale)
+        parts.append((_gated(out, sel.window_gates, w_dead), sel.window_index))
+        dead = w_dead.squeeze(1) if dead is None else dead
+    if not parts:  # an empty batch
+        return x.new_zeros(B, T, layout.d_model)
+    y = proj.o(_combine(parts, layout, sel.identity and len(parts) == 1))
+    if sel.row_active is not None:  # a row with no active head outputs exactly zero (no output bias)
+        y = torch.where(sel.row_active[:, None, None], y, torch.zeros_like(y))
+    return y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)
+
+
+@register_executor("kv_cache")
+class CachedExecutor:
+    """A request's held sequence plan on a compact KV cache: only the kept key/value groups are projected, cached
+    and read; streamed groups read their window; the others are never computed.
+
+    Wrapped decoders (Llama, Qwen2/3, Mistral, Gemma) run every call of a request with a KV cache through it,
+    whatever their ``executor`` (no other executor can read a compact cache). On a call without a cache it computes
+    the kept groups from the call's own keys and values, which ``auto`` never prefers (it projects every group); a
+    per-token plan then keeps the groups any token reads (on a compact cache it is refused: a later token may pick
+    any head).
+
+    >>> import condcomp
+    >>> "kv_cache" in condcomp.list_executors()
+    True
+    """
+
+    name = "kv_cache"
+    granularities = ("sequence", "token")
+    capabilities = Capabilities()
+
+    def supports(self, weights: AttentionWeights | None, inputs: AttentionInputs, plan: HeadPlan,
+                 cache: CompactKV | None = None) -> str | None:
+        if cache is not None and plan.granularity != "sequence":
+            return ("a per-token plan may pick any head at a later token: it cannot run on a compact KV cache (one "
+                    "head set per request)")
+        return None
+
+    def run_cached(self, layout: HeadLayout, inputs: AttentionInputs, plan: HeadPlan | None,
+                   cache: CompactKV) -> Tensor:
+        """A call of a request on its compact KV cache (``cache.projections`` required): ``(B, T, D)``."""
+        reasons = self.capabilities.reasons(inputs.x, "sequence" if plan is None else plan.granularity)
+        if plan is not None and (reason := self.supports(None, inputs, plan, cache)) is not None:
+            reasons.append(reason)
+        if reasons:
+            raise RuntimeError(f"executor 'kv_cache' cannot run this call: {'; '.join(reasons)}")
+        return compact_attention(layout, inputs, cache)
+
+    def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
+        return Estimate(1.5, note="without a KV cache it projects every group and gathers the kept ones")
+
+    def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
+                 cache: CompactKV | None = None) -> Tensor:
+        reason = self.supports(weights, inputs, plan, cache)
+        if reason is not None:
+            raise RuntimeError(f"executor 'kv_cache' cannot run this call: {reason}")
+        if cache is not None:
+            if cache.projections is None:
+                cache = CompactKV(cache.selection, cache.store, cache.visible, cache.windows, cache.keep_windows,
+                                  Projections.of_weights(weights))
+            return compact_attention(weights.layout, inputs, cache)
+        return keep_gates_in_graph(self._cache_free(weights, inputs, plan), plan)
+
+    def _cache_free(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
+        """The kept groups' attention from the call's own keys and values (every group projected, then gathered).
+        A per-token plan keeps the groups any of its tokens reads, each (token, head) with its own gate."""
+        L = weights.layout
+        x = inputs.x
+        B, T, _ = x.shape
+        k_all, v_all = project_kv(weights, inputs)  # (B, Hkv, S, Dh), rotary and key norms applied
+        S = k_all.shape[2]
+        if plan.granularity == "token":  # the groups any token reads; their gates below, per token
+            used = plan.active.any(1)  # (B, H)
+            order = torch.argsort((~used).long(), dim=-1, stable=True)  # (B, H): used heads first, ascending
+            union = HeadPlan("sequence", used.to(plan.gates.dtype), used, used.sum(-1), order, {})
+            sel = select_kv(union, L)
+        else:
+            sel = select_kv(plan, L, detach=False)
+        if sel.slots == 0:
+            return x.new_zeros(B, T, L.d_model)
+        proj = Projections.of_weights(weights)
+        heads = _heads_of_slots(sel.kv_index, L.group_size)  # (B, g*r)
+        q = _queries(_slots(proj.q(x).view(B, T, L.num_kv_heads, L.group_size, L.head_dim), sel.kv_index,
+                            sel.identity), proj, inputs.rotary)  # (B, g*r, T, Dh)
+        k = _slots(k_all.transpose(1, 2), sel.kv_index, sel.identity).transpose(1, 2)  # (B, g, S, Dh)
+        v = _slots(v_all.transpose(1, 2), sel.kv_index, sel.identity).transpose(1, 2)
+        am = build_attention_mask(inputs, L.causal, x.dtype)
+        mask, slot_dead = _slot_mask(am, heads)
+        out = grouped_sdpa(q, k, v, mask, am.is_causal and S == T, L.scale, inputs.dropout_p)  # (B, g*r, T, Dh)
+        gates = sel.slot_gates
+        if plan.granularity == "token":  # (B, g*r, T): each token's gate of each slot head, spare slots 0
+            per_token = plan.gates.masked_fill(~plan.active, 0.0)  # (B, T, H)
+            gates = per_token.gather(2, heads[:, None, :].expand(B, T, heads.shape[1])).transpose(1, 2)
+            gates = gates * sel.slot_gates.unsqueeze(-1)
+        y = proj.o(_combine([(_gated(out, gates, slot_dead), sel.kv_index)], L, sel.identity))
+        active = (plan.counts > 0).view(B, -1, 1)  # (B, 1|T, 1): rows (tokens) with an active head get the bias
+        y = torch.where(active, y, torch.zeros_like(y))
+        dead = dead_rows(am, B, T)
+        return y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)

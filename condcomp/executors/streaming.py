@@ -1,0 +1,86 @@
+"""The cache of a request's streamed key/value groups: its first ``sinks`` tokens and its last ``window`` tokens.
+
+A streamed group's keys and values live in one trimmed tensor per layer, ``(B, gw, N, Dh)`` with
+``N <= sinks + window``, beside the full-length cache of the fully kept groups; rows with different streamed
+groups share it as the compact cache does (:class:`~condcomp.held_plans.KVSelection`). Each entry remembers the
+real-token position of its token (``-1``: empty), so the streaming rule (:func:`condcomp.masks.streaming_allowed`)
+reads the same at prefill and at every decode step. Keys are stored after rotary, at their own positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from condcomp.held_plans import StreamWindow
+
+_SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent token when trimming
+
+
+@dataclass(frozen=True)
+class WindowCache:
+    """Streamed groups of a batch: ``keys``/``values (B, gw, N, Dh)``, ``positions (B, N)`` (the real-token
+    position of each entry, -1 = empty) and ``seen (B,)``, the real tokens each request has had so far."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    seen: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the four tensors hold."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.seen))
+
+    def take_rows(self, index: Tensor) -> WindowCache:
+        """Rows ``index`` (int64 or bool over rows), in that order (beam reordering, selecting, repeating)."""
+        i = index.to(self.keys.device)
+        return WindowCache(self.keys[i], self.values[i], self.positions[i], self.seen[i])
+
+    def crop(self, tokens: int, window: StreamWindow) -> WindowCache:
+        """The cache without each request's last ``tokens`` tokens; refused once tokens it would need again were
+        evicted (they cannot be brought back)."""
+        if bool((self.seen > window.capacity).any()):
+            raise ValueError(
+                f"cannot crop {tokens} token(s) from a KV cache whose streamed groups already evicted tokens (they hold"
+                f" the first {window.sinks} and the last {window.window} tokens of each request): the evicted ones "
+                "would be needed again. Crop before the request outgrows the window, or start the request again")
+        seen = (self.seen - tokens).clamp_min(0)  # (B,)
+        positions = self.positions.masked_fill(self.positions >= seen.unsqueeze(-1), -1)
+        return WindowCache(self.keys, self.values, positions, seen)
+
+
+def query_positions(seen: Tensor | None, query_mask: Tensor | None, B: int, T: int, device: torch.device) -> Tensor:
+    """``(B, T)``: each query's real-token position in its request (``-1`` for padding), after ``seen`` tokens."""
+    real = torch.ones(B, T, dtype=torch.bool, device=device) if query_mask is None else query_mask.bool()
+    before = torch.zeros(B, dtype=torch.long, device=device) if seen is None else seen
+    pos = before.unsqueeze(-1) + real.long().cumsum(-1) - 1  # (B, T)
+    return pos.masked_fill(~real, -1)
+
+
+def extend(state: WindowCache | None, keys: Tensor, values: Tensor, query_pos: Tensor
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """The held entries followed by this call's ``keys``/``values (B, gw, T, Dh)`` and their positions."""
+    if state is None:
+        return keys, values, query_pos
+    return (torch.cat([state.keys, keys], 2), torch.cat([state.values, values], 2),
+            torch.cat([state.positions, query_pos], 1))
+
+
+def trim(keys: Tensor, values: Tensor, positions: Tensor, seen: Tensor, window: StreamWindow) -> WindowCache:
+    """Keep at most ``sinks + window`` entries per row: the sinks and the most recent tokens (what any later query
+    may still attend), in position order; the rest is evicted."""
+    N = positions.shape[1]
+    keep = min(N, window.capacity)
+    if keep < N:
+        # sinks rank first, then recent positions; empty entries (-1) last (no host read of the positions)
+        score = torch.where((positions >= 0) & (positions < window.sinks), positions + _SINK_RANK, positions)
+        chosen = score.topk(keep, dim=-1).indices  # (B, keep)
+        kept = positions.gather(1, chosen)
+        order = kept.masked_fill(kept < 0, _SINK_RANK).argsort(-1)
+        chosen = chosen.gather(1, order)  # position order (empty entries last)
+        idx = chosen[:, None, :, None].expand(keys.shape[0], keys.shape[1], keep, keys.shape[3])
+        keys, values, positions = keys.gather(2, idx), values.gather(2, idx), positions.gather(1, chosen)
+    return WindowCache(keys, values, positions, seen)

@@ -1,0 +1,162 @@
+"""Streamed key/value groups on a tiny Llama: prefill and decode against the rule, the cache's bytes by hand.
+
+The ``topk`` router's ``stream_window`` makes the groups a request's plan does not keep stream (the first
+``stream_sinks`` tokens and the last ``stream_window`` tokens) instead of dropping them. The reference is one
+forward over the whole sequence without a cache in which every wrapped layer is the per-head reference loop with an
+additive bias written out entry by entry from the rule, for the heads and modes the request's plan holds.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from decode_helpers import extend, llama, positions, prompts, step
+from torch import nn
+
+import condcomp
+from condcomp.executors.auto import get_executor
+from condcomp.held_plans import KV_WINDOW, RequestPlan
+from condcomp.types import AttentionInputs
+
+t = pytest.importorskip("transformers")
+
+SINKS, WINDOW, NEW = 1, 3, 4
+
+
+def streaming(kv_heads: int, fraction: float = 0.5, window: int = WINDOW) -> nn.Module:
+    model = llama(kv_heads)
+    router = ("topk", {"kv_groups": True, "stream_window": window, "stream_sinks": SINKS})
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": fraction}), router=router))
+    return model.eval()
+
+
+def rule_bias(mask: torch.Tensor, plan: RequestPlan) -> torch.Tensor:
+    """``(B, H, S, S)``: 0 where a query may attend a key (causal, real tokens; a streamed group's heads also within
+    the sinks or the recent window), -inf elsewhere."""
+    B, S = mask.shape
+    H, Hkv = plan.heads.shape[1], plan.kv_groups.shape[1]
+    assert plan.kv_modes is not None
+    pos = (mask.long().cumsum(-1) - 1).tolist()
+    bias = torch.full((B, H, S, S), float("-inf"))
+    for b in range(B):
+        for h in range(H):
+            streamed = int(plan.kv_modes[b, h // (H // Hkv)]) == KV_WINDOW
+            for i in range(S):
+                for j in range(i + 1):
+                    p, q = pos[b][i], pos[b][j]
+                    if mask[b, i] and mask[b, j] and (not streamed or q < SINKS or p - q < WINDOW):
+                        bias[b, h, i, j] = 0.0
+    return bias
+
+
+@torch.no_grad()
+def reference_logits(model: nn.Module, plans: dict[str, RequestPlan], tokens: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    ref = copy.deepcopy(model)
+    for name, routed in condcomp.api.routed_modules(ref).items():
+        plan = plans[name]
+        bias = rule_bias(mask.bool(), plan)
+
+        def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, _routed: Any = routed,
+                    _plan: RequestPlan = plan, _bias: torch.Tensor = bias, **_: Any) -> tuple[torch.Tensor, None]:
+            B, T, _ = hidden_states.shape
+            cos, sin = position_embeddings
+            inputs = AttentionInputs(x=hidden_states, mask=mask.bool(), attn_bias=_bias,
+                                     rotary=(cos.expand(B, T, -1), sin.expand(B, T, -1)))
+            head_plan = condcomp.plan_from_active(_plan.heads, _plan.gates)
+            return get_executor("reference")(_routed.weights(), inputs, head_plan), None
+
+        routed.forward = forward
+    out = ref(input_ids=tokens, attention_mask=mask, position_ids=positions(mask), use_cache=False)
+    return out.logits  # type: ignore[no-any-return]
+
+
+@torch.no_grad()
+def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int
+             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Any]:
+    cache = t.DynamicCache()
+    logits = [step(model, ids, mask, cache, ids.shape[1])]
+    tokens = ids
+    for _ in range(new):
+        tokens, mask = extend(tokens, mask, logits[-1].argmax(-1, keepdim=True))
+        logits.append(step(model, tokens, mask, cache, 1))
+    return tokens, mask, logits, cache
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4])
+def test_streamed_groups_prefill_and_decode_equal_the_rule_without_a_cache(kv_heads: int) -> None:
+    model = streaming(kv_heads)
+    ids, mask = prompts()
+    tokens, full_mask, logits, cache = generate(model, ids, mask, NEW)
+    plans = condcomp.request_plans(model, cache)
+    modes = {m for p in plans.values() for row in p.group_modes() for m in row}
+    assert modes == {"full", "window"}  # each layer's plan keeps some groups in full and streams the others
+    assert any(len({tuple(r) for r in p.group_modes()}) > 1 for p in plans.values())  # rows differ
+    ref = reference_logits(model, plans, tokens, full_mask)
+    P = ids.shape[1]
+    for i, got in enumerate(logits):
+        torch.testing.assert_close(got, ref[:, P - 1 + i], atol=1e-4, rtol=1e-4)
+
+
+def test_the_cache_holds_the_full_groups_and_each_streamed_groups_window_and_cache_bytes_counts_them() -> None:
+    from condcomp.integrations.hf.cache import cache_bytes
+
+    model = streaming(4)
+    ids, mask = prompts()
+    tokens, _, _, cache = generate(model, ids, mask, NEW)
+    B, S = tokens.shape
+    Dh = model.config.hidden_size // model.config.num_attention_heads
+    plans = list(condcomp.request_plans(model, cache).values())
+    want = []
+    for plan in plans:  # by hand: g full groups (the most any row keeps) at every token, gw windows of SINKS+WINDOW
+        assert plan.kv_modes is not None
+        g = int((plan.kv_modes == 2).sum(-1).max())
+        gw = int((plan.kv_modes == KV_WINDOW).sum(-1).max())
+        n = min(S, SINKS + WINDOW)
+        want.append(4 * 2 * B * max(g, 1) * S * (Dh if g else 1) + 4 * 2 * B * gw * n * Dh + 8 * (B * n + B))
+    assert cache_bytes(cache) == want
+    dense_cache = generate(llama(4), ids, mask, NEW)[3]
+    assert cache_bytes(dense_cache) == [4 * 2 * B * 4 * S * Dh] * 2  # float32 keys and values, 4 groups, 2 layers
+
+
+def test_selecting_rows_carries_the_windows_and_cache_free_generation_is_refused() -> None:
+    model = streaming(4)
+    ids, mask = prompts()
+    tokens, full_mask, logits, cache = generate(model, ids, mask, 1)
+    rows = torch.tensor([2, 0])
+    cache.batch_select_indices(rows)
+    tokens, full_mask = extend(tokens[rows], full_mask[rows], logits[-1][rows].argmax(-1, keepdim=True))
+    got = step(model, tokens, full_mask, cache, 1)
+    plans = condcomp.request_plans(model, cache)
+    ref = reference_logits(model, plans, tokens, full_mask)
+    torch.testing.assert_close(got, ref[:, -1], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="stream"), condcomp.plan_from_prompt(model, ids.shape[1]):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, use_cache=False, do_sample=False,
+                       pad_token_id=0)
+
+
+def test_head_usage_reports_the_decode_step_and_the_kv_cache_executor() -> None:
+    model = streaming(4)
+    ids, mask = prompts()
+    generate(model, ids, mask, 1)
+    usage = condcomp.head_usage(model)
+    assert usage and all(u.executor == "kv_cache" for u in usage.values())
+    for routed in condcomp.api.routed_modules(model).values():
+        assert routed.last is not None and routed.last.T == 1 and routed.last.S == ids.shape[1] + 1
+
+
+def test_crop_before_the_window_is_outgrown_continues_like_the_reference_and_is_refused_after() -> None:
+    model = streaming(4, window=12)  # 1 + 12 tokens: nothing evicted within this test's 6 + 2 tokens
+    ids, mask = prompts()
+    tokens, full_mask, logits, cache = generate(model, ids, mask, 2)
+    cache.crop(-1)  # forget the last token, then feed it again
+    got = step(model, tokens, full_mask, cache, 1)
+    torch.testing.assert_close(got, logits[-1], atol=1e-5, rtol=1e-5)
+    model = streaming(4)  # 1 + 3 tokens: the 6-token prompts already evicted some
+    tokens, full_mask, logits, cache = generate(model, ids, mask, 1)
+    with pytest.raises(ValueError, match="evicted"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == tokens.shape[1]  # refused before anything changed
