@@ -61,7 +61,7 @@ def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep
     return selection
 
 
-def _route(sel: KVSelection) -> str:
+def _strategy(sel: KVSelection) -> str:
     if sel.window_index is not None:
         return "full+window" if sel.slots else "window"
     return "full" if sel.identity else "compact"
@@ -103,5 +103,5 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
     if plan is not None:  # head_usage reports this call (a decode step's T and keys), not the prefill's
         last = routed.last
         s = last.s if last is not None and tuple(last.s.shape) == (B,) else plan.counts.float() / plan.num_heads
-        routed.last = LastForward(s, plan, query_mask, T, S, "kv_cache", _route(sel))
+        routed.last = LastForward(s, plan, query_mask, T, S, "kv_cache", _strategy(sel))
     return y  # type: ignore[no-any-return]
