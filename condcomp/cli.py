@@ -16,7 +16,7 @@ from condcomp.cli_args import OneLineParser
 # Modules that contribute commands, imported only when the command line is built (import condcomp stays light).
 COMMAND_MODULES = ("condcomp.experiments.classification.commands", "condcomp.experiments.llm.command",
                    "condcomp.experiments.dit.commands")
-BENCH_MODULES = ("condcomp.bench.attention", "condcomp.bench.compile", "condcomp.bench.decode")
+BENCH_MODULES = ("condcomp.bench.attention", "condcomp.bench.compile", "condcomp.bench.decode", "condcomp.bench.kv")
 
 
 def build_parser() -> argparse.ArgumentParser:
