@@ -53,11 +53,12 @@ from condcomp.experiments.progress import progress_bar
 
 @dataclass(frozen=True)
 class Preset:
-    """How much a run measures. ``batch``: cases per forward; the decode timing runs its own prompt and batch."""
+    """How much a run measures. Case counts: one for every prompt length, or one per length (a tuple, in the order
+    of ``prompts``). ``batch``: cases per forward; the decode timing runs its own prompt and batch."""
 
     prompts: tuple[int, ...]
-    passkey_cases: int
-    ppl_cases: int
+    passkey_cases: int | tuple[int, ...]
+    ppl_cases: int | tuple[int, ...]
     cont_len: int
     batch: int
     decode_prompt: int
@@ -65,12 +66,20 @@ class Preset:
     decode_tokens: int
     answer_tokens: int = 8
 
+    def cases(self, prompt_len: int) -> tuple[int, int]:
+        """``(passkey cases, continuation cases)`` at one prompt length."""
+        i = self.prompts.index(prompt_len)
+
+        def pick(v: int | tuple[int, ...]) -> int:
+            return v if isinstance(v, int) else v[min(i, len(v) - 1)]
+        return pick(self.passkey_cases), pick(self.ppl_cases)
+
 
 PRESETS = {
     "full": Preset((2048, 4096), passkey_cases=50, ppl_cases=8, cont_len=128, batch=5, decode_prompt=2048,
                    decode_batch=8, decode_tokens=16),
-    "session": Preset((1024, 2048), passkey_cases=10, ppl_cases=2, cont_len=64, batch=5, decode_prompt=1024,
-                      decode_batch=2, decode_tokens=8),
+    "session": Preset((1024, 2048), passkey_cases=(10, 5), ppl_cases=(2, 1), cont_len=64, batch=5,
+                      decode_prompt=512, decode_batch=2, decode_tokens=8),
     "quick": Preset((320,), passkey_cases=2, ppl_cases=2, cont_len=8, batch=2, decode_prompt=32, decode_batch=2,
                     decode_tokens=3, answer_tokens=4),
 }
@@ -295,7 +304,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
             skipped[name] = reason
     runnable = [n for n in names if n not in skipped]
     base = {"model": model_name, "seed": seed, "batch": preset.batch, "answer_tokens": preset.answer_tokens}
-    settings = {P: {**base, "prompt_len": P, "passkey_cases": preset.passkey_cases, "ppl_cases": preset.ppl_cases,
+    settings = {P: {**base, "prompt_len": P, "passkey_cases": preset.cases(P)[0], "ppl_cases": preset.cases(P)[1],
                     "cont_len": preset.cont_len} for P in preset.prompts}
     timing = {**base, "decode_prompt": preset.decode_prompt, "decode_batch": preset.decode_batch,
               "decode_tokens": preset.decode_tokens}
@@ -304,14 +313,15 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     pending = {P: (["dense", *[n for n in ns if n != "dense"]] if ns else []) for P, ns in pending.items()}
     time_pending = any(read_record(record_path(out, n, "decode"), timing) is None for n in runnable)
     groups = {P: len(by_model(ns)) for P, ns in pending.items()}
-    batches = math.ceil(preset.ppl_cases / preset.batch) + math.ceil(preset.passkey_cases / preset.batch)
-    total = sum(g * batches for g in groups.values()) + int(time_pending)
+    total = sum(g * (math.ceil(preset.cases(P)[0] / preset.batch) + math.ceil(preset.cases(P)[1] / preset.batch))
+                for P, g in groups.items()) + int(time_pending)
     bar = progress_bar(total=max(total, 1), desc="bench kv")
     for P, todo in pending.items():
         if not todo:
             continue
-        cont = continuation_cases(stream, P, preset.cont_len, preset.ppl_cases, seed)
-        keys = passkey_cases(stream, encode, P, preset.passkey_cases, seed, prefix_ids=prefix)
+        n_passkey, n_ppl = preset.cases(P)
+        cont = continuation_cases(stream, P, preset.cont_len, n_ppl, seed)
+        keys = passkey_cases(stream, encode, P, n_passkey, seed, prefix_ids=prefix)
         res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
         for name, r in res.items():
             write_record(record_path(out, name, P), kv_report.length_record(name, P, r, res["dense"], settings[P]))
@@ -334,7 +344,8 @@ def main(args: argparse.Namespace) -> int:
     if args.prompts:
         preset = replace(preset, prompts=tuple(args.prompts))
     if args.passkey_cases:
-        preset = replace(preset, passkey_cases=args.passkey_cases)
+        counts = tuple(args.passkey_cases)
+        preset = replace(preset, passkey_cases=counts[0] if len(counts) == 1 else counts)
     result = run(args.model, out, preset, args.variants, args.device, args.threads, args.seed, args.data_dir,
                  importance_file=args.importance)
     kv_report.write(out, result)
@@ -353,9 +364,10 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p.add_argument("--out", type=output_folder, required=True, help="results folder (finished records are reused)")
     p.add_argument("--preset", default="session", choices=tuple(PRESETS),
                    help="full: prompts 2048 and 4096, 50 passkey cases, decode at 2048 x 8; session: 1024 and 2048, "
-                        "10 cases, decode at 1024 x 2 (fits a small CPU); quick: a smoke run")
+                        "10 and 5 cases, decode at 512 x 2 (fits a small loaded CPU); quick: a smoke run")
     p.add_argument("--prompts", type=int, nargs="+", default=None, help="override the preset's prompt lengths")
-    p.add_argument("--passkey-cases", type=int, default=None, help="override the preset's passkey cases per length")
+    p.add_argument("--passkey-cases", type=int, nargs="+", default=None,
+                   help="override the preset's passkey cases: one count, or one per prompt length")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
                    help=f"of: {', '.join(VARIANTS)} (dense is always run)")
     p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),

@@ -60,9 +60,9 @@ def summary(result: dict[str, Any]) -> str:
     records = result["records"]
     timing = next((r for r in records if r["decode_prompt"] is not None), None)
     lines = ["# condcomp bench kv", "",
-             f"Prompts {', '.join(map(str, p['prompts']))} tokens; {p['passkey_cases']} passkey cases and "
-             f"{p['ppl_cases']} continuations of {p['cont_len']} scored tokens per length; device "
-             f"{result['device']}, {result['threads']} threads.",
+             f"Prompts {', '.join(map(str, p['prompts']))} tokens; passkey cases {p['passkey_cases']} and "
+             f"continuations {p['ppl_cases']} of {p['cont_len']} scored tokens (per length where a list); "
+             f"device {result['device']}, {result['threads']} threads.",
              f"Decode ms/token: prompt {p['decode_prompt']}, batch {p['decode_batch']}, median of "
              f"{p['decode_tokens']} interleaved steps ('x dense': step-paired median ratio)." if timing else "", "",
              table(records), "", "## Variants", ""]
@@ -84,13 +84,14 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
         return False
     dense = {r["prompt_len"]: r for r in records if r["variant"] == "dense"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = list(dict.fromkeys(r["variant"] for r in records))
+    color = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}  # one colour per variant
     for P, marker in zip(sorted(dense), "os^D"):
         rows = [r for r in records if r["prompt_len"] == P]
         for ax, key in zip(axes, ("ppl", "passkey_acc")):
             for r in rows:
                 y = r["ppl"] / dense[P]["ppl"] if key == "ppl" else r["passkey_acc"]
-                ax.scatter(r["kv_frac"], y, marker=marker, label=f"{r['variant']} @ {P}")
-                ax.annotate(r["variant"], (r["kv_frac"], y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                ax.scatter(r["kv_frac"], y, marker=marker, color=color[r["variant"]], label=f"{r['variant']} @ {P}")
     axes[0].set(xlabel="KV bytes / dense", ylabel="continuation perplexity / dense", yscale="log")
     axes[1].set(xlabel="KV bytes / dense", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
     axes[1].legend(fontsize=6, loc="lower right")
