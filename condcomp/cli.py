@@ -17,7 +17,7 @@ from condcomp.cli_args import OneLineParser
 COMMAND_MODULES = ("condcomp.experiments.classification.commands", "condcomp.experiments.llm.command",
                    "condcomp.experiments.dit.commands")
 BENCH_MODULES = ("condcomp.bench.attention", "condcomp.bench.compile", "condcomp.bench.decode",
-                 "condcomp.bench.gpu_check", "condcomp.bench.scatter")
+                 "condcomp.bench.gpu_check", "condcomp.bench.kv", "condcomp.bench.scatter")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,379 @@
+"""``condcomp bench kv``: quality per KV-cache byte on long prompts, every variant side by side in one run.
+
+For each prompt length, every variant (:mod:`condcomp.bench.kv_variants`: dense, transformers' quantized caches,
+condcomp's compact caches keeping some KV groups, their compositions) is measured on the same cases
+(:mod:`condcomp.bench.kv_cases`, built from the local corpora):
+
+- ``ppl``: perplexity of continuation tokens teacher-forced *through the cache*: the prompt is prefilled into the
+  variant's cache, then the continuation is fed on that cache, so every scored prediction reads the compressed
+  prompt;
+- ``passkey_acc``: exact-match passkey retrieval, greedy answers decoded on the variant's cache;
+- ``kv_bytes`` / ``kv_frac``: the bytes of the tensors the variant's cache holds after the passkey prefill
+  (quantized tensors, scales and zero points included), over the dense cache's;
+- ``decode_ms_per_token``: greedy decode steps on a random prompt, all variants interleaved step by step (medians;
+  ``decode_ratio``: step-paired ratio to dense), as ``condcomp bench decode`` times them.
+
+Results: ``records/<variant>@<prompt>.json`` (read back on a rerun with the same settings instead of measured
+again), then ``metrics.json``, ``summary.md``, ``samples.json`` and ``quality_vs_kv.png`` (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from condcomp.bench import kv_report
+from condcomp.bench.decode import _clock, load_model
+from condcomp.bench.kv_cases import answer_correct, continuation_cases, corpus_texts, haystack_stream, passkey_cases
+from condcomp.bench.kv_variants import (
+    DEFAULT_VARIANTS,
+    MODELS,
+    VARIANTS,
+    ModelContext,
+    cache_bytes,
+    cache_from_prefill,
+    computed_importance,
+    missing_packages,
+    quantized_cache,
+    saved_importance,
+)
+from condcomp.cli_args import output_folder
+from condcomp.experiments.progress import progress_bar
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How much a run measures. Case counts: one for every prompt length, or one per length (a tuple, in the order
+    of ``prompts``). ``batch``: cases per forward; the decode timing runs its own prompt and batch."""
+
+    prompts: tuple[int, ...]
+    passkey_cases: int | tuple[int, ...]
+    ppl_cases: int | tuple[int, ...]
+    cont_len: int
+    batch: int
+    decode_prompt: int
+    decode_batch: int
+    decode_tokens: int
+    answer_tokens: int = 8
+
+    def cases(self, prompt_len: int) -> tuple[int, int]:
+        """``(passkey cases, continuation cases)`` at one prompt length."""
+        i = self.prompts.index(prompt_len)
+
+        def pick(v: int | tuple[int, ...]) -> int:
+            return v if isinstance(v, int) else v[min(i, len(v) - 1)]
+        return pick(self.passkey_cases), pick(self.ppl_cases)
+
+
+PRESETS = {
+    "full": Preset((2048, 4096), passkey_cases=50, ppl_cases=8, cont_len=128, batch=5, decode_prompt=2048,
+                   decode_batch=8, decode_tokens=16),
+    "session": Preset((1024, 2048), passkey_cases=10, ppl_cases=(2, 5), cont_len=64, batch=5,
+                      decode_prompt=512, decode_batch=2, decode_tokens=8),
+    "quick": Preset((320,), passkey_cases=2, ppl_cases=2, cont_len=8, batch=2, decode_prompt=32, decode_batch=2,
+                    decode_tokens=3, answer_tokens=4),
+}
+CORPORA = ("imdb", "ag_news", "yelp", "dbpedia_14")
+
+
+class ByteTokenizer:
+    """The tiny random model's tokenizer: UTF-8 bytes (ids 0..255), separator 256. Keeps runs download-free."""
+
+    sep_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def load(model_name: str) -> tuple[nn.Module, Any, int, list[int]]:
+    """``(model, tokenizer with encode/decode, separator id, prompt prefix ids)``."""
+    if model_name == "tiny-llama":
+        return load_model(model_name), ByteTokenizer(), ByteTokenizer.sep_id, []
+    from condcomp.experiments.llm.data import tokenizer_encoder
+    from condcomp.experiments.llm.smollm2 import load_smollm2
+
+    model, tok = load_smollm2()
+    _, sep = tokenizer_encoder(tok)
+    tok.encode_plain = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # type: ignore[attr-defined]
+    return model, tok, sep, []
+
+
+def _encoder(tok: Any) -> Any:
+    return getattr(tok, "encode_plain", None) or tok.encode
+
+
+def record_path(out: Path, variant: str, prompt: int | str) -> Path:
+    return out / "records" / f"{variant}@{prompt}.json"
+
+
+def read_record(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """A finished record measured with the same ``settings``, else None (missing, unreadable or other settings)."""
+    try:
+        record: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("settings") == settings else None
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)  # a run stopped mid-write leaves no half record behind
+
+
+class Bench:
+    """The loaded model, the prepared variant models (one per :data:`MODELS` key, made on first use) and caches."""
+
+    def __init__(self, dense: nn.Module, device: torch.device, importance: Any) -> None:
+        self.dense, self.device = dense, device
+        self.ctx = ModelContext(importance=importance)
+        self.models: dict[str, nn.Module] = {}
+        self.config: Any = getattr(dense, "config")  # noqa: B009
+
+    def model(self, key: str) -> nn.Module:
+        if key not in self.models:
+            self.models[key] = MODELS[key](self.dense, self.ctx).to(self.device).eval()
+        return self.models[key]
+
+    def prefill(self, key: str, ids: Tensor) -> tuple[Tensor, Any]:
+        """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids``."""
+        out = self.model(key)(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], out.cache
+
+    def step(self, variant: str, ids: Tensor, cache: Any) -> tuple[Tensor, Any]:
+        """Feed ``ids (B, T)`` on ``cache``: ``(logits (B, T, V), cache)``."""
+        out = self.model(VARIANTS[variant].model)(input_ids=ids.to(self.device), cache=cache, use_cache=True)
+        return out.logits, out.cache
+
+    def cache_for(self, variant: str, source: Any) -> Any:
+        return cache_from_prefill(source, VARIANTS[variant].cache, self.config)
+
+
+def by_model(names: list[str]) -> dict[str, list[str]]:
+    """Variants grouped by the model that fills their cache (one prefill per group)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(VARIANTS[name].model, []).append(name)
+    return groups
+
+
+@torch.inference_mode()
+def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: list[Any], p: Preset,
+                   decode_text: Any, bar: Any) -> dict[str, dict[str, Any]]:
+    """Every variant of ``names`` on one prompt length's continuation and passkey cases."""
+    res: dict[str, dict[str, Any]] = {
+        n: {"nll_sum": 0.0, "tokens": 0, "correct": 0, "by_depth": {}, "samples": [], "kv_bytes": None} for n in names}
+    P = len(keys[0].ids)
+    for start in range(0, len(cont), p.batch):
+        ids = torch.tensor(cont[start:start + p.batch])  # (b, P + C + 1)
+        for key, group in by_model(names).items():
+            _, source = bench.prefill(key, ids[:, :P])
+            for name in group:
+                logits, _ = bench.step(name, ids[:, P:-1], bench.cache_for(name, source))  # (b, C, V)
+                nll = F.cross_entropy(logits.float().transpose(1, 2), ids[:, P + 1:].to(logits.device),
+                                      reduction="sum")
+                res[name]["nll_sum"] += float(nll)
+                res[name]["tokens"] += ids[:, P + 1:].numel()
+            bar.update(1)
+    for start in range(0, len(keys), p.batch):
+        cases = keys[start:start + p.batch]
+        ids = torch.tensor([c.ids for c in cases])  # (b, P)
+        for key, group in by_model(names).items():
+            last, source = bench.prefill(key, ids)
+            for name in group:
+                cache = bench.cache_for(name, source)
+                if res[name]["kv_bytes"] is None:
+                    res[name]["kv_bytes"] = cache_bytes(cache)  # after the prefill of the first passkey batch
+                token = last.argmax(-1, keepdim=True)  # (b, 1)
+                answer = [token]
+                for _ in range(p.answer_tokens - 1):
+                    logits, cache = bench.step(name, token, cache)
+                    token = logits[:, -1].argmax(-1, keepdim=True)
+                    answer.append(token)
+                for case, row in zip(cases, torch.cat(answer, 1).tolist()):
+                    text = decode_text(row)
+                    ok = answer_correct(text, case.key)
+                    r = res[name]
+                    r["correct"] += ok
+                    hits, n = r["by_depth"].get(str(case.depth), (0, 0))
+                    r["by_depth"][str(case.depth)] = (hits + ok, n + 1)
+                    if len(r["samples"]) < 4:
+                        r["samples"].append({"key": case.key, "depth": case.depth, "answer": text, "correct": ok})
+            bar.update(1)
+    return res
+
+
+@torch.inference_mode()
+def time_decode(bench: Bench, names: list[str], p: Preset, vocab: int) -> dict[str, dict[str, Any]]:
+    """Decode ms/token of every variant on one random prompt, steps interleaved and rotated as ``bench decode``."""
+    g = torch.Generator().manual_seed(p.decode_prompt * 31 + p.decode_batch)
+    prompt = torch.randint(0, vocab, (p.decode_batch, p.decode_prompt), generator=g)
+    state: dict[str, dict[str, Any]] = {}
+    for key, group in by_model(names).items():
+        last, source = bench.prefill(key, prompt)
+        for name in group:
+            state[name] = {"cache": bench.cache_for(name, source), "token": last.argmax(-1, keepdim=True), "s": []}
+    for i in range(p.decode_tokens):
+        for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: no variant always runs after another
+            st = state[name]
+            t0 = _clock(bench.device)
+            logits, st["cache"] = bench.step(name, st["token"], st["cache"])
+            st["s"].append(_clock(bench.device) - t0)
+            st["token"] = logits[:, -1].argmax(-1, keepdim=True)
+    base = state["dense"]["s"]
+    return {name: {"decode_ms_per_token": 1e3 * statistics.median(st["s"]),
+                   "decode_ratio": statistics.median(s / d for s, d in zip(st["s"], base)),
+                   "decode_kv_bytes": cache_bytes(st["cache"])} for name, st in state.items()}
+
+
+def probe_composition(bench: Bench, name: str, vocab: int) -> str | None:
+    """Prefill a short prompt with variant ``name``'s model straight into its quantized cache and decode a step;
+    the failure, if any, as a sentence naming where it failed (else None)."""
+    import traceback
+
+    v = VARIANTS[name]
+    if v.cache is None or v.model == "dense":
+        return None
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0)).to(bench.device)
+    try:
+        with torch.inference_mode():
+            model = bench.model(v.model)
+            out = model(input_ids=ids, cache=quantized_cache(v.cache, bench.config), use_cache=True)
+            model(input_ids=ids[:, :1], cache=out.cache, use_cache=True)
+    except Exception as err:  # noqa: BLE001  (any failure is the finding, recorded as the skip reason)
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        return (f"{name}: a compact cache inside a QuantizedCache fails: {type(err).__name__}: {err} "
+                f"(at {Path(frame.filename).name}:{frame.lineno}, {frame.name})")
+    return None
+
+
+def run(model_name: str, out: Path, preset: Preset, names: list[str], device: str = "cpu", threads: int = 2,
+        seed: int = 0, data_dir: str | None = None, texts: list[str] | None = None,
+        importance_file: Path | None = None) -> dict[str, Any]:
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown kv variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    names = ["dense", *[n for n in dict.fromkeys(names) if n != "dense"]]
+    skipped = {n: reason for n in names if (reason := missing_packages(n))}
+    for reason in skipped.values():
+        print(f"skipped: {reason}")
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: this torch build sees no CUDA device")
+    dense, tok, sep, prefix = load(model_name)
+    dense = dense.to(dev).eval()
+    encode = _encoder(tok)
+    cfg: Any = dense.config
+    if texts is None:
+        from condcomp.experiments.data import resolve_data_dir
+
+        texts = corpus_texts(resolve_data_dir(data_dir), CORPORA, seed)
+    need = max(preset.prompts) + preset.cont_len + 1
+    stream = haystack_stream(texts, encode, sep, min_tokens=max(4 * need, 1024))
+
+    @functools.cache
+    def importance() -> Tensor:
+        saved = saved_importance(importance_file, cfg.num_hidden_layers, cfg.num_key_value_heads) if (
+            importance_file) else None
+        if saved is not None:
+            return saved
+        calib = torch.tensor([stream[i * 256:(i + 1) * 256] for i in range(4)])  # (4, 256)
+        print("computing the static split's group importance on 4 haystack windows of 256 tokens")
+        with torch.inference_mode(False), torch.enable_grad():  # gradients, also when asked under inference mode
+            return computed_importance(dense, calib.to(dev), prompt_len=64)
+
+    bench = Bench(dense, dev, importance)
+    for name in [n for n in names if n not in skipped]:
+        if (reason := probe_composition(bench, name, int(cfg.vocab_size))) is not None:
+            print(f"skipped: {reason}")
+            skipped[name] = reason
+    runnable = [n for n in names if n not in skipped]
+    base = {"model": model_name, "seed": seed, "batch": preset.batch, "answer_tokens": preset.answer_tokens}
+    settings = {P: {**base, "prompt_len": P, "passkey_cases": preset.cases(P)[0], "ppl_cases": preset.cases(P)[1],
+                    "cont_len": preset.cont_len} for P in preset.prompts}
+    timing = {**base, "decode_prompt": preset.decode_prompt, "decode_batch": preset.decode_batch,
+              "decode_tokens": preset.decode_tokens}
+    pending = {P: [n for n in runnable if read_record(record_path(out, n, P), settings[P]) is None]
+               for P in preset.prompts}
+    pending = {P: (["dense", *[n for n in ns if n != "dense"]] if ns else []) for P, ns in pending.items()}
+    time_pending = any(read_record(record_path(out, n, "decode"), timing) is None for n in runnable)
+    groups = {P: len(by_model(ns)) for P, ns in pending.items()}
+    total = sum(g * (math.ceil(preset.cases(P)[0] / preset.batch) + math.ceil(preset.cases(P)[1] / preset.batch))
+                for P, g in groups.items()) + int(time_pending)
+    bar = progress_bar(total=max(total, 1), desc="bench kv")
+    for P, todo in pending.items():
+        if not todo:
+            continue
+        n_passkey, n_ppl = preset.cases(P)
+        cont = continuation_cases(stream, P, preset.cont_len, n_ppl, seed)
+        keys = passkey_cases(stream, encode, P, n_passkey, seed, prefix_ids=prefix)
+        res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
+        for name, r in res.items():
+            write_record(record_path(out, name, P), kv_report.length_record(name, P, r, res["dense"], settings[P]))
+    if time_pending:
+        for name, r in time_decode(bench, runnable, preset, int(cfg.vocab_size)).items():
+            write_record(record_path(out, name, "decode"), {"variant": name, **r, "settings": timing})
+        bar.update(1)
+    bar.close()
+    records = [kv_report.merged(read_record(record_path(out, n, P), settings[P]),
+                                read_record(record_path(out, n, "decode"), timing)) for P in preset.prompts
+               for n in runnable]
+    return {"benchmark": "kv", "preset": asdict(preset), "device": dev.type, "threads": threads,
+            "records": records, "skipped": skipped}
+
+
+def main(args: argparse.Namespace) -> int:
+    out = output_folder(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[args.preset]
+    if args.prompts:
+        preset = replace(preset, prompts=tuple(args.prompts))
+    if args.passkey_cases:
+        counts = tuple(args.passkey_cases)
+        preset = replace(preset, passkey_cases=counts[0] if len(counts) == 1 else counts)
+    result = run(args.model, out, preset, args.variants, args.device, args.threads, args.seed, args.data_dir,
+                 importance_file=args.importance)
+    kv_report.write(out, result)
+    print(kv_report.table(result["records"]))
+    return 0
+
+
+def add_bench_commands(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser("kv", help="quality per KV-cache byte on long prompts: quantized caches, "
+                                    "condcomp's compact caches and dense, side by side",
+                                    description="Continuation perplexity through the cache, passkey retrieval, "
+                                                "measured cache bytes and decode ms/token of every variant; writes "
+                                                "metrics.json, summary.md, samples.json and a plot (docs/kv.md).")
+    p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
+                   help="smollm2 (needs the llm extra, docs/llm.md) or tiny-llama (random, no download)")
+    p.add_argument("--out", type=output_folder, required=True, help="results folder (finished records are reused)")
+    p.add_argument("--preset", default="session", choices=tuple(PRESETS),
+                   help="full: prompts 2048 and 4096, 50 passkey cases, decode at 2048 x 8; session: 1024 and 2048, "
+                        "10 cases, decode at 512 x 2 (fits a small loaded CPU); quick: a smoke run")
+    p.add_argument("--prompts", type=int, nargs="+", default=None, help="override the preset's prompt lengths")
+    p.add_argument("--passkey-cases", type=int, nargs="+", default=None,
+                   help="override the preset's passkey cases: one count, or one per prompt length")
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
+                   help=f"of: {', '.join(VARIANTS)} (dense is always run)")
+    p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),
+                   help="static pruning's group importance (condcomp tune-llm's); computed when missing")
+    p.add_argument("--data-dir", default=None, help="the staged corpora (default ../shared/data)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=main)

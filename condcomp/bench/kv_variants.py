@@ -1,0 +1,213 @@
+"""What a user can do about KV-cache memory, as the variants of ``condcomp bench kv``.
+
+A variant is two choices: the **model** that fills the cache (the dense model, or one wrapped by condcomp so that
+its cache holds only some key/value groups) and the **cache** that stores what it writes (transformers' own
+``DynamicCache``, or a ``QuantizedCache``). Adding a variant is one :data:`VARIANTS` entry, plus one
+:data:`MODELS` entry when it needs a new way of wrapping the model.
+
+The prefill of a prompt is shared by every variant of one model: a ``QuantizedCache`` attends the prompt with the
+exact keys and quantizes them as it stores them (transformers' ``QuantizedLayer`` / ``Fp8QuantizedLayer``
+return the states they were given on their first update), so quantizing the keys of a prefill made into a plain
+cache gives the same cache state as prefilling into the quantized cache (:func:`cache_from_prefill`; the tests
+compare both).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# Tensors a transformers cache layer holds for keys and values: full-precision (dense layers; a quantized layer's
+# residual window) and quantized (with their scales and zero points).
+KV_ATTRIBUTES = ("keys", "values", "_quantized_keys", "_quantized_values")
+
+
+@dataclass(frozen=True)
+class KVVariant:
+    """``model``: a :data:`MODELS` key; ``cache``: a :data:`CACHES` key, None for the model's own dynamic cache."""
+
+    model: str
+    cache: str | None = None
+    note: str = ""
+
+
+# Quantized caches: (transformers backend, its options, the packages it needs beyond transformers).
+CACHES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
+    "fp8": ("fp8", {}, ()),
+    "hqq4": ("hqq", {"nbits": 4}, ("hqq", "termcolor")),
+}
+
+VARIANTS: dict[str, KVVariant] = {
+    "dense": KVVariant("dense", note="the model as loaded, transformers' dynamic cache"),
+    "quantized-fp8": KVVariant("dense", "fp8", note="QuantizedCache, fp8 (e4m3) per tensor"),
+    "quantized-hqq4": KVVariant("dense", "hqq4", note="QuantizedCache, HQQ 4-bit, groups of 64, 128 recent tokens "
+                                                      "in full precision"),
+    "drop-keep2of3": KVVariant("static-2of3", note="condcomp static split: 2 of 3 KV groups per layer, ranked by "
+                                                   "gradient importance; the cache holds only those"),
+    "drop-keep1of3": KVVariant("static-1of3", note="condcomp static split: 1 of 3 KV groups per layer"),
+    "drop-keep2of3+fp8": KVVariant("static-2of3", "fp8", note="the static 2-of-3 split inside an fp8 QuantizedCache"),
+    "drop-keep1of3+hqq4": KVVariant("static-1of3", "hqq4", note="the static 1-of-3 split inside a 4-bit cache"),
+    "router-keep2of3": KVVariant("router-2of3", note="condcomp per-request plan, untrained topk router: 2 of 3 "
+                                                     "KV groups chosen from the prompt"),
+}
+DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
+                    "drop-keep2of3+fp8")
+# Variants that need condcomp's per-group streaming window (sinks + recent tokens) in the executors and cache; one
+# VARIANTS + MODELS entry each once it exists: StreamingLLM (every group windowed), a static full/window split
+# (calibrated or DuoAttention-style gates), a per-request split (topk router), and each with a quantized cache.
+PLANNED_VARIANTS = ("streaming", "split-static", "split-request")
+
+
+def missing_packages(name: str) -> str | None:
+    """Why variant ``name`` cannot run in this installation (a sentence), or None."""
+    v = VARIANTS[name]
+    if v.cache is None:
+        return None
+    needed = CACHES[v.cache][2]
+    absent = [p for p in needed if importlib.util.find_spec(p) is None]
+    if absent:
+        return (f"{name} needs the package(s) {', '.join(absent)} for transformers' QuantizedCache: "
+                'pip install -e ".[kvquant]"')
+    return None
+
+
+def quantized_cache(kind: str, config: Any) -> Any:
+    """An empty transformers ``QuantizedCache`` of kind ``kind`` (a :data:`CACHES` key) for the model's config."""
+    from transformers import QuantizedCache
+
+    backend, options, _ = CACHES[kind]
+    return QuantizedCache(backend, config, **options)
+
+
+def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
+    """The cache a prefill into variant cache ``kind`` would hold, from a prefill into a dynamic cache.
+
+    ``None``: a deep copy (continuing a request grows it; ``source`` stays for the other variants). A quantized
+    kind: a fresh ``QuantizedCache`` whose layers are given the prefill's keys and values, as the prefill would
+    have given them; a condcomp plan held by a source layer moves with it (the compact cache's kept groups).
+    """
+    if kind is None:
+        return copy.deepcopy(source)
+    from condcomp.integrations.hf.cache import carrier_class, is_carrier
+
+    target = quantized_cache(kind, config)
+    for src, dst in zip(source.layers, target.layers):
+        if not getattr(src, "is_initialized", False):
+            continue
+        dst.update(src.keys, src.values)
+        if is_carrier(src):
+            dst.__class__ = carrier_class(type(dst))
+            dst.condcomp_plan = src.condcomp_plan
+    return target
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes of every key/value tensor a transformers cache holds: full-precision and quantized states, with the
+    quantizers' scales and zero points (each tensor counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for attribute in KV_ATTRIBUTES:
+            for t in _tensors(getattr(layer, attribute, None)):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+    return total
+
+
+# ---- the models -------------------------------------------------------------------------------------------------
+
+Prepare = Callable[[nn.Module, "ModelContext"], nn.Module]
+
+
+@dataclass
+class ModelContext:
+    """What preparing a model may need: the static split's group importance ``(L, G)`` (computed on demand)."""
+
+    importance: Callable[[], Tensor]
+
+
+def _kept(fraction: float, groups: int) -> int:
+    return max(1, round(fraction * groups))
+
+
+def static_split(fraction: float) -> Prepare:
+    """Keep the fraction of each layer's KV groups that static pruning's importance ranks highest (a sequence
+    plan held in the cache: the cache holds only those groups)."""
+    def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
+        import condcomp
+        from condcomp.experiments.llm.head_importance import group_heads, keep_groups
+
+        cfg: Any = getattr(dense, "config")  # noqa: B009
+        H, G = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        groups = keep_groups(ctx.importance(), _kept(fraction, G))  # per layer, the kept groups
+        model = copy.deepcopy(dense)
+        layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
+        if len(layers) != len(groups):
+            raise ValueError(f"the importance ranks {len(groups)} layers, the model has {len(layers)}")
+        for layer, kept in zip(layers, groups):  # one static head set per layer
+            condcomp.apply_(model, condcomp.CondCompConfig(policy="full", executor="auto", target_modules=[layer],
+                                                           router=("static", {"heads": group_heads(kept, H, G)})))
+        return model.eval()
+    return prepare
+
+
+def router_split(fraction: float) -> Prepare:
+    """A per-request plan keeping the fraction of the KV groups, chosen by an untrained (seeded) topk router."""
+    def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
+        import condcomp
+
+        G = int(getattr(dense, "config").num_key_value_heads)  # noqa: B009
+        model = copy.deepcopy(dense)
+        torch.manual_seed(0)
+        condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": _kept(fraction, G) / G}),
+                                                       router=("topk", {"kv_groups": True}), executor="auto"))
+        return model.eval()
+    return prepare
+
+
+MODELS: dict[str, Prepare] = {
+    "dense": lambda dense, ctx: dense,
+    "static-2of3": static_split(2 / 3),
+    "static-1of3": static_split(1 / 3),
+    "router-2of3": router_split(2 / 3),
+}
+
+
+def saved_importance(path: Path, layers: int, groups: int) -> Tensor | None:
+    """``group_importance`` from a ``static_importance.json`` (``condcomp tune-llm``'s), if it fits the model."""
+    if not path.is_file():
+        return None
+    scores = torch.tensor(json.loads(path.read_text())["group_importance"], dtype=torch.float64)
+    return scores if tuple(scores.shape) == (layers, groups) else None
+
+
+def computed_importance(model: nn.Module, calibration: Tensor, prompt_len: int, batch_size: int = 4) -> Tensor:
+    """Michel et al.'s gradient importance per KV group ``(L, G)`` on ``calibration`` rows (continuation loss after
+    ``prompt_len`` tokens), as ``condcomp tune-llm`` computes static pruning's ranking."""
+    from condcomp.experiments.llm.evaluation import continuation_nll
+    from condcomp.experiments.llm.head_importance import group_importance, head_gradients
+
+    cfg: Any = getattr(model, "config")  # noqa: B009
+    grads = head_gradients(model, list(calibration.split(batch_size)),
+                           lambda m, ids: continuation_nll(m, ids, prompt_len).mean(-1), int(cfg.num_attention_heads))
+    return group_importance(grads, int(cfg.num_key_value_heads))
