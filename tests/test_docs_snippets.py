@@ -181,7 +181,8 @@ def test_block_runs_as_written(block: Block, workdir: Path, monkeypatch: pytest.
 def test_every_code_block_is_run_or_marked() -> None:
     # a guard against a parser that finds nothing (every block would then pass vacuously)
     pages = {b.page for b in ALL}
-    assert {"README.md", "docs/llm.md", "docs/integrations.md", "docs/fine-tuning.md", "docs/extending.md", "docs/extending-models.md",
+    assert {"README.md", "docs/llm.md", "docs/integrations.md", "docs/fine-tuning.md", "docs/extending.md",
+            "docs/extending-models.md",
             "docs/concepts.md"} <= pages
     assert sum(b.lang == "python" and b.mark is None for b in ALL) >= 10
     for b in ALL:

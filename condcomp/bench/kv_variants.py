@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 # Tensors a transformers cache layer holds for keys and values: full-precision (dense layers; a quantized layer's
 # residual window) and quantized (with their scales and zero points).
-KV_ATTRIBUTES = ("keys", "values", "_quantized_keys", "_quantized_values")
 
 
 @dataclass(frozen=True)
@@ -55,15 +54,17 @@ VARIANTS: dict[str, KVVariant] = {
     "drop-keep1of3": KVVariant("static-1of3", note="condcomp static split: 1 of 3 KV groups per layer"),
     "drop-keep2of3+fp8": KVVariant("static-2of3", "fp8", note="the static 2-of-3 split inside an fp8 QuantizedCache"),
     "drop-keep1of3+hqq4": KVVariant("static-1of3", "hqq4", note="the static 1-of-3 split inside a 4-bit cache"),
+    "split-static-1of3": KVVariant("window-1of3-w252", note="condcomp static split: 1 of 3 KV groups per layer in "
+                                                            "full (static pruning's ranking), the others a streaming "
+                                                            "window of 4 sink + 252 recent tokens"),
+    "streaming": KVVariant("window-all-w252", note="StreamingLLM: every KV group keeps 4 sink + 252 recent tokens"),
     "router-keep2of3": KVVariant("router-2of3", note="condcomp per-request plan, untrained topk router: 2 of 3 "
                                                      "KV groups chosen from the prompt"),
 }
 DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
                     "drop-keep2of3+fp8")
-# Variants that need condcomp's per-group streaming window (sinks + recent tokens) in the executors and cache; one
-# VARIANTS + MODELS entry each once it exists: StreamingLLM (every group windowed), a static full/window split
-# (calibrated or DuoAttention-style gates), a per-request split (topk router), and each with a quantized cache.
-PLANNED_VARIANTS = ("streaming", "split-static", "split-request")
+# Variants still to build: a per-request full/window split (a trained topk router) and DuoAttention-style gates.
+PLANNED_VARIANTS = ("split-request",)
 
 
 def missing_packages(name: str) -> str | None:
@@ -109,29 +110,12 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
     return target
 
 
-def _tensors(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def cache_bytes(cache: Any) -> int:
-    """Bytes of every key/value tensor a transformers cache holds: full-precision and quantized states, with the
-    quantizers' scales and zero points (each tensor counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for attribute in KV_ATTRIBUTES:
-            for t in _tensors(getattr(layer, attribute, None)):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    total += t.numel() * t.element_size()
-    return total
+    """Bytes of every tensor a transformers cache holds: full-precision and quantized states with the quantizers'
+    scales and zero points, and condcomp's streamed-group windows (each tensor counted once)."""
+    from condcomp.integrations.hf.cache import cache_bytes as per_layer
+
+    return sum(per_layer(cache))
 
 
 # ---- the models -------------------------------------------------------------------------------------------------
@@ -185,11 +169,36 @@ def router_split(fraction: float) -> Prepare:
     return prepare
 
 
+def window_split(fraction: float, window: int, sinks: int = 4) -> Prepare:
+    """Static pruning's ranking picks the fraction of each layer's KV groups kept in full; the other groups keep a
+    streaming window (the first ``sinks`` and the last ``window`` tokens) instead of nothing. ``fraction`` 0 is
+    StreamingLLM: every group windowed. The ranking is the ``topk`` router's warm start (its scorer starts at the
+    scores, so an untrained router keeps the same groups for every request)."""
+    def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
+        import condcomp
+        from condcomp.experiments.llm.head_importance import warm_start_scores
+
+        G = int(getattr(dense, "config").num_key_value_heads)  # noqa: B009
+        keep = 0 if fraction == 0 else _kept(fraction, G)
+        model = copy.deepcopy(dense)
+        layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
+        scores = warm_start_scores(ctx.importance())
+        for layer, init in zip(layers, scores, strict=True):
+            router = ("topk", {"kv_groups": True, "init_scores": init, "stream_window": window,
+                               "stream_sinks": sinks})
+            condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": keep / G, "k_min": 0}),
+                                                           router=router, executor="auto", target_modules=[layer]))
+        return model.eval()
+    return prepare
+
+
 MODELS: dict[str, Prepare] = {
     "dense": lambda dense, ctx: dense,
     "static-2of3": static_split(2 / 3),
     "static-1of3": static_split(1 / 3),
     "router-2of3": router_split(2 / 3),
+    "window-1of3-w252": window_split(1 / 3, 252),
+    "window-all-w252": window_split(0, 252),
 }
 
 
