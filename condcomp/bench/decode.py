@@ -130,7 +130,8 @@ def _cache_bytes(cache: Any) -> int:
     return total
 
 
-def _clock(device: torch.device) -> float:
+def device_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device has run what was queued (CUDA kernels run asynchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # kernels are asynchronous: time what ran, not what was queued
     return time.perf_counter()
@@ -159,9 +160,9 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor,
     state: dict[str, dict[str, Any]] = {}
     for name, model in models.items():
         _peak_reset(device)
-        t0 = _clock(device)
+        t0 = device_clock(device)
         out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)  # as generate() does: no prompt logits
-        prefill = _clock(device) - t0
+        prefill = device_clock(device) - t0
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
         state[name] = {"prefill_s": prefill, "step_s": [], "cache": out.cache, "tokens": [token],
                        "peak": _peak(device)}
@@ -170,9 +171,9 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor,
         # the order rotates every step: a variant that always ran right after another measured 10-30 % slower
         for name in names[i % len(names):] + names[:i % len(names)]:
             model, st = models[name], state[name]
-            t0 = _clock(device)
+            t0 = device_clock(device)
             out = model(input_ids=st["tokens"][-1], cache=st["cache"], use_cache=True)
-            st["step_s"].append(_clock(device) - t0)
+            st["step_s"].append(device_clock(device) - t0)
             st["cache"], token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             st["tokens"].append(token)
     return {name: {"prefill_s": st["prefill_s"], "step_s": st["step_s"], "tokens": torch.cat(st["tokens"], 1).cpu(),

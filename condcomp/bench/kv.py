@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from condcomp.bench import kv_report
-from condcomp.bench.decode import _clock, load_model
+from condcomp.bench.decode import device_clock, load_model
 from condcomp.bench.kv_cases import answer_correct, continuation_cases, corpus_texts, haystack_stream, passkey_cases
 from condcomp.bench.kv_variants import (
     DEFAULT_VARIANTS,
@@ -230,9 +230,9 @@ def time_decode(bench: Bench, names: list[str], p: Preset, vocab: int) -> dict[s
     for i in range(p.decode_tokens):
         for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: no variant always runs after another
             st = state[name]
-            t0 = _clock(bench.device)
+            t0 = device_clock(bench.device)
             logits, st["cache"] = bench.step(name, st["token"], st["cache"])
-            st["s"].append(_clock(bench.device) - t0)
+            st["s"].append(device_clock(bench.device) - t0)
             st["token"] = logits[:, -1].argmax(-1, keepdim=True)
     base = state["dense"]["s"]
     return {name: {"decode_ms_per_token": 1e3 * statistics.median(st["s"]),
