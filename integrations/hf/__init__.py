@@ -11,7 +11,7 @@ Read in this order:
 2. The families, each an :class:`~condcomp.AttentionAdapter` registered on import:
    :mod:`.bert` (``BertAttention``, ``RobertaAttention``), :mod:`.projection` (``ViTAttention`` and the Llama
    family), :mod:`.gpt2`, :mod:`.t5`, :mod:`.plain` (the base of :mod:`.distilbert` and :mod:`.clip`: CLIP and
-   SigLIP). Supporting a new architecture means adding a module here (docs/extending.md).
+   SigLIP). Supporting a new architecture means adding a module here (docs/extending-models.md).
 3. Decoding with a KV cache: :mod:`.cache` (the request plan a cache holds, per layer) and :mod:`.decode` (a held
    plan's kept key/value groups, projected and cached alone).
 4. Around the adapters: :mod:`.interface` (the other attachment: a ``"condcomp"`` attention function in
