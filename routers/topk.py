@@ -82,7 +82,7 @@ class TopKRouter(nn.Module):
         self.d_model, self.num_heads = d_model, num_heads
         self.kv_groups = bool(kv_groups)
         # groups a request's plan does not keep get a streaming window in its KV cache instead of nothing
-        self.stream = None if stream_window is None else StreamWindow(int(stream_sinks), int(stream_window))
+        self.stream = None if stream_window is None else StreamWindow(stream_sinks, stream_window)
         # heads per scored unit: a KV group's query heads, or 1 (num_kv_heads None: a layer without GQA facts)
         self.group_size = num_heads // (num_kv_heads or num_heads) if self.kv_groups else 1
         units = num_heads // self.group_size

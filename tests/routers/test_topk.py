@@ -228,3 +228,12 @@ def test_warm_start_scores_are_checked() -> None:
     mlp = TopKRouter(d_model=D, num_heads=H, hidden=4, init_scores=list(range(H))).eval()
     budget = Budget(s=torch.full((2,), 0.25), k=torch.full((2,), 2))
     assert mlp(torch.randn(2, 3, D), None, budget, None).active.nonzero()[:, 1].tolist() == [6, 7, 6, 7]
+
+
+@pytest.mark.parametrize("option", ["stream_window", "stream_sinks"])
+@pytest.mark.parametrize("bad", [True, 2.5, "8", -1])
+def test_stream_options_refuse_what_is_not_a_token_count(option: str, bad: Any) -> None:
+    # int(True) == 1 and int("8") == 8: a cast would quietly keep a different window than the one asked for
+    options = {"stream_window": 8, option: bad}
+    with pytest.raises(ValueError, match="StreamWindow"):
+        TopKRouter(num_heads=4, d_model=8, **options)
