@@ -78,7 +78,7 @@ class Preset:
 PRESETS = {
     "full": Preset((2048, 4096), passkey_cases=50, ppl_cases=8, cont_len=128, batch=5, decode_prompt=2048,
                    decode_batch=8, decode_tokens=16),
-    "session": Preset((1024, 2048), passkey_cases=10, ppl_cases=(2, 5), cont_len=64, batch=5,
+    "cpu": Preset((1024, 2048), passkey_cases=10, ppl_cases=(2, 5), cont_len=64, batch=5,
                       decode_prompt=512, decode_batch=2, decode_tokens=8),
     "quick": Preset((320,), passkey_cases=2, ppl_cases=2, cont_len=8, batch=2, decode_prompt=32, decode_batch=2,
                     decode_tokens=3, answer_tokens=4),
@@ -362,9 +362,9 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
                    help="smollm2 (needs the llm extra, docs/llm.md) or tiny-llama (random, no download)")
     p.add_argument("--out", type=output_folder, required=True, help="results folder (finished records are reused)")
-    p.add_argument("--preset", default="session", choices=tuple(PRESETS),
-                   help="full: prompts 2048 and 4096, 50 passkey cases, decode at 2048 x 8; session: 1024 and 2048, "
-                        "10 cases, decode at 512 x 2 (fits a small loaded CPU); quick: a smoke run")
+    p.add_argument("--preset", default="cpu", choices=tuple(PRESETS),
+                   help="full: prompts 2048 and 4096, 50 passkey cases, decode at 2048 x 8; cpu: 1024 and 2048, "
+                        "10 cases, decode at 512 x 2 (fits a 2-core CPU); quick: a smoke run")
     p.add_argument("--prompts", type=int, nargs="+", default=None, help="override the preset's prompt lengths")
     p.add_argument("--passkey-cases", type=int, nargs="+", default=None,
                    help="override the preset's passkey cases: one count, or one per prompt length")
