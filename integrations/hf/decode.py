@@ -89,6 +89,7 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
             return cache.update(k, v, layer_idx, kwargs=extra)  # type: ignore[no-any-return]
 
     def keep_windows(windows: Any) -> None:
+        # looked up again: at a prefill the layer exists only once store() has run
         cache_layer(cache, layer_idx).condcomp_windows = windows  # read back by the request's next call
 
     layer = cache_layer(cache, layer_idx)
