@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from condcomp.flops import flop_fraction, routing_flops
+from condcomp.flops import dense_flops, flop_fraction, plan_flops, routing_flops
 from condcomp.held_plans import decision_mask
-from condcomp.plans import budget_k
+from condcomp.plans import budget_k, plan_from_active
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version
 
@@ -40,6 +40,8 @@ class LastForward:
     S: int
     executor: str | None = None  # the executor (and gathered strategy) that ran, when an executor ran
     strategy: str | None = None
+    streamed: Tensor | None = None  # (B, H) bool: heads that attended a streaming window, not the full context
+    window_keys: int = 0  # the most keys a streamed head reads (the window's sinks + recent tokens)
 
 
 PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (one without it loads: _load_from_state_dict)
@@ -232,8 +234,17 @@ class RoutingHost(nn.Module):
             s = s[real]
         s_mean = float(s.mean()) if s.numel() else 0.0
         extra = routing_flops(self.condcomp_policy, last.T) + routing_flops(self.condcomp_router, last.T)
-        return HeadUsage(s_mean, k_frac, flop_fraction(self.layout, plan, last.T, last.S, extra), last.executor,
-                         last.strategy)
+        flops = flop_fraction(self.layout, plan, last.T, last.S, extra)
+        streamed_frac = 0.0
+        if last.streamed is not None:  # streamed heads are computed too, over at most window_keys keys
+            streamed = last.streamed.float().sum(-1) / plan.num_heads  # (B,)
+            streamed_frac = float(streamed.mean()) if streamed.numel() else 0.0
+            k_frac += streamed_frac
+            dense = dense_flops(self.layout, last.T, last.S) * plan.gates.shape[0]
+            window = min(last.S, last.window_keys)
+            if dense:
+                flops += float(plan_flops(self.layout, plan_from_active(last.streamed), last.T, window).sum() / dense)
+        return HeadUsage(s_mean, k_frac, flops, last.executor, last.strategy, streamed_frac)
 
 
 def detached(plan: HeadPlan) -> HeadPlan:

@@ -78,7 +78,8 @@ class HeadUsage:
     ``s_mean``: predicted budget fraction; ``k_frac``: realised fraction of heads computed; ``flop_frac``:
     analytic FLOPs of the plan (routing included) relative to dense attention; ``executor``: the executor that
     ran it and ``strategy``: the gathered executor's strategy (why a plan did or did not run faster:
-    ``condcomp.explain`` says more).
+    ``condcomp.explain`` says more); ``streamed_frac``: the part of ``k_frac`` that attended only a streaming
+    window (sinks + recent tokens) of a KV cache instead of the full context, 0 without one.
     """
 
     s_mean: float
@@ -86,6 +87,7 @@ class HeadUsage:
     flop_frac: float
     executor: str | None = None
     strategy: str | None = None
+    streamed_frac: float = 0.0
 
 
 @dataclass(frozen=True)

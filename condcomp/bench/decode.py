@@ -60,6 +60,10 @@ def load_model(name: str) -> nn.Module:
 KEPT_FRACTIONS = {"smollm2": (2 / 3, 1 / 3), "tiny-llama": (1 / 2, 1 / 4)}
 
 
+# The streaming window of ``stream_<f>`` variants: bench kv's split-static-1of3 and streaming use the same.
+STREAM_SINKS, STREAM_WINDOW = 4, 252
+
+
 def default_variants(model_name: str) -> list[str]:
     """``dense``, ``full`` and the model's ``keep_<f>`` variants."""
     return ["dense", "full", *[f"keep_{f:.2f}" for f in KEPT_FRACTIONS.get(model_name, ())]]
@@ -67,8 +71,10 @@ def default_variants(model_name: str) -> list[str]:
 
 def variant_config(name: str, num_heads: int) -> Any:
     """The CondCompConfig of a variant name (None for ``dense``): ``full``; ``keep_<f>`` (fixed budget f, topk
-    router choosing whole KV groups: a per-request plan); ``moh_<f>`` (MoH's conversion keeping the fraction f of
-    the heads per token, as ``condcomp tune-llm``'s ``moh_75`` / ``moh_50``)."""
+    router choosing whole KV groups: a per-request plan; the others are dropped); ``stream_<f>`` (the same, the
+    other groups keep a streaming window of :data:`STREAM_SINKS` + :data:`STREAM_WINDOW` tokens); ``moh_<f>``
+    (MoH's conversion keeping the fraction f of the heads per token, as ``condcomp tune-llm``'s ``moh_75`` /
+    ``moh_50``)."""
     import condcomp
 
     kind, f = parse_decode_variant(name)
@@ -76,9 +82,10 @@ def variant_config(name: str, num_heads: int) -> Any:
         return None
     if kind == "full":
         return condcomp.CondCompConfig(policy="full", router="topk", executor="auto")
-    if kind == "keep":
-        return condcomp.CondCompConfig(policy=("fixed", {"fraction": f}), router=("topk", {"kv_groups": True}),
-                                       executor="auto")
+    if kind in ("keep", "stream"):
+        window = {"stream_window": STREAM_WINDOW, "stream_sinks": STREAM_SINKS} if kind == "stream" else {}
+        return condcomp.CondCompConfig(policy=("fixed", {"fraction": f}),
+                                       router=("topk", {"kv_groups": True, **window}), executor="auto")
     from condcomp.experiments.llm.variants import moh_config
 
     return condcomp.CondCompConfig.from_dict({**moh_config(f, num_heads), "executor": "auto"})
@@ -122,12 +129,10 @@ def _peak_rss_bytes() -> int | None:
 
 
 def _cache_bytes(cache: Any) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    # every tensor the cache holds: compact groups, streamed-group windows, quantized states with their scales
+    from condcomp.integrations.hf.cache import cache_bytes
+
+    return sum(cache_bytes(cache))
 
 
 def device_clock(device: torch.device) -> float:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from condcomp.executors.auto import get_executor
 from condcomp.executors.cached import CompactKV, Projections
-from condcomp.held_plans import KVSelection, StreamWindow, pad_slots, select_kv
+from condcomp.held_plans import KV_WINDOW, KVSelection, StreamWindow, pad_slots, select_kv
 from condcomp.host import LastForward
 from condcomp.types import AttentionInputs, HeadPlan
 
@@ -104,5 +104,9 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
     if plan is not None:  # head_usage reports this call (a decode step's T and keys), not the prefill's
         last = routed.last
         s = last.s if last is not None and tuple(last.s.shape) == (B,) else plan.counts.float() / plan.num_heads
-        routed.last = LastForward(s, plan, query_mask, T, S, "kv_cache", _strategy(sel))
+        streamed = None
+        if sel.window is not None and sel.modes is not None:  # (B, Hkv) -> (B, H): every head of a streamed group
+            streamed = (sel.modes == KV_WINDOW).repeat_interleave(plan.num_heads // sel.modes.shape[1], dim=1)
+        routed.last = LastForward(s, plan, query_mask, T, S, "kv_cache", _strategy(sel), streamed,
+                                  sel.window.capacity if sel.window is not None else 0)
     return y  # type: ignore[no-any-return]

@@ -30,13 +30,16 @@ def test_moh_and_chosen_variants_decode_with_a_full_cache_and_unknown_names_are_
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """MoH routes per token: a later token may pick any head, so every key/value head stays cached."""
     assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--out", str(tmp_path),
-                 "--variants", "moh_0.5", "keep_0.125"]) == 0
+                 "--variants", "moh_0.5", "keep_0.125", "stream_0.25"]) == 0
     by = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
-    assert list(by) == ["dense", "moh_0.5", "keep_0.125"]  # dense always runs: the ratios' baseline
+    assert list(by) == ["dense", "moh_0.5", "keep_0.125", "stream_0.25"]  # dense always runs: the ratios' baseline
+    # streaming the unkept groups: a 4 + 252-token window holds the whole short request, so every head attends
+    # what the dense model's does (same greedy tokens) and every head is computed
+    assert by["stream_0.25"]["tokens_equal_dense"] and by["stream_0.25"]["k_frac"] == 1.0
     assert by["moh_0.5"]["kv_ratio"] == 1.0 and by["keep_0.125"]["kv_ratio"] == 0.125
     # heads per decode token: MoH 2 shared + top-2 of 6 = 4 of 8; keeping 1 of 8 KV heads (MHA) = 1 of 8
     assert by["moh_0.5"]["k_frac"] == 0.5 and by["keep_0.125"]["k_frac"] == 0.125 and by["dense"]["k_frac"] == 1.0
-    for bad in ("keep_2", "moh", "sparse_0.5", "keep_0.2_5", "keep_0.5 keep_0.50"):
+    for bad in ("keep_2", "moh", "stream_0", "sparse_0.5", "keep_0.2_5", "keep_0.5 keep_0.50"):
         assert main(["bench", "decode", "--model", "smollm2", "--quick", "--out", str(tmp_path / "x"),
                      "--variants", *bad.split()]) != 0  # refused before the model loads (smollm2 may be absent)
         err = capsys.readouterr().err

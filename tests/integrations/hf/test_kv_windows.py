@@ -160,3 +160,36 @@ def test_crop_before_the_window_is_outgrown_continues_like_the_reference_and_is_
     with pytest.raises(ValueError, match="evicted"):
         cache.crop(-1)
     assert cache.get_seq_length() == tokens.shape[1]  # refused before anything changed
+
+
+def test_head_usage_counts_streamed_heads_as_computed_over_their_window() -> None:
+    """A streamed head still runs (over at most SINKS + WINDOW keys): ``k_frac`` counts it, ``streamed_frac`` says
+    which part streamed, and ``flop_frac`` matches FLOPs counted by hand per head (q, scores, values, output per
+    query row; key/value projections per cached group) over the dense block's."""
+    from condcomp.flops import routing_flops
+
+    model = streaming(4)
+    ids, mask = prompts()
+    _, _, _, cache = generate(model, ids, mask, 1)
+    cfg = model.config
+    D, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    Dh, r = D // H, H // Hkv
+    T, S = 1, ids.shape[1] + 1
+    n = min(S, SINKS + WINDOW)
+    usage = condcomp.head_usage(model)
+    for name, plan in condcomp.request_plans(model, cache).items():
+        assert plan.kv_modes is not None
+        full, streamed = (plan.kv_modes == 2).sum(-1), (plan.kv_modes == KV_WINDOW).sum(-1)  # groups per row
+        assert bool(((full + streamed) == Hkv).all())  # fraction 0.5 with stream_window: nothing is dropped
+        u = usage[name]
+        assert u.k_frac == pytest.approx(1.0)
+        assert u.streamed_frac == pytest.approx(float(streamed.float().mean()) / Hkv)
+        per_row = [T * (int(f) * r * (2 * D * Dh + 4 * S * Dh + 2 * Dh * D)) + int(f) * 2 * S * 2 * D * Dh
+                   + T * (int(w) * r * (2 * D * Dh + 4 * n * Dh + 2 * Dh * D)) + int(w) * 2 * n * 2 * D * Dh
+                   for f, w in zip(full.tolist(), streamed.tolist())]
+        dense = 2 * T * D * H * Dh + 2 * S * 2 * D * Hkv * Dh + 2 * T * H * Dh * D + 4 * T * S * H * Dh
+        routed = condcomp.api.routed_modules(model)[name]
+        extra = routing_flops(routed.condcomp_policy, T) + routing_flops(routed.condcomp_router, T)
+        want = (sum(per_row) + extra * len(per_row)) / (dense * len(per_row))
+        assert u.flop_frac == pytest.approx(want, rel=1e-9)
+        assert u.flop_frac < 1.0  # the windows read fewer keys than the full context
