@@ -36,6 +36,11 @@ def collect(out: Path, prefix: str = "") -> tuple[dict[str, Any], float | None]:
             "layers_heads": {n: v["k_frac"] for n, v in m["layers"].items()},
             "adaptivity": a,
         }
+    # accuracy reference: a standard run of the same model and steps in this folder (medium_standard for
+    # medium_explore), else the folder's standard; the difficulty proxy stays the folder's standard
+    same = {(r["preset"], r["steps"]): r["accuracy"] for r in rows.values() if r["method"] == "standard"}
+    for r in rows.values():
+        r["standard_accuracy"] = same.get((r["preset"], r["steps"]), std_acc)
     return rows, std_acc
 
 

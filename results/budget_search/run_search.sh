@@ -6,7 +6,8 @@
 # Resumable (a finished run folder is skipped). Then: python results/budget_search/collect.py runs/search ...
 #   nohup nice -n 10 bash results/budget_search/run_search.sh > runs/search.log 2>&1 &
 # The other folders of search.json (each with its own standard run):
-#   DATASET=dbpedia_14 OUT=runs/search_dbpedia ONLY="standard low_explore low_explore_ceil" bash results/...
+#   DATASET=dbpedia_14 OUT=runs/search_dbpedia ONLY="standard low_explore low_explore_ceil low_explore_ceil_seed1" \
+#     bash results/budget_search/run_search.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CONDCOMP=${CONDCOMP:-$( [ -x .venv/bin/condcomp ] && echo .venv/bin/condcomp || echo condcomp )}
@@ -35,7 +36,8 @@ run narrow_wide_mlp --method budgetformer --method-options "{$NARROW, \"hidden\"
 run paper --method budgetformer
 # a larger model: the paper's depth and heads (4 x 8) at d = 256; the later --preset overrides BASE's; the small
 # standard stays the difficulty proxy and the accuracy reference; 150 steps (a whole schedule, half the small
-# runs' data): a medium standard and 300 medium steps did not fit the time left on the shared CPU
+# runs' data): 300 medium steps and a medium standard (collect.py would take it as the reference:
+#   run medium_standard --method standard --preset medium --max-steps 150) did not fit the time on the shared CPU
 run medium_explore --method budgetformer --preset medium --max-steps 150 --method-options "{$NARROW, $EXPLORE}"
 # the most promising setting trained for a whole epoch (598 steps, as the study), and at a second seed
 run narrow_explore_598 --method budgetformer --max-steps 598 --method-options "{$NARROW, $EXPLORE}"
@@ -47,3 +49,4 @@ run narrow_explore_signed_598 --method budgetformer --max-steps 598 --method-opt
 # step between 1 and 2 heads at s = 0.125, inside the interval, so k can vary there
 run low_explore --method budgetformer --method-options "{$LOW, $EXPLORE}"
 run low_explore_ceil --method budgetformer --method-options "{$LOW, \"rounding\": \"ceil\", $EXPLORE}"
+run low_explore_ceil_seed1 --method budgetformer --seed 1 --method-options "{$LOW, \"rounding\": \"ceil\", $EXPLORE}"

@@ -101,10 +101,12 @@ def every_seed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def hardest_pull(gradients: dict[str, Any]) -> tuple[int, int, list[float]]:
-    """(layers whose hardest difficulty quintile pulls s down while the mean of the other four pulls it up,
-    layers measured, the hardest quintile's mean pull per such layer) over the gradient records."""
-    hits, total, hardest = 0, 0, []
+def pull_summary(gradients: dict[str, Any]) -> dict[str, Any]:
+    """Over the gradient records' layers (task-loss pulls only): ``hits`` = layers whose hardest difficulty
+    quintile pulls s down while the mean of the other four pulls it up, of ``total``; the hardest quintile's mean
+    pull in the hit layers (``hardest``) and in the others (``others``), Spearman(difficulty, s) in the others
+    (``others_rho_s``), and every layer's Spearman(difficulty, pull) (``rho_pull``)."""
+    out: dict[str, Any] = {"hits": 0, "total": 0, "hardest": [], "others": [], "others_rho_s": [], "rho_pull": []}
     for g in gradients.values():
         if ((g.get("method_options") or {}).get("policy") or [""])[0] == "budgetformer_signed":
             continue  # its recorded pull is after the sign transform, not the task loss's gradient
@@ -112,11 +114,17 @@ def hardest_pull(gradients: dict[str, Any]) -> tuple[int, int, list[float]]:
             q = v.get("pull_by_difficulty_quintile")
             if not q:
                 continue
-            total += 1
+            out["total"] += 1
+            if v.get("spearman_difficulty_pull") is not None:
+                out["rho_pull"].append(v["spearman_difficulty_pull"])
             if q[-1] < 0 < sum(q[:-1]) / len(q[:-1]):
-                hits += 1
-                hardest.append(q[-1])
-    return hits, total, hardest
+                out["hits"] += 1
+                out["hardest"].append(q[-1])
+            else:
+                out["others"].append(q[-1])
+                if v.get("spearman_difficulty_s") is not None:
+                    out["others_rho_s"].append(v["spearman_difficulty_s"])
+    return out
 
 
 def _mark(v: bool | None) -> str:
@@ -178,26 +186,35 @@ def _paragraph(rows: list[dict[str, Any]], settings: dict[str, dict[str, Any]], 
     floor = [r for r in rows if r["checks"]["s_mean"] and (r["k_off"] == 0.0 or r.get("k_off_max") == 0.0)]
     pos = [r for r in rows if r["checks"]["difficulty"]]
     multi = [s for s in settings.values() if len(s["rhos"]) > 1]
-    hits, total, hardest = hardest_pull(gradients)
+    p = pull_summary(gradients)
     text = (f"**Verdict.** {len(full)} of {n} runs meet all four conditions with a positive correlation in every "
             f"seed of their setting. {len(three)} meet the first three (the regime, the accuracy and per-input "
             f"variation of k): {_names(three)}; their Spearman(difficulty, s) is "
             + (", ".join(f"{r['rho']:+.2f}" for r in three) or "-") + ". "
             + (f"With every example at one head per layer (k off mode 0: with floor rounding k = 1 for all "
-               f"s < 2/H), {len(floor)} reach the regime's s_mean: {_names(floor)}. " if floor else "")
+               f"s < 2/H), {len(floor)} run{' reaches' if len(floor) == 1 else 's reach'} the regime's s_mean: "
+               f"{_names(floor)}. " if floor else "")
             + f"Over all {n} runs the correlation with difficulty is positive in {len(pos)} "
             f"({_names(pos)}), and {sum(s['all_positive'] for s in multi)} of {len(multi)} settings run at more "
             "than one seed are positive in every seed. ")
-    if total:
-        text += ("The task loss's per-example pull on s (`gradients.py`, the table above) shows where the sign "
-                 f"comes from: in {hits} of {total} measured layers the hardest fifth of examples (the standard "
-                 "model's loss) pulls s *down* (its mean pull "
-                 + (f"{max(hardest):+.3f} to {min(hardest):+.3f}" if hardest else "-")
+    if p["total"]:
+        hard, others, rp, ors = p["hardest"], p["others"], p["rho_pull"], p["others_rho_s"]
+        text += ("The task loss's per-example pull on s (`gradients.py`, the table above) is the only per-input "
+                 "signal the budget network is trained by; the other loss terms treat every input alike (the "
+                 "hinge is 0 inside its interval, a price on heads is the same per example). In "
+                 f"{p['hits']} of {p['total']} measured layers the hardest fifth of examples (the standard model's "
+                 "loss) pulls s *down* (its mean pull "
+                 + (f"{max(hard):+.3f} to {min(hard):+.3f}" if hard else "-")
                  + ") while the easier four fifths pull it up on average: on the hardest examples (mostly ones "
-                 "the model gets wrong) more of the marginal head raises the loss, so the task loss asks for "
-                 "fewer heads exactly where difficulty is high. The loss terms that could counter this treat "
-                 "every input alike (the hinge is 0 inside its interval, a price on heads is the same per "
-                 "example), so nothing in the published objective rewards more heads for harder inputs. ")
+                 "the model gets wrong) more of the marginal head raises the loss"
+                 + (f"; in the other {len(others)} the hardest fifth's pull is "
+                    + ", ".join(f"{v:+.3f}" for v in others) if others else "")
+                 + ". " + (f"Across all measured layers the pull's rank correlation with difficulty lies between "
+                           f"{min(rp):+.2f} and {max(rp):+.2f}: the training signal barely orders inputs by "
+                           "difficulty, and where it is strong it asks for fewer heads on the hardest. " if rp else "")
+                 + (f"In the layers without that pattern s still correlates with difficulty at "
+                    f"{min(ors):+.2f} to {max(ors):+.2f}, which the pull does not explain (not measured further). "
+                    if ors else ""))
     if full:
         text += "The goal is met by the runs marked yes above; one seed each is a screen, not a test."
     else:

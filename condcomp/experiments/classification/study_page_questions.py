@@ -160,9 +160,12 @@ def search_lines(search: dict[str, Any]) -> list[str]:
     out = ["Short search runs (`results/budget_search/run_search.sh`, then `collect.py`): unless the table says "
            f"otherwise AG News, the `small` model, seed 0, {search.get('steps', '?')} steps, inputs truncated to "
            f"{search.get('max_len', '?')} tokens, the same {search.get('n_test', '?')} test examples; difficulty "
-           "and the accuracy reference = a standard `small` model trained the same way on the same dataset and "
-           "seed 0 (AG News accuracy " + (f"{search['standard_accuracy']:.4f}" if search.get("standard_accuracy")
-                                          is not None else "-") + "). One seed each: a screen, not a test.", "",
+           "= the loss of a standard `small` model trained the same way on the same dataset at seed 0; the "
+           "accuracy reference = that model, or a standard model of the run's own size and steps where one was "
+           "trained (standard runs' accuracy: "
+           + (", ".join(f"{n} {r['accuracy']:.4f}" for n, r in search["runs"].items() if r.get("method") == "standard")
+              or "-")
+           + "). One seed per run: a screen, not a test.", "",
            "| run | dataset, model, seed, steps | settings | accuracy - standard (pts) | s_mean | s sd | "
            "per layer: mean k (k off mode) | k off mode, any layer | Spearman(difficulty, s) |",
            "|---|---|---|---|---|---|---|---|---|"]

@@ -7,7 +7,7 @@ from typing import Any
 from condcomp.experiments.classification.budget_verdict import (
     BudgetGoal,
     every_seed,
-    hardest_pull,
+    pull_summary,
     verdict_rows,
     verdict_section,
 )
@@ -67,27 +67,35 @@ def test_rows_from_study_records_and_search_runs() -> None:
     assert settings[cost03["setting"]]["all_positive"] is True
 
 
-def test_hardest_pull_counts_task_loss_layers_only() -> None:
+def test_pull_summary_counts_task_loss_layers_only() -> None:
     grads = {
-        "x": {"method_options": {}, "layers": {"l0": {"pull_by_difficulty_quintile": [0.1, 0.2, 0.3, 0.4, -1.0]},
-                                               "l1": {"pull_by_difficulty_quintile": [-0.1, 0.0, 0.0, 0.0, -0.2]},
-                                               "l2": {"n": 3}}},
+        "x": {"method_options": {}, "layers": {
+            "l0": {"pull_by_difficulty_quintile": [0.1, 0.2, 0.3, 0.4, -1.0], "spearman_difficulty_pull": 0.1,
+                   "spearman_difficulty_s": -0.1},
+            "l1": {"pull_by_difficulty_quintile": [-0.1, 0.0, 0.0, 0.0, -0.2], "spearman_difficulty_pull": -0.3,
+                   "spearman_difficulty_s": -0.5},
+            "l2": {"n": 3}}},
         # the signed policy's record is after its sign transform: not the task loss's gradient
         "y": {"method_options": {"policy": ["budgetformer_signed", {}]},
               "layers": {"l0": {"pull_by_difficulty_quintile": [0.4, 0.4, 0.4, 0.4, -0.1]}}},
     }
-    assert hardest_pull(grads) == (1, 2, [-1.0])
+    assert pull_summary(grads) == {"hits": 1, "total": 2, "hardest": [-1.0], "others": [-0.2],
+                                   "others_rho_s": [-0.5], "rho_pull": [0.1, -0.3]}
 
 
 def test_section_counts_and_marks_a_run_that_meets_the_goal() -> None:
     records = [_record("standard", 0, 0.90)]
     bad = _search_run(0, 0.3, s=0.5)
     bad["method_options"] = {"s_min": 0.4, "s_max": 0.6}
-    search = {"standard_accuracy": 0.87, "runs": {"good": _search_run(0, 0.3), "bad": bad}, "gradients": {}}
+    grads = {"g": {"layers": {"l0": {"pull_by_difficulty_quintile": [0.1, 0.1, 0.1, 0.1, -0.5],
+                                     "spearman_difficulty_pull": 0.05, "spearman_difficulty_s": -0.2}}}}
+    search = {"standard_accuracy": 0.87, "runs": {"good": _search_run(0, 0.3), "bad": bad}, "gradients": grads}
     text = "\n".join(verdict_section(records, search, {"ag_news": "AG News"}))
     good = next(line for line in text.splitlines() if "| good |" in line)
     assert good.endswith("| met | met | met | met | yes | met (1 seed) |")
     assert "1 of 2 runs meet all four conditions" in text
+    assert "In 1 of 1 measured layers the hardest fifth" in text and "(its mean pull -0.500 to -0.500)" in text
+    assert "between +0.05 and +0.05" in text and "which the pull does not explain" not in text
     assert verdict_section([], None, {}) == []
 
 
