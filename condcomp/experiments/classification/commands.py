@@ -18,7 +18,7 @@ _HELP = {
     "method": "standard | budgetformer | fixed | moh | random",
     "method_options": 'JSON kwargs of the method, e.g. \'{"fraction": 0.25}\' or \'{"s_min": 0.1, "s_max": 0.5}\'',
     "tokenizer": "bert (bert-base-uncased WordPiece, offline) | trained (WordPiece fitted on the train split)",
-    "preset": "tiny | small | paper (shape; --d-model etc. override)",
+    "preset": "tiny | small | medium | paper (shape; --d-model etc. override)",
     "max_train": "subsample the training rows (seeded)", "max_test": "subsample the test rows (seeded)",
     "budget_cost": "extra loss budget_cost * mean(s): a price on heads (0 = the paper's objective)",
     "threads": "torch threads (1 is far faster when the machine is shared)",

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from condcomp.experiments.classification.budget_verdict import PAPER_S, verdict_section
+
 # (comparison in statistics.json, what its difference answers)
 QUESTIONS = (
     ("Does a learned per-layer allocation beat a uniform one?", (
@@ -120,9 +122,6 @@ def adaptivity_section(records: list[dict[str, Any]], datasets: list[str], names
     return out
 
 
-PAPER_S = {"ag_news": 0.212, "dbpedia_14": 0.085, "snli": 0.364, "yelp": 0.198, "imdb": 0.601}
-
-
 def regime_section(records: list[dict[str, Any]], datasets: list[str], names: dict[str, str],
                    search: dict[str, Any] | None) -> list[str]:
     """The paper's budget regime: BudgetFormer with and without a price on heads (full-length study runs), and
@@ -153,27 +152,34 @@ def regime_section(records: list[dict[str, Any]], datasets: list[str], names: di
     out += [""]
     if search:
         out += search_lines(search)
-    return out
+    return out + verdict_section(records, search, names)
 
 
 def search_lines(search: dict[str, Any]) -> list[str]:
     """The short search runs (``results/budget_search/search.json``, from its ``collect.py``)."""
-    out = ["Short search runs (`results/budget_search/run_search.sh`, then `collect.py`): AG News, seed 0, "
-           f"{search.get('steps', '?')} steps, inputs truncated to {search.get('max_len', '?')} tokens, the same "
-           f"{search.get('n_test', '?')} test examples; difficulty = the loss of a standard model trained "
-           "the same way (accuracy " + (f"{search['standard_accuracy']:.4f}" if search.get("standard_accuracy")
-                                         is not None else "-") + "). One seed each: a screen, not a test.", "",
-           "| run | settings | accuracy - standard (pts) | s_mean | s sd | per layer: mean k (k off mode) | "
-           "k off mode, any layer | Spearman(difficulty, s) |", "|---|---|---|---|---|---|---|---|"]
+    out = ["Short search runs (`results/budget_search/run_search.sh`, then `collect.py`): unless the table says "
+           f"otherwise AG News, the `small` model, seed 0, {search.get('steps', '?')} steps, inputs truncated to "
+           f"{search.get('max_len', '?')} tokens, the same {search.get('n_test', '?')} test examples; difficulty "
+           "= the loss of a standard `small` model trained the same way on the same dataset at seed 0; the "
+           "accuracy reference = that model, or a standard model of the run's own size and steps where one was "
+           "trained (standard runs' accuracy: "
+           + (", ".join(f"{n} {r['accuracy']:.4f}" for n, r in search["runs"].items() if r.get("method") == "standard")
+              or "-")
+           + "). One seed per run: a screen, not a test.", "",
+           "| run | dataset, model, seed, steps | settings | accuracy - standard (pts) | s_mean | s sd | "
+           "per layer: mean k (k off mode) | k off mode, any layer | Spearman(difficulty, s) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for name, r in search["runs"].items():
         a = r.get("adaptivity")
         if a is None:
             continue
         opts = json.dumps(r["method_options"]) + (f", budget cost {r['budget_cost']:g}" if r["budget_cost"] else "")
-        gap = r["accuracy"] - search["standard_accuracy"] if search.get("standard_accuracy") is not None else None
+        ref = r.get("standard_accuracy", search.get("standard_accuracy"))
+        gap = r["accuracy"] - ref if ref is not None else None
+        where = f"{r.get('dataset', 'ag_news')}, {r.get('preset', 'small')}, {r.get('seed', 0)}, {r.get('steps')}"
         layers = "; ".join(f"{v['k_mean']:.2f} ({100 * v['k_off_mode']:.1f} %)" for _, v in sorted(a["layers"].items()))
         rho = a.get("spearman_difficulty_s")
-        out.append(f"| {name} | `{opts}` | " + (f"{100 * gap:+.2f}" if gap is not None else "-")
+        out.append(f"| {name} | {where} | `{opts}` | " + (f"{100 * gap:+.2f}" if gap is not None else "-")
                    + f" | {r['s_mean']:.3f} | {a['s_sd']:.3f} | {layers} | {100 * a['k_off_mode_any']:.1f} % | "
                    + (f"{rho:+.3f}" if rho is not None else "-") + " |")
     out += [""]

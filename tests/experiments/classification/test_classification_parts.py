@@ -13,7 +13,7 @@ import condcomp
 from condcomp.experiments import data as D
 from condcomp.experiments.classification.methods import method_config, swapped
 from condcomp.experiments.classification.metrics import flops_split, layer_plan_stats
-from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig
+from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig, preset
 from condcomp.experiments.classification.synthetic import make_synthetic
 
 
@@ -41,6 +41,20 @@ def test_mean_pooling_ignores_padding() -> None:
     padded_ids = torch.cat([ids, torch.randint(1, 30, (1, 5))], 1)  # junk after the real tokens
     padded = m(padded_ids, (torch.arange(12) < 7).unsqueeze(0))
     torch.testing.assert_close(padded, short.expand_as(padded), rtol=1e-5, atol=1e-5)
+
+
+def test_medium_preset_is_the_papers_depth_and_heads_at_d256() -> None:
+    shape = preset("medium", max_len=64)
+    assert shape == {"d_model": 256, "num_layers": 4, "num_heads": 8, "d_ff": 1024, "max_len": 64}
+    m = EncoderClassifier(ModelConfig(vocab_size=30, num_classes=4, **shape))
+    d, ff = 256, 1024
+    per_layer = 4 * (d * d + d) + (d * ff + ff) + (ff * d + d) + 2 * 2 * d  # q,k,v,o + FFN + 2 LayerNorms
+    by_hand = 30 * d + 64 * d + 4 * per_layer + 2 * d + (d * 4 + 4)  # embeddings, layers, final LN, classifier
+    assert sum(p.numel() for p in m.parameters()) == by_hand
+    assert all(layer.attn.layout.num_heads == 8 for layer in m.layers)
+    assert m(torch.randint(1, 30, (2, 9)), torch.ones(2, 9, dtype=torch.bool)).shape == (2, 4)
+    with pytest.raises(KeyError, match="medium"):  # the error lists the valid names
+        preset("large")
 
 
 def test_model_rejects_sequences_longer_than_max_len() -> None:
