@@ -165,3 +165,18 @@ def test_the_study_distils_from_the_loaded_model_untouched_and_records_the_objec
     with torch.no_grad():  # after the tuning: the teacher is still the model as loaded, unwrapped and un-LoRA'd
         torch.testing.assert_close(teacher(input_ids=x).logits, tiny_llama()(input_ids=x).logits, rtol=0, atol=0)
     assert not any("lora" in n or "condcomp" in n for n, _ in teacher.named_parameters())
+
+
+def test_the_command_line_sets_the_objective_and_keeps_the_short_presets_former_name() -> None:
+    from condcomp.cli import build_parser
+    from condcomp.experiments.llm.command import settings_from_args
+
+    parse = build_parser().parse_args
+    s = settings_from_args(parse(["tune-llm", "--preset", "session", "--objective", "lm+kl", "--kl-temperature", "2",
+                                  "--kl-weight", "0.25"]))
+    assert (s.steps, s.objective, s.kl_temperature, s.kl_weight) == (40, "lm+kl", 2.0, 0.25)
+    assert settings_from_args(parse(["tune-llm", "--preset", "short"])) == TuneSettings(
+        steps=40, warmup=4, eval_seqs=8, calib_seqs=4, checkpoint_every=5)
+    assert settings_from_args(parse(["tune-llm"])).objective == "lm"
+    with pytest.raises(SystemExit):
+        parse(["tune-llm", "--objective", "kd"])
