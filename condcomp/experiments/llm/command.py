@@ -16,12 +16,13 @@ from typing import Any
 
 from condcomp.cli_args import folders_with, output_folder
 from condcomp.experiments.llm.data import LM_DATASETS
-from condcomp.experiments.llm.tuning import PRESETS, TuneSettings
+from condcomp.experiments.llm.objectives import OBJECTIVES
+from condcomp.experiments.llm.tuning import PRESET_ALIASES, PRESETS, TuneSettings
 
 
 def settings_from_args(args: argparse.Namespace) -> TuneSettings:
     """Preset < explicit flags."""
-    values: dict[str, Any] = dict(PRESETS[args.preset])
+    values: dict[str, Any] = dict(PRESETS[PRESET_ALIASES.get(args.preset, args.preset)])
     for f in fields(TuneSettings):
         v = getattr(args, f.name, None)
         if v is not None:
@@ -68,8 +69,9 @@ def add_commands(sub: Any) -> None:
                    help="also write each metrics.json and the summary table here (e.g. results/llm)")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_ORDER), choices=list(DEFAULT_ORDER),
                    help="variants to run, in order (default: all)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="default: the full run (~45 CPU minutes per variant); session: the reduced run")
+    p.add_argument("--preset", choices=sorted([*PRESETS, *PRESET_ALIASES]), default="default",
+                   help="default: the full run (~45 CPU minutes per variant); short: the reduced run (40 steps; "
+                        "'session' is its former name)")
     p.add_argument("--report-only", action="store_true",
                    help="only rebuild summary.md/summary.json/ppl_vs_kv.png from the metrics.json files present")
     p.add_argument("--decode-results", type=Path, nargs="+", default=None, metavar="DIR",
@@ -81,6 +83,12 @@ def add_commands(sub: Any) -> None:
     for f in fields(TuneSettings):
         if f.name == "datasets":
             p.add_argument("--datasets", nargs="+", default=None, choices=list(LM_DATASETS))
+            continue
+        if f.name == "objective":
+            p.add_argument("--objective", default=None, choices=list(OBJECTIVES),
+                           help="the tuning loss on continuation tokens: lm (language modelling, default), kl "
+                                "(distillation from the dense model's next-token distributions), hidden (its final "
+                                "hidden states), lm+kl (weighted by --kl-weight); see docs/tuning.md")
             continue
         kind: Callable[[str], Any] = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
         default = "--lr" if f.name == "router_lr" else f.default

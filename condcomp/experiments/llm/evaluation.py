@@ -38,14 +38,36 @@ def continuation_nll(model: nn.Module, ids: Tensor, prompt_len: int) -> Tensor:
     Only the logits that predict them are computed (``logits_to_keep``): the vocabulary projection of the prompt
     positions is skipped.
     """
+    logits, _ = continuation_outputs(model, ids, prompt_len)
+    return token_nll(logits, ids[:, prompt_len:])
+
+
+def continuation_outputs(model: nn.Module, ids: Tensor, prompt_len: int, logits: bool = True,
+                         hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The model's outputs at the positions that predict the continuation tokens ``prompt_len .. T-1`` (positions
+    ``prompt_len-1 .. T-2``): logits ``(B, T - P, V)``, at least float32, and with ``hidden`` the final hidden
+    states there ``(B, T - P, D)`` (the input of the vocabulary projection), else None.
+
+    The plan of a routed model is decided from the prompt (:func:`prompt_plans`). ``logits=False`` (only with
+    ``hidden``) skips the vocabulary projection but one position, and returns an empty logits tensor.
+    """
     B, T = ids.shape
     if not 0 < prompt_len < T:
         raise ValueError(f"prompt_len must be in [1, {T - 1}] for sequences of {T} tokens, got {prompt_len}")
+    if not (logits or hidden):
+        raise ValueError("continuation_outputs: ask for logits, hidden states or both")
     with prompt_plans(model, prompt_len):
-        out = model(input_ids=ids, logits_to_keep=T - prompt_len + 1, use_cache=False)
-    logits = out.logits[:, :-1]  # (B, T - P, V): positions P-1 .. T-2 predict tokens P .. T-1
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> float32; float64 stays
-    return F.cross_entropy(logits.transpose(1, 2), ids[:, prompt_len:], reduction="none")
+        out = model(input_ids=ids, logits_to_keep=T - prompt_len + 1 if logits else 1, use_cache=False,
+                    output_hidden_states=hidden)
+    kept = out.logits[:, :-1] if logits else out.logits[:, :0]  # (B, T - P, V): positions P-1 .. T-2
+    kept = kept.to(torch.promote_types(kept.dtype, torch.float32))  # half -> float32; float64 stays
+    states = out.hidden_states[-1][:, prompt_len - 1:-1] if hidden else None  # (B, T - P, D), after the final norm
+    return kept, states
+
+
+def token_nll(logits: Tensor, targets: Tensor) -> Tensor:
+    """``(B, n)`` negative log-likelihood of ``targets (B, n)`` under ``logits (B, n, V)``."""
+    return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
 
 
 @torch.no_grad()

@@ -1,7 +1,8 @@
 """The tuning loop of ``condcomp tune-llm`` (the command is in command.py, the study in tuning_study.py).
 
 Every variant is tuned with the same data, steps and method: LoRA on the attention projections (q, k, v, o) plus
-the routing parameters, loss on the continuation tokens only. Resumable: each variant checkpoints its trainable
+the routing parameters, loss on the continuation tokens only (the objective, objectives.py: the language-model loss,
+or distillation from the dense model). Resumable: each variant checkpoints its trainable
 state, optimiser, schedule, random state and step in ``OUT/<variant>/checkpoint.pt``; a rerun continues there.
 """
 
@@ -21,7 +22,14 @@ from torch import Tensor, nn
 
 import condcomp
 from condcomp.experiments.llm.data import LM_DATASETS
-from condcomp.experiments.llm.evaluation import continuation_nll
+from condcomp.experiments.llm.objectives import (
+    DEFAULT_KL_WEIGHT,
+    DEFAULT_TEMPERATURE,
+    check_objective,
+    needs_teacher,
+    objective_key,
+    objective_loss,
+)
 from condcomp.experiments.progress import progress_bar
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -30,7 +38,7 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 @dataclass
 class TuneSettings:
     """Sizes and tuning options. The defaults are the run a user would make (about 45 minutes per variant on two
-    CPU cores); ``PRESETS["session"]`` is the reduced run of docs/llm.md's table."""
+    CPU cores); ``PRESETS["short"]`` is the reduced run of docs/llm.md's table."""
 
     seq_len: int = 256
     prompt_len: int = 64
@@ -50,6 +58,9 @@ class TuneSettings:
     checkpoint_every: int = 10
     seed: int = 0
     executor: str = "auto"
+    objective: str = "lm"  # "lm" | "kl" | "hidden" | "lm+kl" (objectives.py)
+    kl_temperature: float = DEFAULT_TEMPERATURE
+    kl_weight: float = DEFAULT_KL_WEIGHT  # kl's share of lm+kl
     datasets: tuple[str, ...] = LM_DATASETS
 
     def __post_init__(self) -> None:
@@ -62,20 +73,24 @@ class TuneSettings:
             raise ValueError("batch_size, steps, eval_seqs and checkpoint_every must be >= 1")
         if self.router_lr is not None and not self.router_lr > 0:
             raise ValueError(f"router_lr must be positive (or None: the same as lr), got {self.router_lr}")
+        check_objective(self.objective, self.kl_temperature, self.kl_weight)
 
     def tuning_key(self) -> dict[str, Any]:
         """The settings a checkpoint must share with the run that resumes it."""
         keep = ("seq_len", "prompt_len", "batch_size", "steps", "lr", "router_lr", "warmup", "tune", "lora_rank",
                 "lora_alpha", "calib_seqs", "seed", "datasets")
-        # a field left at None is left out: checkpoints written before it existed still match
-        return {k: v for k, v in asdict(self).items() if k in keep and v is not None}
+        # a field left at None is left out: checkpoints written before it existed still match (so is the lm
+        # objective, and every objective option that its objective does not use)
+        key = {k: v for k, v in asdict(self).items() if k in keep and v is not None}
+        return key | objective_key(self.objective, self.kl_temperature, self.kl_weight)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     # The reduced run: 40 steps of 4 x 256 tokens per variant (3-5 CPU minutes each, one thread).
-    "session": {"steps": 40, "warmup": 4, "eval_seqs": 8, "calib_seqs": 4, "checkpoint_every": 5},
+    "short": {"steps": 40, "warmup": 4, "eval_seqs": 8, "calib_seqs": 4, "checkpoint_every": 5},
 }
+PRESET_ALIASES = {"session": "short"}  # the name the short preset had first; still accepted
 
 
 def _lr_factor(step: int, steps: int, warmup: int) -> float:
@@ -112,16 +127,19 @@ def trainable_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint: Path, desc: str = "tune",
-         stop_after: int | None = None) -> dict[str, Any]:
+         stop_after: int | None = None, teacher: nn.Module | None = None) -> dict[str, Any]:
     """Train ``model``'s trainable parameters on ``train_ids (N, seq_len)``, resuming from ``checkpoint`` when it
     exists; batches follow one seeded order, so a resumed run sees the batches an uninterrupted one would.
 
-    ``stop_after``: return after that many steps of this call (a checkpoint is written). Returns the record:
-    step reached, seconds spent over all calls, and the loss history.
+    ``stop_after``: return after that many steps of this call (a checkpoint is written). ``teacher``: the dense
+    model as loaded, for the distillation objectives (``settings.objective``). Returns the record: step reached,
+    seconds spent over all calls, and the loss history (the objective's loss and its parts).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("tune: the model has no trainable parameter")
+    if needs_teacher(settings.objective) and teacher is None:
+        raise ValueError(f"tune: the {settings.objective} objective needs the teacher (the dense model as loaded)")
     opt, sched = _optimizer(model, settings)
     state = _resume(checkpoint, model, opt, sched, settings)
     order = _order(train_ids.shape[0], settings)
@@ -133,13 +151,13 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
             step = state["step"]
             started, cpu_started = time.perf_counter(), time.process_time()
             batch = train_ids[order[step * settings.batch_size:(step + 1) * settings.batch_size]]
-            nll, aux = _train_step(model, batch, step, settings, opt, sched, params, routed)
+            loss, aux, parts = _train_step(model, teacher, batch, step, settings, opt, sched, params, routed)
             state["step"] = step + 1
             state["seconds"] += time.perf_counter() - started  # wall clock: includes pauses on a shared machine
             state["cpu_seconds"] += time.process_time() - cpu_started  # this process's CPU time, all threads
-            state["history"].append({"step": step + 1, "loss": nll, "aux": aux})
+            state["history"].append({"step": step + 1, "loss": loss, "aux": aux, **parts})
             done_here += 1
-            bar.update(1, loss=nll)
+            bar.update(1, loss=loss)
             if state["step"] % settings.checkpoint_every == 0 or state["step"] == settings.steps:
                 _save(checkpoint, model, opt, sched, state, settings)
         if done_here and state["step"] % settings.checkpoint_every and state["step"] != settings.steps:
@@ -173,6 +191,10 @@ def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sche
         torch.manual_seed(settings.seed)
         return {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
     saved = torch.load(checkpoint, weights_only=False)
+    was, now = saved["settings"].get("objective", "lm"), settings.objective
+    if was != now:  # said apart from the other settings: resuming would mix two objectives in one run
+        raise ValueError(f"{checkpoint} was tuned with the {was} objective, this run asks for {now}: resuming would "
+                         f"mix the two; use another --out (or --objective {was}), or delete it to start over")
     if saved["settings"] != settings.tuning_key():
         raise ValueError(f"{checkpoint} was written with other settings ({saved['settings']}); use another "
                          f"--out or delete it to start over")
@@ -190,20 +212,23 @@ def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sche
     return {"cpu_seconds": 0.0, **{k: saved[k] for k in kept if k in saved}}
 
 
-def _train_step(model: nn.Module, batch: Tensor, step: int, settings: TuneSettings, opt: torch.optim.Optimizer,
-                sched: Any, params: list[nn.Parameter], routed: bool) -> tuple[float, float]:
-    """One optimiser step on ``batch (B, seq_len)``; returns the continuation loss and the auxiliary loss."""
+def _train_step(model: nn.Module, teacher: nn.Module | None, batch: Tensor, step: int, settings: TuneSettings,
+                opt: torch.optim.Optimizer, sched: Any, params: list[nn.Parameter],
+                routed: bool) -> tuple[float, float, dict[str, float]]:
+    """One optimiser step on ``batch (B, seq_len)``; returns the objective's loss on the continuation, the
+    auxiliary loss, and the objective's parts (objectives.objective_loss)."""
     if routed:
         condcomp.set_progress(model, step / settings.steps)
     model.train()
-    nll = continuation_nll(model, batch, settings.prompt_len).mean()
+    loss, parts = objective_loss(model, teacher, batch, settings.prompt_len, settings.objective,
+                                 settings.kl_temperature, settings.kl_weight)
     aux = condcomp.aux_loss(model) if routed else torch.zeros(())
     opt.zero_grad(set_to_none=True)
-    (nll + aux).backward()
+    (loss + aux).backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     sched.step()
-    return float(nll.detach()), float(aux.detach())
+    return float(loss.detach()), float(aux.detach()), parts
 
 
 def _order(n: int, settings: TuneSettings) -> Tensor:

@@ -23,6 +23,7 @@ from condcomp.experiments.llm.head_importance import (
     keep_groups,
     warm_start_scores,
 )
+from condcomp.experiments.llm.objectives import needs_teacher, objective_key, settings_without_unused_options
 from condcomp.experiments.llm.tuning import TuneSettings, copy_model, dump_json, make_trainable, tune
 from condcomp.experiments.llm.tuning_report import decode_of, decode_setting, plot_ppl_vs_kv, summary_table
 from condcomp.experiments.llm.variants import (
@@ -101,9 +102,13 @@ def run_variant(name: str, dense: nn.Module, tokenizer: Any, data: tuple[PackedS
     if v.tuned:
         model = make_trainable(model, s)
         record["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        state = tune(model, tuning.ids, s, vdir / "checkpoint.pt", desc=f"tune {name}")
+        teacher = dense if needs_teacher(s.objective) else None  # the loaded model: never wrapped nor tuned
+        state = tune(model, tuning.ids, s, vdir / "checkpoint.pt", desc=f"tune {name}", teacher=teacher)
         hist = state["history"]
-        record["tuning"] = {"method": s.tune, "steps": state["step"], "seconds": state["seconds"],
+        record["tuning"] = {"method": s.tune, "objective": {"objective": s.objective,
+                                                            **objective_key(s.objective, s.kl_temperature,
+                                                                            s.kl_weight)},
+                            "steps": state["step"], "seconds": state["seconds"],
                             "cpu_seconds": state["cpu_seconds"],
                             "tokens_seen": state["step"] * s.batch_size * s.seq_len,
                             "loss_first5": _mean([h["loss"] for h in hist[:5]]),
@@ -192,9 +197,9 @@ def run_tuning_study(s: TuneSettings, variants: list[str], out: Path, results: P
 
 def same_settings(saved: dict[str, Any] | None, s: TuneSettings) -> bool:
     """Whether a metrics.json was written with settings ``s`` (fields at None count as absent, so records written
-    before a field existed still match)."""
+    before a field existed still match; so do objective options the objective does not use)."""
     def key(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in d.items() if v is not None}
+        return settings_without_unused_options({k: v for k, v in d.items() if v is not None})
 
     return saved is not None and key(saved) == key(asdict(s) | {"datasets": list(s.datasets)})
 
