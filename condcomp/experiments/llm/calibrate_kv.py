@@ -16,7 +16,7 @@ from typing import Any
 METHODS = ("duo", "importance")
 
 
-def _calibration(args: argparse.Namespace, texts: list[str] | None) -> tuple[Any, list[list[int]]]:
+def _calibration(args: argparse.Namespace, texts: list[str] | None, seed: int) -> tuple[Any, list[Any]]:
     """``(model, calibration rows)`` for the command's model, from the local corpora (or ``texts``)."""
     from condcomp.bench.kv import CORPORA, load
     from condcomp.bench.kv_cases import corpus_texts, haystack_stream
@@ -28,9 +28,8 @@ def _calibration(args: argparse.Namespace, texts: list[str] | None) -> tuple[Any
         from condcomp.experiments.data import resolve_data_dir
 
         texts = corpus_texts(resolve_data_dir(args.data_dir), CORPORA, args.seed)
-    # calibration text apart from bench kv's cases (seed 0 of the same corpora): a shifted seed for the rows
     stream = haystack_stream(texts, encode, sep, min_tokens=8 * args.seq_len)
-    return model, calibration_rows(stream, encode, args.seq_len, args.steps, seed=1000 + args.seed)
+    return model, calibration_rows(stream, encode, args.seq_len, args.steps, seed=seed)
 
 
 def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
@@ -43,8 +42,12 @@ def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
     settings = DuoSettings(steps=args.steps, seq_len=args.seq_len, lr=args.lr, l1=args.l1, sinks=args.sinks,
                            window=args.window, seed=args.seed)
     settings.check()
-    model, rows = _calibration(args, texts)
     out: Path = args.out
+    if args.evaluate:
+        return evaluate(args, texts)
+    # calibration text apart from bench kv's cases (seed 0 of the same corpora): a shifted seed for the rows
+    model, calib = _calibration(args, texts, seed=1000 + args.seed)
+    rows = [r.ids for r in calib]
     cfg: Any = model.config
     if args.method == "importance":
         from condcomp.bench.kv_variants import computed_importance
@@ -66,10 +69,47 @@ def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
     checkpoint.unlink(missing_ok=True)  # finished: the gates file is the result
     from condcomp.experiments.llm.duo_gates import split_from_scores
 
-    kept = split_from_scores(gates.alpha.detach(), 1 / 3)
-    print(f"wrote {out}: mean gate {float(gates.alpha.mean()):.3f}; keeping a third of {cfg.num_hidden_layers} "
-          f"layers x {gates.alpha.shape[1]} groups in full keeps per layer {[len(k) for k in kept]}")
+    kept = split_from_scores(gates.alpha.detach(), 1 / 3)  # what split-duo-1of3 keeps
+    alpha = gates.alpha.detach()
+    print(f"wrote {out}: mean gate {float(alpha.mean()):.3f}; keeping a third of {cfg.num_hidden_layers} layers x "
+          f"{alpha.shape[1]} groups in full keeps per layer {[len(k) for k in kept]}")
     return out
+
+
+def evaluate(args: argparse.Namespace, texts: list[str] | None) -> Path:
+    """Screen the splits of the ``--evaluate`` gates files (global top ``--fraction``), static pruning's per-layer
+    split (``--importance``) and StreamingLLM against the dense model on held-out rows; a table and a JSON file."""
+    import json
+
+    import torch
+
+    from condcomp.bench.kv_variants import saved_importance
+    from condcomp.experiments.llm.duo_gates import load_gates, split_from_scores
+    from condcomp.experiments.llm.head_importance import keep_groups
+    from condcomp.experiments.llm.split_eval import evaluate_splits, table
+
+    model, rows = _calibration(args, texts, seed=2000 + args.seed)  # rows no gate training saw
+    cfg: Any = model.config
+    L, G = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads)
+    keep = max(1, round(args.fraction * G))
+    splits: dict[str, list[list[int]]] = {"streaming (none full)": [[] for _ in range(L)]}
+    importance = saved_importance(args.importance, L, G)
+    if importance is not None:
+        splits[f"importance per layer, {keep} of {G}"] = keep_groups(importance, keep)
+        splits[f"importance global {args.fraction:.3g}"] = split_from_scores(importance, args.fraction)
+    for path in args.evaluate:
+        splits[f"{Path(path).stem} global {args.fraction:.3g}"] = split_from_scores(
+            load_gates(Path(path), L, G)["scores"], args.fraction)
+    print(f"screening {len(splits)} splits on {len(rows)} held-out rows of {args.seq_len} tokens")
+    torch.set_num_threads(args.threads)
+    results = evaluate_splits(model, rows, splits, args.sinks, args.window)
+    text = table(results, len(rows))
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": len(rows), "seq_len": args.seq_len, "sinks": args.sinks,
+                                    "window": args.window, "seed": args.seed, "splits": splits,
+                                    "results": results}, indent=1))
+    return Path(args.out)
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -95,6 +135,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--l1", type=float, default=0.05, help="lambda: the price per unit of mean gate")
     p.add_argument("--sinks", type=int, default=4, help="streaming pattern: first tokens every query sees")
     p.add_argument("--window", type=int, default=252, help="streaming pattern: recent tokens every query sees")
+    p.add_argument("--evaluate", nargs="+", default=None, metavar="GATES",
+                   help="instead of calibrating: screen the splits these gates files give (and static pruning's, "
+                        "and StreamingLLM) against the dense model on --steps held-out rows; --out gets the JSON")
+    p.add_argument("--fraction", type=float, default=1 / 3, help="--evaluate: the share of groups kept in full")
+    p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),
+                   help="--evaluate: static pruning's group importance (condcomp tune-llm's)")
     p.add_argument("--data-dir", default=None, help="the staged corpora (default ../shared/data)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

@@ -59,9 +59,19 @@ class DuoSettings:
             raise ValueError(f"--lr must be > 0 and --l1 >= 0, got lr={self.lr}, l1={self.l1}")
 
 
+@dataclass(frozen=True)
+class CalibrationRow:
+    """``ids``: a passkey prompt then its answer; ``answer``: the ``(start, end)`` of the key's first answer tokens."""
+
+    ids: list[int]
+    key: str
+    answer: tuple[int, int]
+
+
 def calibration_rows(stream: Sequence[int], encode: Callable[[str], list[int]], seq_len: int, n: int,
-                     seed: int) -> list[list[int]]:
-    """``n`` rows of exactly ``seq_len`` tokens: a passkey prompt, then its answer (the key, said twice)."""
+                     seed: int) -> list[CalibrationRow]:
+    """``n`` rows of exactly ``seq_len`` tokens: a passkey prompt, then its answer (the key, said three times).
+    The first rows of a larger ``n`` are the rows of a smaller one (a run can be extended)."""
     from condcomp.bench.kv_cases import passkey_cases
 
     answer_room = 16
@@ -70,8 +80,9 @@ def calibration_rows(stream: Sequence[int], encode: Callable[[str], list[int]], 
     rows = []
     for case in passkey_cases(stream, encode, seq_len - answer_room, n, seed):
         tail = encode(f" {case.key}. The pass key is {case.key}. The pass key is {case.key}.")
-        rows.append((case.ids + tail)[:seq_len])
-    short = [len(r) for r in rows if len(r) != seq_len]
+        P = len(case.ids)
+        rows.append(CalibrationRow((case.ids + tail)[:seq_len], case.key, (P, P + len(encode(f" {case.key}")))))
+    short = [len(r.ids) for r in rows if len(r.ids) != seq_len]
     if short:
         raise ValueError(f"calibration rows came out {short[0]} tokens long, not {seq_len} (the answer text "
                          "tokenized shorter than expected)")
@@ -110,7 +121,8 @@ def train_gates(model: nn.Module, rows: Sequence[Sequence[int]], settings: DuoSe
                 ) -> tuple[DuoGates, list[list[float]]]:
     """Gates ``(L, G)`` trained for ``settings.steps`` steps, one row per step (cycling through ``rows``), and the
     history ``[step, distillation, mean gate]``. The model's parameters are frozen during training and given back
-    as they were. ``checkpoint``: a file the state is saved to every 10 steps and resumed from (same settings)."""
+    as they were. ``checkpoint``: a file the state is saved to every 10 steps and resumed from (same settings but
+    the number of steps, which may grow, or shrink to the saved step)."""
     settings.check()
     cfg: Any = getattr(model, "config")  # noqa: B009
     L, G = len(attention_modules(model)), int(getattr(cfg, "num_key_value_heads", 0) or cfg.num_attention_heads)
@@ -122,7 +134,10 @@ def train_gates(model: nn.Module, rows: Sequence[Sequence[int]], settings: DuoSe
     start = 0
     if checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, map_location=device, weights_only=False)
-        if state.get("settings") == asdict(settings):
+        saved = dict(state.get("settings", {}))
+        # Nothing depends on the planned number of steps (no schedule): a run may be extended, or cut at a saved
+        # step; every other setting must match.
+        if {**saved, "steps": settings.steps} == asdict(settings) and int(state["step"]) <= settings.steps:
             gates.load_state_dict(state["gates"])
             opt.load_state_dict(state["opt"])
             start, history = int(state["step"]), list(state["history"])

@@ -191,6 +191,8 @@ def test_calibration_rows_hold_a_passkey_prompt_and_its_answer() -> None:
     stream = haystack_stream(texts, encode, 10, min_tokens=5000)
     rows = calibration_rows(stream, encode, 700, n=3, seed=0)
     for row in rows:
-        text = bytes(row).decode()
-        key = text.split("The pass key is ")[1][:5]
-        assert len(row) == 700 and text.count(key) >= 3 and "What is the pass key? The pass key is " + key in text
+        text = bytes(row.ids).decode()
+        assert len(row.ids) == 700 and text.count(row.key) >= 4 and "The pass key is " + row.key in text
+        assert bytes(row.ids[row.answer[0]:row.answer[1]]).decode() == " " + row.key
+        assert bytes(row.ids[:row.answer[0]]).decode().endswith("What is the pass key? The pass key is")
+    assert calibration_rows(stream, encode, 700, n=2, seed=0) == rows[:2]  # an extended run starts the same
