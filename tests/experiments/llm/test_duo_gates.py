@@ -192,7 +192,7 @@ def test_calibration_rows_hold_a_passkey_prompt_and_its_answer() -> None:
     rows = calibration_rows(stream, encode, 700, n=3, seed=0)
     for row in rows:
         text = bytes(row.ids).decode()
-        assert len(row.ids) == 700 and text.count(row.key) >= 4 and "The pass key is " + row.key in text
+        assert len(row.ids) == 700 and text.count(row.key) >= 3 and "The pass key is " + row.key in text
         assert bytes(row.ids[row.answer[0]:row.answer[1]]).decode() == " " + row.key
         assert bytes(row.ids[:row.answer[0]]).decode().endswith("What is the pass key? The pass key is")
     assert calibration_rows(stream, encode, 700, n=2, seed=0) == rows[:2]  # an extended run starts the same
