@@ -15,6 +15,7 @@ from condcomp.cli_args import OneLineParser
 
 # Modules that contribute commands, imported only when the command line is built (import condcomp stays light).
 COMMAND_MODULES = ("condcomp.experiments.classification.commands", "condcomp.experiments.llm.command",
+                   "condcomp.experiments.llm.calibrate_kv",
                    "condcomp.experiments.dit.commands")
 BENCH_MODULES = ("condcomp.bench.attention", "condcomp.bench.compile", "condcomp.bench.decode",
                  "condcomp.bench.gpu_check", "condcomp.bench.kv", "condcomp.bench.scatter")

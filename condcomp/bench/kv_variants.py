@@ -58,12 +58,16 @@ VARIANTS: dict[str, KVVariant] = {
                                                             "full (static pruning's ranking), the others a streaming "
                                                             "window of 4 sink + 252 recent tokens"),
     "streaming": KVVariant("window-all-w252", note="StreamingLLM: every KV group keeps 4 sink + 252 recent tokens"),
+    "split-duo-1of3": KVVariant("duo-1of3-w252", note="condcomp static split from DuoAttention gates "
+                                                      "(results/kv/duo_gates.json, condcomp calibrate-kv): the "
+                                                      "highest third of all (layer, group) gates in full, layers may "
+                                                      "differ; the others 4 sink + 252 recent tokens"),
     "router-keep2of3": KVVariant("router-2of3", note="condcomp per-request plan, untrained topk router: 2 of 3 "
                                                      "KV groups chosen from the prompt"),
 }
 DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
                     "drop-keep2of3+fp8")
-# Variants still to build: a per-request full/window split (a trained topk router) and DuoAttention-style gates.
+# Variants still to build: a per-request full/window split (a trained topk router).
 PLANNED_VARIANTS = ("split-request",)
 
 
@@ -192,6 +196,35 @@ def window_split(fraction: float, window: int, sinks: int = 4) -> Prepare:
     return prepare
 
 
+DUO_GATES = Path("results/kv/duo_gates.json")
+
+
+def gate_split(path: Path, fraction: float, window: int, sinks: int = 4) -> Prepare:
+    """A split from a gates file (``condcomp calibrate-kv``): the fraction of all (layer, KV group) pairs with the
+    highest scores is kept in full (global over layers, as DuoAttention: a layer may keep none or all of its
+    groups), the other groups stream (``sinks`` first + ``window`` last tokens). Built as one ``topk`` router per
+    layer, warm-started from the gates with the layer's own kept count (every request gets the same split)."""
+    def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
+        import condcomp
+        from condcomp.experiments.llm.duo_gates import load_gates, split_from_scores
+        from condcomp.experiments.llm.head_importance import warm_start_scores
+
+        cfg: Any = getattr(dense, "config")  # noqa: B009
+        G = int(cfg.num_key_value_heads)
+        model = copy.deepcopy(dense)
+        layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
+        scores = load_gates(path, len(layers), G)["scores"]
+        kept = split_from_scores(scores, fraction)
+        for layer, init, groups in zip(layers, warm_start_scores(scores), kept, strict=True):
+            router = ("topk", {"kv_groups": True, "init_scores": init, "stream_window": window,
+                               "stream_sinks": sinks})
+            condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": len(groups) / G,
+                                                                            "k_min": 0}),
+                                                           router=router, executor="auto", target_modules=[layer]))
+        return model.eval()
+    return prepare
+
+
 MODELS: dict[str, Prepare] = {
     "dense": lambda dense, ctx: dense,
     "static-2of3": static_split(2 / 3),
@@ -199,6 +232,7 @@ MODELS: dict[str, Prepare] = {
     "router-2of3": router_split(2 / 3),
     "window-1of3-w252": window_split(1 / 3, 252),
     "window-all-w252": window_split(0, 252),
+    "duo-1of3-w252": gate_split(DUO_GATES, 1 / 3, 252),
 }
 
 

@@ -1,0 +1,147 @@
+"""``condcomp calibrate-kv``: score each (layer, KV group) for the full/streaming KV split, into a gates file.
+
+``--method duo`` trains DuoAttention's gates (:mod:`condcomp.experiments.llm.duo_gates`); ``--method importance``
+writes Michel et al.'s gradient importance per group (static pruning's ranking) on the same calibration rows, in
+the same format. ``condcomp bench kv``'s ``split-duo-1of3`` reads ``results/kv/duo_gates.json`` and keeps the
+highest third of the scores in full (docs/kv.md, "A trained static split: DuoAttention gates").
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+METHODS = ("duo", "importance")
+
+
+def _calibration(args: argparse.Namespace, texts: list[str] | None, seed: int) -> tuple[Any, list[Any]]:
+    """``(model, calibration rows)`` for the command's model, from the local corpora (or ``texts``)."""
+    from condcomp.bench.kv import CORPORA, load
+    from condcomp.bench.kv_cases import corpus_texts, haystack_stream
+    from condcomp.experiments.llm.duo_gates import calibration_rows
+
+    model, tok, sep, _ = load(args.model)
+    encode = getattr(tok, "encode_plain", None) or tok.encode
+    if texts is None:
+        from condcomp.experiments.data import resolve_data_dir
+
+        texts = corpus_texts(resolve_data_dir(args.data_dir), CORPORA, args.seed)
+    stream = haystack_stream(texts, encode, sep, min_tokens=8 * args.seq_len)
+    return model, calibration_rows(stream, encode, args.seq_len, args.steps, seed=seed)
+
+
+def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
+    import torch
+
+    from condcomp.experiments.llm.duo_gates import DuoSettings, save_gates, train_gates
+    from condcomp.experiments.progress import progress_bar
+
+    torch.set_num_threads(args.threads)
+    settings = DuoSettings(steps=args.steps, seq_len=args.seq_len, lr=args.lr, l1=args.l1, sinks=args.sinks,
+                           window=args.window, seed=args.seed)
+    settings.check()
+    out: Path = args.out
+    if args.evaluate:
+        return evaluate(args, texts)
+    # calibration text apart from bench kv's cases (seed 0 of the same corpora): a shifted seed for the rows
+    model, calib = _calibration(args, texts, seed=1000 + args.seed)
+    rows = [r.ids for r in calib]
+    cfg: Any = model.config
+    if args.method == "importance":
+        from condcomp.bench.kv_variants import computed_importance
+
+        print(f"gradient importance on {len(rows)} rows of {args.seq_len} tokens")
+        scores = computed_importance(model, torch.tensor(rows), prompt_len=args.seq_len // 2, batch_size=1)
+        save_gates(out, "importance", args.model, scores, args.sinks, args.window, asdict(settings))
+        return out
+    bar = progress_bar(total=args.steps, desc="calibrate-kv duo")
+    checkpoint = out.with_suffix(".partial.pt")
+
+    def on_step(step: int, distill: float, mean_gate: float) -> None:
+        bar.update(1, distill=distill, mean_gate=mean_gate)
+
+    gates, history = train_gates(model, rows, settings, checkpoint=checkpoint, on_step=on_step)
+    bar.close()
+    save_gates(out, "duo", args.model, gates.alpha.detach().double(), args.sinks, args.window, asdict(settings),
+               history)
+    checkpoint.unlink(missing_ok=True)  # finished: the gates file is the result
+    from condcomp.experiments.llm.duo_gates import split_from_scores
+
+    kept = split_from_scores(gates.alpha.detach(), 1 / 3)  # what split-duo-1of3 keeps
+    alpha = gates.alpha.detach()
+    print(f"wrote {out}: mean gate {float(alpha.mean()):.3f}; keeping a third of {cfg.num_hidden_layers} layers x "
+          f"{alpha.shape[1]} groups in full keeps per layer {[len(k) for k in kept]}")
+    return out
+
+
+def evaluate(args: argparse.Namespace, texts: list[str] | None) -> Path:
+    """Screen the splits of the ``--evaluate`` gates files (global top ``--fraction``), static pruning's per-layer
+    split (``--importance``) and StreamingLLM against the dense model on held-out rows; a table and a JSON file."""
+    import json
+
+    import torch
+
+    from condcomp.bench.kv_variants import saved_importance
+    from condcomp.experiments.llm.duo_gates import load_gates, split_from_scores
+    from condcomp.experiments.llm.head_importance import keep_groups
+    from condcomp.experiments.llm.split_eval import evaluate_splits, table
+
+    model, rows = _calibration(args, texts, seed=2000 + args.seed)  # rows no gate training saw
+    cfg: Any = model.config
+    L, G = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads)
+    keep = max(1, round(args.fraction * G))
+    splits: dict[str, list[list[int]]] = {"streaming (none full)": [[] for _ in range(L)]}
+    importance = saved_importance(args.importance, L, G)
+    if importance is not None:
+        splits[f"importance per layer, {keep} of {G}"] = keep_groups(importance, keep)
+        splits[f"importance global {args.fraction:.3g}"] = split_from_scores(importance, args.fraction)
+    for path in args.evaluate:
+        splits[f"{Path(path).stem} global {args.fraction:.3g}"] = split_from_scores(
+            load_gates(Path(path), L, G)["scores"], args.fraction)
+    print(f"screening {len(splits)} splits on {len(rows)} held-out rows of {args.seq_len} tokens")
+    torch.set_num_threads(args.threads)
+    results = evaluate_splits(model, rows, splits, args.sinks, args.window)
+    text = table(results, len(rows))
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": len(rows), "seq_len": args.seq_len, "sinks": args.sinks,
+                                    "window": args.window, "seed": args.seed, "splits": splits,
+                                    "results": results}, indent=1))
+    return Path(args.out)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``calibrate-kv`` on the ``condcomp`` parser."""
+    p = sub.add_parser("calibrate-kv", help="score KV groups for the full/streaming split (DuoAttention gates or "
+                                            "gradient importance) into a gates file",
+                       description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--method", choices=METHODS, default="duo",
+                   help="duo: train DuoAttention's gates (model frozen); importance: gradient importance per group")
+    p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
+                   help="smollm2 (needs the llm extra, docs/llm.md) or tiny-llama (random, no download)")
+    p.add_argument("--out", type=Path, required=True, help="the gates file to write (JSON), e.g. "
+                                                           "results/kv/duo_gates.json")
+    p.add_argument("--steps", type=int, default=100, help="training steps, one calibration row each (importance: "
+                                                          "the number of rows)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration row (> sinks + window)")
+    p.add_argument("--lr", type=float, default=0.02, help="Adam's learning rate on the gates (DuoAttention's)")
+    p.add_argument("--l1", type=float, default=0.05, help="lambda: the price per unit of mean gate")
+    p.add_argument("--sinks", type=int, default=4, help="streaming pattern: first tokens every query sees")
+    p.add_argument("--window", type=int, default=252, help="streaming pattern: recent tokens every query sees")
+    p.add_argument("--evaluate", nargs="+", default=None, metavar="GATES",
+                   help="instead of calibrating: screen the splits these gates files give (and static pruning's, "
+                        "and StreamingLLM) against the dense model on --steps held-out rows; --out gets the JSON")
+    p.add_argument("--fraction", type=float, default=1 / 3, help="--evaluate: the share of groups kept in full")
+    p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),
+                   help="--evaluate: static pruning's group importance (condcomp tune-llm's)")
+    p.add_argument("--data-dir", default=None, help="the staged corpora (default ../shared/data)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd)

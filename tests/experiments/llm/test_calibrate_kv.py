@@ -1,0 +1,61 @@
+"""``condcomp calibrate-kv`` end to end on the random tiny Llama (no download): both methods write a gates file in
+one format that the split reads, and bad settings are refused with what to change."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from condcomp.cli import build_parser
+from condcomp.experiments.llm.calibrate_kv import run
+from condcomp.experiments.llm.duo_gates import load_gates, split_from_scores
+
+pytest.importorskip("transformers")
+
+TEXTS = [" ".join(random.Random(i).choice(["alpha", "beta", "gamma", "delta"]) for _ in range(80))
+         for i in range(30)]
+
+
+@pytest.mark.parametrize("method", ["duo", "importance"])
+def test_both_methods_write_a_gates_file_the_split_reads(tmp_path: Path, method: str) -> None:
+    out = tmp_path / "gates.json"
+    args = build_parser().parse_args(["calibrate-kv", "--model", "tiny-llama", "--method", method, "--steps", "2",
+                                      "--seq-len", "400", "--window", "60", "--out", str(out)])
+    run(args, texts=TEXTS)
+    record = load_gates(out, 4, 8)  # the tiny Llama: 4 layers, 8 key/value heads
+    assert record["method"] == method and record["window"] == 60 and record["settings"]["steps"] == 2
+    assert sum(len(k) for k in split_from_scores(record["scores"], 1 / 3)) == round(32 / 3)
+    assert not out.with_suffix(".partial.pt").exists()  # the finished run leaves only the gates file
+    if method == "duo":
+        assert ((record["scores"] >= 0) & (record["scores"] <= 1)).all() and len(record["history"]) == 2
+
+
+def test_a_sequence_no_longer_than_the_window_is_refused(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["calibrate-kv", "--model", "tiny-llama", "--seq-len", "256",
+                                      "--out", str(tmp_path / "g.json")])
+    with pytest.raises(ValueError, match="must exceed sinks \\+ window = 256"):
+        run(args, texts=TEXTS)
+
+
+def test_evaluate_screens_the_splits_against_dense(tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    from condcomp.experiments.llm.duo_gates import save_gates
+
+    gates = tmp_path / "all.json"
+    save_gates(gates, "duo", "tiny-llama", torch.ones(4, 8), 4, 60, {})  # every group full: the dense model
+    out = tmp_path / "screen.json"
+    args = build_parser().parse_args(["calibrate-kv", "--model", "tiny-llama", "--evaluate", str(gates), "--fraction",
+                                      "1", "--steps", "2", "--seq-len", "400", "--window", "60", "--out", str(out),
+                                      "--importance", str(tmp_path / "absent.json")])
+    run(args, texts=TEXTS)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"dense", "streaming (none full)", "all global 1"}
+    full, streaming = results["all global 1"], results["streaming (none full)"]
+    assert full["hidden_mse"] < 1e-10 and abs(full["ppl_ratio"] - 1.0) < 1e-5 and full["full_frac"] == 1.0
+    assert full["answer_acc"] == results["dense"]["answer_acc"]
+    assert streaming["hidden_mse"] > 0 and streaming["full_frac"] == 0.0
