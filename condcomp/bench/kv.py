@@ -194,7 +194,9 @@ def probe_composition(bench: Bench, name: str, vocab: int) -> str | None:
     v = VARIANTS[name]
     if v.cache is None or v.model == "dense":
         return None
-    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0)).to(bench.device)
+    # 2 x 32: HQQ quantizes a tensor in groups of 64 values, also the (B, 1, T, 1) length placeholder of a
+    # layer whose groups are all windowed
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0)).to(bench.device)
     try:
         with torch.inference_mode():
             model = bench.model(v.model)

@@ -38,6 +38,11 @@ class PasskeyFormat:
 
 
 RAW = PasskeyFormat("raw")
+# A copy task: the prompt ends with the needle's opening words, a name found nowhere else, and the needle says its
+# line three times, so a model that copies what followed those words earlier (an induction head) answers with the
+# key. No question: asked "What is the pass key?", SmolLM2-135M defines the words instead (results/kv/README.md).
+COPY = PasskeyFormat("copy", needle="\n\n" + " ".join(["The pass key of Zorblat Quixen is {key}."] * 3) + "\n\n",
+                     tail="\n\nThe pass key of Zorblat Quixen is")
 
 
 def chat_format(render: Callable[[str], str], name: str = "chat", needle: str = NEEDLE,

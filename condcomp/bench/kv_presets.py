@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from condcomp.bench.decode import load_model
-from condcomp.bench.kv_cases import RAW, PasskeyFormat, chat_format
+from condcomp.bench.kv_cases import COPY, RAW, PasskeyFormat, chat_format
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Preset:
     decode_batch: int
     decode_tokens: int
     answer_tokens: int = 8
-    passkey_format: str = "chat"
+    passkey_format: str = "copy"
 
     def cases(self, prompt_len: int) -> tuple[int, int]:
         """``(passkey cases, continuation cases)`` at one prompt length."""
@@ -42,16 +42,16 @@ PRESETS = {
                    decode_batch=8, decode_tokens=16),
     "cpu": Preset((1024, 2048), passkey_cases=10, ppl_cases=(2, 5), cont_len=64, batch=5,
                   decode_prompt=512, decode_batch=2, decode_tokens=8),
-    "cpu-2048": Preset((2048, 4096), passkey_cases=(20, 5), ppl_cases=(4, 2), cont_len=64, batch=5,
-                       decode_prompt=2048, decode_batch=8, decode_tokens=16),
+    "cpu-2048": Preset((2048,), passkey_cases=10, ppl_cases=4, cont_len=64, batch=5, decode_prompt=2048,
+                       decode_batch=8, decode_tokens=16, passkey_format="copy"),
     "quick": Preset((320,), passkey_cases=2, ppl_cases=2, cont_len=8, batch=2, decode_prompt=32, decode_batch=2,
                     decode_tokens=3, answer_tokens=4, passkey_format="raw"),
 }
-PRESET_HELP = ("full: prompts 2048 and 4096, 50 passkey cases (a GPU's run); cpu-2048: 2048 (20 passkey cases) and "
-               "4096 (5), what one thread of a shared 2-core CPU measures in an hour; cpu: 1024 and 2048, 10 cases; "
-               "quick: a smoke run. Decode is timed at 2048 x 8 (cpu: 512 x 2)")
+PRESET_HELP = ("full: prompts 2048 and 4096, 50 passkey cases (a GPU's run); cpu-2048: prompt 2048, 10 passkey cases, "
+               "4 continuations (what one thread of a loaded 2-core CPU measures in an hour); cpu: 1024 and 2048, 10 "
+               "cases; quick: a smoke run. Decode is timed at 2048 x 8 (cpu: 512 x 2)")
 CORPORA = ("imdb", "ag_news", "yelp", "dbpedia_14")
-PASSKEY_FORMATS = ("raw", "chat")
+PASSKEY_FORMATS = ("copy", "raw", "chat")
 
 
 class ByteTokenizer:
@@ -85,10 +85,11 @@ def encoder(tok: Any) -> Any:
 
 
 def passkey_format(name: str, tok: Any) -> PasskeyFormat:
-    """``raw``: the classic passkey prompt as plain text; ``chat``: the same in the tokenizer's chat template (the
+    """``copy``: the question ends with the needle's opening words (the key is what followed them); ``raw``: the
+    classic passkey prompt as plain text; ``chat``: the same in the tokenizer's chat template (the
     instruct model's own format), the answer primed with "The pass key is" (results/kv/README.md: the screen)."""
-    if name == "raw":
-        return RAW
+    if name in ("raw", "copy"):
+        return RAW if name == "raw" else COPY
     if name != "chat":
         raise ValueError(f"unknown passkey format {name!r}; choose from {', '.join(PASSKEY_FORMATS)}")
     if not callable(getattr(tok, "apply_chat_template", None)) or not getattr(tok, "chat_template", None):

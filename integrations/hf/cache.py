@@ -157,9 +157,11 @@ def window_codec(layer: Any) -> WindowCodec | None:
     (HQQ, quanto); None (full precision) for any other layer."""
     from transformers import cache_utils
 
-    if isinstance(layer, getattr(cache_utils, "Fp8QuantizedLayer", ())):
+    fp8: Any = getattr(cache_utils, "Fp8QuantizedLayer", ())  # () where this transformers has no such layer
+    grouped: Any = getattr(cache_utils, "QuantizedLayer", ())
+    if isinstance(layer, fp8):
         return WindowCodec("fp8")
-    if isinstance(layer, getattr(cache_utils, "QuantizedLayer", ())):
+    if isinstance(layer, grouped):
         return WindowCodec("int", nbits=int(layer.nbits), group=int(layer.q_group_size))
     return None
 

@@ -103,9 +103,10 @@ class ReferenceWindows:
 @pytest.mark.parametrize(("kv_heads", "fraction"), [(3, 1 / 3), (6, 1 / 3), (3, 0.0)])  # GQA, MHA, all windowed
 def test_split_inside_a_quantized_cache_reads_its_windows_quantized(kind: str, kv_heads: int, fraction: float,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from condcomp.integrations.hf import cache as hf_cache
+
     from condcomp.bench.kv_variants import ModelContext, missing_packages, quantized_cache, window_split
     from condcomp.executors.window_quant import QuantizedWindowCache
-    from condcomp.integrations.hf import cache as hf_cache
 
     if missing_packages({"fp8": "quantized-fp8", "hqq4": "quantized-hqq4"}[kind]):
         pytest.skip(f"{kind} needs the kvquant extra")
