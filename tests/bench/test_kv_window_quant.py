@@ -155,3 +155,33 @@ def _full_bytes(layer: Any) -> int:
         return cache_bytes(One)[0]
     finally:
         layer.condcomp_windows = windows
+
+
+@pytest.mark.parametrize("kind", ["fp8", "hqq4"])
+@pytest.mark.parametrize("fraction", [1 / 3, 0.0])
+def test_converted_prefill_equals_prefilling_the_quantized_cache(kind: str, fraction: float) -> None:
+    """The bench shares one prefill between a model's variants (``cache_from_prefill``): with windows, the converted
+    cache must read exactly as a prefill made straight into the quantized cache."""
+    from condcomp.bench.kv_variants import (
+        ModelContext,
+        cache_bytes,
+        cache_from_prefill,
+        missing_packages,
+        quantized_cache,
+        window_split,
+    )
+
+    if missing_packages({"fp8": "quantized-fp8", "hqq4": "quantized-hqq4"}[kind]):
+        pytest.skip(f"{kind} needs the kvquant extra")
+    model = tiny_llama(3)
+    importance = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.2, 0.3]], dtype=torch.float64)
+    wrapped = window_split(fraction, window=8, sinks=2)(model, ModelContext(importance=lambda: importance))
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        direct = wrapped(input_ids=ids[:, :32], cache=quantized_cache(kind, model.config), use_cache=True).cache
+        source = wrapped(input_ids=ids[:, :32], use_cache=True).cache
+        converted = cache_from_prefill(source, kind, model.config)
+        assert cache_bytes(converted) == cache_bytes(direct) < cache_bytes(source)
+        want = wrapped(input_ids=ids[:, 32:], cache=direct, use_cache=True).logits
+        got = wrapped(input_ids=ids[:, 32:], cache=converted, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
