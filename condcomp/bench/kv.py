@@ -24,7 +24,7 @@ import functools
 import json
 import math
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from condcomp.bench import kv_report
-from condcomp.bench.decode import device_clock, load_model
+from condcomp.bench.decode import device_clock
 from condcomp.bench.kv_cases import answer_correct, continuation_cases, corpus_texts, haystack_stream, passkey_cases
+from condcomp.bench.kv_presets import (
+    CORPORA,
+    PASSKEY_FORMATS,
+    PRESET_HELP,
+    PRESETS,
+    Preset,
+    encoder,
+    load,
+    passkey_format,
+)
 from condcomp.bench.kv_variants import (
     DEFAULT_VARIANTS,
     MODELS,
@@ -49,70 +59,6 @@ from condcomp.bench.kv_variants import (
 )
 from condcomp.cli_args import output_folder
 from condcomp.experiments.progress import progress_bar
-
-
-@dataclass(frozen=True)
-class Preset:
-    """How much a run measures. Case counts: one for every prompt length, or one per length (a tuple, in the order
-    of ``prompts``). ``batch``: cases per forward; the decode timing runs its own prompt and batch."""
-
-    prompts: tuple[int, ...]
-    passkey_cases: int | tuple[int, ...]
-    ppl_cases: int | tuple[int, ...]
-    cont_len: int
-    batch: int
-    decode_prompt: int
-    decode_batch: int
-    decode_tokens: int
-    answer_tokens: int = 8
-
-    def cases(self, prompt_len: int) -> tuple[int, int]:
-        """``(passkey cases, continuation cases)`` at one prompt length."""
-        i = self.prompts.index(prompt_len)
-
-        def pick(v: int | tuple[int, ...]) -> int:
-            return v if isinstance(v, int) else v[min(i, len(v) - 1)]
-        return pick(self.passkey_cases), pick(self.ppl_cases)
-
-
-PRESETS = {
-    "full": Preset((2048, 4096), passkey_cases=50, ppl_cases=8, cont_len=128, batch=5, decode_prompt=2048,
-                   decode_batch=8, decode_tokens=16),
-    "cpu": Preset((1024, 2048), passkey_cases=10, ppl_cases=(2, 5), cont_len=64, batch=5,
-                      decode_prompt=512, decode_batch=2, decode_tokens=8),
-    "quick": Preset((320,), passkey_cases=2, ppl_cases=2, cont_len=8, batch=2, decode_prompt=32, decode_batch=2,
-                    decode_tokens=3, answer_tokens=4),
-}
-CORPORA = ("imdb", "ag_news", "yelp", "dbpedia_14")
-
-
-class ByteTokenizer:
-    """The tiny random model's tokenizer: UTF-8 bytes (ids 0..255), separator 256. Keeps runs download-free."""
-
-    sep_id = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def load(model_name: str) -> tuple[nn.Module, Any, int, list[int]]:
-    """``(model, tokenizer with encode/decode, separator id, prompt prefix ids)``."""
-    if model_name == "tiny-llama":
-        return load_model(model_name), ByteTokenizer(), ByteTokenizer.sep_id, []
-    from condcomp.experiments.llm.data import tokenizer_encoder
-    from condcomp.experiments.llm.smollm2 import load_smollm2
-
-    model, tok = load_smollm2()
-    _, sep = tokenizer_encoder(tok)
-    tok.encode_plain = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # type: ignore[attr-defined]
-    return model, tok, sep, []
-
-
-def _encoder(tok: Any) -> Any:
-    return getattr(tok, "encode_plain", None) or tok.encode
 
 
 def record_path(out: Path, variant: str, prompt: int | str) -> Path:
@@ -248,7 +194,9 @@ def probe_composition(bench: Bench, name: str, vocab: int) -> str | None:
     v = VARIANTS[name]
     if v.cache is None or v.model == "dense":
         return None
-    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0)).to(bench.device)
+    # 2 x 32: HQQ quantizes a tensor in groups of 64 values, also the (B, 1, T, 1) length placeholder of a
+    # layer whose groups are all windowed
+    ids = torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0)).to(bench.device)
     try:
         with torch.inference_mode():
             model = bench.model(v.model)
@@ -263,7 +211,9 @@ def probe_composition(bench: Bench, name: str, vocab: int) -> str | None:
 
 def run(model_name: str, out: Path, preset: Preset, names: list[str], device: str = "cpu", threads: int = 2,
         seed: int = 0, data_dir: str | None = None, texts: list[str] | None = None,
-        importance_file: Path | None = None) -> dict[str, Any]:
+        importance_file: Path | None = None, timed: list[str] | None = None) -> dict[str, Any]:
+    """Measure ``names`` (dense always) at the preset's lengths; time decode for ``timed`` (None: every variant,
+    ``[]``: none; dense is timed with any other, as the ratios' base). Finished records in ``out`` are reused."""
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown kv variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
@@ -277,7 +227,8 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         raise RuntimeError("--device cuda: this torch build sees no CUDA device")
     dense, tok, sep, prefix = load(model_name)
     dense = dense.to(dev).eval()
-    encode = _encoder(tok)
+    encode = encoder(tok)
+    fmt = passkey_format(preset.passkey_format, tok)
     cfg: Any = dense.config
     if texts is None:
         from condcomp.experiments.data import resolve_data_dir
@@ -303,7 +254,8 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
             print(f"skipped: {reason}")
             skipped[name] = reason
     runnable = [n for n in names if n not in skipped]
-    base = {"model": model_name, "seed": seed, "batch": preset.batch, "answer_tokens": preset.answer_tokens}
+    base = {"model": model_name, "seed": seed, "batch": preset.batch, "answer_tokens": preset.answer_tokens,
+            "passkey_format": preset.passkey_format}
     settings = {P: {**base, "prompt_len": P, "passkey_cases": preset.cases(P)[0], "ppl_cases": preset.cases(P)[1],
                     "cont_len": preset.cont_len} for P in preset.prompts}
     timing = {**base, "decode_prompt": preset.decode_prompt, "decode_batch": preset.decode_batch,
@@ -311,7 +263,8 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     pending = {P: [n for n in runnable if read_record(record_path(out, n, P), settings[P]) is None]
                for P in preset.prompts}
     pending = {P: (["dense", *[n for n in ns if n != "dense"]] if ns else []) for P, ns in pending.items()}
-    time_pending = any(read_record(record_path(out, n, "decode"), timing) is None for n in runnable)
+    timed = runnable if timed is None else [n for n in runnable if n in timed or (n == "dense" and timed)]
+    time_pending = any(read_record(record_path(out, n, "decode"), timing) is None for n in timed)
     groups = {P: len(by_model(ns)) for P, ns in pending.items()}
     total = sum(g * (math.ceil(preset.cases(P)[0] / preset.batch) + math.ceil(preset.cases(P)[1] / preset.batch))
                 for P, g in groups.items()) + int(time_pending)
@@ -321,12 +274,12 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
             continue
         n_passkey, n_ppl = preset.cases(P)
         cont = continuation_cases(stream, P, preset.cont_len, n_ppl, seed)
-        keys = passkey_cases(stream, encode, P, n_passkey, seed, prefix_ids=prefix)
+        keys = passkey_cases(stream, encode, P, n_passkey, seed, prefix_ids=prefix, fmt=fmt)
         res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
         for name, r in res.items():
             write_record(record_path(out, name, P), kv_report.length_record(name, P, r, res["dense"], settings[P]))
     if time_pending:
-        for name, r in time_decode(bench, runnable, preset, int(cfg.vocab_size)).items():
+        for name, r in time_decode(bench, timed, preset, int(cfg.vocab_size)).items():
             write_record(record_path(out, name, "decode"), {"variant": name, **r, "settings": timing})
         bar.update(1)
     bar.close()
@@ -343,11 +296,14 @@ def main(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     if args.prompts:
         preset = replace(preset, prompts=tuple(args.prompts))
+    for field in ("decode_prompt", "decode_batch", "passkey_format"):
+        if getattr(args, field) is not None:
+            preset = replace(preset, **{field: getattr(args, field)})
     if args.passkey_cases:
         counts = tuple(args.passkey_cases)
         preset = replace(preset, passkey_cases=counts[0] if len(counts) == 1 else counts)
     result = run(args.model, out, preset, args.variants, args.device, args.threads, args.seed, args.data_dir,
-                 importance_file=args.importance)
+                 importance_file=args.importance, timed=args.time_decode)
     kv_report.write(out, result)
     print(kv_report.table(result["records"]))
     return 0
@@ -362,12 +318,17 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
                    help="smollm2 (needs the llm extra, docs/llm.md) or tiny-llama (random, no download)")
     p.add_argument("--out", type=output_folder, required=True, help="results folder (finished records are reused)")
-    p.add_argument("--preset", default="cpu", choices=tuple(PRESETS),
-                   help="full: prompts 2048 and 4096, 50 passkey cases, decode at 2048 x 8; cpu: 1024 and 2048, "
-                        "10 cases, decode at 512 x 2 (fits a 2-core CPU); quick: a smoke run")
+    p.add_argument("--preset", default="cpu", choices=tuple(PRESETS), help=PRESET_HELP)
     p.add_argument("--prompts", type=int, nargs="+", default=None, help="override the preset's prompt lengths")
     p.add_argument("--passkey-cases", type=int, nargs="+", default=None,
                    help="override the preset's passkey cases: one count, or one per prompt length")
+    p.add_argument("--passkey-format", default=None, choices=PASSKEY_FORMATS,
+                   help="override the preset's passkey prompt: chat (the instruct template) or raw (plain text)")
+    p.add_argument("--time-decode", nargs="*", default=None, metavar="NAME",
+                   help="time decode only for these variants (dense too); given without names: time none; "
+                        "default: every variant. On a quiet machine only (the timings are medians of steps)")
+    p.add_argument("--decode-prompt", type=int, default=None, help="override the preset's decode-timing prompt")
+    p.add_argument("--decode-batch", type=int, default=None, help="override the preset's decode-timing batch")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
                    help=f"of: {', '.join(VARIANTS)} (dense is always run)")
     p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),

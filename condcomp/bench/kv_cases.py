@@ -24,6 +24,37 @@ INSTRUCTION = ("There is an important piece of information hidden inside a lot o
                "memorize it. I will quiz you about it.\n\n")
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class PasskeyFormat:
+    """How a passkey prompt reads: ``head`` (before the haystack), ``needle`` (``{key}`` is the key) and ``tail``
+    (after the haystack, ending where the answer starts)."""
+
+    name: str
+    head: str = INSTRUCTION
+    needle: str = NEEDLE
+    tail: str = QUESTION
+
+
+RAW = PasskeyFormat("raw")
+# A copy task: the prompt ends with the needle's opening words, a name found nowhere else, and the needle says its
+# line three times, so a model that copies what followed those words earlier (an induction head) answers with the
+# key. No question: asked "What is the pass key?", SmolLM2-135M defines the words instead (results/kv/README.md).
+COPY = PasskeyFormat("copy", needle="\n\n" + " ".join(["The pass key of Zorblat Quixen is {key}."] * 3) + "\n\n",
+                     tail="\n\nThe pass key of Zorblat Quixen is")
+
+
+def chat_format(render: Callable[[str], str], name: str = "chat", needle: str = NEEDLE,
+                question: str = "What is the pass key?", primer: str = "The pass key is") -> PasskeyFormat:
+    """The passkey prompt as an instruct model's chat: instruction, haystack and question in the user turn, the
+    assistant's answer primed with ``primer``. ``render(user_text)``: the chat template applied to one user message
+    with the assistant turn opened (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``)."""
+    marker = "\u0000HAYSTACK\u0000"
+    before, after = render(INSTRUCTION + marker + "\n\n" + question).split(marker)
+    return PasskeyFormat(name, head=before, needle=needle, tail=after + primer)
+
+
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
@@ -77,7 +108,8 @@ def continuation_cases(stream: Sequence[int], prompt_len: int, cont_len: int, n:
 
 
 def passkey_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int,
-                  depths: Sequence[float] = DEPTHS, prefix_ids: Sequence[int] = ()) -> list[PasskeyCase]:
+                  depths: Sequence[float] = DEPTHS, prefix_ids: Sequence[int] = (), fmt: PasskeyFormat = RAW
+                  ) -> list[PasskeyCase]:
     """``n`` passkey prompts of exactly ``prompt_len`` tokens; case i asks for depth ``depths[i % len(depths)]``.
 
     The needle goes after ``round(depth * H)`` haystack tokens (H: the haystack tokens in the prompt), so its
@@ -85,13 +117,13 @@ def passkey_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int
     ``prefix_ids`` (e.g. a BOS token) open every prompt.
     """
     rng = random.Random(f"passkey/{seed}/{prompt_len}")
-    head = list(prefix_ids) + encode(INSTRUCTION)
-    question = encode(QUESTION)
+    head = list(prefix_ids) + encode(fmt.head)
+    question = encode(fmt.tail)
     cases = []
     for i in range(n):
         key = str(rng.randint(10000, 99999))
         depth = float(depths[i % len(depths)])
-        needle = encode(NEEDLE.format(key=key))
+        needle = encode(fmt.needle.format(key=key))
         H = prompt_len - len(head) - len(needle) - len(question)
         if H < 1:
             raise ValueError(f"a passkey prompt of {prompt_len} tokens leaves no room for haystack text "

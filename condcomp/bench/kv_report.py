@@ -62,14 +62,15 @@ def summary(result: dict[str, Any]) -> str:
     lines = ["# condcomp bench kv", "",
              f"Prompts {', '.join(map(str, p['prompts']))} tokens; passkey cases {p['passkey_cases']} and "
              f"continuations {p['ppl_cases']} of {p['cont_len']} scored tokens (per length where a list); "
-             f"device {result['device']}, {result['threads']} threads.",
+             f"passkey prompt format {p.get('passkey_format', 'raw')}; device {result['device']}, "
+             f"{result['threads']} threads.",
              f"Decode ms/token: prompt {p['decode_prompt']}, batch {p['decode_batch']}, median of "
              f"{p['decode_tokens']} interleaved steps ('x dense': step-paired median ratio)." if timing else "", "",
              table(records), "", "## Variants", ""]
     lines += [f"- `{n}`: {VARIANTS[n].note}" for n in dict.fromkeys(r["variant"] for r in records)]
     if result["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {reason}" for reason in result["skipped"].values()]
-    lines += ["", f"Still to come (need condcomp's per-group streaming window): {', '.join(PLANNED_VARIANTS)}."]
+    lines += ["", f"Still to come (a trained router or gates for the split): {', '.join(PLANNED_VARIANTS)}."]
     return "\n".join(lines) + "\n"
 
 

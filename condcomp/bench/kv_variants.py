@@ -57,11 +57,17 @@ VARIANTS: dict[str, KVVariant] = {
     "split-static-1of3": KVVariant("window-1of3-w252", note="condcomp static split: 1 of 3 KV groups per layer in "
                                                             "full (static pruning's ranking), the others a streaming "
                                                             "window of 4 sink + 252 recent tokens"),
+    "split-static-1of3+fp8": KVVariant("window-1of3-w252", "fp8", note="the static full/window split inside an "
+                                       "fp8 QuantizedCache: full groups and windows in fp8"),
+    "split-static-1of3+hqq4": KVVariant("window-1of3-w252", "hqq4", note="the static full/window split inside a "
+                                        "4-bit cache: full groups HQQ 4-bit, windows 4-bit per token"),
     "streaming": KVVariant("window-all-w252", note="StreamingLLM: every KV group keeps 4 sink + 252 recent tokens"),
     "split-duo-1of3": KVVariant("duo-1of3-w252", note="condcomp static split from DuoAttention gates "
                                                       "(results/kv/duo_gates.json, condcomp calibrate-kv): the "
                                                       "highest third of all (layer, group) gates in full, layers may "
                                                       "differ; the others 4 sink + 252 recent tokens"),
+    "streaming+hqq4": KVVariant("window-all-w252", "hqq4", note="StreamingLLM inside a 4-bit cache: windows 4-bit "
+                                "per token"),
     "router-keep2of3": KVVariant("router-2of3", note="condcomp per-request plan, untrained topk router: 2 of 3 "
                                                      "KV groups chosen from the prompt"),
 }
@@ -101,7 +107,7 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
     """
     if kind is None:
         return copy.deepcopy(source)
-    from condcomp.integrations.hf.cache import carrier_class, is_carrier
+    from condcomp.integrations.hf.cache import carrier_class, is_carrier, store_windows, stored_windows
 
     target = quantized_cache(kind, config)
     for src, dst in zip(source.layers, target.layers):
@@ -111,6 +117,7 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
         if is_carrier(src):
             dst.__class__ = carrier_class(type(dst))
             dst.condcomp_plan = src.condcomp_plan
+            store_windows(dst, stored_windows(src))  # the streamed groups' windows, quantized as the layer's keys
     return target
 
 

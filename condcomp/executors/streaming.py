@@ -42,14 +42,20 @@ class WindowCache:
     def crop(self, tokens: int, window: StreamWindow) -> WindowCache:
         """The cache without each request's last ``tokens`` tokens; refused once tokens it would need again were
         evicted (they cannot be brought back)."""
-        if bool((self.seen > window.capacity).any()):
-            raise ValueError(
-                f"cannot crop {tokens} token(s) from a KV cache whose streamed groups already evicted tokens (they hold"
-                f" the first {window.sinks} and the last {window.window} tokens of each request): the evicted ones "
-                "would be needed again. Crop before the request outgrows the window, or start the request again")
-        seen = (self.seen - tokens).clamp_min(0)  # (B,)
-        positions = self.positions.masked_fill(self.positions >= seen.unsqueeze(-1), -1)
+        positions, seen = crop_positions(self.positions, self.seen, tokens, window)
         return WindowCache(self.keys, self.values, positions, seen)
+
+
+def crop_positions(positions: Tensor, seen: Tensor, tokens: int, window: StreamWindow) -> tuple[Tensor, Tensor]:
+    """A window's ``(positions, seen)`` without each request's last ``tokens`` tokens (see :meth:`WindowCache.crop`;
+    shared with the quantized window, whose entries stay where they are)."""
+    if bool((seen > window.capacity).any()):
+        raise ValueError(
+            f"cannot crop {tokens} token(s) from a KV cache whose streamed groups already evicted tokens (they hold"
+            f" the first {window.sinks} and the last {window.window} tokens of each request): the evicted ones "
+            "would be needed again. Crop before the request outgrows the window, or start the request again")
+    seen = (seen - tokens).clamp_min(0)  # (B,)
+    return positions.masked_fill(positions >= seen.unsqueeze(-1), -1), seen
 
 
 def query_positions(seen: Tensor | None, query_mask: Tensor | None, B: int, T: int, device: torch.device) -> Tensor:

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from condcomp.executors.streaming import WindowCache
+from condcomp.executors.window_quant import QuantizedWindowCache, WindowCodec
 from condcomp.held_plans import HeldPlan, KVSelection
 from condcomp.host import detached
 from condcomp.types import HeadPlan
@@ -62,7 +63,8 @@ class PlanCarrier:
     ``condcomp_plan`` rides with the layer's tensors through the layer's own operations."""
 
     condcomp_plan: HeldPlan | None = None
-    condcomp_windows: WindowCache | None = None  # the streamed groups' trimmed keys/values (see .decode)
+    # the streamed groups' trimmed keys/values (see .decode), quantized in a quantized layer (see window_codec)
+    condcomp_windows: WindowCache | QuantizedWindowCache | None = None
     condcomp_tokens: int  # static layers only: tokens held, counted on the host
     _condcomp_base: Any = object
 
@@ -147,6 +149,39 @@ def is_carrier(layer: Any) -> bool:
 def _rebuild_layer(base: Any) -> Any:
     cls = carrier_class(base)
     return object.__new__(cls)
+
+
+def window_codec(layer: Any) -> WindowCodec | None:
+    """How a quantized transformers cache layer stores the streamed groups' windows it holds, as it stores its own
+    keys: fp8 for an ``Fp8QuantizedLayer``, the layer's ``nbits`` and ``q_group_size`` for a ``QuantizedLayer``
+    (HQQ, quanto); None (full precision) for any other layer."""
+    from transformers import cache_utils
+
+    fp8: Any = getattr(cache_utils, "Fp8QuantizedLayer", ())  # () where this transformers has no such layer
+    grouped: Any = getattr(cache_utils, "QuantizedLayer", ())
+    if isinstance(layer, fp8):
+        return WindowCodec("fp8")
+    if isinstance(layer, grouped):
+        return WindowCodec("int", nbits=int(layer.nbits), group=int(layer.q_group_size))
+    return None
+
+
+def stored_windows(layer: Any) -> WindowCache | None:
+    """The streamed groups' window a cache layer holds, as full-precision tensors (dequantized if stored so)."""
+    windows = getattr(layer, "condcomp_windows", None)
+    return windows.dequantized() if isinstance(windows, QuantizedWindowCache) else windows
+
+
+def store_windows(layer: Any, windows: WindowCache | None) -> None:
+    """Keep ``windows`` in a carrier ``layer``: quantized when the layer is a quantized one (:func:`window_codec`),
+    so a quantized cache holds the windows as compactly as its own keys."""
+    codec = window_codec(layer) if windows is not None else None
+    if codec is None or windows is None:
+        layer.condcomp_windows = windows
+        return
+    before = layer.__dict__.get("condcomp_windows")
+    layer.condcomp_windows = QuantizedWindowCache.store(
+        windows, codec, before if isinstance(before, QuantizedWindowCache) else None)
 
 
 def cache_layer(cache: Any, layer_idx: int, cross: bool = False) -> Any:
@@ -309,6 +344,8 @@ def _tensor_bytes(value: Any, seen: set[int]) -> int:
         return value.numel() * value.element_size()
     if isinstance(value, WindowCache):
         return sum(_tensor_bytes(t, seen) for t in (value.keys, value.values, value.positions, value.seen))
+    if isinstance(value, QuantizedWindowCache):
+        return sum(_tensor_bytes(t, seen) for t in value.tensors())
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v, seen) for v in value)
     if isinstance(value, dict):

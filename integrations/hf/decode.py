@@ -22,7 +22,7 @@ from condcomp.held_plans import KV_WINDOW, KVSelection, StreamWindow, pad_slots,
 from condcomp.host import LastForward
 from condcomp.types import AttentionInputs, HeadPlan
 
-from .cache import RequestStep, cache_layer, compact_write
+from .cache import RequestStep, cache_layer, compact_write, store_windows, stored_windows
 from .common import decoder_request_plan, mask_parts, sliding_window_bias
 
 if TYPE_CHECKING:
@@ -90,10 +90,10 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
 
     def keep_windows(windows: Any) -> None:
         # looked up again: at a prefill the layer exists only once store() has run
-        cache_layer(cache, layer_idx).condcomp_windows = windows  # read back by the request's next call
+        store_windows(cache_layer(cache, layer_idx), windows)  # read back by the request's next call
 
     layer = cache_layer(cache, layer_idx)
-    windows = getattr(layer, "condcomp_windows", None) if step.held is not None else None
+    windows = stored_windows(layer) if step.held is not None else None
     proj = Projections(routed.q_proj, routed.k_proj, routed.v_proj, routed.o_proj,  # the modules: exact for LoRA
                        getattr(routed, "q_norm", None), getattr(routed, "k_norm", None))
     compact = CompactKV(sel, store, S if mask is None else None, windows, keep_windows, proj)

@@ -44,6 +44,31 @@ def test_passkey_case_plants_the_key_at_the_asked_depth() -> None:
     assert [c.key for c in passkey_cases(s, byte_encode, 600, n=10, seed=4)] != [c.key for c in cases]
 
 
+def test_chat_passkey_format_wraps_the_prompt_in_the_template() -> None:
+    from condcomp.bench.kv_cases import chat_format
+
+    def render(user: str) -> str:  # a chat template: the user turn, then the assistant's turn opened
+        return f"<u>{user}</u><a>"
+
+    fmt = chat_format(render)
+    s = stream()
+    for case in passkey_cases(s, byte_encode, 600, n=5, seed=0, fmt=fmt):
+        text = bytes(case.ids).decode()
+        assert len(case.ids) == 600
+        assert text.startswith("<u>" + INSTRUCTION) and text.endswith("What is the pass key?</u><a>The pass key is")
+        assert text[case.needle_start:case.needle_end] == NEEDLE.format(key=case.key)
+
+
+def test_passkey_format_names_are_checked() -> None:
+    from condcomp.bench.kv_presets import ByteTokenizer, passkey_format
+
+    assert passkey_format("raw", ByteTokenizer()).tail == QUESTION
+    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+        passkey_format("chat", ByteTokenizer())
+    with pytest.raises(ValueError, match="unknown passkey format"):
+        passkey_format("fancy", ByteTokenizer())
+
+
 def test_continuation_cases_are_stream_windows() -> None:
     s = stream()
     cases = continuation_cases(s, 100, 20, n=3, seed=0)
@@ -166,13 +191,15 @@ def test_tiny_run_end_to_end_and_resume(tmp_path: Path, monkeypatch: pytest.Monk
     preset = replace(kv.PRESETS["quick"], prompts=(300,), passkey_cases=2, ppl_cases=1, cont_len=4,
                      decode_prompt=16, decode_tokens=2, answer_tokens=3)
     names = ["dense", "quantized-fp8", "drop-keep1of3"]
-    result = kv.run("tiny-llama", tmp_path, preset, names, threads=1, texts=TEXTS)
+    result = kv.run("tiny-llama", tmp_path, preset, names, threads=1, texts=TEXTS, timed=["quantized-fp8"])
     kv_report.write(tmp_path, result)
     records = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
     assert set(records) == set(names)
     for r in records.values():
         assert {"variant", "prompt_len", "kv_frac", "ppl", "passkey_acc", "decode_ms_per_token"} <= set(r)
         assert r["prompt_len"] == 300 and r["passkey_n"] == 2 and r["ppl_tokens"] == 4
+        timed = r["variant"] in ("dense", "quantized-fp8")  # only the asked variant is timed, dense as the base
+        assert (r["decode_ms_per_token"] is not None) == timed
     # the tiny Llama has 8 key/value heads: 1/3 of them rounds to 3 kept; fp8: a byte per value plus scales
     assert records["dense"]["kv_frac"] == 1.0
     assert records["drop-keep1of3"]["kv_frac"] == pytest.approx(3 / 8)
@@ -184,5 +211,5 @@ def test_tiny_run_end_to_end_and_resume(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(kv, "measure_length", must_not_run)
     monkeypatch.setattr(kv, "time_decode", must_not_run)
-    again = kv.run("tiny-llama", tmp_path, preset, names, threads=1, texts=TEXTS)
+    again = kv.run("tiny-llama", tmp_path, preset, names, threads=1, texts=TEXTS, timed=["quantized-fp8"])
     assert [r["ppl"] for r in again["records"]] == [r["ppl"] for r in result["records"]]

@@ -1,0 +1,102 @@
+"""What a ``condcomp bench kv`` run measures (its presets) and the model and tokenizer it measures them on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from condcomp.bench.decode import load_model
+from condcomp.bench.kv_cases import COPY, RAW, PasskeyFormat, chat_format
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How much a run measures. Case counts: one for every prompt length, or one per length (a tuple, in the order
+    of ``prompts``). ``batch``: cases per forward; the decode timing runs its own prompt and batch.
+    ``passkey_format``: how the passkey prompt reads (:func:`passkey_format`)."""
+
+    prompts: tuple[int, ...]
+    passkey_cases: int | tuple[int, ...]
+    ppl_cases: int | tuple[int, ...]
+    cont_len: int
+    batch: int
+    decode_prompt: int
+    decode_batch: int
+    decode_tokens: int
+    answer_tokens: int = 8
+    passkey_format: str = "copy"
+
+    def cases(self, prompt_len: int) -> tuple[int, int]:
+        """``(passkey cases, continuation cases)`` at one prompt length."""
+        i = self.prompts.index(prompt_len)
+
+        def pick(v: int | tuple[int, ...]) -> int:
+            return v if isinstance(v, int) else v[min(i, len(v) - 1)]
+        return pick(self.passkey_cases), pick(self.ppl_cases)
+
+
+PRESETS = {
+    "full": Preset((2048, 4096), passkey_cases=50, ppl_cases=8, cont_len=128, batch=5, decode_prompt=2048,
+                   decode_batch=8, decode_tokens=16),
+    "cpu": Preset((1024, 2048), passkey_cases=10, ppl_cases=(2, 5), cont_len=64, batch=5,
+                  decode_prompt=512, decode_batch=2, decode_tokens=8),
+    "cpu-2048": Preset((2048,), passkey_cases=10, ppl_cases=4, cont_len=64, batch=5, decode_prompt=2048,
+                       decode_batch=8, decode_tokens=16, passkey_format="copy"),
+    "quick": Preset((320,), passkey_cases=2, ppl_cases=2, cont_len=8, batch=2, decode_prompt=32, decode_batch=2,
+                    decode_tokens=3, answer_tokens=4, passkey_format="raw"),
+}
+PRESET_HELP = ("full: prompts 2048 and 4096, 50 passkey cases (a GPU's run); cpu-2048: prompt 2048, 10 passkey cases, "
+               "4 continuations (what one thread of a loaded 2-core CPU measures in an hour); cpu: 1024 and 2048, 10 "
+               "cases; quick: a smoke run. Decode is timed at 2048 x 8 (cpu: 512 x 2)")
+CORPORA = ("imdb", "ag_news", "yelp", "dbpedia_14")
+PASSKEY_FORMATS = ("copy", "raw", "chat")
+
+
+class ByteTokenizer:
+    """The tiny random model's tokenizer: UTF-8 bytes (ids 0..255), separator 256. Keeps runs download-free."""
+
+    sep_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def load(model_name: str) -> tuple[nn.Module, Any, int, list[int]]:
+    """``(model, tokenizer with encode/decode, separator id, prompt prefix ids)``."""
+    if model_name == "tiny-llama":
+        return load_model(model_name), ByteTokenizer(), ByteTokenizer.sep_id, []
+    from condcomp.experiments.llm.data import tokenizer_encoder
+    from condcomp.experiments.llm.smollm2 import load_smollm2
+
+    model, tok = load_smollm2()
+    _, sep = tokenizer_encoder(tok)
+    tok.encode_plain = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # type: ignore[attr-defined]
+    return model, tok, sep, []
+
+
+def encoder(tok: Any) -> Any:
+    """``text -> ids`` without special tokens added (the tokenizer's plain encoder)."""
+    return getattr(tok, "encode_plain", None) or tok.encode
+
+
+def passkey_format(name: str, tok: Any) -> PasskeyFormat:
+    """``copy``: the question ends with the needle's opening words (the key is what followed them); ``raw``: the
+    classic passkey prompt as plain text; ``chat``: the same in the tokenizer's chat template (the
+    instruct model's own format), the answer primed with "The pass key is" (results/kv/README.md: the screen)."""
+    if name in ("raw", "copy"):
+        return RAW if name == "raw" else COPY
+    if name != "chat":
+        raise ValueError(f"unknown passkey format {name!r}; choose from {', '.join(PASSKEY_FORMATS)}")
+    if not callable(getattr(tok, "apply_chat_template", None)) or not getattr(tok, "chat_template", None):
+        raise ValueError("passkey format 'chat' needs a tokenizer with a chat template (the tiny model's byte "
+                         "tokenizer has none): use --passkey-format raw")
+
+    def render(user: str) -> str:
+        return str(tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                           add_generation_prompt=True))
+    return chat_format(render)
