@@ -1,4 +1,4 @@
-"""The verdict on issue 26's budget goal: can BudgetFormer's learned budget reach the paper's regime and still
+"""The verdict on the budget-regime goal: can BudgetFormer's learned budget reach the paper's regime and still
 adapt to the input? Per run (the study's full-length BudgetFormer runs and the short search runs of
 ``results/budget_search``), the goal's four conditions met or missed, and a paragraph that follows the numbers.
 
