@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from condcomp.executors.streaming import query_positions
 from condcomp.masks import streaming_allowed
 
 ATTN_NAME = "condcomp_duo"
@@ -74,7 +75,7 @@ def real_positions(attention_mask: Any, B: int, T: int, device: torch.device) ->
     """``(B, T)`` each token's position among its request's real tokens, ``-1`` for padding, from the mask
     transformers hands an attention function (None: no padding; 4-D: a key is real when some query may see it)."""
     if attention_mask is None:
-        return torch.arange(T, device=device).expand(B, T)
+        return query_positions(None, None, B, T, device)
     if not isinstance(attention_mask, Tensor) or attention_mask.dim() not in (2, 4):
         raise ValueError("DuoAttention gates need a tensor attention mask (2-D or 4-D); load the model with "
                          "attn_implementation='sdpa' or 'eager'")
@@ -84,7 +85,7 @@ def real_positions(attention_mask: Any, B: int, T: int, device: torch.device) ->
         allowed = attention_mask if attention_mask.dtype == torch.bool else (
             attention_mask > torch.finfo(attention_mask.dtype).min / 2)
         real = allowed.any(dim=1).any(dim=1).expand(B, T)  # (B|1, 1, T, S) -> (B, S), S = T
-    return torch.where(real, real.long().cumsum(-1) - 1, torch.full_like(real, -1, dtype=torch.long))
+    return query_positions(None, real.expand(B, T), B, T, device)
 
 
 def duo_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
