@@ -234,8 +234,13 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         from condcomp.experiments.data import resolve_data_dir
 
         texts = corpus_texts(resolve_data_dir(data_dir), CORPORA, seed)
-    need = max(preset.prompts) + preset.cont_len + 1
-    stream = haystack_stream(texts, encode, sep, min_tokens=max(4 * need, 1024))
+
+    def stream_for(prompt_len: int) -> list[int]:
+        # The haystack of one prompt length depends on that length alone: cases drawn at 2048 are the same whether
+        # or not the run also measures 4096 (so records written by a run of other lengths are the same cases)
+        return haystack_stream(texts, encode, sep, min_tokens=max(4 * (prompt_len + preset.cont_len + 1), 1024))
+
+    stream = stream_for(min(preset.prompts))
 
     @functools.cache
     def importance() -> Tensor:
@@ -273,8 +278,9 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         if not todo:
             continue
         n_passkey, n_ppl = preset.cases(P)
-        cont = continuation_cases(stream, P, preset.cont_len, n_ppl, seed)
-        keys = passkey_cases(stream, encode, P, n_passkey, seed, prefix_ids=prefix, fmt=fmt)
+        haystack = stream_for(P)
+        cont = continuation_cases(haystack, P, preset.cont_len, n_ppl, seed)
+        keys = passkey_cases(haystack, encode, P, n_passkey, seed, prefix_ids=prefix, fmt=fmt)
         res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
         for name, r in res.items():
             write_record(record_path(out, name, P), kv_report.length_record(name, P, r, res["dense"], settings[P]))

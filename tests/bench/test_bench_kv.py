@@ -213,3 +213,24 @@ def test_tiny_run_end_to_end_and_resume(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(kv, "time_decode", must_not_run)
     again = kv.run("tiny-llama", tmp_path, preset, names, threads=1, texts=TEXTS, timed=["quantized-fp8"])
     assert [r["ppl"] for r in again["records"]] == [r["ppl"] for r in result["records"]]
+
+
+def test_cases_of_a_length_do_not_depend_on_the_other_lengths(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record at one length is reused by runs that also measure other lengths: its cases must be the same."""
+    pytest.importorskip("transformers")
+    from condcomp.bench import kv
+
+    seen: dict[tuple[int, ...], list[list[int]]] = {}
+
+    def capture(bench: object, todo: list[str], cont: list[list[int]], keys: list[object], *rest: object) -> dict:
+        seen.setdefault(current, []).extend([*cont, *[list(k.ids) for k in keys]])  # type: ignore[attr-defined]
+        raise StopIteration  # the cases are all this test needs
+
+    monkeypatch.setattr(kv, "measure_length", capture)
+    base = replace(kv.PRESETS["quick"], passkey_cases=2, ppl_cases=1, cont_len=4, answer_tokens=3)
+    for current in [(300,), (300, 900)]:
+        with pytest.raises(StopIteration):
+            kv.run("tiny-llama", tmp_path / str(len(current)), replace(base, prompts=current), ["dense"],
+                   threads=1, texts=TEXTS, timed=[])
+    assert seen[(300,)] == seen[(300, 900)]
