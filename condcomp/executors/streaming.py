@@ -87,6 +87,18 @@ def trim(keys: Tensor, values: Tensor, positions: Tensor, seen: Tensor, window: 
         kept = positions.gather(1, chosen)
         order = kept.masked_fill(kept < 0, _SINK_RANK).argsort(-1)
         chosen = chosen.gather(1, order)  # position order (empty entries last)
-        idx = chosen[:, None, :, None].expand(keys.shape[0], keys.shape[1], keep, keys.shape[3])
-        keys, values, positions = keys.gather(2, idx), values.gather(2, idx), positions.gather(1, chosen)
+        keys, values, positions = take_entries(keys, chosen), take_entries(values, chosen), positions.gather(1, chosen)
     return WindowCache(keys, values, positions, seen)
+
+
+def take_entries(t: Tensor, chosen: Tensor) -> Tensor:
+    """``t (B, g, N, Dh)`` at each row's entries ``chosen (B, K)`` -> ``(B, g, K, Dh)``.
+
+    One row copy of ``Dh`` values per entry (``index_select`` over the flattened entries): ``torch.gather`` with an
+    index expanded over ``Dh`` runs element by element on CPU and cost a fifth of a decode step here (SmolLM2,
+    batch 8, a 256-token window: 2 ms per call against 0.1 ms).
+    """
+    B, g, N, Dh = t.shape
+    first = (torch.arange(B * g, device=t.device) * N).view(B, g, 1)  # each (row, group)'s first entry
+    flat = (first + chosen.unsqueeze(1)).reshape(-1)  # (B*g*K,)
+    return t.reshape(B * g * N, Dh).index_select(0, flat).view(B, g, chosen.shape[1], Dh)

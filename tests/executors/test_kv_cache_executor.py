@@ -139,3 +139,15 @@ def test_explain_lists_the_kv_cache_executor_and_auto_prefers_dense_without_a_ca
     choice = condcomp.explain(w, AttentionInputs(x=torch.randn(2, 3, D, dtype=torch.float64)), plan)
     assert choice.executor != "kv_cache"
     assert any(name == "kv_cache" and "cost" in why for name, why in choice.verdicts)
+
+
+def test_window_entries_are_taken_as_gather_takes_them() -> None:
+    """The window trim's row copy (index_select over flattened entries) against torch.gather on the same index."""
+    from condcomp.executors.streaming import take_entries
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(3, 2, 9, 4, generator=g)
+    chosen = torch.stack([torch.randperm(9, generator=g)[:5] for _ in range(3)])  # (B, K), any order per row
+    expected = t.gather(2, chosen[:, None, :, None].expand(3, 2, 5, 4))
+    assert torch.equal(take_entries(t, chosen), expected)
+    assert torch.equal(take_entries(t.transpose(2, 3).contiguous().transpose(2, 3), chosen), expected)  # strided
