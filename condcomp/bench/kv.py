@@ -301,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     preset = PRESETS[args.preset]
     if args.prompts:
-        preset = replace(preset, prompts=tuple(args.prompts))
+        preset = preset.at_lengths(tuple(args.prompts))
     for field in ("decode_prompt", "decode_batch", "passkey_format"):
         if getattr(args, field) is not None:
             preset = replace(preset, **{field: getattr(args, field)})
@@ -325,7 +325,9 @@ def add_bench_commands(bench_subparsers: Any) -> None:
                    help="smollm2 (needs the llm extra, docs/llm.md) or tiny-llama (random, no download)")
     p.add_argument("--out", type=output_folder, required=True, help="results folder (finished records are reused)")
     p.add_argument("--preset", default="cpu", choices=tuple(PRESETS), help=PRESET_HELP)
-    p.add_argument("--prompts", type=int, nargs="+", default=None, help="override the preset's prompt lengths")
+    p.add_argument("--prompts", type=int, nargs="+", default=None,
+                   help="other prompt lengths (a length the preset measures keeps its case counts; a new one takes "
+                        "those of its longest length)")
     p.add_argument("--passkey-cases", type=int, nargs="+", default=None,
                    help="override the preset's passkey cases: one count, or one per prompt length")
     p.add_argument("--passkey-format", default=None, choices=PASSKEY_FORMATS,

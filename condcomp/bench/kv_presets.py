@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -35,6 +35,16 @@ class Preset:
         def pick(v: int | tuple[int, ...]) -> int:
             return v if isinstance(v, int) else v[min(i, len(v) - 1)]
         return pick(self.passkey_cases), pick(self.ppl_cases)
+
+    def at_lengths(self, prompts: tuple[int, ...]) -> Preset:
+        """The preset at other prompt lengths: a length it already measures keeps its own case counts, a new one
+        takes those of the preset's longest length."""
+        def counts(v: int | tuple[int, ...], which: int) -> int | tuple[int, ...]:
+            if isinstance(v, int):
+                return v
+            return tuple(self.cases(P if P in self.prompts else max(self.prompts))[which] for P in prompts)
+        return replace(self, prompts=prompts, passkey_cases=counts(self.passkey_cases, 0),
+                       ppl_cases=counts(self.ppl_cases, 1))
 
 
 PRESETS = {

@@ -234,3 +234,13 @@ def test_cases_of_a_length_do_not_depend_on_the_other_lengths(tmp_path: Path,
             kv.run("tiny-llama", tmp_path / str(len(current)), replace(base, prompts=current), ["dense"],
                    threads=1, texts=TEXTS, timed=[])
     assert seen[(300,)] == seen[(300, 900)]
+
+
+def test_other_prompt_lengths_keep_each_lengths_case_counts() -> None:
+    from condcomp.bench.kv_presets import PRESETS
+
+    cpu = PRESETS["cpu"]  # 1024 and 2048: 2 and 5 continuations
+    assert cpu.at_lengths((2048,)).cases(2048) == (10, 5)
+    assert cpu.at_lengths((1024, 4096)).cases(1024) == (10, 2)
+    assert cpu.at_lengths((1024, 4096)).cases(4096) == (10, 5)  # a new length: the longest one's counts
+    assert PRESETS["cpu-2048"].at_lengths((2048, 4096)).cases(4096) == (10, 4)
