@@ -22,7 +22,7 @@ from torch import Tensor
 
 from condcomp.dense import grouped_sdpa, project_kv
 from condcomp.executors.base import keep_gates_in_graph
-from condcomp.executors.streaming import WindowCache, extend, query_positions, trim
+from condcomp.executors.streaming import WindowCache, band_applies, banded_attention, extend, query_positions, trim
 from condcomp.held_plans import KVSelection, select_kv
 from condcomp.masks import AttentionMask, build_attention_mask, dead_rows, streaming_allowed
 from condcomp.protocols import Capabilities, Estimate
@@ -148,9 +148,14 @@ def _streamed(q: Tensor, k: Tensor, v: Tensor, sel: KVSelection, cache: CompactK
     state = cache.windows
     pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
     keys, values, key_pos = extend(state, k, v, pos)
-    allowed = streaming_allowed(pos, key_pos, sel.window.sinks, sel.window.window)  # (B, T, N)
-    dead = ~allowed.any(-1)  # (B, T): padding queries
-    out = grouped_sdpa(q, keys, values, (allowed | dead.unsqueeze(-1)).unsqueeze(1), False, scale)
+    if state is None and band_applies(query_mask, T, sel.window):  # a long prefill: block by block
+        dead = pos < 0  # (B, T): padding queries
+        out = banded_attention(q, keys, values, pos, sel.window,
+                               lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale))
+    else:
+        allowed = streaming_allowed(pos, key_pos, sel.window.sinks, sel.window.window)  # (B, T, N)
+        dead = ~allowed.any(-1)  # (B, T): padding queries
+        out = grouped_sdpa(q, keys, values, (allowed | dead.unsqueeze(-1)).unsqueeze(1), False, scale)
     if cache.keep_windows is not None:
         seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
         cache.keep_windows(trim(keys, values, key_pos, seen, sel.window))

@@ -9,12 +9,14 @@ reads the same at prefill and at every decode step. Keys are stored after rotary
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from condcomp.held_plans import StreamWindow
+from condcomp.masks import streaming_allowed
 
 _SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent token when trimming
 
@@ -102,3 +104,51 @@ def take_entries(t: Tensor, chosen: Tensor) -> Tensor:
     first = (torch.arange(B * g, device=t.device) * N).view(B, g, 1)  # each (row, group)'s first entry
     flat = (first + chosen.unsqueeze(1)).reshape(-1)  # (B*g*K,)
     return t.reshape(B * g * N, Dh).index_select(0, flat).view(B, g, chosen.shape[1], Dh)
+
+
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (q, k, v, mask) -> out, as grouped SDPA
+
+
+def band_applies(query_mask: Tensor | None, T: int, window: StreamWindow) -> bool:
+    """Whether a prefill of ``T`` tokens is computed block by block (:func:`banded_attention`): long enough for the
+    band to save work (more than two windows), and every request's real tokens contiguous (no padding, or left
+    padding), so the band of real positions is a band of indices."""
+    if T <= 2 * window.capacity:
+        return False
+    if query_mask is None:
+        return True
+    real = query_mask.bool()
+    return bool((real[:, 1:] >= real[:, :-1]).all())  # once real, real to the end
+
+
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: StreamWindow, attend: Attend) -> Tensor:
+    """The streaming rule's attention at a prefill, one block of ``window.window`` queries at a time: each block
+    reads its request's sink tokens and the keys of its own and the previous block, not all ``T`` keys.
+
+    ``q (B, Hq, T, Dh)``, ``k``/``v (B, Hkv, T, Dh)``, ``pos (B, T)`` real-token positions (``-1`` padding, which
+    must come first in a row: :func:`band_applies`). Equals ``attend`` over all keys with the mask
+    :func:`~condcomp.masks.streaming_allowed` (padding queries get every key and are zeroed by the caller), at
+    about ``2 * window / T`` of its cost.
+    """
+    B, _, T, _ = q.shape
+    W, n_sinks = window.window, window.sinks
+    # each row's sink tokens (positions 0 .. sinks-1) by index; a row with fewer real tokens repeats an entry whose
+    # position is set to -1 so it is never attended
+    is_sink = (pos >= 0) & (pos < n_sinks)
+    sink_idx = torch.where(is_sink, torch.arange(T, device=pos.device), T).sort(-1).values[:, :n_sinks]  # (B, s)
+    sink_ok = sink_idx < T
+    sink_idx = sink_idx.clamp_max(T - 1)
+    sink_pos = pos.gather(1, sink_idx).masked_fill(~sink_ok, -1)  # (B, s)
+    sink_k, sink_v = take_entries(k, sink_idx), take_entries(v, sink_idx)  # (B, Hkv, s, Dh)
+    outs = []
+    for start in range(0, T, W):
+        end = min(start + W, T)
+        lo = max(0, start - W + 1)  # the oldest key any query of the block may read in its band
+        qp, kp = pos[:, start:end], pos[:, lo:end]
+        local = streaming_allowed(qp, kp, n_sinks, W) & (kp >= n_sinks).unsqueeze(1)  # sinks come from sink_k
+        allowed = torch.cat([streaming_allowed(qp, sink_pos, n_sinks, W), local], -1)  # (B, b, s + band)
+        dead = ~allowed.any(-1, keepdim=True)
+        keys = torch.cat([sink_k, k[:, :, lo:end]], 2)
+        values = torch.cat([sink_v, v[:, :, lo:end]], 2)
+        outs.append(attend(q[:, :, start:end], keys, values, (allowed | dead).unsqueeze(1)))
+    return torch.cat(outs, 2)

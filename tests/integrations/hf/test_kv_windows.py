@@ -86,10 +86,13 @@ def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int
     return tokens, mask, logits, cache
 
 
-@pytest.mark.parametrize("kv_heads", [8, 4])
-def test_streamed_groups_prefill_and_decode_equal_the_rule_without_a_cache(kv_heads: int) -> None:
+@pytest.mark.parametrize("kv_heads,long_prompt", [(8, False), (4, False), (4, True)])
+def test_streamed_groups_prefill_and_decode_equal_the_rule_without_a_cache(kv_heads: int, long_prompt: bool) -> None:
     model = streaming(kv_heads)
     ids, mask = prompts()
+    if long_prompt:  # longer than two windows: the prefill is computed block by block (banded_attention)
+        ids = torch.cat([ids, torch.randint(1, 97, (ids.shape[0], 13), generator=torch.Generator().manual_seed(5))], 1)
+        mask = torch.cat([mask, torch.ones(mask.shape[0], 13, dtype=mask.dtype)], 1)
     tokens, full_mask, logits, cache = generate(model, ids, mask, NEW)
     plans = condcomp.request_plans(model, cache)
     modes = {m for p in plans.values() for row in p.group_modes() for m in row}

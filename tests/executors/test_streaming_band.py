@@ -1,0 +1,55 @@
+"""The streaming rule's block-by-block prefill against the rule written out in float64, query by query."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from condcomp.dense import grouped_sdpa
+from condcomp.executors.streaming import band_applies, banded_attention
+from condcomp.held_plans import StreamWindow
+
+
+def rule_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                   window: StreamWindow) -> torch.Tensor:
+    """Per row, head and query: softmax over the keys the rule allows (0 <= j <= p and (j < sinks or p - j <
+    window)), float64; padding queries 0."""
+    B, H, T, Dh = q.shape
+    r = H // k.shape[1]
+    out = torch.zeros(B, H, T, Dh, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                p = int(pos[b, i])
+                if p < 0:
+                    continue
+                keys = [j for j in range(T) if 0 <= int(pos[b, j]) <= p
+                        and (int(pos[b, j]) < window.sinks or p - int(pos[b, j]) < window.window)]
+                s = (k[b, h // r, keys].double() @ q[b, h, i].double()) / Dh ** 0.5
+                out[b, h, i] = torch.softmax(s, 0) @ v[b, h // r, keys].double()
+    return out
+
+
+@pytest.mark.parametrize("sinks,window,T", [(2, 4, 23), (0, 5, 20), (3, 4, 24)])
+def test_banded_prefill_equals_the_rule(sinks: int, window: int, T: int) -> None:
+    g = torch.Generator().manual_seed(T)
+    B, Hkv, r, Dh = 3, 2, 2, 8
+    q = torch.randn(B, Hkv * r, T, Dh, generator=g)
+    k, v = torch.randn(B, Hkv, T, Dh, generator=g), torch.randn(B, Hkv, T, Dh, generator=g)
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, :5] = False  # left padding
+    real[2, :T - 2] = False  # fewer real tokens than the sinks
+    pos = (real.long().cumsum(-1) - 1).masked_fill(~real, -1)
+    w = StreamWindow(sinks, window)
+    assert band_applies(real, T, w)
+    got = banded_attention(q, k, v, pos, w, lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, Dh ** -0.5))
+    got = got.masked_fill(~real[:, None, :, None], 0.0)
+    torch.testing.assert_close(got.double(), rule_attention(q, k, v, pos, w), atol=1e-5, rtol=1e-5)
+
+
+def test_band_applies_to_long_left_padded_prefills_only() -> None:
+    w = StreamWindow(1, 3)  # capacity 4
+    assert not band_applies(None, 8, w) and band_applies(None, 9, w)
+    right = torch.ones(2, 12, dtype=torch.bool)
+    right[0, -2:] = False  # right padding: real positions are not a band of indices
+    assert not band_applies(right, 12, w)
