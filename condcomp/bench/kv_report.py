@@ -70,7 +70,8 @@ def summary(result: dict[str, Any]) -> str:
     lines += [f"- `{n}`: {VARIANTS[n].note}" for n in dict.fromkeys(r["variant"] for r in records)]
     if result["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {reason}" for reason in result["skipped"].values()]
-    lines += ["", f"Still to come (a trained router or gates for the split): {', '.join(PLANNED_VARIANTS)}."]
+    if PLANNED_VARIANTS:
+        lines += ["", f"Still to come: {', '.join(PLANNED_VARIANTS)}."]
     return "\n".join(lines) + "\n"
 
 

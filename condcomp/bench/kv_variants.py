@@ -68,13 +68,19 @@ VARIANTS: dict[str, KVVariant] = {
                                                       "differ; the others 4 sink + 252 recent tokens"),
     "streaming+hqq4": KVVariant("window-all-w252", "hqq4", note="StreamingLLM inside a 4-bit cache: windows 4-bit "
                                 "per token"),
+    "split-request-1of3": KVVariant("request-1of3-w252", note="condcomp per-request split: a trained topk router "
+                                    "per layer (results/kv/request_router_seed0.pt, condcomp calibrate-kv --method "
+                                    "request) keeps 1 of 3 KV groups in full, chosen from each prompt; the others 4 "
+                                    "sink + 252 recent tokens"),
+    "split-request-1of3-seed1": KVVariant("request-1of3-w252-seed1", note="the per-request split with the routers "
+                                          "of training seed 1 (results/kv/request_router_seed1.pt)"),
     "router-keep2of3": KVVariant("router-2of3", note="condcomp per-request plan, untrained topk router: 2 of 3 "
                                                      "KV groups chosen from the prompt"),
 }
 DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
                     "drop-keep2of3+fp8")
-# Variants still to build: a per-request full/window split (a trained topk router).
-PLANNED_VARIANTS = ("split-request",)
+# Variants still to build (listed under the table): none at present.
+PLANNED_VARIANTS: tuple[str, ...] = ()
 
 
 def missing_packages(name: str) -> str | None:
@@ -232,6 +238,34 @@ def gate_split(path: Path, fraction: float, window: int, sinks: int = 4) -> Prep
     return prepare
 
 
+REQUEST_ROUTERS = (Path("results/kv/request_router_seed0.pt"), Path("results/kv/request_router_seed1.pt"))
+
+
+def request_split(path: Path) -> Prepare:
+    """The per-request full/window split of a router file (``condcomp calibrate-kv --method request``): per layer a
+    ``topk`` router whose scorer is the file's picks, from each prompt, the KV groups kept in full (the file's
+    ``keep`` per layer); the others stream (the file's sinks and window). The cache holds each request's own
+    split."""
+    def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
+        import condcomp
+        from condcomp.api import routing_hosts
+        from condcomp.experiments.llm.request_split import load_router
+
+        split = load_router(path, dense)
+        model = copy.deepcopy(dense)
+        layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
+        for layer in layers:
+            router = ("topk", {"kv_groups": True, "stream_window": split.window, "stream_sinks": split.sinks})
+            condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": split.keep / split.groups,
+                                                                            "k_min": 0}),
+                                                           router=router, executor="auto", target_modules=[layer]))
+        hosts = list(routing_hosts(model).values())  # in layer order
+        for host, trained in zip(hosts, split.routers, strict=True):
+            host.condcomp_router.scorer.load_state_dict(trained.scorer.state_dict())  # type: ignore[union-attr]
+        return model.eval()
+    return prepare
+
+
 MODELS: dict[str, Prepare] = {
     "dense": lambda dense, ctx: dense,
     "static-2of3": static_split(2 / 3),
@@ -240,6 +274,8 @@ MODELS: dict[str, Prepare] = {
     "window-1of3-w252": window_split(1 / 3, 252),
     "window-all-w252": window_split(0, 252),
     "duo-1of3-w252": gate_split(DUO_GATES, 1 / 3, 252),
+    "request-1of3-w252": request_split(REQUEST_ROUTERS[0]),
+    "request-1of3-w252-seed1": request_split(REQUEST_ROUTERS[1]),
 }
 
 

@@ -6,6 +6,7 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -244,3 +245,26 @@ def test_other_prompt_lengths_keep_each_lengths_case_counts() -> None:
     assert cpu.at_lengths((1024, 4096)).cases(1024) == (10, 2)
     assert cpu.at_lengths((1024, 4096)).cases(4096) == (10, 5)  # a new length: the longest one's counts
     assert PRESETS["cpu-2048"].at_lengths((2048, 4096)).cases(4096) == (10, 4)
+
+
+def test_a_new_variant_reads_the_finished_dense_record_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    from condcomp.bench import kv
+
+    preset = replace(kv.PRESETS["quick"], prompts=(300,), passkey_cases=2, ppl_cases=1, cont_len=4,
+                     answer_tokens=3)
+    first = kv.run("tiny-llama", tmp_path, preset, ["dense", "drop-keep1of3"], threads=1, texts=TEXTS, timed=[])
+    measured: list[list[str]] = []
+    original = kv.measure_length
+
+    def spy(bench: Any, names: list[str], *args: Any) -> Any:
+        measured.append(list(names))
+        return original(bench, names, *args)
+
+    monkeypatch.setattr(kv, "measure_length", spy)
+    again = kv.run("tiny-llama", tmp_path, preset, ["dense", "drop-keep1of3", "drop-keep2of3"], threads=1,
+                   texts=TEXTS, timed=[])
+    assert measured == [["drop-keep2of3"]]  # dense (the kv_frac reference) and drop-keep1of3 read back
+    records = {r["variant"]: r for r in again["records"]}
+    assert records["dense"] == first["records"][0]
+    assert records["drop-keep2of3"]["kv_frac"] == pytest.approx(5 / 8)  # round(2/3 * 8) of 8 groups

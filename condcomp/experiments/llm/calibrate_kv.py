@@ -13,7 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-METHODS = ("duo", "importance")
+METHODS = ("duo", "importance", "request")
+DEFAULT_LR = {"duo": 0.02, "importance": 0.02, "request": 1e-3}
 
 
 def _calibration(args: argparse.Namespace, texts: list[str] | None, seed: int) -> tuple[Any, list[Any]]:
@@ -38,6 +39,12 @@ def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
     from condcomp.experiments.llm.duo_gates import DuoSettings, save_gates, train_gates
     from condcomp.experiments.progress import progress_bar
 
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.method]
+    if args.method == "request" and not args.evaluate:
+        from condcomp.experiments.llm import calibrate_request
+
+        return calibrate_request.run(args, texts)
     torch.set_num_threads(args.threads)
     settings = DuoSettings(steps=args.steps, seq_len=args.seq_len, lr=args.lr, l1=args.l1, sinks=args.sinks,
                            window=args.window, seed=args.seed)
@@ -77,8 +84,9 @@ def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
 
 
 def evaluate(args: argparse.Namespace, texts: list[str] | None) -> Path:
-    """Screen the splits of the ``--evaluate`` gates files (global top ``--fraction``), static pruning's per-layer
-    split (``--importance``) and StreamingLLM against the dense model on held-out rows; a table and a JSON file."""
+    """Screen the splits of the ``--evaluate`` gates files (global top ``--fraction``) and router files (``.pt``:
+    per-request splits), static pruning's per-layer split (``--importance``) and StreamingLLM against the dense
+    model on held-out rows (``--method request``: passkey and plain-text rows in turn); a table and a JSON file."""
     import json
 
     import torch
@@ -86,29 +94,45 @@ def evaluate(args: argparse.Namespace, texts: list[str] | None) -> Path:
     from condcomp.bench.kv_variants import saved_importance
     from condcomp.experiments.llm.duo_gates import load_gates, split_from_scores
     from condcomp.experiments.llm.head_importance import keep_groups
-    from condcomp.experiments.llm.split_eval import evaluate_splits, table
+    from condcomp.experiments.llm.request_split import RequestSplit, load_router
+    from condcomp.experiments.llm.split_eval import Split, differing, evaluate_splits, table
 
-    model, rows = _calibration(args, texts, seed=2000 + args.seed)  # rows no gate training saw
+    if args.method == "request":  # rows no router training saw, plain text among them
+        from condcomp.experiments.llm.calibrate_request import calibration
+
+        model, rows = calibration(args, texts, seed=2000 + args.seed, held_out=True)
+    else:
+        model, rows = _calibration(args, texts, seed=2000 + args.seed)  # rows no gate training saw
     cfg: Any = model.config
     L, G = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads)
     keep = max(1, round(args.fraction * G))
-    splits: dict[str, list[list[int]]] = {"streaming (none full)": [[] for _ in range(L)]}
+    splits: dict[str, Split] = {"streaming (none full)": [[] for _ in range(L)]}
     importance = saved_importance(args.importance, L, G)
     if importance is not None:
         splits[f"importance per layer, {keep} of {G}"] = keep_groups(importance, keep)
         splits[f"importance global {args.fraction:.3g}"] = split_from_scores(importance, args.fraction)
-    for path in args.evaluate:
-        splits[f"{Path(path).stem} global {args.fraction:.3g}"] = split_from_scores(
-            load_gates(Path(path), L, G)["scores"], args.fraction)
+    for path in map(Path, args.evaluate):
+        if path.suffix == ".pt":
+            splits[f"{path.stem} per request"] = load_router(path, model)
+        else:
+            splits[f"{path.stem} global {args.fraction:.3g}"] = split_from_scores(load_gates(path, L, G)["scores"],
+                                                                                 args.fraction)
     print(f"screening {len(splits)} splits on {len(rows)} held-out rows of {args.seq_len} tokens")
     torch.set_num_threads(args.threads)
     results = evaluate_splits(model, rows, splits, args.sinks, args.window)
-    text = table(results, len(rows))
+    text = table(results, sum(r.answer is not None for r in rows))
+    for name, r in results.items():
+        split = splits.get(name)
+        if isinstance(split, RequestSplit) and importance is not None:  # against static pruning's, same keep
+            r["differs_from_static"] = differing(r["choices"], keep_groups(importance, split.keep))
+            text += f"\n{name}: the (row, layer) choices differ from importance's {split.keep} of {G} per layer " \
+                    f"in {r['differs_from_static']:.1%} of {len(rows) * L} pairs"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    described = {n: (s if isinstance(s, list) else f"per request, {s.keep} of {s.groups}") for n, s in splits.items()}
     args.out.write_text(json.dumps({"rows": len(rows), "seq_len": args.seq_len, "sinks": args.sinks,
-                                    "window": args.window, "seed": args.seed, "splits": splits,
-                                    "results": results}, indent=1))
+                                    "window": args.window, "seed": args.seed, "splits": described,
+                                    "results": results, "table": text}, indent=1))
     return Path(args.out)
 
 
@@ -131,7 +155,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=100, help="training steps, one calibration row each (importance: "
                                                           "the number of rows)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration row (> sinks + window)")
-    p.add_argument("--lr", type=float, default=0.02, help="Adam's learning rate on the gates (DuoAttention's)")
+    p.add_argument("--lr", type=float, default=None, help="Adam's learning rate (default: 0.02 on the gates, "
+                                                          "DuoAttention's; 1e-3 on the request routers' scorers)")
     p.add_argument("--l1", type=float, default=0.05, help="lambda: the price per unit of mean gate")
     p.add_argument("--sinks", type=int, default=4, help="streaming pattern: first tokens every query sees")
     p.add_argument("--window", type=int, default=252, help="streaming pattern: recent tokens every query sees")
@@ -141,6 +166,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--fraction", type=float, default=1 / 3, help="--evaluate: the share of groups kept in full")
     p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),
                    help="--evaluate: static pruning's group importance (condcomp tune-llm's)")
+    p.add_argument("--init", choices=("importance", "duo"), default="importance",
+                   help="request: the routers' warm start, static pruning's ranking (--importance, what "
+                        "split-static-1of3 keeps) or the DuoAttention gates' (--duo-gates)")
+    p.add_argument("--duo-gates", type=Path, default=Path("results/kv/duo_gates.json"),
+                   help="request --init duo: the gates file to start from")
+    p.add_argument("--keep", type=int, default=1, help="request: KV groups per layer kept in full")
     p.add_argument("--data-dir", default=None, help="the staged corpora (default ../shared/data)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

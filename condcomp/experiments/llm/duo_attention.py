@@ -49,17 +49,49 @@ class DuoGates(nn.Module):
         self.sinks, self.window = int(sinks), int(window)
         self.alpha = nn.Parameter(torch.full((layers, groups), float(init)))
 
+    @property
+    def layers(self) -> int:
+        return int(self.alpha.shape[0])
+
+    def layer_alpha(self, layer: int) -> Tensor:
+        """``(G,)``: the layer's gates, shared by every row."""
+        return self.alpha[layer]
+
     def clamp_(self) -> None:
         """Project the gates back into [0, 1] (after each optimizer step, as DuoAttention does)."""
         with torch.no_grad():
             self.alpha.clamp_(0.0, 1.0)
 
 
+class RowGates:
+    """Per-row gates: for each layer, ``(B, G)`` (one per KV group) or ``(B, H)`` (one per query head, equal within
+    a group) set by whoever decides them before the layer's attention runs (a forward pre-hook, e.g. a per-request
+    router's plan: :mod:`condcomp.experiments.llm.request_split`). Rows of one batch may then mix differently."""
+
+    def __init__(self, layers: int, sinks: int = 4, window: int = 252) -> None:
+        if layers < 1:
+            raise ValueError(f"RowGates needs at least one layer, got {layers}")
+        if sinks < 0 or window < 1:
+            raise ValueError(f"RowGates: sinks must be >= 0 and window >= 1, got sinks={sinks}, window={window}")
+        self.layers, self.sinks, self.window = int(layers), int(sinks), int(window)
+        self.rows: list[Tensor | None] = [None] * self.layers
+
+    def layer_alpha(self, layer: int) -> Tensor:
+        gates = self.rows[layer]
+        if gates is None:
+            raise RuntimeError(f"no per-row gates were set for layer {layer} before its attention ran: set "
+                               "RowGates.rows[layer] (B, G) in a forward pre-hook of the layer's attention")
+        return gates
+
+
+GateSource = DuoGates | RowGates
+
+
 class _LayerGate:
     """What one attention module reads while gated. A plain object: the gates stay out of the module's parameters
     and ``state_dict``."""
 
-    def __init__(self, gates: DuoGates, layer: int) -> None:
+    def __init__(self, gates: GateSource, layer: int) -> None:
         self.gates, self.layer = gates, layer
 
 
@@ -91,7 +123,8 @@ def real_positions(attention_mask: Any, B: int, T: int, device: torch.device) ->
 def duo_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
                   scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[Tensor, None]:
     """The function registered as ``"condcomp_duo"``: ``(B, T, H, Dh)`` outputs mixing full and streaming
-    attention per KV group by the module's gates (modules without gates run plain SDPA)."""
+    attention per KV group by the module's gates (modules without gates run plain SDPA). The gates are ``(G,)``
+    for every row (:class:`DuoGates`) or per row ``(B, G)`` / ``(B, H)`` (:class:`RowGates`)."""
     ref = module.__dict__.get(REF_ATTR)
     if not isinstance(ref, _LayerGate):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -103,10 +136,7 @@ def duo_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     if S != T:
         raise RuntimeError(f"DuoAttention gates calibrate cache-free forwards ({T} queries, {S} keys): call the "
                            "model with use_cache=False and no past key values")
-    alpha = ref.gates.alpha[ref.layer]  # (G,)
-    if alpha.numel() != Hkv or H % Hkv:
-        raise ValueError(f"the gates hold {alpha.numel()} KV groups for layer {ref.layer}, the layer has {Hkv} "
-                         f"key/value heads for {H} query heads")
+    a = head_gates(ref.gates.layer_alpha(ref.layer), ref.layer, B, H, Hkv).to(query.dtype)  # (B|1, H, 1, 1)
     pos = real_positions(attention_mask, B, T, query.device)  # (B, T)
     q, k = pos.unsqueeze(-1), pos.unsqueeze(-2)  # (B, T, 1), (B, 1, T)
     full = (q >= 0) & (k >= 0) & (k <= q)  # (B, T, T): causal over real tokens
@@ -119,9 +149,21 @@ def duo_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
                                             scale=scaling)  # (B, H, T, Dh)
     o_stream = F.scaled_dot_product_attention(query, kr, vr, attn_mask=(stream | dead).unsqueeze(1), dropout_p=drop,
                                               scale=scaling)
-    a = alpha.to(query.dtype).repeat_interleave(r)[None, :, None, None]  # (1, H, 1, 1): a group's heads share it
     out = (o_stream + a * (o_full - o_stream)).masked_fill(dead.unsqueeze(1), 0.0)
     return out.transpose(1, 2).contiguous(), None
+
+
+def head_gates(alpha: Tensor, layer: int, B: int, H: int, Hkv: int) -> Tensor:
+    """``(1 | B, H, 1, 1)`` per query head from gates ``(G,)``, ``(B, G)`` or ``(B, H)``: a group's heads share it."""
+    if H % Hkv:
+        raise ValueError(f"layer {layer} has {H} query heads, not a multiple of its {Hkv} key/value heads")
+    rows = alpha if alpha.dim() == 2 else alpha.unsqueeze(0)  # (B|1, G|H)
+    if alpha.dim() not in (1, 2) or rows.shape[-1] not in (Hkv, H) or (alpha.dim() == 2 and rows.shape[0] != B):
+        raise ValueError(f"the gates of layer {layer} have shape {tuple(alpha.shape)}; the layer needs ({Hkv},), "
+                         f"({B}, {Hkv}) or ({B}, {H}) for {B} rows, {Hkv} key/value heads and {H} query heads")
+    if rows.shape[-1] == Hkv:
+        rows = rows.repeat_interleave(H // Hkv, dim=-1)
+    return rows[:, :, None, None]
 
 
 def register() -> None:
@@ -134,12 +176,11 @@ def register() -> None:
 
 
 @contextmanager
-def gated(model: nn.Module, gates: DuoGates) -> Iterator[nn.Module]:
+def gated(model: nn.Module, gates: GateSource) -> Iterator[nn.Module]:
     """Within the block, ``model`` computes DuoAttention's gated attention with ``gates``; restored on exit."""
     modules = attention_modules(model)
-    if len(modules) != gates.alpha.shape[0]:
-        raise ValueError(f"the gates hold {gates.alpha.shape[0]} layers, the model has {len(modules)} attention "
-                         "layers")
+    if len(modules) != gates.layers:
+        raise ValueError(f"the gates hold {gates.layers} layers, the model has {len(modules)} attention layers")
     register()
     configs: list[Any] = [getattr(m, "config") for m in model.modules()  # noqa: B009
                           if hasattr(getattr(m, "config", None), "_attn_implementation")]

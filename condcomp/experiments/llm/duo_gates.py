@@ -61,11 +61,12 @@ class DuoSettings:
 
 @dataclass(frozen=True)
 class CalibrationRow:
-    """``ids``: a passkey prompt then its answer; ``answer``: the ``(start, end)`` of the key's first answer tokens."""
+    """``ids``: a passkey prompt then its answer; ``answer``: the ``(start, end)`` of the key's first answer tokens
+    (None, with ``key`` "": a row of plain text)."""
 
     ids: list[int]
     key: str
-    answer: tuple[int, int]
+    answer: tuple[int, int] | None
 
 
 def calibration_rows(stream: Sequence[int], encode: Callable[[str], list[int]], seq_len: int, n: int,
@@ -130,36 +131,53 @@ def train_gates(model: nn.Module, rows: Sequence[Sequence[int]], settings: DuoSe
     device = next(model.parameters()).device
     gates = DuoGates(L, G, settings.sinks, settings.window).to(device)
     opt = torch.optim.Adam(gates.parameters(), lr=settings.lr)
+    history = train_loop(model, gates, opt, rows, asdict(settings),
+                         lambda step, ids: train_step(model, gates, opt, ids, settings.l1), checkpoint, on_step)
+    return gates, history
+
+
+StepFn = Callable[[int, Tensor], tuple[float, float]]  # (step, ids (1, T)) -> (distillation, a second number)
+
+
+def train_loop(model: nn.Module, trainable: nn.Module, opt: torch.optim.Optimizer, rows: Sequence[Sequence[int]],
+               settings: dict[str, Any], step_fn: StepFn, checkpoint: Path | None = None,
+               on_step: Callable[[int, float, float], None] | None = None) -> list[list[float]]:
+    """Run ``step_fn`` for steps ``0 .. settings["steps"] - 1`` on one row each (cycling through ``rows``) with the
+    model's parameters frozen; the history ``[step, distillation, second number]`` every few steps. ``checkpoint``:
+    ``trainable``'s and ``opt``'s state is saved there every 10 steps and resumed from (same settings but the
+    number of steps, which may grow, or shrink to the saved step)."""
+    steps = int(settings["steps"])
+    device = next(model.parameters()).device
     history: list[list[float]] = []
     start = 0
     if checkpoint is not None and checkpoint.is_file():
         state = torch.load(checkpoint, map_location=device, weights_only=False)
         saved = dict(state.get("settings", {}))
-        # Nothing depends on the planned number of steps (no schedule): a run may be extended, or cut at a saved
-        # step; every other setting must match.
-        if {**saved, "steps": settings.steps} == asdict(settings) and int(state["step"]) <= settings.steps:
-            gates.load_state_dict(state["gates"])
+        # A run may be extended, or cut at a saved step; every other setting must match. (A run whose schedules
+        # depend on the number of steps puts what they depend on in its settings too.)
+        if {**saved, "steps": steps} == settings and int(state["step"]) <= steps:
+            trainable.load_state_dict(state["gates"])
             opt.load_state_dict(state["opt"])
             start, history = int(state["step"]), list(state["history"])
     requires = {n: p.requires_grad for n, p in model.named_parameters()}
     try:
         for p in model.parameters():
             p.requires_grad_(False)
-        for step in range(start, settings.steps):
+        for step in range(start, steps):
             ids = torch.tensor([list(rows[step % len(rows)])], device=device)  # (1, T)
-            distill, mean_gate = train_step(model, gates, opt, ids, settings.l1)
-            if step % HISTORY_EVERY == 0 or step == settings.steps - 1:
-                history.append([float(step), distill, mean_gate])
+            first, second = step_fn(step, ids)
+            if step % HISTORY_EVERY == 0 or step == steps - 1:
+                history.append([float(step), first, second])
             if on_step is not None:
-                on_step(step, distill, mean_gate)
-            if checkpoint is not None and ((step + 1) % 10 == 0 or step + 1 == settings.steps):
+                on_step(step, first, second)
+            if checkpoint is not None and ((step + 1) % 10 == 0 or step + 1 == steps):
                 checkpoint.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"settings": asdict(settings), "gates": gates.state_dict(), "opt": opt.state_dict(),
+                torch.save({"settings": settings, "gates": trainable.state_dict(), "opt": opt.state_dict(),
                             "step": step + 1, "history": history}, checkpoint)
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(requires[n])
-    return gates, history
+    return history
 
 
 def split_from_scores(scores: Tensor, fraction: float) -> list[list[int]]:

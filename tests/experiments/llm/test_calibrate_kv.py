@@ -59,3 +59,32 @@ def test_evaluate_screens_the_splits_against_dense(tmp_path: Path) -> None:
     assert full["hidden_mse"] < 1e-10 and abs(full["ppl_ratio"] - 1.0) < 1e-5 and full["full_frac"] == 1.0
     assert full["answer_acc"] == results["dense"]["answer_acc"]
     assert streaming["hidden_mse"] > 0 and streaming["full_frac"] == 0.0
+
+
+def test_request_method_trains_a_router_file_and_the_screen_reads_it(tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    from condcomp.experiments.llm.request_split import load_router
+
+    importance = tmp_path / "importance.json"
+    importance.write_text(json.dumps({"group_importance": torch.rand(4, 8).tolist()}))
+    out = tmp_path / "router.pt"
+    common = ["--model", "tiny-llama", "--method", "request", "--steps", "2", "--seq-len", "400", "--window", "60",
+              "--importance", str(importance)]
+    args = build_parser().parse_args(["calibrate-kv", *common, "--out", str(out)])
+    run(args, texts=TEXTS)
+    assert not out.with_suffix(".partial.pt").exists()
+    record = torch.load(out, weights_only=True)
+    assert record["settings"]["lr"] == 1e-3 and record["settings"]["init"] == "importance"
+    assert record["window"] == 60 and len(record["history"]) == 2
+    screen = tmp_path / "screen.json"
+    args = build_parser().parse_args(["calibrate-kv", *common, "--evaluate", str(out), "--out", str(screen)])
+    run(args, texts=TEXTS)
+    results = json.loads(screen.read_text())["results"]
+    request = results["router per request"]
+    assert request["full_frac"] == 1 / 8 and len(request["choices"]) == 2  # 2 rows x 4 layers x 1 group
+    assert 0.0 <= request["differs_from_static"] <= 1.0 and "importance per layer, 3 of 8" in results
+    model = __import__("condcomp.bench.kv", fromlist=["load"]).load("tiny-llama")[0]
+    assert len(load_router(out, model).routers) == 4
