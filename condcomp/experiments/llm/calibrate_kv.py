@@ -1,9 +1,11 @@
-"""``condcomp calibrate-kv``: score each (layer, KV group) for the full/streaming KV split, into a gates file.
+"""``condcomp calibrate-kv``: learn the full/streaming KV split: a gates file (static) or a router file (per request).
 
 ``--method duo`` trains DuoAttention's gates (:mod:`condcomp.experiments.llm.duo_gates`); ``--method importance``
 writes Michel et al.'s gradient importance per group (static pruning's ranking) on the same calibration rows, in
-the same format. ``condcomp bench kv``'s ``split-duo-1of3`` reads ``results/kv/duo_gates.json`` and keeps the
-highest third of the scores in full (docs/kv.md, "A trained static split: DuoAttention gates").
+the same format; ``--method request`` trains one ``topk`` router per layer that picks each request's full groups
+(:mod:`condcomp.experiments.llm.request_split`), into a router file (``.pt``). ``condcomp bench kv``'s
+``split-duo-1of3`` reads ``results/kv/duo_gates.json`` and keeps the highest third of the scores in full
+(docs/kv-calibration.md); ``split-request-1of3`` reads ``results/kv/request_router_seed0.pt``.
 """
 
 from __future__ import annotations
@@ -143,15 +145,17 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_commands(sub: Any) -> None:
     """Register ``calibrate-kv`` on the ``condcomp`` parser."""
-    p = sub.add_parser("calibrate-kv", help="score KV groups for the full/streaming split (DuoAttention gates or "
-                                            "gradient importance) into a gates file",
+    p = sub.add_parser("calibrate-kv", help="learn the full/streaming KV split: DuoAttention gates or gradient "
+                                            "importance (a gates file), or per-request routers (a router file)",
                        description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--method", choices=METHODS, default="duo",
-                   help="duo: train DuoAttention's gates (model frozen); importance: gradient importance per group")
+                   help="duo: train DuoAttention's gates (model frozen); importance: gradient importance per group; "
+                        "request: train per-request topk routers (model frozen)")
     p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
                    help="smollm2 (needs the llm extra, docs/llm.md) or tiny-llama (random, no download)")
-    p.add_argument("--out", type=Path, required=True, help="the gates file to write (JSON), e.g. "
-                                                           "results/kv/duo_gates.json")
+    p.add_argument("--out", type=Path, required=True, help="the file to write: gates (JSON), e.g. "
+                                                           "results/kv/duo_gates.json, or routers (--method request, "
+                                                           ".pt)")
     p.add_argument("--steps", type=int, default=100, help="training steps, one calibration row each (importance: "
                                                           "the number of rows)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration row (> sinks + window)")
