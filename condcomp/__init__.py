@@ -4,7 +4,9 @@ Heads are experts that each input (or token) may use or skip: a budget policy sa
 which, an executor computes only those. See docs/concepts.md.
 """
 
-from condcomp import executors, integrations, policies, routers  # noqa: F401  (fill the registries)
+# integrations, policies and routers live in top-level folders mapped into the package (pyproject's package-dir);
+# mypy >= 2.4 checks them as top-level packages and does not see them as condcomp's attributes
+from condcomp import executors, integrations, policies, routers  # type: ignore[attr-defined]  # noqa: F401
 from condcomp.adapters import AttentionAdapter, register_adapter
 from condcomp.api import (
     apply_,
