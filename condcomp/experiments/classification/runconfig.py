@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class RunConfig:
     method: str = "budgetformer"
     method_options: dict[str, Any] = field(default_factory=dict)
     budget_cost: float = 0.0  # extra loss budget_cost * mean(s) over layers: a compute price (0 = the paper's)
+    budget_target: float = 0.0  # extra loss towards s from each example's loss rank (difficulty_target.py; 0 = off)
     epochs: int = 3
     max_steps: int | None = None
     batch_size: int = 32
@@ -68,6 +69,8 @@ class RunConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.budget_target < 0:
+            raise ValueError(f"budget_target must be >= 0, got {self.budget_target}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
@@ -190,3 +193,13 @@ def check_same_settings(expected: RunConfig, runs: Iterable[tuple[str, dict[str,
     raise ValueError(f"{len(bad)} finished run(s) were made with other settings; a run's settings are part of its "
                      f"identity, so they are neither reused nor combined with runs of these settings:\n{shown}{more}\n"
                      f"Rerun with their settings, or start fresh: {fresh_hint}")
+
+
+def changed_settings(saved: dict[str, Any], now: RunConfig) -> list[str]:
+    """The settings where a finished run's saved ``config`` differs from ``now``. A field the saved config lacks
+    was added to :class:`RunConfig` after that run: it ran with the field's default, so only a non-default value
+    now counts as a change."""
+    want = now.to_dict()
+    defaults = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
+                for f in fields(RunConfig)}
+    return sorted(k for k, v in want.items() if saved.get(k, defaults.get(k)) != v)

@@ -21,7 +21,7 @@ from condcomp.experiments.classification.batches import on_device
 from condcomp.experiments.classification.methods import swapped
 from condcomp.experiments.classification.metrics import inference_executor, restore_executor, set_executor
 from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig
-from condcomp.experiments.classification.runconfig import PreparedDataset, RunConfig, prepare
+from condcomp.experiments.classification.runconfig import PreparedDataset, RunConfig, changed_settings, prepare
 from condcomp.experiments.classification.runner import finish, run_single, write_json
 from condcomp.experiments.classification.train import build_model
 
@@ -51,8 +51,8 @@ class SeedStudy:
         if self.reuse and (d / "metrics.json").is_file() and (d / "checkpoint" / "condcomp.json").is_file():
             self.reused[name] = True
             row = json.loads((d / "metrics.json").read_text())
-            if row.get("config") != cfg.to_dict():
-                changed = sorted(k for k in cfg.to_dict() if (row.get("config") or {}).get(k) != cfg.to_dict()[k])
+            changed = changed_settings(row.get("config") or {}, cfg)
+            if changed:
                 raise ValueError(f"{d} holds a finished run with different settings ({', '.join(changed)}); "
                                  "use another --out or delete that folder to retrain")
             if keep:

@@ -11,7 +11,7 @@ import pytest
 from condcomp.cli import main
 from condcomp.experiments.classification import ablation as ablation_module
 from condcomp.experiments.classification.ablation_stats import statistics
-from condcomp.experiments.classification.runconfig import RunConfig, identity_differences
+from condcomp.experiments.classification.runconfig import RunConfig, changed_settings, identity_differences
 
 FLAGS = ["--dataset", "synthetic", "--preset", "tiny", "--max-steps", "3"]
 
@@ -85,3 +85,14 @@ def test_paired_statistics_over_different_test_sets_name_the_runs(tmp_path: Path
     with pytest.raises(ValueError, match="different test sets") as err:
         statistics(records)
     assert str(tmp_path / "seed1" / "fixed_matched") in str(err.value) and "fresh --out" in str(err.value)
+
+
+def test_a_field_added_after_a_run_counts_as_its_default() -> None:
+    """A run saved before a setting existed ran with that setting's default: reusing it at the default is the
+    same run; asking for another value is a change; a changed old field still is."""
+    saved = RunConfig(dataset="synthetic").to_dict()
+    del saved["budget_target"]  # a run folder written before --budget-target existed
+    assert changed_settings(saved, RunConfig(dataset="synthetic")) == []
+    assert changed_settings(saved, RunConfig(dataset="synthetic", budget_target=2.0)) == ["budget_target"]
+    assert changed_settings(saved, RunConfig(dataset="synthetic", lr=0.5, budget_target=2.0)) == [
+        "budget_target", "lr"]
