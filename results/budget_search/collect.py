@@ -30,6 +30,7 @@ def collect(out: Path, prefix: str = "") -> tuple[dict[str, Any], float | None]:
         a = adaptivity(ex, m["model"]["num_heads"], loss) if m["method"] != "standard" else None
         rows[prefix + d.name] = {
             "method": m["method"], "method_options": cfg["method_options"], "budget_cost": cfg["budget_cost"],
+            "budget_target": cfg.get("budget_target", 0.0),
             "dataset": cfg["dataset"], "preset": cfg["preset"], "seed": cfg["seed"], "max_len": cfg["max_len"],
             "steps": m["train"]["step"], "n_test": m["n"], "standard_accuracy": std_acc,
             "accuracy": m["accuracy"], "s_mean": m["s_mean"], "heads": m["k_frac"],

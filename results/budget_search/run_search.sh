@@ -6,8 +6,8 @@
 # Resumable (a finished run folder is skipped). Then: python results/budget_search/collect.py runs/search ...
 #   nohup nice -n 10 bash results/budget_search/run_search.sh > runs/search.log 2>&1 &
 # The other folders of search.json (each with its own standard run):
-#   DATASET=dbpedia_14 OUT=runs/search_dbpedia ONLY="standard low_explore low_explore_ceil low_explore_ceil_seed1" \
-#     bash results/budget_search/run_search.sh
+#   DATASET=dbpedia_14 OUT=runs/search_dbpedia ONLY="standard low_explore low_explore_ceil low_explore_ceil_seed1 \
+#     target10_low_explore_ceil target10_low_explore_ceil_seed1" bash results/budget_search/run_search.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CONDCOMP=${CONDCOMP:-$( [ -x .venv/bin/condcomp ] && echo .venv/bin/condcomp || echo condcomp )}
@@ -50,3 +50,14 @@ run narrow_explore_signed_598 --method budgetformer --max-steps 598 --method-opt
 run low_explore --method budgetformer --method-options "{$LOW, $EXPLORE}"
 run low_explore_ceil --method budgetformer --method-options "{$LOW, \"rounding\": \"ceil\", $EXPLORE}"
 run low_explore_ceil_seed1 --method budgetformer --seed 1 --method-options "{$LOW, \"rounding\": \"ceil\", $EXPLORE}"
+# a per-input training signal the paper's loss lacks: --budget-target W pulls each example's s towards its loss rank
+# in its batch mapped onto the interval (condcomp/experiments/classification/difficulty_target.py)
+run target10_narrow_explore --method budgetformer --budget-target 10 --method-options "{$NARROW, $EXPLORE}"
+run target10_narrow_explore_seed1 --method budgetformer --seed 1 --budget-target 10 --method-options "{$NARROW, $EXPLORE}"
+run target1_narrow_explore --method budgetformer --budget-target 1 --method-options "{$NARROW, $EXPLORE}"
+run target10_narrow --method budgetformer --budget-target 10 --method-options "{$NARROW}"
+# k = round(8 s): the step between one and two heads at s = 0.1875, inside the interval where the target spreads s
+run target10_narrow_explore_round --method budgetformer --budget-target 10 --method-options "{$NARROW, \"rounding\": \"round\", $EXPLORE}"
+run target10_narrow_explore_round_seed1 --method budgetformer --seed 1 --budget-target 10 --method-options "{$NARROW, \"rounding\": \"round\", $EXPLORE}"
+run target10_low_explore_ceil --method budgetformer --budget-target 10 --method-options "{$LOW, \"rounding\": \"ceil\", $EXPLORE}"
+run target10_low_explore_ceil_seed1 --method budgetformer --seed 1 --budget-target 10 --method-options "{$LOW, \"rounding\": \"ceil\", $EXPLORE}"

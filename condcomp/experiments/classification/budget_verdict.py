@@ -82,7 +82,8 @@ def verdict_rows(records: list[dict[str, Any]], search: dict[str, Any] | None,
             continue
         std_acc = r.get("standard_accuracy", search.get("standard_accuracy") if search else None)
         # the same settings but the seed: one setting, whose every seed must correlate positively
-        setting = json.dumps([ds, r.get("preset"), r.get("steps"), r["method_options"], r.get("budget_cost")],
+        setting = json.dumps([ds, r.get("preset"), r.get("steps"), r["method_options"], r.get("budget_cost"),
+                              r.get("budget_target") or 0.0],
                              sort_keys=True)
         rows.append(_row("search", name, ds, r.get("seed", 0), setting, r["s_mean"],
                          None if std_acc is None else r["accuracy"] - std_acc, r["adaptivity"], goal))

@@ -21,6 +21,8 @@ _HELP = {
     "preset": "tiny | small | medium | paper (shape; --d-model etc. override)",
     "max_train": "subsample the training rows (seeded)", "max_test": "subsample the test rows (seeded)",
     "budget_cost": "extra loss budget_cost * mean(s): a price on heads (0 = the paper's objective)",
+    "budget_target": "extra loss budget_target * mean((s - t)^2), t from each example's loss rank in its batch "
+                     "mapped onto the budget interval: harder examples asked for more heads (0 = off)",
     "threads": "torch threads (1 is far faster when the machine is shared)",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
     "carbon_country": "ISO-3 country code: measure gCO2 with codecarbon's offline tracker (extra 'carbon')",

@@ -174,6 +174,7 @@ def search_lines(search: dict[str, Any]) -> list[str]:
         if a is None:
             continue
         opts = json.dumps(r["method_options"]) + (f", budget cost {r['budget_cost']:g}" if r["budget_cost"] else "")
+        opts += f", difficulty target {r['budget_target']:g}" if r.get("budget_target") else ""
         ref = r.get("standard_accuracy", search.get("standard_accuracy"))
         gap = r["accuracy"] - ref if ref is not None else None
         where = f"{r.get('dataset', 'ag_news')}, {r.get('preset', 'small')}, {r.get('seed', 0)}, {r.get('steps')}"

@@ -1,6 +1,7 @@
 """Training and evaluation of the encoder classifier with any condcomp method; checkpoints and resume.
 
-``loss = cross_entropy + condcomp.aux_loss(model)``; ``condcomp.set_progress(model, step / total)`` every step
+``loss = cross_entropy + condcomp.aux_loss(model)`` (+ the run's price on heads and difficulty target);
+``condcomp.set_progress(model, step / total)`` every step
 (steps the temperature / noise / entropy schedules).
 """
 
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 import condcomp
 from condcomp.api import routed_modules
 from condcomp.experiments.classification.batches import EncodedSplit, on_device
+from condcomp.experiments.classification.difficulty_target import difficulty_target_loss
 from condcomp.experiments.classification.methods import method_config
 from condcomp.experiments.classification.metrics import layer_plan_stats
 from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig
@@ -81,9 +83,11 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
             st = {**state, "seconds": time.perf_counter() - t0, "torch_rng": torch.get_rng_state()}
             save_checkpoint(ckpt_dir, model, meta or {}, opt, st)
 
-    budgets: list[Tensor] = []
-    hooks = [r.condcomp_policy.register_forward_hook(lambda m, a, out: budgets.append(out.s))
-             for r in routed_modules(model).values()] if cfg.budget_cost > 0 else []
+    # each routed layer's budget of the forward (policy, s), for the price on heads and the difficulty target
+    budgets: list[tuple[Any, Tensor]] = []  # Any: the policy, whatever its class
+    wanted = cfg.budget_cost > 0 or cfg.budget_target > 0
+    hooks = [r.condcomp_policy.register_forward_hook(lambda m, a, out: budgets.append((m, out.s)))
+             for r in routed_modules(model).values()] if wanted else []
     bar = progress_bar(total=steps, initial=state["step"], desc=desc)
     while state["step"] < steps:
         epoch = state["step"] // per_epoch
@@ -93,7 +97,7 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
             if i < skip:
                 continue
             condcomp.set_progress(model, state["step"] / steps)
-            state["loss"] = _train_step(model, on_device(batch, device), opt, sched, cfg.budget_cost, budgets)
+            state["loss"] = _train_step(model, on_device(batch, device), opt, sched, cfg, budgets)
             state["step"] += 1
             state["epoch"] = epoch
             bar.update(1, loss=state["loss"])
@@ -129,14 +133,20 @@ def _start_state(model: EncoderClassifier, opt: torch.optim.Optimizer, steps: in
 
 
 def _train_step(model: EncoderClassifier, batch: tuple[Tensor, Tensor, Tensor | None, Tensor],
-                opt: torch.optim.Optimizer, sched: Any, budget_cost: float, budgets: list[Tensor]) -> float:
+                opt: torch.optim.Optimizer, sched: Any, cfg: RunConfig,
+                budgets: list[tuple[Any, Tensor]]) -> float:
     """One optimiser step: task loss + auxiliary losses (+ ``budget_cost`` * the mean budget of this forward,
-    collected into ``budgets`` by the policies' hooks); returns the loss."""
+    + ``budget_target`` * the difficulty-target loss; budgets collected by the policies' hooks); returns the loss."""
     ids, mask, seg, labels = batch
     logits = model(ids, mask, seg)
     loss = F.cross_entropy(logits, labels) + condcomp.aux_loss(model)
     if budgets:
-        loss = loss + budget_cost * torch.stack([b.float().mean() for b in budgets]).mean()
+        if cfg.budget_cost > 0:
+            loss = loss + cfg.budget_cost * torch.stack([s.float().mean() for _, s in budgets]).mean()
+        if cfg.budget_target > 0:
+            example_loss = F.cross_entropy(logits.detach(), labels, reduction="none")  # (B,), ranks only
+            interval = [(float(p.s_min), float(p.s_max), s) for p, s in budgets if hasattr(p, "s_min")]
+            loss = loss + cfg.budget_target * difficulty_target_loss(interval, example_loss)
         budgets.clear()
     opt.zero_grad(set_to_none=True)
     loss.backward()
