@@ -106,3 +106,23 @@ def test_search_lines_use_each_runs_own_standard() -> None:
                                    "runs": {"dbpedia_14/low": run}}))
     row = next(line for line in text.splitlines() if line.startswith("| dbpedia_14/low |"))
     assert "| dbpedia_14, small, 0, 300 |" in row and "| -1.00 |" in row
+
+
+def test_difficulty_target_runs_are_counted_apart_from_the_published_loss() -> None:
+    """Runs trained with --budget-target get their own paragraph; the published loss's counts leave them out."""
+    published = _search_run(0, -0.4)
+    t0, t1, t2 = _search_run(0, 0.25), _search_run(1, 0.2, acc=0.855), _search_run(2, 0.3)
+    for r in (t0, t1, t2):
+        r["budget_target"] = 10.0
+    search = {"standard_accuracy": 0.87, "runs": {"p": published, "t": t0, "t_seed1": t1, "t_seed2": t2}}
+    rows = verdict_rows([], search)
+    assert [r["target"] for r in rows] == [0.0, 10.0, 10.0, 10.0]
+    assert len({r["setting"] for r in rows}) == 2  # the target is part of the setting; the seed is not
+    text = "\n".join(verdict_section([], search, {"ag_news": "AG News"}))
+    assert "With the published loss, 0 of 1 runs meet all four" in text
+    assert "0 of 0 settings run at more than one seed" in text  # the published run has one seed
+    # t_seed1 is 1.5 points below the standard model: it misses accuracy, so its setting's t and t_seed2 meet all
+    # four (every seed positive) while t_seed1 does not
+    assert "3 runs): 2 meet all four conditions" in text and "t (ag_news, seed 0), t_seed2 (ag_news, seed 2)" in text
+    assert "positive in 3 of 3 (Spearman +0.20 to +0.30)" in text and "1 of 1 settings run at more than one" in text
+    assert "t_seed1 (seed 1) misses accuracy." in text
