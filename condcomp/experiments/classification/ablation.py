@@ -109,7 +109,9 @@ def _finished_runs(out: Path, dataset: str, summary: list[dict[str, Any]]) -> li
     """Every finished run a study of ``dataset`` would reuse or combine: its run folders under ``out`` and the
     summary's records, with their saved settings and the fields each arm sets itself."""
     def varies(arm: str) -> tuple[str, ...]:
-        per_arm = ("seed", "method", "method_options")
+        per_arm: tuple[str, ...] = ("seed", "method", "method_options")
+        if not arm.startswith("budgetformer"):
+            per_arm += ("budget_target",)  # only arms with a learned budget train with the difficulty target
         return per_arm + ("budget_cost",) if arm.startswith("budgetformer_cost") else per_arm
 
     runs = {str(f.parent): (json.loads(f.read_text()).get("config") or {}, varies(f.parent.name))
@@ -127,6 +129,9 @@ def run_ablation_study(cfg: RunConfig, out: Path, seeds: list[int], plan: Ablati
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if cfg.budget_cost != 0 and "budgetformer" in plan.arms:
         log(f"note: the main budgetformer arm trains with --budget-cost {cfg.budget_cost}, not the paper's loss")
+    if cfg.budget_target != 0:
+        log(f"note: the budgetformer arms train with the difficulty target --budget-target {cfg.budget_target}, "
+            "not the paper's loss; the other arms without it")
     names = plan.arm_names()
     base = RunConfig.from_dict({**cfg.to_dict(), "test_seed": 1 if cfg.test_seed is None else cfg.test_seed})
     fresh = (f"give another --out (now {out}; its summary.json goes with it)" if summary_path == out / "summary.json"

@@ -71,6 +71,9 @@ class RunConfig:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.budget_target < 0:
             raise ValueError(f"budget_target must be >= 0, got {self.budget_target}")
+        if self.budget_target > 0 and self.method != "budgetformer":
+            raise ValueError(f"--budget-target trains a learned budget towards each example's difficulty; method "
+                             f"{self.method!r} has none (use --method budgetformer, or --budget-target 0)")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 

@@ -44,8 +44,10 @@ class SeedStudy:
               keep: bool = True, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """Train ``method`` as run ``name`` (or reuse its finished metrics and checkpoint); ``overrides``: other
         run settings of this arm (e.g. ``{"budget_cost": 0.3}``)."""
-        cfg = RunConfig.from_dict({**self.cfg.to_dict(), **(overrides or {}), "method": method,
-                                   "method_options": options or {}})
+        settings = {**self.cfg.to_dict(), **(overrides or {}), "method": method, "method_options": options or {}}
+        if method != "budgetformer":
+            settings["budget_target"] = 0.0  # the difficulty target trains a learned budget; this arm has none
+        cfg = RunConfig.from_dict(settings)
         d = self.out / name
         self.reused[name] = False
         if self.reuse and (d / "metrics.json").is_file() and (d / "checkpoint" / "condcomp.json").is_file():

@@ -199,3 +199,22 @@ def test_matched_fraction_rules() -> None:
     assert matched_fraction(0.01, 8, "nearest") == 1 / 8  # at least one head
     with pytest.raises(ValueError, match="rounding"):
         matched_fraction(0.5, 8, "floor")
+
+
+def test_ablate_with_the_difficulty_target_trains_it_into_the_learned_budget_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, summary = tmp_path / "runs", tmp_path / "summary.json"
+    args = ["ablate", *TINY, "--out", str(out), "--summary", str(summary), "--method", "budgetformer",
+            "--budget-target", "5", "--arms", "standard", "budgetformer", "fixed_per_layer"]
+    assert main(args) == 0
+    assert "--budget-target 5.0" in capsys.readouterr().err
+
+    def saved(arm: str) -> float:
+        return float(json.loads((out / "synthetic" / "seed0" / arm / "metrics.json").read_text())["config"][
+            "budget_target"])
+
+    assert (saved("budgetformer"), saved("standard"), saved("fixed_per_layer")) == (5.0, 0.0, 0.0)
+    assert main(args) == 0  # the arms without the target are the same runs: reused, not refused
+    assert "every arm done, skipped" in capsys.readouterr().err
+    assert main(["train", *TINY, "--out", str(tmp_path / "f"), "--method", "fixed", "--budget-target", "1"]) == 2
+    assert "has none" in capsys.readouterr().err
