@@ -20,6 +20,7 @@ EXEMPT = {
     "docs/api.md": "generated API reference",
     # generated from the study's record (condcomp report --doc): a report beside its data, not a guide
     "docs/results.md": "generated study report",
+    "docs/results-difficulty-target.md": "generated study report",
 }
 LINKED_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md",
                 *sorted((ROOT / "results").glob("**/README.md"))]

@@ -8,7 +8,8 @@
 # The other folders of search.json (each with its own standard run):
 #   DATASET=dbpedia_14 OUT=runs/search_dbpedia ONLY="standard low_explore low_explore_ceil low_explore_ceil_seed1 \
 #     target10_low_explore_ceil target10_low_explore_ceil_seed1 target10_low2_explore_ceil target10_low2_explore_ceil_seed1 \
-#     target10_mid_explore_round target10_mid_explore_round_seed1" bash results/budget_search/run_search.sh
+#     target10_mid_explore_round target10_mid_explore_round_seed1 target10_low3_explore_ceil \
+#     target10_low3_explore_ceil_seed1" bash results/budget_search/run_search.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CONDCOMP=${CONDCOMP:-$( [ -x .venv/bin/condcomp ] && echo .venv/bin/condcomp || echo condcomp )}
@@ -27,6 +28,7 @@ NARROW='"s_min": 0.1, "s_max": 0.3'
 LOW='"s_min": 0.02, "s_max": 0.15'  # around DBpedia's paper s_mean 0.085
 LOW2='"s_min": 0.02, "s_max": 0.2'  # the ceil step at s = 0.125 inside the interval's upper part
 MID='"s_min": 0.05, "s_max": 0.25'  # mean 0.15, within 0.1 of DBpedia's 0.085; the round step at 0.1875
+LOW3='"s_min": 0.05, "s_max": 0.2'  # mean 0.125: the ceil step between one and two heads at the interval's middle
 EXPLORE='"router_options": {"temperature": {"kind": "exponential", "start": 4.0, "end": 1.0}, "noise_std": {"kind": "linear", "start": 1.0, "end": 0.2}, "mask_temperature": 1.0}'
 run standard --method standard
 run narrow --method budgetformer --method-options "{$NARROW}"
@@ -72,3 +74,5 @@ run target10_low2_explore_ceil --method budgetformer --budget-target 10 --method
 run target10_low2_explore_ceil_seed1 --method budgetformer --seed 1 --budget-target 10 --method-options "{$LOW2, \"rounding\": \"ceil\", $EXPLORE}"
 run target10_mid_explore_round --method budgetformer --budget-target 10 --method-options "{$MID, \"rounding\": \"round\", $EXPLORE}"
 run target10_mid_explore_round_seed1 --method budgetformer --seed 1 --budget-target 10 --method-options "{$MID, \"rounding\": \"round\", $EXPLORE}"
+run target10_low3_explore_ceil --method budgetformer --budget-target 10 --method-options "{$LOW3, \"rounding\": \"ceil\", $EXPLORE}"
+run target10_low3_explore_ceil_seed1 --method budgetformer --seed 1 --budget-target 10 --method-options "{$LOW3, \"rounding\": \"ceil\", $EXPLORE}"

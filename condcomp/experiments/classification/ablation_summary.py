@@ -17,7 +17,7 @@ from condcomp.experiments.classification.runner import write_json
 # The run settings a record carries (the setup table of the results page; what makes two runs the same run).
 SETUP_FIELDS = ("preset", "d_model", "num_layers", "num_heads", "d_ff", "max_len", "max_train", "max_test",
                 "test_seed", "tokenizer", "epochs", "max_steps", "batch_size", "lr", "weight_decay", "warmup",
-                "dropout", "pooling", "budget_cost", "threads", "latency_reps", "carbon_country")
+                "dropout", "pooling", "budget_cost", "budget_target", "threads", "latency_reps", "carbon_country")
 
 
 def load_summary(path: Path) -> list[dict[str, Any]]:

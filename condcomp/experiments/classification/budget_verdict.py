@@ -75,8 +75,10 @@ def verdict_rows(records: list[dict[str, Any]], search: dict[str, Any] | None,
         if r["arm"] != "budgetformer" and not r["arm"].startswith("budgetformer_cost"):
             continue
         acc = std.get((r["dataset"], r["seed"]))
-        rows.append(_row("study", r["arm"], r["dataset"], r["seed"], f"study {r['dataset']} {r['arm']}",
-                         r["s_mean"], None if acc is None else r["accuracy"] - acc, _study_adaptivity(r), goal))
+        target = float((r.get("setup") or {}).get("budget_target") or 0.0)
+        rows.append(_row("study", r["arm"], r["dataset"], r["seed"], f"study {r['dataset']} {r['arm']} {target:g}",
+                         r["s_mean"], None if acc is None else r["accuracy"] - acc, _study_adaptivity(r), goal,
+                         target))
     for name, r in (search or {}).get("runs", {}).items():
         ds = r.get("dataset", "ag_news")
         if not r.get("adaptivity") or ds not in goal.datasets:
@@ -185,6 +187,8 @@ def _paragraph(all_rows: list[dict[str, Any]], settings: dict[str, dict[str, Any
     """What the numbers say, in words that follow them: the published loss first, then the difficulty target."""
     rows = [r for r in all_rows if not r.get("target")]
     n = len(rows)
+    if not n:
+        return _target_paragraph(all_rows, settings)
     full = [r for r in rows if all(r["checks"].values()) and settings[r["setting"]]["all_positive"]]
     three = [r for r in rows if all(r["checks"][k] for k in ("s_mean", "accuracy", "k_off_mode"))]
     floor = [r for r in rows if r["checks"]["s_mean"] and (r["k_off"] == 0.0 or r.get("k_off_max") == 0.0)]

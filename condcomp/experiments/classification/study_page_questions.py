@@ -126,12 +126,14 @@ def regime_section(records: list[dict[str, Any]], datasets: list[str], names: di
                    search: dict[str, Any] | None) -> list[str]:
     """The paper's budget regime: BudgetFormer with and without a price on heads (full-length study runs), and
     the short search runs of ``results/budget_search`` when present."""
+    target = any((r.get("setup") or {}).get("budget_target") for r in records if r["arm"] == "budgetformer")
     out = ["## Can the learned budget reach the paper's regime and still vary per input?", "",
            "The goal: s_mean within 0.1 of the paper's, accuracy within 1 point of the standard model, a head "
            "count off the layer's most common one on at least 25 % of test examples, and a positive correlation "
-           "with difficulty in every seed. Study runs (full length): BudgetFormer with the paper's loss and with "
-           "a price c * mean(s) on heads (`budgetformer_cost<c>`). Per-layer mean heads of exactly 1.00 mean "
-           "every example runs one head (the floor k_min = 1): no per-input variation is possible there.", "",
+           "with difficulty in every seed. Study runs (full length): BudgetFormer "
+           + ("trained with the difficulty target (`--budget-target`)" if target else "with the paper's loss")
+           + " and with a price c * mean(s) on heads (`budgetformer_cost<c>`). Per-layer mean heads of exactly "
+           "1.00 mean every example runs one head (the floor k_min = 1): no per-input variation is possible there.", "",
            "| dataset | arm | seed | s_mean (paper) | acc - standard (pts) | mean heads per layer | s sd | "
            "Spearman(difficulty, s) |", "|---|---|---|---|---|---|---|---|"]
     std = {(r["dataset"], r["seed"]): r["accuracy"] for r in records if r["arm"] == "standard"}

@@ -47,7 +47,7 @@ def _arms_in_order(arms: set[str]) -> list[str]:
 def coverage_section(records: list[dict[str, Any]], datasets: list[str], project: bool) -> list[str]:
     """Which dataset x arm cells have which seeds, and what is missing (``project``: every dataset is wanted)."""
     out: list[str] = ["## Coverage: which cells are done", ""]
-    want = list(MAIN)
+    want = [a for a in MAIN if any(r["arm"] == a for r in records)]  # the arms this study runs
     out += ["| dataset | " + " | ".join(want) + " | other arms (seeds) |", "|---|" + "---|" * (len(want) + 1)]
     missing = []
     for ds in datasets:
@@ -65,7 +65,7 @@ def coverage_section(records: list[dict[str, Any]], datasets: list[str], project
     for ds in DATASETS if project else ():
         if ds not in datasets:
             missing.append(f"{ds}: not run yet")
-    out += ["", f"Missing for {len(MAIN)} arms x seeds {', '.join(map(str, SEEDS_WANTED))}: "
+    out += ["", f"Missing for {len(want)} arms x seeds {', '.join(map(str, SEEDS_WANTED))}: "
             + ("; ".join(missing) if missing else "none") + ".", ""]
     return out
 
