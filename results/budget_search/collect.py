@@ -62,6 +62,14 @@ def main(outs: list[Path]) -> int:
         got, acc = collect(out, f"{cfg.get('dataset', out.name)}/" if i else "")
         rows.update(got)
         std_acc = acc if i == 0 else std_acc
+    # every run's accuracy reference: a standard run of its dataset, model, steps and length when one was trained
+    # (standard_598 for the 598-step runs, collected or kept from before), else the one its folder gave it
+    same = {(r.get("dataset"), r.get("preset"), r.get("steps"), r.get("max_len")): r["accuracy"]
+            for r in rows.values() if r.get("method") == "standard"}
+    for r in rows.values():
+        if r.get("method") != "standard":
+            key = (r.get("dataset"), r.get("preset"), r.get("steps"), r.get("max_len"))
+            r["standard_accuracy"] = same.get(key, r.get("standard_accuracy"))
     out = outs[0]
     first = rows.get("standard", {})  # the first folder's standard: the defaults of the search
     cfg0 = json.loads((out / "standard" / "metrics.json").read_text())["config"] if std_acc is not None else {}

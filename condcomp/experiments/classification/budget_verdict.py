@@ -233,7 +233,8 @@ def _paragraph(all_rows: list[dict[str, Any]], settings: dict[str, dict[str, Any
                  "s_mean into the paper's regime and spread k across examples, but the per-input signal left "
                  "points the wrong way or nowhere. A budget that rises with difficulty needs a per-input training "
                  "signal the published loss does not have. ")
-    return text + _target_paragraph([r for r in all_rows if r.get("target")], settings)
+    target = _target_paragraph([r for r in all_rows if r.get("target")], settings)
+    return text.rstrip() + ("\n\n" + target if target else "")
 
 
 def _target_paragraph(rows: list[dict[str, Any]], settings: dict[str, dict[str, Any]]) -> str:
