@@ -188,6 +188,9 @@ def seed_verdict(t: dict[str, Any], unit: float = 100.0, what: str = "points") -
     """Words that follow a :func:`paired_t` result (``unit`` scales the difference, e.g. to points)."""
     if t.get("lo") is None:
         return "one seed: no seed-level interval"
+    if t.get("sd") == 0:  # e.g. two seeds that differ by the same number of test examples: no spread to test
+        return (f"every seed differs by the same {unit * t['mean']:+.2f} {what}: the seeds show no spread, so no "
+                "seed-level test (see the within-seed bootstrap)")
     lo, hi = unit * t["lo"], unit * t["hi"]
     if lo > 0:
         return f"better (by {lo:.2f} to {hi:.2f} {what})"

@@ -62,6 +62,8 @@ def test_paired_t_by_hand_df2_closed_form() -> None:
     assert "better" in S.seed_verdict(got)
     none = S.seed_verdict(S.paired_t([0.01, -0.01, 0.0]))
     assert none.startswith("no difference detected; differences above") and "points excluded" in none
+    same = S.seed_verdict(S.paired_t([0.001, 0.001]))  # two seeds, the same 0.1 points: no spread, no test
+    assert same.startswith("every seed differs by the same +0.10 points") and "better" not in same
 
 
 def test_min_detectable_difference_has_80_percent_power_by_simulation() -> None:
