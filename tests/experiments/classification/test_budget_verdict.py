@@ -126,3 +126,21 @@ def test_difficulty_target_runs_are_counted_apart_from_the_published_loss() -> N
     assert "3 runs): 2 meet all four conditions" in text and "t (ag_news, seed 0), t_seed2 (ag_news, seed 2)" in text
     assert "positive in 3 of 3 (Spearman +0.20 to +0.30)" in text and "1 of 1 settings run at more than one" in text
     assert "t_seed1 (seed 1) misses accuracy." in text
+
+
+def test_a_gain_that_survives_fixed_counts_is_called_a_training_effect() -> None:
+    from condcomp.experiments.classification.study_page_questions import training_not_inference
+
+    def comp(lo: float, hi: float) -> dict[str, Any]:
+        return {"seed_t": {"mean": (lo + hi) / 2, "lo": lo, "hi": hi}}
+
+    stats = {"a": {"comparisons": {"budgetformer_vs_fixed_per_layer": comp(0.005, 0.013),
+                                   "budgetformer_vs_budgetformer_mode_k": comp(-0.001, 0.001)}},
+             "b": {"comparisons": {"budgetformer_vs_fixed_per_layer": comp(-0.002, 0.01),  # no gain detected
+                                   "budgetformer_vs_budgetformer_mode_k": comp(-0.001, 0.001)}},
+             "c": {"comparisons": {"budgetformer_vs_fixed_per_layer": comp(0.005, 0.013),  # the counts matter
+                                   "budgetformer_vs_budgetformer_mode_k": comp(0.002, 0.004)}}}
+    lines = training_not_inference(stats, ["a", "b", "c"], {"a": "A"})
+    assert len(lines) == 2 and lines[0].startswith("A: BudgetFormer beats") and "+0.90 points" in lines[0]
+    assert "[-0.10, +0.10]" in lines[0] and "how it was trained" in lines[0]
+    assert training_not_inference(stats, ["b", "c"], {}) == []
