@@ -152,11 +152,10 @@ def t_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
 
 def min_detectable_difference(sd: float | None, n: int, power: float = 0.8, alpha: float = 0.05) -> float | None:
     """The smallest true mean difference the paired t over ``n`` seeds detects with ``power`` (noncentral t),
-    given the seed-to-seed sd of the differences; None without an sd (fewer than 2 seeds)."""
-    if sd is None or n < 2:
+    given the seed-to-seed sd of the differences; None without an sd (fewer than 2 seeds) or when the seeds
+    show no spread (sd 0: the observed spread says nothing about the spread of a rerun, so no power estimate)."""
+    if sd is None or n < 2 or sd == 0:
         return None
-    if sd == 0:
-        return 0.0
     from scipy.optimize import brentq
 
     top = sd

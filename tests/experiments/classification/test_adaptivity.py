@@ -80,7 +80,8 @@ def test_min_detectable_difference_has_80_percent_power_by_simulation() -> None:
     assert power == pytest.approx(0.80, abs=0.01)
     # many seeds: the normal approximation (z_0.975 + z_0.8) sd / sqrt(n)
     assert S.min_detectable_difference(sd, 400) == pytest.approx((1.959964 + 0.841621) / 20, rel=0.01)
-    assert S.min_detectable_difference(None, 3) is None and S.min_detectable_difference(0.0, 3) == 0.0
+    assert S.min_detectable_difference(None, 3) is None and S.min_detectable_difference(0.0, 3) is None
+    assert S.seeds_needed(0.0, 0.01) is None  # no spread: no estimate, not 'MDD 0'
     need = S.seeds_needed(0.01, 0.01)
     assert need is not None and S.min_detectable_difference(0.01, need) <= 0.01  # type: ignore[operator]
     assert S.min_detectable_difference(0.01, need - 1) > 0.01  # type: ignore[operator]
