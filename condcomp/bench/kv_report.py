@@ -18,7 +18,7 @@ def length_record(name: str, prompt_len: int, r: dict[str, Any], dense: dict[str
     cases = sum(n for _, n in r["by_depth"].values())
     return {"variant": name, "prompt_len": prompt_len, "kv_bytes": r["kv_bytes"],
             "kv_frac": r["kv_bytes"] / dense["kv_bytes"], "nll": nll, "ppl": math.exp(nll), "ppl_tokens": r["tokens"],
-            "passkey_acc": r["correct"] / cases, "passkey_n": cases,
+            "passkey_acc": r["correct"] / cases, "passkey_n": cases, "passkey_correct": r["hits"],
             "passkey_by_depth": {d: hits / n for d, (hits, n) in sorted(r["by_depth"].items())},
             "samples": r["samples"], "note": VARIANTS[name].note, "settings": settings}
 
@@ -39,11 +39,24 @@ def _ratio(value: float | None, base: float | None) -> str:
     return "-" if value is None or not base else f"{value / base:.2f}"
 
 
+def paired_with_dense(r: dict[str, Any], dense: dict[str, Any]) -> str:
+    """The passkey cases only the variant found / only dense found, and the exact McNemar p of that split: the
+    cases are the same prompts for every variant, so this pairs them. '-' for dense, for records written before
+    per-case results were kept."""
+    from condcomp.experiments.stats import mcnemar
+
+    a, d = r.get("passkey_correct"), dense.get("passkey_correct")
+    if r is dense or not a or not d or len(a) != len(d):
+        return "-"
+    t = mcnemar(a, d)
+    return f"{t['a_only']} / {t['b_only']}, p {t['p']:.2f}"
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown: per prompt length and variant, the measured values and their ratios to dense's."""
     dense = {r["prompt_len"]: r for r in records if r["variant"] == "dense"}
-    lines = ["| prompt | variant | kv_frac | KV MiB | ppl | x dense | passkey acc (n) | x dense | decode ms/token "
-             "| x dense |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| prompt | variant | kv_frac | KV MiB | ppl | x dense | passkey acc (n) | x dense | passkey only it / "
+             "only dense, McNemar p | decode ms/token | x dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         d = dense[r["prompt_len"]]
         ms = "-" if r["decode_ms_per_token"] is None else f"{r['decode_ms_per_token']:.1f}"
@@ -51,7 +64,7 @@ def table(records: list[dict[str, Any]]) -> str:
         decode = "-" if r["decode_ratio"] is None else f"{r['decode_ratio']:.2f}"
         lines.append(f"| {r['prompt_len']} | {r['variant']} | {r['kv_frac']:.3f} | {r['kv_bytes'] / 2**20:.1f} | "
                      f"{r['ppl']:.2f} | {_ratio(r['ppl'], d['ppl'])} | {r['passkey_acc']:.2f} ({r['passkey_n']}) | "
-                     f"{acc_ratio} | {ms} | {decode} |")
+                     f"{acc_ratio} | {paired_with_dense(r, d)} | {ms} | {decode} |")
     return "\n".join(lines)
 
 

@@ -199,6 +199,7 @@ def test_tiny_run_end_to_end_and_resume(tmp_path: Path, monkeypatch: pytest.Monk
     for r in records.values():
         assert {"variant", "prompt_len", "kv_frac", "ppl", "passkey_acc", "decode_ms_per_token"} <= set(r)
         assert r["prompt_len"] == 300 and r["passkey_n"] == 2 and r["ppl_tokens"] == 4
+        assert len(r["passkey_correct"]) == 2 and sum(r["passkey_correct"]) / 2 == r["passkey_acc"]
         timed = r["variant"] in ("dense", "quantized-fp8")  # only the asked variant is timed, dense as the base
         assert (r["decode_ms_per_token"] is not None) == timed
     # the tiny Llama has 8 key/value heads: 1/3 of them rounds to 3 kept; fp8: a byte per value plus scales
@@ -268,3 +269,18 @@ def test_a_new_variant_reads_the_finished_dense_record_back(tmp_path: Path, monk
     records = {r["variant"]: r for r in again["records"]}
     assert records["dense"] == first["records"][0]
     assert records["drop-keep2of3"]["kv_frac"] == pytest.approx(5 / 8)  # round(2/3 * 8) of 8 groups
+
+
+def test_passkey_pairs_each_variant_with_dense_on_the_same_cases() -> None:
+    from condcomp.bench.kv_report import paired_with_dense
+
+    dense = {"passkey_correct": [True, True, True, False, False, True]}
+    # the variant finds case 3 that dense misses and loses cases 0 and 1: 1 / 2 discordant;
+    # exact two-sided binomial on 3 discordant cases: 2 * P(X <= 1 | n 3, 1/2) = 2 * 4 / 8 = 1
+    variant = {"passkey_correct": [False, False, True, True, False, True]}
+    assert paired_with_dense(variant, dense) == "1 / 2, p 1.00"
+    lost = {"passkey_correct": [False] * 6}  # loses all 4: 2 * (1/16) = 0.125
+    assert paired_with_dense(lost, dense) == "0 / 4, p 0.12"
+    assert paired_with_dense(dense, dense) == "-"
+    assert paired_with_dense({"passkey_acc": 0.5}, dense) == "-"  # a record from before per-case results
+    assert paired_with_dense({"passkey_correct": [True]}, dense) == "-"  # not the same cases
