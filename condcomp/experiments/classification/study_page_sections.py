@@ -113,6 +113,39 @@ def setup_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets
             ok = "met" if acc["mean"] >= goal else "**not met**"
             out.append(f"- Trained enough? {NAMES[ds]} standard accuracy {acc['mean']:.4f} over {acc['n']} seed(s), "
                        f"goal >= {goal:.2f}: {ok}.")
+    return out + versions_lines(records, datasets)
+
+
+def _version_key(v: str) -> tuple[int, ...]:
+    """'0.10.0' after '0.2.0' (string order would put it first); an unparsable version sorts first."""
+    parts = v.split(".")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else (-1,)
+
+
+def versions_lines(records: list[dict[str, Any]], datasets: list[str]) -> list[str]:
+    """Which condcomp version made which records, where a dataset mixes versions: a BudgetFormer retrained by a
+    later version is not the run an earlier record of the same seed was made beside."""
+    def version(r: dict[str, Any]) -> str:
+        return str((r.get("environment") or {}).get("condcomp") or "unknown")
+
+    mixed = [ds for ds in datasets if len({version(r) for r in records if r["dataset"] == ds}) > 1]
+    if not mixed:
+        return []
+    out = ["", "Records from more than one condcomp version (`environment.condcomp`). A run whose folder is gone "
+           "is retrained by the version that runs the study again, and a retrained run need not equal the earlier "
+           "run of the same seed. The newer record replaces the earlier one; the controls made from a BudgetFormer "
+           "(mode_k, random heads, fixed_per_layer, random_routing) are made again from the new run; "
+           "`fixed_matched` keeps its earlier run where the matched head count is unchanged (the per-seed heads "
+           "in the questions' tables show both). The newer version's records, per dataset:", ""]
+    for ds in mixed:
+        rows = [r for r in records if r["dataset"] == ds]
+        newest = max({version(r) for r in rows}, key=_version_key)
+        by_seed: dict[int, list[str]] = {}
+        for r in rows:
+            if version(r) == newest:
+                by_seed.setdefault(r["seed"], []).append(r["arm"])
+        seeds = "; ".join(f"seed {seed}: {', '.join(sorted(arms))}" for seed, arms in sorted(by_seed.items()))
+        out.append(f"- {NAMES.get(ds, ds)}, {newest}: {seeds}.")
     return out
 
 

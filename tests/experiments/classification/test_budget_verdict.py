@@ -144,3 +144,19 @@ def test_a_gain_that_survives_fixed_counts_is_called_a_training_effect() -> None
     assert len(lines) == 2 and lines[0].startswith("A: BudgetFormer beats") and "+0.90 points" in lines[0]
     assert "[-0.10, +0.10]" in lines[0] and "how it was trained" in lines[0]
     assert training_not_inference(stats, ["b", "c"], {}) == []
+
+
+def test_versions_lines_name_the_newer_versions_records_per_seed() -> None:
+    from condcomp.experiments.classification.study_page_sections import versions_lines
+
+    def rec(arm: str, seed: int, version: str, ds: str = "snli") -> dict[str, Any]:
+        return {"dataset": ds, "arm": arm, "seed": seed, "environment": {"condcomp": version}}
+
+    same = [rec("standard", 0, "0.1.0"), rec("budgetformer", 0, "0.1.0")]
+    assert versions_lines(same, ["snli"]) == []  # one version: nothing to say
+    mixed = same + [rec("fixed_per_layer", 1, "0.10.0"), rec("budgetformer", 1, "0.10.0"),
+                    rec("moh", 1, "0.2.0"), rec("standard", 0, "0.1.0", ds="ag_news")]
+    lines = versions_lines(mixed, ["ag_news", "snli"])
+    # numeric order: 0.10.0 is the newest, not 0.2.0; AG News has one version and is not listed
+    assert lines[-1] == "- SNLI, 0.10.0: seed 1: budgetformer, fixed_per_layer."
+    assert not any("AG News" in line for line in lines)
