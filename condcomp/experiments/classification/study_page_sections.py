@@ -135,8 +135,8 @@ def versions_lines(records: list[dict[str, Any]], datasets: list[str]) -> list[s
            "is retrained by the version that runs the study again, and a retrained run need not equal the earlier "
            "run of the same seed. The newer record replaces the earlier one; the controls made from a BudgetFormer "
            "(mode_k, random heads, fixed_per_layer, random_routing) are made again from the new run; "
-           "`fixed_matched` keeps its earlier run where the matched head count is unchanged (the per-seed heads "
-           "in the questions' tables show both). The newer version's records, per dataset:", ""]
+           "`fixed_matched` keeps its earlier run (the per-seed heads in the questions' tables show whether its "
+           "count still matches the new BudgetFormer's). The newer version's records, per dataset:", ""]
     for ds in mixed:
         rows = [r for r in records if r["dataset"] == ds]
         newest = max({version(r) for r in rows}, key=_version_key)
