@@ -28,6 +28,17 @@ class Preset:
     answer_tokens: int = 8
     passkey_format: str = "copy"
 
+    def __post_init__(self) -> None:
+        # a count of 0 ends in an empty case list deep in the run (an IndexError); refuse it here, by name
+        flags = {"prompts": " (--prompts)", "passkey_cases": " (--passkey-cases)",
+                 "decode_prompt": " (--decode-prompt)", "decode_batch": " (--decode-batch)"}
+        for name in ("prompts", "passkey_cases", "ppl_cases", "cont_len", "batch", "decode_prompt", "decode_batch",
+                     "decode_tokens", "answer_tokens"):
+            v = getattr(self, name)
+            vals = (v,) if isinstance(v, int) else v
+            if not vals or any(x < 1 for x in vals):
+                raise ValueError(f"{name} must be one or more values >= 1, got {v!r}{flags.get(name, '')}")
+
     def cases(self, prompt_len: int) -> tuple[int, int]:
         """``(passkey cases, continuation cases)`` at one prompt length."""
         i = self.prompts.index(prompt_len)

@@ -284,3 +284,13 @@ def test_passkey_pairs_each_variant_with_dense_on_the_same_cases() -> None:
     assert paired_with_dense(dense, dense) == "-"
     assert paired_with_dense({"passkey_acc": 0.5}, dense) == "-"  # a record from before per-case results
     assert paired_with_dense({"passkey_correct": [True]}, dense) == "-"  # not the same cases
+
+
+@pytest.mark.parametrize("change", [{"passkey_cases": 0}, {"passkey_cases": (10, 0)}, {"prompts": ()},
+                                    {"decode_batch": 0}, {"cont_len": 0}])
+def test_a_preset_refuses_empty_counts_by_name(change: dict[str, object]) -> None:
+    from condcomp.bench.kv_presets import PRESETS
+
+    name = next(iter(change))
+    with pytest.raises(ValueError, match=f"{name} must be one or more values >= 1"):
+        replace(PRESETS["cpu"], **change)  # type: ignore[arg-type]
