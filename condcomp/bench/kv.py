@@ -122,8 +122,7 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
                    decode_text: Any, bar: Any) -> dict[str, dict[str, Any]]:
     """Every variant of ``names`` on one prompt length's continuation and passkey cases."""
     res: dict[str, dict[str, Any]] = {
-        n: {"nll_sum": 0.0, "tokens": 0, "correct": 0, "hits": [], "by_depth": {}, "samples": [], "kv_bytes": None}
-        for n in names}
+        n: {"nll_sum": 0.0, "tokens": 0, "hits": [], "by_depth": {}, "samples": [], "kv_bytes": None} for n in names}
     P = len(keys[0].ids)
     for start in range(0, len(cont), p.batch):
         ids = torch.tensor(cont[start:start + p.batch])  # (b, P + C + 1)
@@ -155,7 +154,6 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
                     text = decode_text(row)
                     ok = answer_correct(text, case.key)
                     r = res[name]
-                    r["correct"] += ok
                     r["hits"].append(bool(ok))  # per case, in case order: paired comparisons between variants
                     hits, n = r["by_depth"].get(str(case.depth), (0, 0))
                     r["by_depth"][str(case.depth)] = (hits + ok, n + 1)

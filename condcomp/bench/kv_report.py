@@ -18,7 +18,7 @@ def length_record(name: str, prompt_len: int, r: dict[str, Any], dense: dict[str
     cases = sum(n for _, n in r["by_depth"].values())
     return {"variant": name, "prompt_len": prompt_len, "kv_bytes": r["kv_bytes"],
             "kv_frac": r["kv_bytes"] / dense["kv_bytes"], "nll": nll, "ppl": math.exp(nll), "ppl_tokens": r["tokens"],
-            "passkey_acc": r["correct"] / cases, "passkey_n": cases, "passkey_correct": r["hits"],
+            "passkey_acc": sum(r["hits"]) / cases, "passkey_n": cases, "passkey_correct": r["hits"],
             "passkey_by_depth": {d: hits / n for d, (hits, n) in sorted(r["by_depth"].items())},
             "samples": r["samples"], "note": VARIANTS[name].note, "settings": settings}
 

@@ -63,6 +63,16 @@ def _study_adaptivity(r: dict[str, Any]) -> dict[str, Any]:
             "spearman_difficulty_s": ((r.get("difficulty") or {}).get("loss") or {}).get("spearman_s")}
 
 
+def record_target(record: dict[str, Any]) -> float:
+    """The difficulty-target weight a study record's run trained with (0: the paper's loss)."""
+    return float((record.get("setup") or {}).get("budget_target") or 0.0)
+
+
+def difficulty_target(records: list[dict[str, Any]]) -> float:
+    """The difficulty-target weight the study's budgetformer arms trained with (0: the paper's loss)."""
+    return max([record_target(r) for r in records if r["arm"] == "budgetformer"] or [0.0])
+
+
 def verdict_rows(records: list[dict[str, Any]], search: dict[str, Any] | None,
                  goal: BudgetGoal = BudgetGoal()) -> list[dict[str, Any]]:
     """One row per BudgetFormer run on the goal's datasets: the study's records, then the search runs."""
@@ -75,7 +85,7 @@ def verdict_rows(records: list[dict[str, Any]], search: dict[str, Any] | None,
         if r["arm"] != "budgetformer" and not r["arm"].startswith("budgetformer_cost"):
             continue
         acc = std.get((r["dataset"], r["seed"]))
-        target = float((r.get("setup") or {}).get("budget_target") or 0.0)
+        target = record_target(r)
         rows.append(_row("study", r["arm"], r["dataset"], r["seed"], f"study {r['dataset']} {r['arm']} {target:g}",
                          r["s_mean"], None if acc is None else r["accuracy"] - acc, _study_adaptivity(r), goal,
                          target))

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from condcomp.experiments.classification.budget_verdict import difficulty_target
 from condcomp.experiments.classification.study_page_questions import (
     adaptivity_section,
     questions_section,
@@ -124,12 +125,6 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
         doc.parent.mkdir(parents=True, exist_ok=True)
         doc.write_text(text)
     return text
-
-
-def difficulty_target(records: list[dict[str, Any]]) -> float:
-    """The difficulty-target weight the study's budgetformer arms trained with (0: the paper's loss)."""
-    return max([float((r.get("setup") or {}).get("budget_target") or 0.0) for r in records
-                if r["arm"] == "budgetformer"] or [0.0])
 
 
 def _intro(folder: Path, regenerate: str, target: float) -> list[str]:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from condcomp.experiments.classification.budget_verdict import PAPER_S, verdict_section
+from condcomp.experiments.classification.budget_verdict import PAPER_S, difficulty_target, verdict_section
 
 # (comparison in statistics.json, what its difference answers)
 QUESTIONS = (
@@ -147,7 +147,7 @@ def regime_section(records: list[dict[str, Any]], datasets: list[str], names: di
                    search: dict[str, Any] | None) -> list[str]:
     """The paper's budget regime: BudgetFormer with and without a price on heads (full-length study runs), and
     the short search runs of ``results/budget_search`` when present."""
-    target = any((r.get("setup") or {}).get("budget_target") for r in records if r["arm"] == "budgetformer")
+    target = difficulty_target(records) > 0
     out = ["## Can the learned budget reach the paper's regime and still vary per input?", "",
            "The goal: s_mean within 0.1 of the paper's, accuracy within 1 point of the standard model, a head "
            "count off the layer's most common one on at least 25 % of test examples, and a positive correlation "
