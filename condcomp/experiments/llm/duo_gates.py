@@ -144,21 +144,27 @@ def train_loop(model: nn.Module, trainable: nn.Module, opt: torch.optim.Optimize
                on_step: Callable[[int, float, float], None] | None = None) -> list[list[float]]:
     """Run ``step_fn`` for steps ``0 .. settings["steps"] - 1`` on one row each (cycling through ``rows``) with the
     model's parameters frozen; the history ``[step, distillation, second number]`` every few steps. ``checkpoint``:
-    ``trainable``'s and ``opt``'s state is saved there every 10 steps and resumed from (same settings but the
-    number of steps, which may grow, or shrink to the saved step)."""
+    ``trainable``'s and ``opt``'s state, the history and every random generator (:mod:`condcomp.resume`) are
+    saved there every 10 steps and resumed from, so a resumed run ends as the uninterrupted one; a checkpoint of
+    other settings (but the number of steps, which may grow, or shrink to the saved step) is refused."""
+    from condcomp.resume import ResumeError, ResumeFile, restore_rng
+
     steps = int(settings["steps"])
     device = next(model.parameters()).device
     history: list[list[float]] = []
     start = 0
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, map_location=device, weights_only=False)
-        saved = dict(state.get("settings", {}))
-        # A run may be extended, or cut at a saved step; every other setting must match. (A run whose schedules
-        # depend on the number of steps puts what they depend on in its settings too.)
-        if {**saved, "steps": steps} == settings and int(state["step"]) <= steps:
-            trainable.load_state_dict(state["gates"])
-            opt.load_state_dict(state["opt"])
-            start, history = int(state["step"]), list(state["history"])
+    # A run may be extended, or cut at a saved step; every other setting must match. (A run whose schedules
+    # depend on the number of steps puts what they depend on in its settings too.)
+    saved = ResumeFile(checkpoint, settings, may_differ=("steps",)) if checkpoint is not None else None
+    state = saved.load() if saved is not None else None
+    if state is not None:
+        if int(state["step"]) > steps:
+            raise ResumeError(f"{checkpoint} is at step {state['step']}, past this run's --steps {steps}: ask for "
+                              f"at least {state['step']} steps, or delete it to start over")
+        trainable.load_state_dict(state["trainable"])
+        opt.load_state_dict(state["opt"])
+        start, history = int(state["step"]), [list(h) for h in state["history"]]
+        restore_rng(state["rng"])  # last: the noisy routers draw the next step's noise from it
     requires = {n: p.requires_grad for n, p in model.named_parameters()}
     try:
         for p in model.parameters():
@@ -170,10 +176,9 @@ def train_loop(model: nn.Module, trainable: nn.Module, opt: torch.optim.Optimize
                 history.append([float(step), first, second])
             if on_step is not None:
                 on_step(step, first, second)
-            if checkpoint is not None and ((step + 1) % 10 == 0 or step + 1 == steps):
-                checkpoint.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"settings": settings, "gates": trainable.state_dict(), "opt": opt.state_dict(),
-                            "step": step + 1, "history": history}, checkpoint)
+            if saved is not None and ((step + 1) % 10 == 0 or step + 1 == steps):
+                saved.save({"trainable": trainable.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                            "history": history})
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(requires[n])

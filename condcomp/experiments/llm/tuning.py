@@ -2,8 +2,9 @@
 
 Every variant is tuned with the same data, steps and method: LoRA on the attention projections (q, k, v, o) plus
 the routing parameters, loss on the continuation tokens only (the objective, objectives.py: the language-model loss,
-or distillation from the dense model). Resumable: each variant checkpoints its trainable
-state, optimiser, schedule, random state and step in ``OUT/<variant>/checkpoint.pt``; a rerun continues there.
+or distillation from the dense model). Resumable: each variant checkpoints its
+trainable state, optimiser, schedule, every random generator (:mod:`condcomp.resume`) and step in
+``OUT/<variant>/checkpoint.pt``; a rerun continues there, as if never stopped.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -185,19 +185,19 @@ def _optimizer(model: nn.Module, settings: TuneSettings) -> tuple[torch.optim.Op
 
 def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
             settings: TuneSettings) -> dict[str, Any]:
-    """The tuning state: read back from ``checkpoint`` (weights, optimiser, schedule, random state) when it exists,
-    else a fresh one with the seeded generator."""
-    if not checkpoint.is_file():
+    """The tuning state: read back from ``checkpoint`` (weights, optimiser, schedule, every random generator) when
+    it exists, else a fresh one with the seeded generator."""
+    from condcomp.resume import ResumeFile, check_settings, restore_rng
+
+    saved = ResumeFile(checkpoint, settings.tuning_key()).read()
+    if saved is None:
         torch.manual_seed(settings.seed)
         return {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
-    saved = torch.load(checkpoint, weights_only=False)
     was, now = saved["settings"].get("objective", "lm"), settings.objective
     if was != now:  # said apart from the other settings: resuming would mix two objectives in one run
         raise ValueError(f"{checkpoint} was tuned with the {was} objective, this run asks for {now}: resuming would "
                          f"mix the two; use another --out (or --objective {was}), or delete it to start over")
-    if saved["settings"] != settings.tuning_key():
-        raise ValueError(f"{checkpoint} was written with other settings ({saved['settings']}); use another "
-                         f"--out or delete it to start over")
+    check_settings(checkpoint, saved["settings"], settings.tuning_key())  # other settings: refused, each named
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     if set(saved["trainable"]) != names:
         raise ValueError(f"{checkpoint} holds other trainable parameters than this variant's")
@@ -207,7 +207,7 @@ def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sche
                 p.copy_(saved["trainable"][n])
     opt.load_state_dict(saved["optimizer"])
     sched.load_state_dict(saved["scheduler"])
-    torch.set_rng_state(saved["rng"])
+    restore_rng(saved["rng"])
     kept = ("step", "seconds", "cpu_seconds", "history")
     return {"cpu_seconds": 0.0, **{k: saved[k] for k in kept if k in saved}}
 
@@ -239,11 +239,11 @@ def _order(n: int, settings: TuneSettings) -> Tensor:
 
 
 def _save(path: Path, model: nn.Module, opt: Any, sched: Any, state: dict[str, Any], settings: TuneSettings) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"trainable": trainable_state(model), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "rng": torch.get_rng_state(), "settings": settings.tuning_key(), **state}, tmp)
-    os.replace(tmp, path)  # a run stopped while saving keeps the previous checkpoint
+    from condcomp.resume import ResumeFile
+
+    # written aside and renamed: a run stopped while saving keeps the previous checkpoint
+    ResumeFile(path, settings.tuning_key()).save({"trainable": trainable_state(model), "optimizer": opt.state_dict(),
+                                                  "scheduler": sched.state_dict(), **state})
 
 
 def copy_model(model: nn.Module) -> nn.Module:
