@@ -64,4 +64,5 @@ if __name__ == "__main__":
     SETUPS[sys.argv[1]]()
     from condcomp.cli import main
 
-    sys.exit(main(sys.argv[2:]))
+    sys.argv = ["condcomp", *sys.argv[2:]]  # as the installed script sees it (commands record their command line)
+    sys.exit(main(sys.argv[1:]))

@@ -88,25 +88,28 @@ def interrupt(setup: str, args: list[str], checkpoint: Path, result: Path, log: 
 
 
 def resumed_and_uninterrupted(tmp_path: Path, setup: str, args: Callable[[Path], list[str]],
-                              checkpoint: Callable[[Path], Path], result: Callable[[Path], Path]) -> tuple[Path, Path]:
-    """``(the folder of the interrupted-then-resumed run, the folder of the uninterrupted one)``."""
+                              checkpoint: Callable[[Path], Path], result: Callable[[Path], Path],
+                              saved_step: Callable[[Path], int], steps: int) -> tuple[Path, Path]:
+    """``(the folder of the interrupted-then-resumed run, the folder of the uninterrupted one)``; ``saved_step``
+    reads the step a checkpoint holds: the interrupt must have landed mid-training (before ``steps``)."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     whole.mkdir(), resumed.mkdir()
     run_to_end(setup, args(whole), tmp_path / "whole.log")
     interrupt(setup, args(resumed), checkpoint(resumed), result(resumed), tmp_path / "interrupted.log")
+    assert 0 < saved_step(checkpoint(resumed)) < steps, "the interrupt landed after training"
     run_to_end(setup, args(resumed), tmp_path / "resumed.log")
     return resumed, whole
 
 
-TIMINGS = frozenset({"seconds", "cpu_seconds", "eval_seconds", "train_seconds", "sampling_seconds", "wall_seconds",
-                     "latency_b1", "latency_b64", "peak_mem_b64", "carbon_train", "carbon_eval", "environment",
-                     "prepare_seconds", "checkpoint"})
+# what differs between any two runs of one command: clock readings, memory peaks, the machine, paths
+UNREPEATABLE = frozenset({"environment", "peak_mem_b64", "command", "run_dir", "checkpoint"})
 
 
 def without_timings(record: Any) -> Any:
-    """``record`` without its clock readings and paths (what differs between any two runs of one command)."""
+    """``record`` without its clock readings, the machine and paths."""
     if isinstance(record, dict):
-        return {k: without_timings(v) for k, v in record.items() if k not in TIMINGS}
+        return {k: without_timings(v) for k, v in record.items() if not (
+            k in UNREPEATABLE or k.endswith("seconds") or k.startswith(("latency", "carbon")))}
     if isinstance(record, list):
         return [without_timings(v) for v in record]
     return record
@@ -116,6 +119,10 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert got.keys() == want.keys() and want
     unequal = [k for k in want if not torch.equal(got[k], want[k])]
     assert not unequal, f"differ after resuming: {unequal[:5]}"
+
+
+def file_step(checkpoint: Path) -> int:
+    return int(torch.load(checkpoint, weights_only=True)["step"])
 
 
 # -- calibrate-kv: both methods (the request routers train with noise)
@@ -135,7 +142,7 @@ def test_calibrate_kv_request_resumes_exactly(tmp_path: Path) -> None:
     importance = _importance(tmp_path / "importance.json")
     args = [*CALIBRATE, "--method", "request", "--keep", "2", "--lr", "0.05", "--importance", str(importance)]
     resumed, whole = resumed_and_uninterrupted(tmp_path, "corpus", lambda d: [*args, "--out", str(d / "r.pt")],
-                                               lambda d: d / "r.partial.pt", lambda d: d / "r.pt")
+                                               lambda d: d / "r.partial.pt", lambda d: d / "r.pt", file_step, 30)
     got, want = (torch.load(d / "r.pt", weights_only=True) for d in (resumed, whole))
     for a, b in zip(got.pop("scorers"), want.pop("scorers"), strict=True):
         assert_same_tensors(a, b)
@@ -148,6 +155,88 @@ def test_calibrate_kv_duo_resumes_exactly(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     args = [*CALIBRATE, "--method", "duo"]
     resumed, whole = resumed_and_uninterrupted(tmp_path, "corpus", lambda d: [*args, "--out", str(d / "g.json")],
-                                               lambda d: d / "g.partial.pt", lambda d: d / "g.json")
+                                               lambda d: d / "g.partial.pt", lambda d: d / "g.json", file_step, 30)
     got, want = (json.loads((d / "g.json").read_text()) for d in (resumed, whole))
     assert got == want  # the gates (6 decimals) and the history: every recorded loss, unrounded
+
+
+# -- tune-llm (a tiny random Llama for SmolLM2; MoH's routers trained with the LoRA adapters)
+def _staged(root: Path) -> Path:
+    """ag_news and yelp stand-ins of random letters, in the staged corpora's layout."""
+    import gzip
+
+    rng = random.Random(0)
+    for name in ("ag_news", "yelp"):
+        for split in ("train", "test"):
+            (root / name).mkdir(parents=True, exist_ok=True)
+            with gzip.open(root / name / f"{split}.jsonl.gz", "wt", encoding="utf-8") as fh:
+                for _ in range(200):
+                    text = "".join(rng.choice("abcdefghijklm") for _ in range(rng.randint(5, 15)))
+                    fh.write(json.dumps({"text": text, "label": 0}) + "\n")
+    return root
+
+
+@pytest.mark.slow
+def test_tune_llm_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    data = _staged(tmp_path / "data")
+    args = ["tune-llm", "--variants", "moh_50", "--data-dir", str(data), "--threads", "1", "--seq-len", "16",
+            "--prompt-len", "6", "--batch-size", "2", "--steps", "60", "--warmup", "2", "--lora-rank", "2",
+            "--eval-seqs", "2", "--calib-seqs", "1", "--agree-prompts", "2", "--agree-tokens", "3",
+            "--checkpoint-every", "5", "--datasets", "ag_news", "yelp"]
+    resumed, whole = resumed_and_uninterrupted(
+        tmp_path, "tiny-smollm", lambda d: [*args, "--out", str(d)], lambda d: d / "moh_50" / "checkpoint.pt",
+        lambda d: d / "moh_50" / "metrics.json", file_step, 60)
+    got, want = (torch.load(d / "moh_50" / "checkpoint.pt", weights_only=True) for d in (resumed, whole))
+    assert got["step"] == want["step"] == 60
+    assert_same_tensors(got["trainable"], want["trainable"])
+    got, want = (json.loads((d / "moh_50" / "metrics.json").read_text()) for d in (resumed, whole))
+    assert without_timings(got) == without_timings(want)  # every loss of the history, perplexity, greedy tokens
+
+
+# -- train and ablate (the classifier; BudgetFormer's routers, dropout and shuffled batches draw from generators)
+CLASSIFIER = ["--dataset", "synthetic", "--synthetic-train", "160", "--synthetic-test", "40", "--preset", "tiny",
+              "--batch-size", "8", "--max-steps", "60", "--checkpoint-every", "5", "--latency-reps", "1",
+              "--threads", "1"]
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    return int(json.loads(checkpoint.read_text())["train_state"]["step"])
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    """Two run folders of the classifier hold the same weights, metrics and per-example predictions."""
+    from safetensors.torch import load_file
+
+    assert_same_tensors(*(load_file(str(d / "checkpoint" / "model.safetensors")) for d in (got, want)))
+    for name in ("metrics.json", "examples.json"):
+        a, b = (json.loads((d / name).read_text()) for d in (got, want))
+        assert without_timings(a) == without_timings(b), name
+
+
+@pytest.mark.slow
+def test_train_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    args = ["train", *CLASSIFIER, "--method", "budgetformer"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_to_end("none", [*args, "--out", str(whole)], tmp_path / "whole.log")
+    interrupt("none", [*args, "--out", str(resumed)], resumed / "checkpoint" / "condcomp.json",
+              resumed / "metrics.json", tmp_path / "interrupted.log")
+    assert 0 < checkpoint_step(resumed / "checkpoint" / "condcomp.json") < 60
+    run_to_end("none", [*args, "--out", str(resumed), "--resume"], tmp_path / "resumed.log")
+    assert_same_run(resumed, whole)
+
+
+@pytest.mark.slow
+def test_ablate_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    args = ["ablate", *CLASSIFIER, "--seeds", "0", "--arms", "standard", "budgetformer"]
+    resumed, whole = resumed_and_uninterrupted(
+        tmp_path, "none", lambda d: [*args, "--out", str(d / "runs"), "--summary", str(d / "summary.json")],
+        lambda d: d / "runs" / "synthetic" / "seed0" / "budgetformer" / "checkpoint" / "condcomp.json",
+        lambda d: d / "runs" / "synthetic" / "seed0" / "budgetformer" / "metrics.json", checkpoint_step, 60)
+    for arm in ("standard", "budgetformer"):
+        assert_same_run(*(d / "runs" / "synthetic" / "seed0" / arm for d in (resumed, whole)))
+    got, want = (json.loads((d / "summary.json").read_text()) for d in (resumed, whole))
+    assert without_timings(got) == without_timings(want)

@@ -93,7 +93,7 @@ def run_single(cfg: RunConfig, out: Path, resume: bool = False, prep: PreparedDa
     with CarbonTracker(cfg.carbon_country, str(out)) as carbon_train:
         state = train(model, prep.train, cfg, ckpt, resume, meta, desc=name or cfg.method)
     metrics = finish(model, prep, cfg, out, name or cfg.method)
-    metrics.update({"train": {k: v for k, v in state.items() if k != "torch_rng"},
+    metrics.update({"train": {k: v for k, v in state.items() if k != "rng"},
                     "carbon_train": carbon_train.result(), "wall_seconds": time.perf_counter() - t0})
     write_json(out / "metrics.json", metrics)
     return metrics, model

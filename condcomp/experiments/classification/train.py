@@ -66,21 +66,22 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
           resume: bool = False, meta: dict[str, Any] | None = None, desc: str = "train") -> dict[str, Any]:
     """Train in place; returns the train state (steps, final loss, seconds). Checkpoints into ``ckpt_dir``."""
     from condcomp.checkpoint import save_checkpoint
+    from condcomp.resume import capture_rng, restore_rng
 
     steps = total_steps(cfg, len(split))
     per_epoch = math.ceil(len(split) / cfg.batch_size)
     opt = make_optimizer(model, cfg)
-    state, rng = _start_state(model, opt, steps, ckpt_dir, resume)
+    state, rng = _start_state(model, opt, steps, ckpt_dir, resume, meta or {})
     sched = make_scheduler(opt, cfg, steps, int(state["step"]))
     if rng is not None:
-        torch.set_rng_state(rng)  # last: nothing above may draw from the restored stream
+        restore_rng(rng)  # last: nothing above may draw from the restored streams
     model.train()
     device = next(model.parameters()).device
     t0 = time.perf_counter() - float(state["seconds"])
 
     def save() -> None:
         if ckpt_dir is not None:
-            st = {**state, "seconds": time.perf_counter() - t0, "torch_rng": torch.get_rng_state()}
+            st = {**state, "seconds": time.perf_counter() - t0, "rng": capture_rng()}
             save_checkpoint(ckpt_dir, model, meta or {}, opt, st)
 
     # each routed layer's budget of the forward (policy, s), for the price on heads and the difficulty target
@@ -116,20 +117,28 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
 
 
 def _start_state(model: EncoderClassifier, opt: torch.optim.Optimizer, steps: int, ckpt_dir: Path | None,
-                 resume: bool) -> tuple[dict[str, Any], Tensor | None]:
+                 resume: bool, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The train state to start from and the random state to restore last: fresh, or ``--resume``'s checkpoint
-    (model and optimiser loaded in place)."""
-    from condcomp.checkpoint import load_checkpoint
+    (model and optimiser loaded in place; refused, each difference named, when made with other settings)."""
+    from condcomp.checkpoint import load_checkpoint, read_checkpoint_config
+    from condcomp.experiments.classification.runconfig import NOT_IDENTITY
+    from condcomp.resume import ResumeError, check_settings
 
     state: dict[str, Any] = {"step": 0, "epoch": 0, "loss": None, "seconds": 0.0, "total_steps": steps}
     if not resume:
         return state, None
     if ckpt_dir is None or not (ckpt_dir / "condcomp.json").is_file():
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}")
+    saved = read_checkpoint_config(ckpt_dir)
+    check_settings(ckpt_dir, {**saved.get("run", {}), "model": saved.get("model")},
+                   {**meta.get("run", {}), "model": meta.get("model")}, may_differ=NOT_IDENTITY)
     loaded = load_checkpoint(ckpt_dir, model, opt)
     state.update(loaded.get("train_state") or {})
     state["total_steps"] = steps
-    return state, state.pop("torch_rng", None)
+    if "rng" not in state:
+        raise ResumeError(f"{ckpt_dir} was written by an older condcomp that kept torch's generator only; resuming "
+                          f"it would not continue the same run: delete {ckpt_dir} to train from the start")
+    return state, state.pop("rng")
 
 
 def _train_step(model: EncoderClassifier, batch: tuple[Tensor, Tensor, Tensor | None, Tensor],
