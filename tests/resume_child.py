@@ -6,6 +6,7 @@ then ``SETUP`` swaps the downloads for tiny local stand-ins and ``condcomp ARGS.
 
 - ``corpus``: the corpora of ``bench kv`` / ``calibrate-kv`` are a few fixed word texts (the model is tiny-llama);
 - ``tiny-smollm``: ``tune-llm``'s SmolLM2 is a tiny random Llama with a character tokenizer;
+- ``quick-judge``: ``dit``'s judge (the classifier its metrics use) trains for 3 steps;
 - ``none``: nothing is swapped.
 """
 
@@ -58,7 +59,14 @@ def tiny_smollm() -> None:
     smollm2.load_smollm2 = load  # type: ignore[assignment]
 
 
-SETUPS = {"corpus": corpus, "tiny-smollm": tiny_smollm, "none": lambda: None}
+def quick_judge() -> None:
+    import condcomp.experiments.dit.classifier as classifier
+
+    real = classifier.train_judge
+    classifier.train_judge = lambda images, labels: real(images, labels, steps=3)  # type: ignore[assignment]
+
+
+SETUPS = {"corpus": corpus, "tiny-smollm": tiny_smollm, "quick-judge": quick_judge, "none": lambda: None}
 
 if __name__ == "__main__":
     SETUPS[sys.argv[1]]()

@@ -240,3 +240,21 @@ def test_ablate_resumes_exactly(tmp_path: Path) -> None:
         assert_same_run(*(d / "runs" / "synthetic" / "seed0" / arm for d in (resumed, whole)))
     got, want = (json.loads((d / "summary.json").read_text()) for d in (resumed, whole))
     assert without_timings(got) == without_timings(want)
+
+
+# -- dit (a learned budget with its timestep input; batches, timesteps and noise drawn from the loop's generator)
+@pytest.mark.slow
+def test_dit_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    args = ["dit", "--seeds", "0", "--variants", "budgetformer_cond", "--steps", "80", "--checkpoint-every", "5",
+            "--batch-size", "8", "--samples-per-class", "2", "--sample-steps", "2", "--threads", "1", "--no-plots",
+            "--model", json.dumps({"d_model": 40, "num_layers": 1, "freq_dim": 16})]
+    run = Path("seed0") / "budgetformer_cond"
+    resumed, whole = resumed_and_uninterrupted(tmp_path, "quick-judge", lambda d: [*args, "--out", str(d)],
+                                               lambda d: d / run / "checkpoint.pt", lambda d: d / run / "metrics.json",
+                                               file_step, 80)
+    got, want = (torch.load(d / run / "samples.pt", weights_only=True) for d in (resumed, whole))
+    assert torch.equal(got, want)  # sampled from the EMA weights: the same images bit for bit
+    got, want = (json.loads((d / run / "metrics.json").read_text()) for d in (resumed, whole))
+    assert without_timings(got) == without_timings(want)  # Fréchet distance, accuracy, heads per noise level
+    assert not (resumed / run / "checkpoint.pt").exists()

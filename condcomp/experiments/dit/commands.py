@@ -29,7 +29,8 @@ def _cmd_dit(args: argparse.Namespace) -> int:
     settings = DiTRunSettings.from_dict(overrides)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["dit"] else None
     if not args.plots_only:
-        run_dit_study(args.out, list(args.seeds), list(args.variants), settings, command, args.data, args.device)
+        run_dit_study(args.out, list(args.seeds), list(args.variants), settings, command, args.data, args.device,
+                      args.checkpoint_every)
     if not args.no_plots:
         from condcomp.experiments.dit.plots import write_plots
 
@@ -64,6 +65,8 @@ def add_commands(sub: Any) -> None:
                    "test_labels; uint8 images), e.g. CIFAR-10 with --preset cifar (docs/dit.md)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the runs are small)")
+    p.add_argument("--checkpoint-every", type=int, default=50,
+                   help="training steps between a run's checkpoints (a stopped study resumes from the last)")
     p.add_argument("--plots-only", action="store_true", help="only redraw the plots from OUT's records")
     p.add_argument("--no-plots", action="store_true")
     p.set_defaults(func=_cmd_dit)

@@ -1,7 +1,8 @@
 """The DiT study: every variant at every seed, resumable, and one ``summary.json`` of records and statistics.
 
 Runs go to ``OUT/seed<S>/<variant>/`` (``metrics.json`` is written last: a folder holding it is finished and is
-skipped when the study is run again with the same settings). Seeds are the outer loop, so an interrupted study
+skipped when the study is run again with the same settings; an unfinished one resumes from its ``checkpoint.pt``,
+exactly as if never stopped). Seeds are the outer loop, so an interrupted study
 leaves whole seeds. The ``fixed`` variant of a seed is trained at the nearest whole head count to that seed's
 ``budgetformer_cond`` measured mean heads (fixed top-k at matched heads), so it runs after it.
 """
@@ -91,10 +92,12 @@ def load_data(settings: DiTRunSettings, data_file: Path | None, device: str) -> 
 
 
 def run_dit_study(out: Path, seeds: list[int], variants: list[str], settings: DiTRunSettings,
-              command: str | None = None, data_file: Path | None = None, device: str = "cpu") -> dict[str, Any]:
+              command: str | None = None, data_file: Path | None = None, device: str = "cpu",
+              checkpoint_every: int = 50) -> dict[str, Any]:
     """Run (or reuse) every variant at every seed and write ``OUT/summary.json``; returns the summary.
 
-    ``data_file``: an ``.npz`` image set instead of the digits; ``device``: where training and sampling run."""
+    ``data_file``: an ``.npz`` image set instead of the digits; ``device``: where training and sampling run;
+    ``checkpoint_every``: steps between a run's checkpoints (an unfinished run resumes from its last, exactly)."""
     paths = StudyPaths(out)
     data = load_data(settings, data_file, device)
     judge, judge_facts = load_or_train_judge(paths.judge, data)
@@ -108,7 +111,8 @@ def run_dit_study(out: Path, seeds: list[int], variants: list[str], settings: Di
             record = load_finished(paths.run(seed, variant), settings)
             if record is None:
                 t0 = time.perf_counter()
-                record = run_one(variant, seed, settings, data, judge, paths.run(seed, variant), fraction, device)
+                record = run_one(variant, seed, settings, data, judge, paths.run(seed, variant), fraction, device,
+                                 checkpoint_every)
                 print(f"seed {seed} {variant}: FD {record['frechet']:.3f}, class accuracy "
                       f"{record['class_accuracy']:.3f}, heads {record['heads']:.3f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)

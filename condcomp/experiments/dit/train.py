@@ -21,6 +21,7 @@ from condcomp.experiments.dit.frechet import frechet_distance
 from condcomp.experiments.dit.model import PRESETS, DiT, DiTConfig
 from condcomp.experiments.dit.variants import variant_config
 from condcomp.experiments.progress import progress_bar
+from condcomp.resume import ResumeFile
 
 
 @dataclass
@@ -79,22 +80,38 @@ def build(variant: str, settings: DiTRunSettings, seed: int, fraction: float | N
 
 
 def train_dit(model: DiT, images: Tensor, labels: Tensor, settings: DiTRunSettings, seed: int,
-              desc: str = "train") -> tuple[DiT, dict[str, Any]]:
-    """Flow-matching training; returns the EMA model (what is sampled) and facts of the run."""
+              desc: str = "train", checkpoint: ResumeFile | None = None,
+              checkpoint_every: int = 50) -> tuple[DiT, dict[str, Any]]:
+    """Flow-matching training; returns the EMA model (what is sampled) and facts of the run. ``checkpoint``: the
+    whole training state (weights, EMA, optimiser, schedule, every random generator, losses) is saved there every
+    ``checkpoint_every`` steps and after the last, and resumed from when present (:mod:`condcomp.resume`)."""
+    from condcomp.resume import restore_rng
+
+    if checkpoint_every < 1:
+        raise ValueError(f"DiT: checkpoint_every must be >= 1, got {checkpoint_every}")
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / settings.warmup))
     ema = copy.deepcopy(model).eval()
+    start, done_seconds, losses = 0, 0.0, []
+    saved = checkpoint.load() if checkpoint is not None else None
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        ema.load_state_dict(saved["ema"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        start, done_seconds, losses = int(saved["step"]), float(saved["seconds"]), list(saved["losses"])
+        restore_rng(saved["rng"], {"batches": g})  # last: the batches, timesteps and routers' noise continue
     budgets: list[Tensor] = []
     hooks = [r.condcomp_policy.register_forward_hook(lambda m, a, out: budgets.append(out.s))
              for r in routed_modules(model).values()
              if settings.budget_cost > 0 and hasattr(r.condcomp_policy, "mlp")]
     N = images.shape[0]
     routed = bool(routed_modules(model))
-    bar = progress_bar(total=settings.steps, desc=desc)
-    t0, losses = time.perf_counter(), []
+    bar = progress_bar(total=settings.steps, initial=start, desc=desc)
+    t0 = time.perf_counter() - done_seconds
     model.train()
-    for step in range(settings.steps):
+    for step in range(start, settings.steps):
         idx = torch.randint(0, N, (settings.batch_size,), generator=g).to(images.device)
         if routed:
             condcomp.set_progress(model, step / settings.steps)
@@ -116,6 +133,10 @@ def train_dit(model: DiT, images: Tensor, labels: Tensor, settings: DiTRunSettin
                 pe.lerp_(pm, 1.0 - decay)
         losses.append(float(loss.detach()))
         bar.update(1, loss=losses[-1])
+        if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == settings.steps):
+            checkpoint.save({"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(),
+                             "sched": sched.state_dict(), "step": step + 1, "losses": losses,
+                             "seconds": time.perf_counter() - t0}, {"batches": g})
     bar.close()
     for h in hooks:
         h.remove()
@@ -160,11 +181,16 @@ def measure(model: DiT, judge: Judge, test: tuple[Tensor, Tensor], settings: DiT
 
 
 def run_one(variant: str, seed: int, settings: DiTRunSettings, data: dict[str, tuple[Tensor, Tensor]],
-            judge: Judge, out_dir: Path, fraction: float | None = None, device: str = "cpu") -> dict[str, Any]:
+            judge: Judge, out_dir: Path, fraction: float | None = None, device: str = "cpu",
+            checkpoint_every: int = 50) -> dict[str, Any]:
     """Train, sample and measure one variant at one seed; writes ``metrics.json`` and ``samples.pt`` in
-    ``out_dir`` and returns the metrics."""
+    ``out_dir`` and returns the metrics. Training checkpoints to ``out_dir/checkpoint.pt`` every
+    ``checkpoint_every`` steps; a run stopped before its metrics resumes there, exactly."""
     model = build(variant, settings, seed, fraction).to(device)
-    ema, facts = train_dit(model, *data["train"], settings, seed, desc=f"{variant} seed{seed}")
+    checkpoint = ResumeFile(out_dir / "checkpoint.pt", {"variant": variant, "seed": seed, "fraction": fraction,
+                                                         **settings.to_dict()})
+    ema, facts = train_dit(model, *data["train"], settings, seed, desc=f"{variant} seed{seed}",
+                           checkpoint=checkpoint, checkpoint_every=checkpoint_every)
     metrics, samples = measure(ema, judge, data["test"], settings, seed)
     record = {"variant": variant, "seed": seed, "fraction": fraction, **facts, **metrics,
               "settings": settings.to_dict(), "model": settings.model_config().to_dict()}
@@ -173,4 +199,5 @@ def run_one(variant: str, seed: int, settings: DiTRunSettings, data: dict[str, t
     tmp = out_dir / "metrics.json.tmp"
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(out_dir / "metrics.json")  # written last and atomically: its presence means the run finished
+    checkpoint.remove()
     return record
