@@ -258,3 +258,21 @@ def test_dit_resumes_exactly(tmp_path: Path) -> None:
     got, want = (json.loads((d / run / "metrics.json").read_text()) for d in (resumed, whole))
     assert without_timings(got) == without_timings(want)  # Fréchet distance, accuracy, heads per noise level
     assert not (resumed / run / "checkpoint.pt").exists()
+
+
+# -- bench kv: resumes per finished (variant, prompt length) record, not mid-measurement
+@pytest.mark.slow
+def test_bench_kv_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    variants = ["dense", "drop-keep1of3", "split-static-1of3"]
+    args = ["bench", "kv", "--model", "tiny-llama", "--preset", "quick", "--prompts", "320", "400", "480",
+            "--variants", *variants, "--time-decode", "--threads", "1", "--importance", str(tmp_path / "absent.json")]
+    resumed, whole = resumed_and_uninterrupted(
+        tmp_path, "corpus", lambda d: [*args, "--out", str(d)], lambda d: d / "records" / "dense@320.json",
+        lambda d: d / "metrics.json", lambda c: len(list(c.parent.glob("*.json"))), 9)
+    names = sorted(p.name for p in (whole / "records").glob("*.json"))
+    assert len(names) == 9 and names == sorted(p.name for p in (resumed / "records").glob("*.json"))
+    for name in names:
+        assert (resumed / "records" / name).read_text() == (whole / "records" / name).read_text(), name
+    got, want = (json.loads((d / "metrics.json").read_text()) for d in (resumed, whole))
+    assert without_timings(got) == without_timings(want)
