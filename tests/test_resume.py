@@ -57,6 +57,39 @@ def test_a_checkpoint_of_other_settings_is_refused_naming_each_difference(tmp_pa
         ResumeFile(path, {}).load()
 
 
+def test_the_calibration_loop_resumed_in_process_draws_the_same_noise(tmp_path: Path) -> None:
+    """calibrate-kv's loop (duo_gates.train_loop) with a step that draws noise, as the request routers do: stopped
+    at its step-10 checkpoint and resumed after the global generator moved on, it ends as one uninterrupted run."""
+    from condcomp.experiments.llm.duo_gates import train_loop
+
+    def run(steps: int, checkpoint: Path, settings: dict[str, Any] | None = None) -> tuple[torch.Tensor, Any]:
+        torch.manual_seed(0)
+        frozen, w = torch.nn.Linear(2, 2), torch.nn.Linear(3, 1)
+        opt = torch.optim.Adam(w.parameters(), lr=0.1)
+
+        def step_fn(step: int, ids: torch.Tensor) -> tuple[float, float]:
+            noisy = torch.rand(3) + 0.1 * torch.randn(3)  # (3,)
+            loss = (w(noisy) - ids.float().mean()).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return float(loss.detach()), float(noisy.sum())
+
+        history = train_loop(frozen, w, opt, [[1, 2], [3, 4]], settings or {"steps": steps, "lr": 0.1}, step_fn,
+                             checkpoint)
+        return w.weight.detach().clone(), history
+
+    want = run(20, tmp_path / "whole.pt")
+    run(10, tmp_path / "cut.pt")  # a run of 10 steps leaves its step-10 checkpoint: the run "stopped" there
+    torch.manual_seed(99)
+    got = run(20, tmp_path / "cut.pt")
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    with pytest.raises(ResumeError, match=r"lr 0.1 there, 0.2 now"):
+        run(20, tmp_path / "cut.pt", {"steps": 20, "lr": 0.2})
+    with pytest.raises(ResumeError, match="at step 20, past this run's --steps 15"):
+        run(15, tmp_path / "cut.pt")
+
+
 # -------------------------------------------------------------------------------------- interrupted commands
 def _start(setup: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "CONDCOMP_DEBUG"}

@@ -163,7 +163,9 @@ def train_loop(model: nn.Module, trainable: nn.Module, opt: torch.optim.Optimize
                               f"at least {state['step']} steps, or delete it to start over")
         trainable.load_state_dict(state["trainable"])
         opt.load_state_dict(state["opt"])
-        start, history = int(state["step"]), [list(h) for h in state["history"]]
+        start = int(state["step"])
+        # an extended run drops the shorter run's last point when it is off the grid (as a run of `steps` would)
+        history = [list(h) for h in state["history"] if int(h[0]) % HISTORY_EVERY == 0 or int(h[0]) == steps - 1]
         restore_rng(state["rng"])  # last: the noisy routers draw the next step's noise from it
     requires = {n: p.requires_grad for n, p in model.named_parameters()}
     try:
