@@ -98,7 +98,8 @@ def test_ablate_seeds_is_resumable_and_writes_the_summary(tmp_path: Path, capsys
     assert all(r["difficulty"] is not None for r in bf.values())
     st = json.loads((summary.parent / "statistics.json").read_text())
     comp = st["synthetic"]["comparisons"]["budgetformer_vs_fixed_matched"]
-    assert comp["seeds"] == [0, 1] and comp["verdict"].startswith(("better", "worse", "no difference detected"))
+    assert comp["seeds"] == [0, 1] and comp["verdict"].startswith(
+        ("detected", "not established", "matches", "no difference detected", "every seed"))
     assert comp["seed_t"]["df"] == 1 and comp["bootstrap"]["resampled"] == "examples"
     assert st["synthetic"]["arms"]["standard"]["accuracy"]["n"] == 2
     # Per-example predictions stay in the run folders, not in the summary.
@@ -124,7 +125,7 @@ def test_ablate_seeds_is_resumable_and_writes_the_summary(tmp_path: Path, capsys
     comp = json.loads((summary.parent / "statistics.json").read_text())["synthetic"]["comparisons"][
         "budgetformer_vs_fixed_matched"]  # over 3 seeds
     assert "Does a learned per-layer allocation beat a uniform one?" in page and comp["verdict"] in page
-    assert "Can the learned budget reach the paper's regime" in page
+    assert "Can the learned budget reach the paper's regime" not in page  # the paper's goal: the project's pages
     # a user's own study: nothing of this repository's study (its datasets, its scripts) is stamped into it
     assert "ag_news: not run yet" not in page and "run_study.sh" not in page and "SPEC.md" not in page
     assert "issue" not in page.lower()
