@@ -5,8 +5,8 @@ How a page marks its blocks (an HTML comment on the line before the fence, invis
 - no mark: a ``python`` block runs (a page's python blocks share one namespace, in page order, like a
   notebook); a ``bash`` block runs with this environment's ``bin/`` first on PATH.
 - ``<!-- docs-gate: needs llm -->`` (or ``hf``, ``examples``, ``timm``, ``kvquant``, ``gpu``; several
-  comma-separated, and ``my_data``: the user's JSONL files, made here from the staged AG News): skipped, with that reason, where the
-  extra is not installed.
+  comma-separated, and ``my_data``: the user's JSONL files, made here from the staged AG News): skipped, with
+  that reason, where the extra is not installed.
 - ``<!-- docs-gate: not run: REASON -->``: never run (installs, long jobs); the reason is part of the page.
 
 A ``text`` block right after a code block (no heading between) is its printed output: the gate compares it
