@@ -100,8 +100,8 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
     rel = (lambda p: os.path.relpath(p, doc.parent)) if doc is not None else (lambda p: str(p))
     project = folder.resolve().parent == PROJECT_RESULTS
     regenerate = f"condcomp report {folder}" + (f" --doc {doc}" if doc is not None else "")
-    out = _intro(folder, regenerate, difficulty_target(records))
-    out += summary_section(stats, datasets)
+    intro = _intro(folder, regenerate, difficulty_target(records))
+    out = intro[:4] + summary_section(stats, datasets) + intro[4:]  # the summary first, then what the arms are
     out += questions_section(stats, datasets, NAMES, records)
     out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
     search_file = folder.parent / "budget_search" / "search.json"

@@ -109,7 +109,7 @@ def test_a_page_for_a_users_own_records_carries_none_of_the_projects_notes(tmp_p
                          "run folders are gone", "Departures from the paper", "results/reproduction",
                          "SNLI", "AG News", "Trained enough?", "paper's regime", "Missing for"):
         assert project_note not in page, project_note
-    assert page.index("## Summary") < page.index("## The questions")  # the summary opens the page
+    assert page.index("## Summary") < page.index("Arms:") < page.index("## The questions")  # the summary opens it
     assert page.count("pip install -e \".[carbon]\"") == 1 and "null:" not in page  # the carbon note, once
     assert "condcomp ablate --dataset files --train-file mine.csv" in page  # its own commands
     assert "[-" not in page.split("## Every arm")[1].split("| standard |")[1].split("\n")[0]  # latency: no bound < 0
