@@ -114,7 +114,9 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
     out += setup_section(records, stats, datasets, project)
     out += ["", CHOSEN, ""] if project else [""]
     cmds = sorted({r["command"] for r in records if r.get("command")})
-    out += ["", "Commands that produced the records:", "", "```bash", *cmds, "```", ""]
+    # folded: dozens of long lines a reader rarely needs, kept on the page for the record
+    out += ["", "<details><summary>Commands that produced the records</summary>", "", "```bash", *cmds, "```", "",
+            "</details>", ""]
     out += per_dataset_section(records, stats, datasets, plot_dir, rel, plots)
     out += difficulty_section(records, datasets, plot_dir, rel, plots)
     out += heads_section(records, datasets, plot_dir, rel, plots)
