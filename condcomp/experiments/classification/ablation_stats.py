@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from condcomp.experiments import stats as S
+from condcomp.experiments.classification.study_page_claims import ClaimRule
 
 # Paired comparisons (arm a, arm b); the first is the study's headline question.
 COMPARISONS = (("budgetformer", "fixed_matched"), ("budgetformer", "fixed_per_layer"),
@@ -52,7 +53,6 @@ def compare(rows: list[dict[str, Any]], a: str, b: str) -> dict[str, Any] | None
         "a": a, "b": b, "seeds": seeds, "diffs": diffs, "seed_t": seed_level(diffs),
         "heads_a": [ra[s]["heads"] for s in seeds], "heads_b": [rb[s]["heads"] for s in seeds],
     }
-    comp["verdict"] = comp["seed_t"].get("verdict")
     pairs = []
     for s in seeds:
         ca, cb = _correct(Path(ra[s]["run_dir"])), _correct(Path(rb[s]["run_dir"]))
@@ -68,6 +68,7 @@ def compare(rows: list[dict[str, Any]], a: str, b: str) -> dict[str, Any] | None
     if pairs and [p[0] for p in pairs] == seeds:
         comp["bootstrap"] = S.paired_bootstrap([p[1] for p in pairs], [p[2] for p in pairs], resample_seeds=False)
         comp["mcnemar"] = {str(p[0]): S.mcnemar(p[1], p[2]) for p in pairs}
+    comp["verdict"] = ClaimRule().words(comp)  # the seed-level and the within-seed evidence together
     return comp
 
 

@@ -123,7 +123,8 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     plan = AblationPlan(arms=tuple(args.arms), sweep_fractions=tuple(args.sweep_fractions),
                      budget_costs=tuple(args.budget_costs), moh_topk=tuple(args.moh_topk),
                      moh=args.moh or {},
-                     budgetformer=cfg.method_options if cfg.method == "budgetformer" else {})
+                     budgetformer=cfg.method_options if cfg.method == "budgetformer" else {},
+                     share_router=args.share_router_schedule)
     seeds = list(args.seeds) if args.seeds else [cfg.seed]
     summary = args.summary or args.out / "summary.json"
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["ablate"] else None
@@ -194,6 +195,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS),
                    help=f"arms to run (default {' '.join(DEFAULT_ARMS)}); also "
                    f"{' '.join(a for a in LAYER_ARMS + CONTROLS if a not in DEFAULT_ARMS)}")
+    p.add_argument("--share-router-schedule", action="store_true",
+                   help="fixed_matched and fixed_per_layer train with BudgetFormer's router_options (from "
+                   "--method-options), so they differ from it only in the budget")
     p.add_argument("--sweep-fractions", type=float, nargs="*", default=[],
                    help="fixed top-k fractions trained as arms fixed_<f> (1 = the standard arm)")
     p.add_argument("--budget-costs", type=float, nargs="*", default=[],

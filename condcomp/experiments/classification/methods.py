@@ -10,6 +10,9 @@
 - ``fixed_layers``: a fixed mean head count per layer (``heads``: layer name -> mean, fractional means rounded
   per example, :class:`.layer_budget.LayerMeanPolicy`), heads chosen by the ``topk`` scorer
   (``routing="learned"``) or at random (``routing="random"``); installed by ``train.build_model``.
+  ``router_options`` (``fixed`` and ``fixed_layers`` with learned routing, as ``budgetformer``): the ``topk``
+  scorer's schedule (temperature, noise, mask temperature), so that a fixed arm can train with the same router
+  as the BudgetFormer arm it is compared with and the two differ only in the budget.
 """
 
 from __future__ import annotations
@@ -71,12 +74,16 @@ def method_config(method: str, num_heads: int, options: dict[str, Any] | None = 
         policy, router = ("fixed", {"fraction": opts.pop("fraction")}), "random"
     elif method == "fixed_layers":
         heads, routing = opts.pop("heads"), opts.pop("routing")
+        router_kw = opts.pop("router_options", {})
         if not heads:
             raise ValueError("fixed_layers needs the per-layer mean head counts (option heads: {layer: mean})")
         if routing not in ("learned", "random"):
             raise ValueError(f"fixed_layers: routing must be 'learned' or 'random', got {routing!r}")
+        if router_kw and routing == "random":
+            raise ValueError("fixed_layers: router_options set the topk scorer's schedule; routing='random' has "
+                             "no scorer to take them (drop router_options, or use routing='learned')")
         # the fixed policy is a placeholder: build_model replaces it layer by layer with the per-layer means
-        policy, router = ("fixed", {"fraction": 0.5}), ("topk" if routing == "learned" else "random")
+        policy, router = ("fixed", {"fraction": 0.5}), (("topk", router_kw) if routing == "learned" else "random")
     else:
         shared = opts.pop("shared_heads", None) or max(1, round(opts.pop("shared_frac") * H))
         top_k = opts.pop("top_k", None) or max(1, round(opts.pop("routed_frac") * H))

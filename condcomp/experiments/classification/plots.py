@@ -43,7 +43,7 @@ def plot_layer_usage(rows: dict[str, dict[str, Any]], path: Path) -> bool:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], [ly.split(".attn")[0] for ly in layers])
     ax.set_ylabel("realised heads (k/H)")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save_figure(plt, fig, path)
 
 
@@ -84,7 +84,6 @@ def _arm_family(arm: str) -> str:
 _STYLES = {"fixed top-k sweep (standard = all heads)": ("tab:grey", "s"),
            "fixed top-k, matched / per-layer counts": ("dimgrey", "D"), "BudgetFormer": ("tab:blue", "o"),
            "MoH": ("tab:orange", "^"), "control": ("tab:red", "x")}
-_OFFSETS = ((4, 3), (4, -9), (-6, 7), (-6, -12))  # label positions, cycled so neighbours do not overlap
 
 
 def plot_pareto(records: list[dict[str, Any]], path: Path, title: str = "") -> bool:
@@ -99,18 +98,20 @@ def plot_pareto(records: list[dict[str, Any]], path: Path, title: str = "") -> b
     from condcomp.experiments.stats import mean_ci
 
     arms = sorted({r["arm"] for r in records if r.get("accuracy") is not None and r.get("heads") is not None})
-    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.4), sharey=True)
+    # one colour per arm (the legend, outside the axes, names them: no labels on the data to overlap), one marker
+    # per family
+    palette = plt.get_cmap("tab20")
+    colors = {a: palette(i % 20) for i, a in enumerate(arms)}
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.6), sharey=True)
     for ax, key, xlabel in ((axes[0], "heads", "realised heads (k/H, mean over test examples / tokens)"),
                             (axes[1], "flop_fraction", "analytic FLOP fraction of the whole model")):
         sweep = []
-        seen: set[str] = set()
-        drawn = 0
         for arm in arms:
             rs = [r for r in records if r["arm"] == arm and r.get(key) is not None]
             if not rs or (arm == "fixed_1" and any(r["arm"] == "standard" for r in records)):
                 continue  # fixed_1: the same runs as "standard"
             fam = _arm_family(arm)
-            color, marker = _STYLES[fam]
+            color, marker = colors[arm], _STYLES[fam][1]
             acc = mean_ci([r["accuracy"] for r in rs])
             x = mean_ci([r[key] for r in rs])["mean"]
             ax.scatter([r[key] for r in rs], [r["accuracy"] for r in rs], color=color, s=8, alpha=0.35)
@@ -121,12 +122,8 @@ def plot_pareto(records: list[dict[str, Any]], path: Path, title: str = "") -> b
                 half = 1.96 * math.sqrt(acc["mean"] * (1 - acc["mean"]) / n) if n else 0.0
                 err, ls = [[half], [half]], "--"
             bars = ax.errorbar([x], [acc["mean"]], yerr=err, color=color, marker=marker, ms=5, capsize=3, ls="",
-                               label=fam if fam not in seen else None)
+                               label=f"{arm} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
             bars[-1][0].set_linestyle(ls)
-            seen.add(fam)
-            ax.annotate(f"{arm} ({len(rs)})", (x, acc["mean"]), fontsize=5.5, xytext=_OFFSETS[drawn % 4],
-                        textcoords="offset points")
-            drawn += 1
             if fam.startswith("fixed top-k sweep"):
                 sweep.append((x, acc["mean"]))
         if len(sweep) > 1:
@@ -135,8 +132,8 @@ def plot_pareto(records: list[dict[str, Any]], path: Path, title: str = "") -> b
         ax.set_xlabel(xlabel, fontsize=8)
         xs = [r[key] for r in records if r.get(key) is not None]
         ax.set_xlim(0 if key == "heads" or not xs else max(0.0, min(xs) - 0.08), 1.08)
-    axes[0].set_ylabel("test accuracy (label: arm (seeds))")
-    axes[0].legend(fontsize=6.5, loc="lower right")
+    axes[0].set_ylabel("test accuracy")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="arm (seeds)", title_fontsize=7)
     fig.suptitle(title or "accuracy vs heads", fontsize=9)
     return save_figure(plt, fig, path)
 

@@ -1,9 +1,10 @@
 """docs/results.md from a study's summary.json and statistics.json (``condcomp report results/reproduction``).
 
 Everything in the page is computed from those two files; nothing is typed in by hand except the paper's
-numbers and the list of departures from the paper's setup. The departures and the project's rerun script describe
-this repository's own study (``results/reproduction``): the page of any other study folder (a user's own runs)
-carries neither, only the commands found in its records.
+numbers and the list of departures from the paper's setup. The departures, how the training length was chosen,
+the project's training goals, the paper's numbers beside ours and the rerun script describe this repository's own
+studies (folders of ``results/``): the page of any other study folder (a user's own runs) carries none of them, only
+what its records hold and the commands found in them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from condcomp.experiments.classification.study_page_sections import (
     summary_section,
 )
 
-PROJECT_STUDY = Path(__file__).resolve().parents[3] / "results" / "reproduction"  # this repository's own study
+PROJECT_RESULTS = Path(__file__).resolve().parents[3] / "results"  # this repository's own studies live here
 
 DEPARTURES = [
     "**Model size.** The paper trains a 4-layer, 8-head, d = 768 encoder (FFN 3072) on an A100. Ours: the "
@@ -97,28 +98,33 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
     datasets += sorted({r["dataset"] for r in records} - set(datasets))
     plot_dir = folder / "plots"
     rel = (lambda p: os.path.relpath(p, doc.parent)) if doc is not None else (lambda p: str(p))
-    project = folder.resolve() == PROJECT_STUDY
+    project = folder.resolve().parent == PROJECT_RESULTS
     regenerate = f"condcomp report {folder}" + (f" --doc {doc}" if doc is not None else "")
-    out = _intro(folder, regenerate, difficulty_target(records))
-    out += summary_section(stats, datasets)
-    out += questions_section(stats, datasets, NAMES)
+    intro = _intro(folder, regenerate, difficulty_target(records))
+    out = intro[:4] + summary_section(stats, datasets) + intro[4:]  # the summary first, then what the arms are
+    out += questions_section(stats, datasets, NAMES, records)
     out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
     search_file = folder.parent / "budget_search" / "search.json"
     search = json.loads(search_file.read_text()) if search_file.is_file() else None
-    out += regime_section(records, datasets, NAMES, search)
+    if project:
+        out += regime_section(records, datasets, NAMES, search)
     out += coverage_section(records, datasets, project)
-    out += paper_section(stats, datasets)
-    out += setup_section(records, stats, datasets)
-    out += ["", CHOSEN, ""]
+    if project:
+        out += paper_section(stats, datasets)
+    out += setup_section(records, stats, datasets, project)
+    out += ["", CHOSEN, ""] if project else [""]
     cmds = sorted({r["command"] for r in records if r.get("command")})
-    out += ["", "Commands that produced the records:", "", "```bash", *cmds, "```", ""]
+    # folded: dozens of long lines a reader rarely needs, kept on the page for the record
+    out += ["", "<details><summary>Commands that produced the records</summary>", "", "```bash", *cmds, "```", "",
+            "</details>", ""]
     out += per_dataset_section(records, stats, datasets, plot_dir, rel, plots)
     out += difficulty_section(records, datasets, plot_dir, rel, plots)
     out += heads_section(records, datasets, plot_dir, rel, plots)
-    if project:
+    if project and folder.resolve().name == "reproduction":
         out += ["## Departures from the paper", ""] + [f"- {d}" for d in DEPARTURES] + [""]
-    rerun = (["bash results/reproduction/run_study.sh      # skips every finished run; one job, 1 thread"] if project
-             else sorted({str(r["command"]) for r in records if r.get("command")}))
+    scripts = sorted(folder.glob("run_*.sh")) if project else []
+    rerun = ([f"bash results/{folder.resolve().name}/{f.name}      # skips every finished run" for f in scripts]
+             or sorted({str(r["command"]) for r in records if r.get("command")}))
     out += ["## Continue the study / regenerate this page", "", "```bash", *rerun, regenerate, "```", ""]
     text = "\n".join(out)
     if doc is not None:

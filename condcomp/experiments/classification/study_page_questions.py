@@ -8,6 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from condcomp.experiments.classification.budget_verdict import PAPER_S, difficulty_target, verdict_section
+from condcomp.experiments.classification.study_page_claims import ClaimRule
+
+RULE = ClaimRule()
+RULE_TEXT = (f"The verdict: \"detected\" only when the seed-level interval and the within-seed evidence both "
+             "exclude 0 in the same direction (\"not established\" when only one does); \"matches\" only when "
+             f"an equivalence test (TOST, 90 % seed-level t interval) lies inside +-{100 * RULE.margin:g} point; "
+             "otherwise \"no difference detected\" with the largest difference the 95 % interval does not "
+             "exclude.")
 
 # (comparison in statistics.json, what its difference answers)
 QUESTIONS = (
@@ -50,20 +58,23 @@ def comparison_row(label: str, comp: dict[str, Any]) -> str:
     need = t.get("seeds_for_1pt")
     return (f"| {label} | {', '.join(map(str, comp['seeds']))} | {_heads(comp['heads_a'])} | "
             f"{_heads(comp['heads_b'])} | {_pts(t.get('mean'))} {ci} | {boot} | {_pts(t.get('mdd_80'), False)} | "
-            f"{need if need is not None else '-'} | {comp.get('verdict') or '-'} |")
+            f"{need if need is not None else '-'} | {RULE.words(comp)} |")
 
 
-def questions_section(stats: dict[str, Any], datasets: list[str], names: dict[str, str]) -> list[str]:
+def questions_section(stats: dict[str, Any], datasets: list[str], names: dict[str, str],
+                      records: list[dict[str, Any]] | None = None) -> list[str]:
+    kept = any((c.get("bootstrap") or {}).get("resampled") == "seeds and examples"
+               for ds in datasets for c in ((stats.get(ds) or {}).get("comparisons") or {}).values())
     out = ["## The questions, per dataset", "",
            "Each row: arm a - arm b in accuracy points, mean over the seeds both arms have. The interval is the "
-           "seed-level paired Student t (df = seeds - 1): the seed carries the training noise, so this is the "
-           "headline interval. Beside it, the within-seed part: a 95 % bootstrap over the test examples with "
-           "every seed kept (\"(s+e)\": seeds resampled too, an older computation whose run folders are gone; "
-           "\"-\": the per-example predictions are not kept). MDD: the smallest true difference the seed-level "
-           "test detects with 80 % power at the observed seed-to-seed spread; then the seeds a 1-point MDD "
-           "would need. Heads: the realised fraction of heads of arm a and arm b in each seed. The verdict "
-           "follows the seed-level interval: \"no difference detected; differences above X points excluded\" "
-           "means the 95 % interval lies inside +-X.", ""]
+           "seed-level paired Student t (df = seeds - 1): the seed carries the training noise. Beside it, the "
+           "within-seed part: a 95 % bootstrap over the test examples with every seed kept"
+           + (" (\"(s+e)\": seeds resampled too, kept from an earlier statistics.json whose run folders are gone)"
+              if kept else "")
+           + " (\"-\": the per-example predictions are not kept; the verdict then uses the exact McNemar test "
+           "pooled over seeds where its counts are kept). MDD: the smallest true difference the seed-level test "
+           "detects with 80 % power at the observed seed-to-seed spread; then the seeds a 1-point MDD would "
+           "need. Heads: the realised fraction of heads of arm a and arm b in each seed. " + RULE_TEXT, ""]
     for question, comps in QUESTIONS:
         out += [f"### {question}", ""]
         for name, what in comps:
@@ -78,13 +89,24 @@ def questions_section(stats: dict[str, Any], datasets: list[str], names: dict[st
             out += [comparison_row(names.get(ds, ds), c) for ds, c in rows]
             out += [""]
         if question.startswith("Does per-input adaptivity"):
-            out += training_not_inference(stats, datasets, names)
+            out += training_not_inference(stats, datasets, names, records)
     return out
 
 
-def training_not_inference(stats: dict[str, Any], datasets: list[str], names: dict[str, str]) -> list[str]:
-    """Where BudgetFormer beats fixed top-k trained at its per-layer counts but loses nothing when its own counts
-    are set to each layer's most common one, the gain is not per-input choice at inference: say so."""
+def router_options(records: list[dict[str, Any]], ds: str, arm: str) -> dict[str, Any]:
+    """The router options an arm of ``ds`` trained with (the records' ``method_options``; {} = the defaults)."""
+    for r in records:
+        if r["dataset"] == ds and r["arm"] == arm:
+            return dict((r.get("method_options") or {}).get("router_options") or {})
+    return {}
+
+
+def training_not_inference(stats: dict[str, Any], datasets: list[str], names: dict[str, str],
+                           records: list[dict[str, Any]] | None = None) -> list[str]:
+    """Where BudgetFormer's lead over fixed top-k trained at its per-layer counts is detected (both kinds of
+    evidence) while its own model at each layer's most common count shows no difference, the gain is not per-input
+    choice at inference. What in training causes it is named only when the two arms trained alike but the budget:
+    where their router options differ (``records``), the comparison is confounded and the page says so."""
     out = []
     for ds in datasets:
         comps = (stats.get(ds) or {}).get("comparisons", {})
@@ -92,12 +114,26 @@ def training_not_inference(stats: dict[str, Any], datasets: list[str], names: di
         if not trained or not mode:
             continue
         t, m = trained.get("seed_t") or {}, mode.get("seed_t") or {}
-        if t.get("lo") is None or m.get("lo") is None or not (t["lo"] > 0 and m["lo"] <= 0 <= m["hi"]):
+        if t.get("lo") is None or m.get("lo") is None or not m["lo"] <= 0 <= m["hi"]:
             continue
-        out.append(f"{names.get(ds, ds)}: BudgetFormer beats fixed top-k trained at its per-layer counts "
-                   f"({_pts(t['mean'])} points), but the same model with every example at its layer's most common "
-                   f"count loses nothing detectable ({_pts(m['mean'])} [{_pts(m['lo'])}, {_pts(m['hi'])}]). The gain "
-                   "comes from how it was trained, not from choosing a count per input at inference.")
+        gain = RULE.words(trained)
+        if not gain.startswith("detected"):
+            if t["lo"] > 0:
+                out.append(f"{names.get(ds, ds)}: BudgetFormer's lead over fixed top-k trained at its per-layer "
+                           f"counts ({_pts(t['mean'])} points) is {gain}.")
+            continue
+        line = (f"{names.get(ds, ds)}: BudgetFormer beats fixed top-k trained at its per-layer counts "
+                f"({_pts(t['mean'])} points, {gain}), but the same model with every example at its layer's most "
+                f"common count shows no difference ({_pts(m['mean'])} [{_pts(m['lo'])}, {_pts(m['hi'])}]): the "
+                "gain is not from choosing a count per input at inference.")
+        bf, fl = router_options(records or [], ds, "budgetformer"), router_options(records or [], ds, "fixed_per_layer")
+        if records is not None and bf != fl:
+            line += (f" Its cause in training is not identified: BudgetFormer's router trained with "
+                     f"`{json.dumps(bf, sort_keys=True)}`, fixed top-k's with `{json.dumps(fl, sort_keys=True)}` "
+                     "(the records' method_options), so the two arms differ in more than the budget.")
+        elif records is not None:
+            line += " Both arms trained with the same router options: the difference is in how the budget was trained."
+        out.append(line)
     return out + [""] if out else []
 
 

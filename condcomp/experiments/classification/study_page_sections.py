@@ -33,6 +33,24 @@ def _interval(c: dict[str, Any] | None, fmt: str = "{:.4f}", scale: float = 1.0)
     return f"{m} [{fmt.format(c['lo'] * scale)}, {fmt.format(c['hi'] * scale)}]"
 
 
+def _range(rs: list[dict[str, Any]], key: str, fmt: str, scale: float) -> str:
+    """``mean (min-max over seeds)`` of a positive quantity such as a latency: a t interval over 3 seeds of a
+    drifting machine's timings reaches below zero, a range over the seeds never does."""
+    vals = sorted(scale * r[key] for r in rs if r.get(key) is not None)
+    if not vals:
+        return "-"
+    m = fmt.format(sum(vals) / len(vals))
+    return m if len(vals) == 1 else f"{m} ({fmt.format(vals[0])}-{fmt.format(vals[-1])})"
+
+
+def carbon_note(records: list[dict[str, Any]]) -> list[str]:
+    """One line, once per page, where the records hold no gCO2 (codecarbon missing when they were made)."""
+    if any(r.get("inference_gco2") is not None for r in records) or not records:
+        return []
+    return ["gCO2 is not measured in these records: it needs the `carbon` extra (codecarbon), installed from the "
+            "repository's root with `pip install -e \".[carbon]\"` before the runs.", ""]
+
+
 def _mean_of(rs: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rs if r.get(key) is not None]
     return sum(vals) / len(vals) if vals else None
@@ -45,6 +63,7 @@ def _arms_in_order(arms: set[str]) -> list[str]:
 
 
 def coverage_section(records: list[dict[str, Any]], datasets: list[str], project: bool) -> list[str]:
+    """``project``: this repository's study, whose plan (every dataset, seeds 0-2) says what is missing."""
     """Which dataset x arm cells have which seeds, and what is missing (``project``: every dataset is wanted)."""
     out: list[str] = ["## Coverage: which cells are done", ""]
     want = [a for a in MAIN if any(r["arm"] == a for r in records)]  # the arms this study runs
@@ -65,9 +84,10 @@ def coverage_section(records: list[dict[str, Any]], datasets: list[str], project
     for ds in DATASETS if project else ():
         if ds not in datasets:
             missing.append(f"{ds}: not run yet")
-    out += ["", f"Missing for {len(want)} arms x seeds {', '.join(map(str, SEEDS_WANTED))}: "
-            + ("; ".join(missing) if missing else "none") + ".", ""]
-    return out
+    if project:
+        out += ["", f"Missing for {len(want)} arms x seeds {', '.join(map(str, SEEDS_WANTED))}: "
+                + ("; ".join(missing) if missing else "none") + "."]
+    return out + [""]
 
 
 def paper_section(stats: dict[str, Any], datasets: list[str]) -> list[str]:
@@ -91,7 +111,8 @@ def paper_section(stats: dict[str, Any], datasets: list[str]) -> list[str]:
     return out
 
 
-def setup_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets: list[str]) -> list[str]:
+def setup_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets: list[str],
+                  project: bool = False) -> list[str]:
     """The model, data and training of each dataset, from the records, and whether the standard model trained enough."""
     out: list[str] = ["## Setup (from the records)", ""]
     out += ["| dataset | model (L x H x d, FFN) | max_len | train rows | test rows | steps | batch | lr | "
@@ -107,7 +128,7 @@ def setup_section(records: list[dict[str, Any]], stats: dict[str, Any], datasets
                    f"{r0.get('train_steps')} | {su.get('batch_size')} | {su.get('lr')} | {su.get('threads')} | "
                    + (f"{ts:.0f}" if ts else "-") + " |")
     out += [""]
-    for ds, goal in (("ag_news", 0.85), ("snli", 0.50)):
+    for ds, goal in (("ag_news", 0.85), ("snli", 0.50)) if project else ():  # the project's training goals
         acc = ((stats.get(ds) or {}).get("arms", {}).get("standard") or {}).get("accuracy") or {}
         if acc.get("mean") is not None:
             ok = "met" if acc["mean"] >= goal else "**not met**"
@@ -162,9 +183,9 @@ def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], da
             "of its test accuracy instead (dashed), which leaves out the seed-to-seed spread. Faint dots: the "
             "single seeds.", ""]
     out += ["Mean [95 % t-interval over seeds] (one seed: no interval). Latency in ms (median of one forward; "
-            "executor in the last column) on a shared machine whose load drifts: the intervals over seeds are "
-            "wide, read them before any ratio. Peak activation memory at batch 64 in MiB; gCO2 of evaluating the "
-            "whole test split.", ""]
+            "executor in the last column): the mean over seeds (the range over seeds), on a shared machine whose "
+            "load drifts: read the ranges before any ratio. Peak activation memory at batch 64 in MiB; gCO2 of "
+            "evaluating the whole test split.", ""] + carbon_note(records)
     for ds in datasets:
         rs = [r for r in records if r["dataset"] == ds]
         arms_st = (stats.get(ds) or {}).get("arms", {})
@@ -175,27 +196,25 @@ def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], da
             a = arms_st.get(arm, {})
             ar = [r for r in rs if r["arm"] == arm]
             mem, g = _mean_of(ar, "peak_inference_memory_b64_bytes"), _mean_of(ar, "inference_gco2")
-            gtxt = f"{g:.2g}" if g is not None else "null: " + (ar[0].get("inference_gco2_note") or "")
+            gtxt = f"{g:.2g}" if g is not None else "-"
             out.append(f"| {arm} | {','.join(str(r['seed']) for r in sorted(ar, key=lambda r: r['seed']))} | "
                        f"{_interval(a.get('accuracy'))} | {_interval(a.get('heads'), '{:.3f}')} | "
                        f"{_interval(a.get('s_mean'), '{:.3f}')} | {_interval(a.get('flop_fraction'), '{:.3f}')} | "
-                       + f"{_interval(a.get('latency_b1_s'), '{:.2f}', 1000)} | "
-                       + f"{_interval(a.get('latency_b64_s'), '{:.1f}', 1000)} | "
+                       + f"{_range(ar, 'latency_b1_s', '{:.2f}', 1000)} | "
+                       + f"{_range(ar, 'latency_b64_s', '{:.1f}', 1000)} | "
                        + (f"{mem / 2**20:.1f}" if mem else "-") + f" | {gtxt} | {ar[0].get('latency_executor')} |")
         out += [""]
         comps = (stats.get(ds) or {}).get("comparisons", {})
         asked = {name for _, group in QUESTIONS for name, _ in group}
         other = [c for n, c in comps.items() if n not in asked]
         if other:
-            out += ["Other paired comparisons (a - b in points; 95 % seed-level t; within-seed example bootstrap):",
-                    ""]
+            from condcomp.experiments.classification.study_page_questions import RULE
+
+            out += ["Other paired comparisons (a - b in points, mean over seeds; the verdict with its evidence):", ""]
             for c in other:
-                t, b = c.get("seed_t") or {}, c.get("bootstrap")
-                ci = f"[{100 * t['lo']:+.2f}, {100 * t['hi']:+.2f}]" if t.get("lo") is not None else "(one seed)"
-                boot = "" if not b else f"; bootstrap [{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}]" + (
-                    "" if b.get("resampled") == "examples" else " (seeds and examples)")
+                t = c.get("seed_t") or {}
                 out.append(f"- {c['a']} vs {c['b']} (seeds {', '.join(map(str, c['seeds']))}): "
-                           f"{100 * t.get('mean', 0.0):+.2f} {ci}{boot}: {c.get('verdict')}")
+                           f"{100 * t.get('mean', 0.0):+.2f}: {RULE.words(c)}")
             out += [""]
         if plots:
             from condcomp.experiments.classification.plots import plot_pareto
@@ -207,33 +226,56 @@ def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], da
     return out
 
 
+SUMMARY_PARTS = (("budgetformer_vs_fixed_matched", "learned budget vs uniform fixed top-k"),
+                 ("fixed_per_layer_vs_fixed_matched", "per-layer counts (fixed) vs uniform"),
+                 ("budgetformer_vs_fixed_per_layer", "learned budget vs fixed top-k at its per-layer counts"),
+                 ("budgetformer_vs_budgetformer_mode_k", "per-input counts vs each layer's most common (same "
+                                                         "model)"))
+
+
 def summary_section(stats: dict[str, Any], datasets: list[str]) -> list[str]:
-    """One bullet per dataset: the seed-level verdict of each question that has numbers."""
-    parts = (("budgetformer_vs_fixed_matched", "learned budget vs uniform fixed top-k at the matched count"),
-             ("fixed_per_layer_vs_fixed_matched", "per-layer allocation (fixed) vs uniform"),
-             ("budgetformer_vs_fixed_per_layer", "per-input budget vs fixed per-layer counts"),
-             ("budgetformer_vs_budgetformer_mode_k", "per-input head counts vs each layer's most common count "
-                                                     "(same model)"))
-    out = ["## In short", "",
-           "Accuracy differences in points, mean over seeds, 95 % seed-level t interval; MDD = the difference "
-           "the seeds detect with 80 % power.", ""]
+    """The one-screen summary: the question, the answer in one table (mean difference, 95 % seed-level t
+    interval, the verdict by :class:`.study_page_claims.ClaimRule`) and what the seeds do not exclude."""
+    from condcomp.experiments.classification.study_page_questions import RULE, RULE_TEXT
+
+    parts = [(n, w) for n, w in SUMMARY_PARTS
+             if any(n in ((stats.get(ds) or {}).get("comparisons") or {}) for ds in datasets)]
+    out = ["## Summary", "",
+           "**The question.** At the same mean head count, is a learned budget more accurate than fixed top-k, "
+           "and does choosing a head count per input (rather than per layer) add anything?", "",
+           "**The answer**, in accuracy points (arm a - arm b, mean over seeds [95 % seed-level t interval]). "
+           + RULE_TEXT + " The tables below show the within-seed evidence of each cell. \"(heads a vs b)\": the two "
+           "arms' mean realised head fractions differ by more than a tenth, so the comparison is not at equal "
+           "compute.", ""]
+    if not parts:
+        return out + ["No paired comparison has numbers yet.", ""]
+    out += ["| dataset | seeds | " + " | ".join(w for _, w in parts) + " |", "|---|---|" + "---|" * len(parts)]
+    bounds: dict[str, list[str]] = {}
     for ds in datasets:
         comps = (stats.get(ds) or {}).get("comparisons", {})
-        bits = []
+        cells, seeds = [], set()
         for name, what in parts:
             c = comps.get(name)
             if not c:
+                cells.append("-")
                 continue
+            seeds.add(len(c["seeds"]))
             t = c.get("seed_t") or {}
-            mdd = t.get("mdd_80")
-            b = c.get("bootstrap") if t.get("lo") is None else None  # one seed: only the test-sample interval
-            bits.append(f"{what}: {100 * t['mean']:+.2f} over {len(c['seeds'])} seed(s), {c.get('verdict')}"
-                        + (f" (MDD {100 * mdd:.2f})" if mdd is not None else "")
-                        + (f" (test-sample interval [{100 * b['lo']:+.2f}, {100 * b['hi']:+.2f}], which leaves out "
-                           "the seed-to-seed spread)" if b else ""))
-        if bits:
-            out.append(f"- **{NAMES.get(ds, ds).replace('**', '')}**: " + "; ".join(bits) + ".")
-    return out + [""]
+            ci = f" [{100 * t['lo']:+.2f}, {100 * t['hi']:+.2f}]" if t.get("lo") is not None else ""
+            ha, hb = sum(c["heads_a"]) / len(c["heads_a"]), sum(c["heads_b"]) / len(c["heads_b"])
+            unmatched = f" (heads {ha:.3f} vs {hb:.3f})" if abs(ha - hb) > 0.1 * max(ha, hb) else ""
+            cells.append(f"{100 * t['mean']:+.2f}{ci}: {RULE.label(c)}{unmatched}")
+            x = RULE.not_excluded(c)
+            if x is not None and not RULE.label(c).startswith("detected"):
+                bounds.setdefault(what, []).append(f"{x:.2f} ({NAMES.get(ds, ds).replace('**', '')})")
+        name = NAMES.get(ds, ds).replace("**", "")
+        out.append(f"| {name} | {', '.join(map(str, sorted(seeds))) or '-'} | " + " | ".join(cells) + " |")
+    out += [""]
+    if bounds:
+        out += ["**Not excluded** (where nothing is detected, the largest difference in points the 95 % interval "
+                "still allows, either sign): " + "; ".join(f"{w}: up to {', '.join(b)}" for w, b in bounds.items())
+                + ".", ""]
+    return out
 
 
 def difficulty_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: Path, rel: Any,
@@ -292,18 +334,21 @@ def heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: 
                    plots: bool) -> list[str]:
     out = ["## Which heads", "",
            "Per layer x head: how often each head ran on the test split (BudgetFormer, fixed top-k: share of "
-           "examples; MoH: share of real tokens), mean over seeds. The first MoH heads are the shared ones "
-           "(always on).", ""]
+           "examples; MoH: share of real tokens), the first seed's runs: head indices do not correspond across "
+           "seeds (each seed learns its own heads), so frequencies are not averaged over seeds. The first MoH heads "
+           "are the shared ones (always on). Below: per-layer mean heads (mean over seeds) and, per seed, the "
+           "max - min frequency over heads.", ""]
     for ds in datasets:
         freqs: dict[str, list[list[float]]] = {}
+        per_seed: dict[str, list[list[list[float]]]] = {}
         for arm in ("budgetformer", "fixed_matched", "moh"):
-            rs = [r for r in records if r["dataset"] == ds and r["arm"] == arm and r.get("head_freq")]
+            rs = sorted((r for r in records if r["dataset"] == ds and r["arm"] == arm and r.get("head_freq")),
+                        key=lambda r: r["seed"])
             if not rs:
                 continue
-            layers = sorted(rs[0]["head_freq"])
-            grid = [[sum(r["head_freq"][ly][h] for r in rs) / len(rs) for h in range(len(rs[0]["head_freq"][ly]))]
-                    for ly in layers]
-            freqs[f"{arm} ({len(rs)} seeds)"] = grid
+            grids = [[r["head_freq"][ly] for ly in sorted(r["head_freq"])] for r in rs]  # (seeds, layers, heads)
+            freqs[f"{arm} (seed {rs[0]['seed']})"] = grids[0]
+            per_seed[f"{arm} ({len(rs)} seeds)"] = grids
         if not freqs:
             continue
         if plots:
@@ -313,10 +358,12 @@ def heads_section(records: list[dict[str, Any]], datasets: list[str], plot_dir: 
             png = plot_dir / f"heads_{ds}.png"
             if plot_head_heatmaps(freqs, png, f"{NAMES.get(ds, ds).replace('**', '')}: head selection frequency"):
                 out += [f"![head selection, {ds}]({rel(png)})", ""]
-        for name, grid in freqs.items():
-            spread = max(max(r) for r in grid) - min(min(r) for r in grid)
-            out.append(f"- {ds} {name}: per-layer mean heads " + ", ".join(f"{sum(r) / len(r):.2f}" for r in grid)
-                       + f"; max-min frequency over heads {spread:.2f}")
+        for name, grids in per_seed.items():
+            layers = range(len(grids[0]))
+            mean_heads = [sum(sum(g[ly]) / len(g[ly]) for g in grids) / len(grids) for ly in layers]
+            spreads = [max(max(row) for row in g) - min(min(row) for row in g) for g in grids]
+            out.append(f"- {ds} {name}: per-layer mean heads " + ", ".join(f"{v:.2f}" for v in mean_heads)
+                       + "; max - min frequency over heads per seed " + ", ".join(f"{v:.2f}" for v in spreads))
         out += [""]
     return out
 

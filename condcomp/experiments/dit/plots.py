@@ -30,14 +30,15 @@ def plot_samples(out: Path, variants: list[str], path: Path, seed: int = 0, per_
     plt = pyplot() if found else None
     if plt is None:
         return False
-    fig, axes = plt.subplots(1, len(found), figsize=(2.4 * len(found), 3.4), squeeze=False)
+    # each panel at the grid's own aspect (10 classes tall, per_class samples wide), large enough to read a digit
+    fig, axes = plt.subplots(1, len(found), figsize=(3.2 * len(found), 3.2 * 10 / per_class + 0.6), squeeze=False)
     for ax, (v, p) in zip(axes[0], found):
         imgs = torch.load(p, weights_only=True).float().clamp(-1, 1)  # (10 * n, 1, S, S), class-major
         n = imgs.shape[0] // 10
         grid = imgs.reshape(10, n, *imgs.shape[-2:])[:, :per_class]  # (10, k, S, S)
         S = grid.shape[-1]
         tiles = grid.permute(0, 2, 1, 3).reshape(10 * S, grid.shape[1] * S)  # rows = classes
-        ax.imshow(tiles.numpy(), cmap="gray_r", vmin=-1, vmax=1)
+        ax.imshow(tiles.numpy(), cmap="gray_r", vmin=-1, vmax=1, aspect="equal", interpolation="nearest")
         ax.set_title(LABELS.get(v, v), fontsize=8)
         ax.axis("off")
     return save_figure(plt, fig, path)

@@ -128,22 +128,37 @@ def test_difficulty_target_runs_are_counted_apart_from_the_published_loss() -> N
     assert "t_seed1 (seed 1) misses accuracy." in text
 
 
-def test_a_gain_that_survives_fixed_counts_is_called_a_training_effect() -> None:
+def test_a_gain_that_survives_fixed_counts_is_not_per_input_choice_and_a_confound_is_named() -> None:
     from condcomp.experiments.classification.study_page_questions import training_not_inference
 
-    def comp(lo: float, hi: float) -> dict[str, Any]:
-        return {"seed_t": {"mean": (lo + hi) / 2, "lo": lo, "hi": hi}}
+    def comp(lo: float, hi: float, boot: tuple[float, float] | None = (0.004, 0.014)) -> dict[str, Any]:
+        c: dict[str, Any] = {"seed_t": {"mean": (lo + hi) / 2, "lo": lo, "hi": hi, "sd": 0.004, "n": 3}}
+        if boot:
+            c["bootstrap"] = {"lo": boot[0], "hi": boot[1], "resampled": "examples"}
+        return c
 
     stats = {"a": {"comparisons": {"budgetformer_vs_fixed_per_layer": comp(0.005, 0.013),
                                    "budgetformer_vs_budgetformer_mode_k": comp(-0.001, 0.001)}},
              "b": {"comparisons": {"budgetformer_vs_fixed_per_layer": comp(-0.002, 0.01),  # no gain detected
                                    "budgetformer_vs_budgetformer_mode_k": comp(-0.001, 0.001)}},
              "c": {"comparisons": {"budgetformer_vs_fixed_per_layer": comp(0.005, 0.013),  # the counts matter
-                                   "budgetformer_vs_budgetformer_mode_k": comp(0.002, 0.004)}}}
+                                   "budgetformer_vs_budgetformer_mode_k": comp(0.002, 0.004)}},
+             "d": {"comparisons": {"budgetformer_vs_fixed_per_layer": comp(0.005, 0.013, (-0.002, 0.02)),
+                                   "budgetformer_vs_budgetformer_mode_k": comp(-0.001, 0.001)}}}
     lines = training_not_inference(stats, ["a", "b", "c"], {"a": "A"})
-    assert len(lines) == 2 and lines[0].startswith("A: BudgetFormer beats") and "+0.90 points" in lines[0]
-    assert "[-0.10, +0.10]" in lines[0] and "how it was trained" in lines[0]
+    assert len(lines) == 2 and lines[0].startswith("A: BudgetFormer beats") and "+0.90 points, detected" in lines[0]
+    assert "[-0.10, +0.10]" in lines[0] and "not from choosing a count per input" in lines[0]
     assert training_not_inference(stats, ["b", "c"], {}) == []
+    # the seed-level interval alone (the test examples do not exclude 0): not called a gain
+    only_seeds = training_not_inference(stats, ["d"], {})
+    assert "not established" in only_seeds[0] and "beats" not in only_seeds[0]
+    # the arms' records differ in their router options: the cause is not named, the confound is
+    recs = [{"dataset": "a", "arm": "budgetformer", "method_options": {"router_options": {"mask_temperature": 1.0}}},
+            {"dataset": "a", "arm": "fixed_per_layer", "method_options": {"heads": {}}}]
+    confounded = training_not_inference(stats, ["a"], {}, recs)[0]
+    assert "not identified" in confounded and '{"mask_temperature": 1.0}' in confounded and "`{}`" in confounded
+    recs[1]["method_options"]["router_options"] = {"mask_temperature": 1.0}
+    assert "not identified" not in training_not_inference(stats, ["a"], {}, recs)[0]
 
 
 def test_versions_lines_name_the_newer_versions_records_per_seed() -> None:

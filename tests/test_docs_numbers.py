@@ -1,0 +1,160 @@
+"""The numbers README.md and the guide pages quote from the studies come from committed records.
+
+Two checks, each recomputing from the records with scipy (not with condcomp's statistics code):
+
+- every interval a page quotes as ``m [lo, hi]`` (a mean difference and its 95 % interval) equals, at the quoted
+  precision, an interval recomputed from the records: the studies' per-seed accuracies
+  (``results/reproduction*/summary.json``; paired Student t over the seeds both arms have), the DiT study's
+  per-seed Fréchet distances (``results/dit/seed*/*/metrics.json``), the within-seed bootstraps kept in the
+  studies' ``statistics.json`` (computed from per-example predictions that are not committed), or a committed
+  report's table (``results/**/*.md``);
+- every cell of docs/kv.md's decision table equals the committed ``condcomp bench kv`` records it names.
+
+What this cannot cover: a single number in running prose (a count, a ratio) has no shape that says which record
+it comes from; those are checked by review.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+sps = pytest.importorskip("scipy.stats")
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATED = {"docs/results.md", "docs/results-difficulty-target.md", "docs/api.md"}
+PAGES = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md"))
+                               if p.relative_to(ROOT).as_posix() not in GENERATED)]
+NUM = r"[+-]?\d+\.\d+"
+INTERVAL = re.compile(rf"({NUM})\s+\[({NUM}),\s+({NUM})\]")
+
+
+def _t_interval(diffs: list[float]) -> tuple[float, float, float] | None:
+    n = len(diffs)
+    if n < 2:
+        return None
+    m = sum(diffs) / n
+    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1))
+    half = float(sps.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def _study_intervals(folder: Path) -> list[tuple[float, float, float]]:
+    """Every pair of arms of every dataset, paired by seed (accuracy points); with the realised heads equal in
+    every seed also the seeds where both arms ran the same heads (a comparison at equal compute)."""
+    records = json.loads((folder / "summary.json").read_text())
+    out = []
+    for ds in {r["dataset"] for r in records}:
+        by_arm: dict[str, dict[int, dict]] = {}
+        for r in records:
+            if r["dataset"] == ds:
+                by_arm.setdefault(r["arm"], {})[r["seed"]] = r
+        for a, b in itertools.permutations(by_arm, 2):
+            seeds = sorted(set(by_arm[a]) & set(by_arm[b]))
+            same = [s for s in seeds if abs(by_arm[a][s]["heads"] - by_arm[b][s]["heads"]) < 1e-6]
+            for chosen in (seeds, same):
+                ci = _t_interval([100 * (by_arm[a][s]["accuracy"] - by_arm[b][s]["accuracy"]) for s in chosen])
+                if ci:
+                    out.append(ci)
+    stats = json.loads((folder / "statistics.json").read_text())
+    for st in stats.values():  # the within-seed bootstraps: their per-example predictions are not committed
+        for c in st["comparisons"].values():
+            b = c.get("bootstrap")
+            if b:
+                out.append((100 * b["diff"], 100 * b["lo"], 100 * b["hi"]))
+    return out
+
+
+def _dit_intervals() -> list[tuple[float, float, float]]:
+    runs: dict[str, dict[int, float]] = {}
+    for f in (ROOT / "results" / "dit").glob("seed*/*/metrics.json"):
+        m = json.loads(f.read_text())
+        runs.setdefault(m["variant"], {})[int(m["seed"])] = float(m["frechet"])
+    out = []
+    for a, b in itertools.permutations(runs, 2):
+        seeds = sorted(set(runs[a]) & set(runs[b]))
+        ci = _t_interval([runs[a][s] - runs[b][s] for s in seeds])
+        if ci:
+            out.append(ci)
+    return out
+
+
+def _report_intervals() -> list[tuple[float, float, float]]:
+    out = []
+    for f in (ROOT / "results").glob("**/*.md"):
+        out += [tuple(float(x) for x in m.groups()) for m in INTERVAL.finditer(f.read_text())]  # type: ignore[misc]
+    return out
+
+
+def _matches(quoted: tuple[str, str, str], value: tuple[float, float, float]) -> bool:
+    """The record's value, rounded to each quoted number's decimals, is the quoted number."""
+    for q, v in zip(quoted, value):
+        decimals = len(q.split(".")[1])
+        if abs(round(v, decimals) - float(q)) > 0.51 * 10 ** -decimals:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def recomputed() -> list[tuple[float, float, float]]:
+    out = _dit_intervals() + _report_intervals()
+    for folder in ("reproduction", "reproduction_target"):
+        out += _study_intervals(ROOT / "results" / folder)
+    return out
+
+
+def test_every_quoted_interval_is_recomputed_from_a_record(recomputed: list[tuple[float, float, float]]) -> None:
+    missing, checked = [], 0
+    for page in PAGES:
+        for m in INTERVAL.finditer(page.read_text()):
+            checked += 1
+            if not any(_matches(m.groups(), v) for v in recomputed):
+                missing.append(f"{page.relative_to(ROOT)}: {' '.join(m.group(0).split())}")
+    assert checked > 20  # the pages do quote intervals: the pattern still finds them
+    assert not missing, "intervals no committed record gives (recomputed with scipy):\n" + "\n".join(missing)
+
+
+def test_the_check_fails_on_a_number_no_record_holds(recomputed: list[tuple[float, float, float]]) -> None:
+    quoted = INTERVAL.search("ahead by +0.22 [+0.10, +0.34] points")
+    assert quoted is not None and any(_matches(quoted.groups(), v) for v in recomputed)  # AG News, in the records
+    made_up = INTERVAL.search("ahead by +0.23 [+0.10, +0.34] points")
+    assert made_up is not None and not any(_matches(made_up.groups(), v) for v in recomputed)
+
+
+# docs/kv.md's decision table: row label -> (variant, run with 50 passkey cases or None)
+KV_ROWS = {"4-bit quantized cache (HQQ)": ("quantized-hqq4", True), "fp8 quantized cache": ("quantized-fp8", False),
+           "condcomp split: 1 of 3 KV groups in full, the others 4 + 252 tokens": ("split-static-1of3", True),
+           "both: the split inside the 4-bit cache": ("split-static-1of3+hqq4", False),
+           "the split with DuoAttention's gates (`condcomp calibrate-kv`)": ("split-duo-1of3", True)}
+
+
+def _kv_records(folder: str) -> dict[tuple[str, int], dict]:
+    m = json.loads((ROOT / "results" / folder / "metrics.json").read_text())
+    return {(r["variant"], int(r["prompt_len"])): r for r in m["records"]}
+
+
+def test_the_kv_decision_table_is_the_committed_bench_records() -> None:
+    ten, fifty = _kv_records("kv"), _kv_records("kv_passkey50")
+    text = (ROOT / "docs" / "kv.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.split(" | ")[1] in KV_ROWS]
+    assert len(rows) == len(KV_ROWS)
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        variant, has_fifty = KV_ROWS[cells[1]]
+        r2, r4 = ten[(variant, 2048)], ten[(variant, 4096)]
+        d2, d4 = ten[("dense", 2048)], ten[("dense", 4096)]
+        assert cells[2] == f"{r2['kv_frac']:.3f} / {r4['kv_frac']:.3f}", variant
+        assert cells[3] == f"{r2['ppl'] / d2['ppl']:.2f} / {r4['ppl'] / d4['ppl']:.2f}", variant
+        if has_fifty:
+            assert cells[4] == str(round(fifty[(variant, 2048)]["passkey_acc"] * 50)), variant
+        else:
+            keys, dense_keys = round(r2["passkey_acc"] * 10), round(d2["passkey_acc"] * 10)
+            assert f"10 cases: {keys}" in cells[4] and f"dense's {dense_keys}" in cells[4], variant
+        decode = r2.get("decode_ratio")
+        assert cells[5] == "not timed" if decode is None else cells[5].startswith(f"{decode:.2f}"), variant
+    assert "(dense 13)" in text and round(fifty[("dense", 2048)]["passkey_acc"] * 50) == 13
