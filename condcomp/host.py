@@ -213,7 +213,7 @@ class RoutingHost(nn.Module):
         policy = self.condcomp_policy
         s = torch.full_like(budget.s, fraction)
         k = budget_k(s, self.layout.num_heads, int(getattr(policy, "k_min", 1)), getattr(policy, "rounding", "floor"))
-        return Budget(s=s, k=k)
+        return Budget(s=s, k=k, imposed=True)
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The last forward's (weighted) auxiliary losses, with their autograd graph."""

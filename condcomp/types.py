@@ -24,6 +24,8 @@ class Budget:
 
     ``s`` and ``k`` are ``(B,)`` for a per-example budget or ``(B, T)`` for a per-token budget.
     ``aux_losses`` holds already-weighted auxiliary losses (for example the budget hinge).
+    ``imposed``: ``k`` was set from outside the policy (``condcomp.budget``), so a router with a count of its own
+    at the full budget (MoH's ``top_k``) obeys ``k`` as is: ``k = H`` then means every head.
 
     >>> b = Budget(s=torch.tensor([0.5]), k=torch.tensor([4]))
     >>> b.granularity
@@ -33,6 +35,7 @@ class Budget:
     s: Tensor
     k: Tensor
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    imposed: bool = False
 
     @property
     def granularity(self) -> Granularity:

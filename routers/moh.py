@@ -48,16 +48,21 @@ def check_head_options(owner: str, shared_heads: int | None, top_k: int | None) 
 
 
 def routed_counts(budget: Budget, shape: tuple[int, int], num_heads: int, shared: int, top_k: int) -> Tensor:
-    """Routed heads per token ``(B, T)``: ``top_k`` where the budget is full (``k = H``), else ``k - h_s``.
+    """Routed heads per token ``(B, T)``: ``top_k`` where a policy's budget is full (``k = H``), else ``k - h_s``.
 
     A policy's ``k`` counts all heads, shared ones included, so a learned or fixed budget below ``H`` leaves
-    ``clamp(k - h_s, 0, H - h_s)`` routed heads (the shared heads stay on even when ``k < h_s``).
+    ``clamp(k - h_s, 0, H - h_s)`` routed heads (the shared heads stay on even when ``k < h_s``). An imposed
+    budget (``condcomp.budget``) is obeyed as is, ``k = H`` included (every head), so its count never falls as
+    the fraction grows.
     """
     k = budget.k
     if k.dim() == 1:
         k = k.unsqueeze(1).expand(shape)  # (B, T)
     routed = num_heads - shared
-    return torch.where(k >= num_heads, torch.full_like(k, top_k), (k - shared).clamp(0, routed))
+    by_budget = (k - shared).clamp(0, routed)
+    if budget.imposed:
+        return by_budget
+    return torch.where(k >= num_heads, torch.full_like(k, top_k), by_budget)
 
 
 @register_router("moh")
@@ -82,8 +87,8 @@ class MoHRouter(nn.Module):
     ``aux_loss(model)`` takes is that mean; ``balance_layers`` (required then) is the number of layers routed
     by MoH in the model.
 
-    Budget: with the ``full`` policy (k = H) K = ``top_k``; otherwise K = ``clamp(k - h_s, 0, E)`` per example or
-    token, and in training a learned ``s`` gets the task gradient through a straight-through soft Top-K mask
+    Budget: with the ``full`` policy (k = H) K = ``top_k``; otherwise, and always under ``condcomp.budget``,
+    K = ``clamp(k - h_s, 0, E)`` per example or token, and in training a learned ``s`` gets the task gradient through a straight-through soft Top-K mask
     (all heads computed then). Padding tokens (mask False) get no heads. Defaults: ``h_s = H // 2``,
     ``K = (H - h_s) // 2`` (75 % of heads active, MoH-LLaMA3's ratio).
 

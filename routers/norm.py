@@ -22,7 +22,8 @@ class QueryNormRouter(nn.Module):
     other 16). Gates are exactly 0/1 in value; in training with ``straight_through=True`` they carry the
     gradient of ``softmax(||q||)`` over the routed heads, which reaches the query projection. Rotary embeddings
     rotate query pairs and leave the norm unchanged, so scoring the unrotated queries is exact.
-    Budget and defaults as the ``moh`` router (full policy -> ``top_k``; otherwise ``k - h_s`` routed heads;
+    Budget and defaults as the ``moh`` router (full policy -> ``top_k``; otherwise, and always under
+    ``condcomp.budget``, ``k - h_s`` routed heads;
     ``h_s = H // 2``, ``K = (H - h_s) // 2``); padding tokens get no heads.
 
     >>> import condcomp
