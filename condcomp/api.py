@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import re
 import threading
@@ -208,8 +209,17 @@ def disabled(model: nn.Module) -> Iterator[nn.Module]:
         yield model
 
 
-# The thread inside a block of _hosts_set on each routing host, and how many such blocks it has open there.
-_BLOCKS: weakref.WeakKeyDictionary[RoutingHost, tuple[int, int]] = weakref.WeakKeyDictionary()
+@dataclasses.dataclass(eq=False)
+class _Block:
+    """One open block of ``_hosts_set`` on one routing host: the attribute it set and the value its entry
+    replaced (what its exit restores)."""
+
+    attr: str
+    replaced: object
+
+
+# The thread inside blocks of _hosts_set on each routing host, and its open blocks there, innermost last.
+_BLOCKS: weakref.WeakKeyDictionary[RoutingHost, tuple[int, list[_Block]]] = weakref.WeakKeyDictionary()
 _BLOCKS_LOCK = threading.Lock()
 
 
@@ -217,39 +227,59 @@ _BLOCKS_LOCK = threading.Lock()
 def _hosts_set(model: nn.Module, attr: str, value: object, caller: str) -> Iterator[None]:
     """Set ``attr`` on every routing host of ``model`` for the block, then restore each host's own value.
 
-    The setting is the model's, seen by every thread that calls it. Blocks nest within one thread; a block entered
-    while another thread is inside one on the same model is refused: each block restores what it found on exit, so
-    interleaved blocks would leave the other thread's setting on the model after both ended."""
+    The setting is the model's, seen by every thread that calls it. Blocks nest within one thread and close in the
+    reverse order they opened. A block entered while another thread is inside one on the same model is refused; a
+    block that closes while one opened inside it is still open (generators or asyncio tasks holding blocks across
+    their yields) is refused at its exit, after handing what its entry replaced to the open block, so the model
+    still returns to its own setting when the last block closes."""
     hosts = list(routing_hosts(model).values())
     if not hosts:
         raise ValueError(f"{caller}: the model has no condcomp routing (was condcomp.apply_ called on it?)")
     me = threading.get_ident()
+    opened: list[_Block] = []
     with _BLOCKS_LOCK:
-        if any(_BLOCKS.get(h, (me, 0))[0] != me for h in hosts):
+        if any(_BLOCKS.get(h, (me, []))[0] != me for h in hosts):
             raise RuntimeError(
                 f"{caller}: another thread is inside a condcomp.budget / disabled / plan_from_prompt block on this "
                 "model. These blocks set the model's state, which every thread sees, so threads cannot hold "
                 "different ones at once: serve concurrent requests of different settings with one model copy "
                 "(copy.deepcopy) per setting, or one at a time")
         for h in hosts:
-            _BLOCKS[h] = (me, _BLOCKS.get(h, (me, 0))[1] + 1)
-    try:
-        before = [getattr(h, attr) for h in hosts]
-        for h in hosts:
+            block = _Block(attr, getattr(h, attr))
+            _BLOCKS.setdefault(h, (me, []))[1].append(block)
+            opened.append(block)
             setattr(h, attr, value)
-        try:
-            yield
-        finally:
-            for h, was in zip(hosts, before):
-                setattr(h, attr, was)
+    try:
+        yield
     finally:
         with _BLOCKS_LOCK:
-            for h in hosts:
-                depth = _BLOCKS[h][1] - 1
-                if depth:
-                    _BLOCKS[h] = (me, depth)
-                else:
-                    del _BLOCKS[h]
+            out_of_order = [_close_block(h, block) for h, block in zip(hosts, opened)]
+        if any(out_of_order):
+            raise RuntimeError(
+                f"{caller}: this block closed while a condcomp.budget / disabled / plan_from_prompt block opened "
+                "inside it on the same model is still open; blocks must close in the reverse order they opened. "
+                "Blocks held open across generator yields or asyncio tasks interleave on one model, so what ran in "
+                "this block after the other opened ran at the other's setting. Close them in order, or give each "
+                "concurrent stream its own model copy (copy.deepcopy). The open block keeps its setting; the model "
+                "returns to its own when that block closes")
+
+
+def _close_block(host: RoutingHost, block: _Block) -> bool:
+    """Remove ``block`` from ``host``'s open blocks and restore what its entry replaced; True when a block opened
+    after it is still open (an out-of-order exit). Then the next such block of the same attribute takes over the
+    value to restore, and the attribute keeps that block's setting."""
+    stack = _BLOCKS[host][1]
+    at = next(i for i, b in enumerate(stack) if b is block)
+    later = stack[at + 1:]
+    heir = next((b for b in later if b.attr == block.attr), None)
+    if heir is None:
+        setattr(host, block.attr, block.replaced)
+    else:
+        heir.replaced = block.replaced
+    del stack[at]
+    if not stack:
+        del _BLOCKS[host]
+    return bool(later)
 
 
 def set_progress(model: nn.Module, progress: float) -> None:
@@ -313,7 +343,10 @@ def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
 
     A causal LM's request keeps the plan decided at its prefill (it lives in the KV cache), so the budget of the
     block in which a request starts is the request's: ``with condcomp.budget(model, 0.5): model.generate(...)``.
-    The policy's auxiliary losses are not computed inside the block.
+    The policy's auxiliary losses are not computed inside the block. The budget is the model's, not the caller's:
+    blocks nest and must close in the reverse order they opened (a block that closes while one opened inside it
+    is still open, as generators or asyncio tasks holding blocks across their yields do, raises a RuntimeError);
+    give each concurrent stream of requests its own model copy.
 
     >>> import condcomp
     >>> model = nn.Sequential(condcomp.HeadAttention(16, 4))
