@@ -1,7 +1,8 @@
 """Statistics of a multi-seed study: intervals over seeds, paired tests on the test predictions, power, rank and
 linear correlation. The seed-level test and the power need scipy (``pip install 'condcomp[report]'``).
 
-- :func:`mean_ci`: mean and a 95 % Student-t interval over seeds (n - 1 degrees of freedom).
+- :func:`mean_ci`: mean and a 95 % Student-t interval over seeds (n - 1 degrees of freedom); scipy's quantile
+  when installed, else the exact pure-Python :func:`t_quantile`.
 - :func:`paired_t`: the headline test: per-seed accuracy differences of two arms trained with the same seeds,
   Student t over seeds (df = seeds - 1). The seed is the unit of replication: it carries the training noise.
 - :func:`min_detectable_difference`: the true mean difference that test detects with 80 % power at the
@@ -21,15 +22,55 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
-# Two-sided 95 % quantiles of Student's t, df = 1..30 (then the normal 1.96).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+def student_t_cdf_two_sided(t: float, df: int) -> float:
+    """``P(|T| <= t)`` for Student's t with integer ``df``: the finite series of Abramowitz & Stegun 26.7.3-4
+    (exact up to float rounding; no table, no approximation), with ``theta = atan(t / sqrt(df))``."""
+    theta = math.atan(t / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    if df % 2:  # odd: (2 / pi) (theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...)), the sum up to cos^(df-3)
+        term, total = 1.0, 1.0 if df > 1 else 0.0
+        for j in range(1, (df - 1) // 2):
+            term *= c2 * (2 * j) / (2 * j + 1)
+            total += term
+        return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+    term = total = 1.0  # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...), the sum up to cos^(df-2)
+    for j in range(1, df // 2):
+        term *= c2 * (2 * j - 1) / (2 * j)
+        total += term
+    return math.sin(theta) * total
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with integer ``df``, in pure Python (bisection on the exact CDF of
+    :func:`student_t_cdf_two_sided`): the fallback of :func:`mean_ci` without scipy."""
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"t quantile needs an integer df >= 1, got {df!r}")
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"t quantile needs a probability strictly between 0 and 1, got {p!r}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    target = 2.0 * p - 1.0  # P(|T| <= t) at the quantile
+    lo, hi = 0.0, 1.0
+    while student_t_cdf_two_sided(hi, df) < target:
+        lo, hi = hi, 2.0 * hi
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if student_t_cdf_two_sided(mid, df) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def t975(df: int) -> float:
-    if df < 1:
-        raise ValueError(f"t quantile needs df >= 1, got {df}")
-    return _T975[df - 1] if df <= len(_T975) else 1.96
+    """The two-sided 95 % quantile of Student's t: scipy's when installed (the ``report`` extra), else
+    :func:`t_quantile`."""
+    try:
+        from scipy import stats as sps
+    except ImportError:
+        return t_quantile(0.975, df)
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"t quantile needs an integer df >= 1, got {df!r}")
+    return float(sps.t.ppf(0.975, df))
 
 
 def mean_ci(values: Sequence[float]) -> dict[str, Any]:
@@ -211,6 +252,8 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> float | None:
     n = len(x)
     if n != len(y) or n < 3:
         return None
+    if any(math.isnan(v) for v in [*x, *y]):
+        return math.nan  # as scipy: undefined, not a number computed around the gap
     mx, my = sum(x) / n, sum(y) / n
     sxx = sum((v - mx) ** 2 for v in x)
     syy = sum((v - my) ** 2 for v in y)
@@ -220,7 +263,10 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 
 def ranks(x: Sequence[float]) -> list[float]:
-    """Average ranks (ties share the mean of their positions), 1-based."""
+    """Average ranks (ties share the mean of their positions), 1-based. A NaN anywhere makes every rank NaN (as
+    scipy's ``rankdata``): NaN has no place in an order, and ranks computed around it would be wrong."""
+    if any(math.isnan(v) for v in x):
+        return [math.nan] * len(x)
     order = sorted(range(len(x)), key=lambda i: x[i])
     out = [0.0] * len(x)
     i = 0
@@ -235,6 +281,7 @@ def ranks(x: Sequence[float]) -> list[float]:
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Pearson's correlation of the ranks; NaN when a value is NaN (as scipy), None as :func:`pearson`."""
     return pearson(ranks(x), ranks(y))
 
 
