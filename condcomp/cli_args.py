@@ -13,6 +13,8 @@ PosixPath('runs/new')
 - ``output_file``: a file to write; an existing folder, or a path under a file, is refused.
 - ``json_object`` / ``json_object_file``: a JSON object given inline or in a file; a list or a number is refused.
 - ``folders_with``: the folders among some that hold results (``--report-only``); none is an error.
+- ``finite_float`` / ``integer``: a number in a range (``nan`` and ``inf`` refused), e.g.
+  ``type=finite_float(above=0)`` for a learning rate, ``type=integer(at_least=1)`` for a count.
 - ``OneLineParser``: the ``argparse`` parser that reports any of these (and every other usage mistake) in one line.
 """
 
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -114,3 +117,55 @@ def folders_with(folders: Iterable[Path | None], pattern: str, flags: str, what:
         raise ValueError(f"{flags}: no {what} in {looked} (no {pattern}); pass the folder a run wrote")
     return found
 
+
+
+def _range_words(above: float | None, at_least: float | None, below: float | None, at_most: float | None) -> str:
+    parts = [f"> {above:g}" if above is not None else "", f">= {at_least:g}" if at_least is not None else "",
+             f"< {below:g}" if below is not None else "", f"<= {at_most:g}" if at_most is not None else ""]
+    return " and ".join(p for p in parts if p)
+
+
+def _check_range(value: float, text: str, kind: str, above: float | None, at_least: float | None,
+                 below: float | None, at_most: float | None) -> None:
+    wanted = _range_words(above, at_least, below, at_most)
+    outside = ((above is not None and not value > above) or (at_least is not None and not value >= at_least)
+               or (below is not None and not value < below) or (at_most is not None and not value <= at_most))
+    if outside:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; pass {kind} {wanted}")
+
+
+def finite_float(above: float | None = None, at_least: float | None = None, below: float | None = None,
+                 at_most: float | None = None) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number within the bounds given (``above``/``below`` exclusive,
+    ``at_least``/``at_most`` inclusive); ``nan``, ``inf`` and anything outside are refused, naming the range."""
+    kind = "a finite number"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        wanted = _range_words(above, at_least, below, at_most)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {kind}"
+                                             + (f" {wanted}" if wanted else ""))
+        _check_range(value, text, kind, above, at_least, below, at_most)
+        return value
+
+    parse.__name__ = "finite_float"
+    return parse
+
+
+def integer(at_least: int | None = None, at_most: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number within ``[at_least, at_most]`` (either bound optional)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        _check_range(value, text, "a whole number", None, at_least, None, at_most)
+        return value
+
+    parse.__name__ = "integer"
+    return parse

@@ -88,9 +88,9 @@ class MoHRouter(nn.Module):
     by MoH in the model.
 
     Budget: with the ``full`` policy (k = H) K = ``top_k``; otherwise, and always under ``condcomp.budget``,
-    K = ``clamp(k - h_s, 0, E)`` per example or token, and in training a learned ``s`` gets the task gradient through a straight-through soft Top-K mask
-    (all heads computed then). Padding tokens (mask False) get no heads. Defaults: ``h_s = H // 2``,
-    ``K = (H - h_s) // 2`` (75 % of heads active, MoH-LLaMA3's ratio).
+    K = ``clamp(k - h_s, 0, E)`` per example or token, and in training a learned ``s`` gets the task gradient
+    through a straight-through soft Top-K mask (all heads computed then). Padding tokens (mask False) get no
+    heads. Defaults: ``h_s = H // 2``, ``K = (H - h_s) // 2`` (75 % of heads active, MoH-LLaMA3's ratio).
 
     >>> r = MoHRouter(d_model=16, num_heads=8, shared_heads=2, top_k=3)
     >>> r(torch.randn(2, 5, 16), None, Budget(torch.ones(2), torch.full((2,), 8)), None).counts.unique().tolist()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from condcomp.cli_args import output_folder
+from condcomp.cli_args import integer, output_folder
 from condcomp.executors.auto import get_executor
 from condcomp.plans import plan_from_active, plan_top_k, top_k_mask
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
@@ -254,8 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=output_folder, required=True, help="directory for metrics.json and table.md")
     parser.add_argument("--quick", action="store_true", help="one tiny shape, s in {0.25, 1.0}, 2 repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per variant (default 9)")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--reps", type=integer(at_least=1), default=None,
+                        help="timed repetitions per variant (default 9)")
+    parser.add_argument("--threads", type=integer(at_least=1), default=2, help="torch.set_num_threads (CPU)")
     parser.add_argument("--passes", choices=("fwd", "fwd+bwd", "both"), default="both")
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from condcomp.cli_args import output_folder
+from condcomp.cli_args import finite_float, integer, output_folder
 
 SHAPE = (16, 256, 512, 8, 2)  # B, T, D, H, layers: the CPU shape of docs/performance.md
 QUICK_SHAPE = (4, 32, 64, 8, 1)
@@ -167,8 +167,10 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("compile", help="eager vs torch.compile per executor (graph breaks, speedup)")
     p.add_argument("--out", type=output_folder, required=True, help="directory for metrics.json and table.md")
     p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE} (smoke test)")
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions per variant (median reported)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    p.add_argument("--s", type=float, default=0.25, help="head budget fraction of the fixed policy")
+    p.add_argument("--reps", type=integer(at_least=1), default=10,
+                   help="timed repetitions per variant (median reported)")
+    p.add_argument("--threads", type=integer(at_least=1), default=2, help="torch CPU threads")
+    p.add_argument("--s", type=finite_float(above=0, at_most=1), default=0.25,
+                   help="head budget fraction of the fixed policy")
     p.add_argument("--executors", nargs="*", default=None, help="subset of executors (default: every registered)")
     p.set_defaults(func=main)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from condcomp.cli_args import output_folder
+from condcomp.cli_args import integer, output_folder
 from condcomp.experiments.llm.variants import parse_decode_variant
 from condcomp.experiments.progress import progress_bar
 
@@ -263,11 +263,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="smollm2 (default; needs the llm extra, see docs/llm.md) or tiny-llama (a random "
                         "Llama, no download)")
     parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json and table.md")
-    parser.add_argument("--prompts", type=int, nargs="+", default=[256, 2048], help="prompt lengths")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
-    parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per run (the first by prefill)")
-    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=[256, 2048], help="prompt lengths")
+    parser.add_argument("--batches", type=integer(at_least=1), nargs="+", default=[1, 8], help="batch sizes")
+    parser.add_argument("--new-tokens", type=integer(at_least=1), default=24,
+                        help="greedy tokens per run (the first by prefill)")
+    parser.add_argument("--reps", type=integer(at_least=1), default=3, help="interleaved repetitions")
+    parser.add_argument("--threads", type=integer(at_least=1), default=2)
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                         help="dense, full, keep_<f> (per-request plan keeping the fraction f of the KV groups), "
                              "moh_<f> (MoH conversion keeping f of the heads per token); default: dense, full and "

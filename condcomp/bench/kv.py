@@ -57,7 +57,8 @@ from condcomp.bench.kv_variants import (
     quantized_cache,
     saved_importance,
 )
-from condcomp.cli_args import output_folder
+from condcomp.cli_args import integer, output_folder
+from condcomp.experiments.llm.importance_file import importance_file
 from condcomp.experiments.progress import progress_bar
 
 
@@ -330,24 +331,26 @@ def add_bench_commands(bench_subparsers: Any) -> None:
                    help="smollm2 (needs the llm extra, docs/llm.md) or tiny-llama (random, no download)")
     p.add_argument("--out", type=output_folder, required=True, help="results folder (finished records are reused)")
     p.add_argument("--preset", default="cpu", choices=tuple(PRESETS), help=PRESET_HELP)
-    p.add_argument("--prompts", type=int, nargs="+", default=None,
+    p.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=None,
                    help="other prompt lengths (a length the preset measures keeps its case counts; a new one takes "
                         "those of its longest length)")
-    p.add_argument("--passkey-cases", type=int, nargs="+", default=None,
+    p.add_argument("--passkey-cases", type=integer(at_least=1), nargs="+", default=None,
                    help="override the preset's passkey cases: one count, or one per prompt length")
     p.add_argument("--passkey-format", default=None, choices=PASSKEY_FORMATS,
                    help="override the preset's passkey prompt: chat (the instruct template) or raw (plain text)")
     p.add_argument("--time-decode", nargs="*", default=None, metavar="NAME",
                    help="time decode only for these variants (dense too); given without names: time none; "
                         "default: every variant. On a quiet machine only (the timings are medians of steps)")
-    p.add_argument("--decode-prompt", type=int, default=None, help="override the preset's decode-timing prompt")
-    p.add_argument("--decode-batch", type=int, default=None, help="override the preset's decode-timing batch")
+    p.add_argument("--decode-prompt", type=integer(at_least=1), default=None,
+                   help="override the preset's decode-timing prompt")
+    p.add_argument("--decode-batch", type=integer(at_least=1), default=None,
+                   help="override the preset's decode-timing batch")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
                    help=f"of: {', '.join(VARIANTS)} (dense is always run)")
-    p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),
+    p.add_argument("--importance", type=importance_file, default=Path("results/llm/static_importance.json"),
                    help="static pruning's group importance (condcomp tune-llm's); computed when missing")
     p.add_argument("--data-dir", default=None, help="the staged corpora (default ../shared/data)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=integer(at_least=1), default=2)
+    p.add_argument("--seed", type=integer(at_least=0), default=0)
     p.set_defaults(func=main)

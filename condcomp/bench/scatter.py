@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from condcomp.bench.attention import time_group
-from condcomp.cli_args import output_folder
+from condcomp.cli_args import integer, output_folder
 
 
 def cases(gen: torch.Generator) -> list[tuple[str, Tensor, Tensor, Tensor]]:
@@ -89,9 +89,9 @@ def table(records: list[dict[str, object]]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json")
-    parser.add_argument("--reps", type=int, default=41, help="interleaved repetitions per round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, each reporting its medians")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--reps", type=integer(at_least=1), default=41, help="interleaved repetitions per round")
+    parser.add_argument("--rounds", type=integer(at_least=1), default=3, help="rounds, each reporting its medians")
+    parser.add_argument("--threads", type=integer(at_least=1), default=2, help="torch CPU threads")
 
 
 def main(args: argparse.Namespace | None = None) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+
 def student_t_cdf_two_sided(t: float, df: int) -> float:
     """``P(|T| <= t)`` for Student's t with integer ``df``: the finite series of Abramowitz & Stegun 26.7.3-4
     (exact up to float rounding; no table, no approximation), with ``theta = atan(t / sqrt(df))``."""

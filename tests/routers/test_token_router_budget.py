@@ -22,8 +22,11 @@ def hand_count(fraction: float, num_heads: int, shared: int) -> int:
     return max(shared, k)
 
 
-@pytest.mark.parametrize("router", [("moh", {"shared_heads": 4, "top_k": 2}), ("norm", {"shared_heads": 2, "top_k": 3}),
-                                    ("moh", {"shared_heads": 0, "top_k": 3}), ("norm", {"shared_heads": 8, "top_k": 0})])
+ROUTERS = [("moh", {"shared_heads": 4, "top_k": 2}), ("norm", {"shared_heads": 2, "top_k": 3}),
+           ("moh", {"shared_heads": 0, "top_k": 3}), ("norm", {"shared_heads": 8, "top_k": 0})]
+
+
+@pytest.mark.parametrize("router", ROUTERS)
 def test_budget_on_token_routers_counts_heads_by_hand(router: tuple[str, dict[str, int]]) -> None:
     torch.manual_seed(0)
     H, shared = 8, router[1]["shared_heads"]

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from condcomp.cli_args import json_object, json_object_file, output_file, output_folder, read_json_object
+from condcomp.cli_args import (
+    finite_float,
+    integer,
+    json_object,
+    json_object_file,
+    output_file,
+    output_folder,
+    read_json_object,
+)
 from condcomp.experiments.classification.ablation import CONTROLS, DEFAULT_ARMS, LAYER_ARMS
 from condcomp.experiments.classification.runconfig import RunConfig
 
@@ -29,6 +38,21 @@ _HELP = {
 }
 
 
+# The range of every numeric RunConfig field, checked when the command line is parsed.
+NUMBER_FLAGS: dict[str, Callable[[str], Any]] = {
+    "max_len": integer(at_least=1), "max_train": integer(at_least=1), "max_test": integer(at_least=1),
+    "test_seed": integer(at_least=0), "synthetic_train": integer(at_least=1), "synthetic_test": integer(at_least=1),
+    "synthetic_len": integer(at_least=1), "d_model": integer(at_least=1), "num_layers": integer(at_least=1),
+    "num_heads": integer(at_least=1), "d_ff": integer(at_least=1), "dropout": finite_float(at_least=0, below=1),
+    "budget_cost": finite_float(at_least=0), "budget_target": finite_float(at_least=0),
+    "epochs": integer(at_least=1), "max_steps": integer(at_least=1), "batch_size": integer(at_least=1),
+    "lr": finite_float(above=0), "weight_decay": finite_float(at_least=0),
+    "warmup": finite_float(at_least=0, at_most=1),
+    "seed": integer(at_least=0), "eval_batch_size": integer(at_least=1), "latency_reps": integer(at_least=1),
+    "checkpoint_every": integer(at_least=0), "threads": integer(at_least=1),
+}
+
+
 def _add_run_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
     p.add_argument("--config", type=json_object_file,
                    help="JSON file of run settings, an object (flags given explicitly win)")
@@ -41,10 +65,8 @@ def _add_run_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None =
             kw["nargs"] = "+"
         elif f.name == "method_options":
             kw["type"] = json_object
-        elif "int" in str(f.type):
-            kw["type"] = int
-        elif "float" in str(f.type):
-            kw["type"] = float
+        elif "int" in str(f.type) or "float" in str(f.type):
+            kw["type"] = NUMBER_FLAGS[f.name]  # a new numeric field needs its range here
         p.add_argument(flag, **kw)
     if defaults:
         p.set_defaults(**{f"_default_{k}": v for k, v in defaults.items()})
@@ -162,9 +184,9 @@ def add_commands(sub: Any) -> None:
     """Register demo, train, eval, ablate and report on the ``condcomp`` parser."""
     p = sub.add_parser("demo", help="standard vs BudgetFormer vs fixed top-k vs MoH on the embedded synthetic task")
     p.add_argument("--out", type=output_folder, default="runs/demo", help="output folder (default runs/demo)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(at_least=0), default=0)
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke version (tiny model, few examples)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=integer(at_least=1), default=None,
                    help="torch threads (default 1: another count changes float rounding, and MoH's hard per-token "
                    "choices turn that into other accuracies)")
     p.set_defaults(func=_cmd_demo)
@@ -179,8 +201,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("checkpoint", type=Path, help="a checkpoint folder written by train/ablate")
     p.add_argument("--out", type=output_folder, required=True)
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--max-test", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-test", type=integer(at_least=1), default=None)
+    p.add_argument("--threads", type=integer(at_least=1), default=None)
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("ablate", help="the budget vs fixed top-k study on one dataset: every arm for every seed, "
@@ -188,7 +210,7 @@ def add_commands(sub: Any) -> None:
     _add_run_flags(p)
     p.add_argument("--out", type=output_folder, required=True,
                    help="run folders: OUT/DATASET/seedK/ARM (keep them: reuse and the paired tests read them)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds to run (default: --seed)")
+    p.add_argument("--seeds", type=integer(at_least=0), nargs="+", default=None, help="seeds to run (default: --seed)")
     p.add_argument("--summary", type=output_file, default=None,
                    help="summary JSON (a list of records) to add finished runs to (default OUT/summary.json); "
                    "statistics.json is written beside it")
@@ -198,11 +220,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--share-router-schedule", action="store_true",
                    help="fixed_matched and fixed_per_layer train with BudgetFormer's router_options (from "
                    "--method-options), so they differ from it only in the budget")
-    p.add_argument("--sweep-fractions", type=float, nargs="*", default=[],
+    p.add_argument("--sweep-fractions", type=finite_float(above=0, at_most=1), nargs="*", default=[],
                    help="fixed top-k fractions trained as arms fixed_<f> (1 = the standard arm)")
-    p.add_argument("--budget-costs", type=float, nargs="*", default=[],
+    p.add_argument("--budget-costs", type=finite_float(at_least=0), nargs="*", default=[],
                    help="extra BudgetFormer arms budgetformer_cost<c> with a price c * mean(s) on heads")
-    p.add_argument("--moh-topk", type=int, nargs="*", default=[], help="extra MoH arms moh_k<K> with another K")
+    p.add_argument("--moh-topk", type=integer(at_least=0), nargs="*", default=[],
+                   help="extra MoH arms moh_k<K> with another K")
     p.add_argument("--moh", type=json_object, default=None,
                    help='JSON options of the MoH arms, e.g. \'{"shared_heads": 2, "top_k": 2}\'')
     p.set_defaults(func=_cmd_ablate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -69,6 +70,9 @@ class RunConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        for name in ("dropout", "budget_cost", "budget_target", "lr", "weight_decay", "warmup"):
+            if not math.isfinite(float(getattr(self, name))):  # a --config file may hold NaN or Infinity
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.budget_target < 0:
             raise ValueError(f"budget_target must be >= 0, got {self.budget_target}")
         if self.budget_target > 0 and self.method != "budgetformer":

@@ -24,6 +24,7 @@ from condcomp.experiments.classification.methods import method_config
 from condcomp.experiments.classification.metrics import layer_plan_stats
 from condcomp.experiments.classification.model import EncoderClassifier, ModelConfig
 from condcomp.experiments.classification.runconfig import RunConfig
+from condcomp.experiments.divergence import flags, stop_if_diverged
 from condcomp.experiments.progress import progress_bar
 
 
@@ -99,6 +100,8 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
                 continue
             condcomp.set_progress(model, state["step"] / steps)
             state["loss"] = _train_step(model, on_device(batch, device), opt, sched, cfg, budgets)
+            stop_if_diverged(state["step"] + 1, {"loss": state["loss"]}, model.parameters(),
+                             flags(vars(cfg), "lr", "budget_cost", "budget_target"))
             state["step"] += 1
             state["epoch"] = epoch
             bar.update(1, loss=state["loss"])

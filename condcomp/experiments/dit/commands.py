@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from condcomp.cli_args import json_object, output_folder
+from condcomp.cli_args import finite_float, integer, json_object, output_folder
 from condcomp.experiments.dit.study import DEFAULT_VARIANTS
 
 
@@ -46,26 +46,31 @@ def add_commands(sub: Any) -> None:
                        "fixed top-k; Fréchet distance, class accuracy, heads per noise level (resumable)")
     p.add_argument("--out", type=output_folder, default=Path("results/dit"),
                    help="study folder: OUT/seed<S>/<variant>/metrics.json, OUT/summary.json, OUT/plots")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=integer(at_least=0), nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                    help=f"default {' '.join(DEFAULT_VARIANTS)}; also budgetformer (no timestep input)")
     p.add_argument("--preset", default=None, help="digits (8x8, default) | digits16 (upsampled) | cifar (GPU shape)")
     p.add_argument("--model", type=json_object, default=None,
                    help='JSON overrides of the preset\'s shape, e.g. \'{"num_layers": 6}\'')
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 500)")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--budget-cost", type=float, default=None, help="price on heads for the learned budgets")
-    p.add_argument("--samples-per-class", type=int, default=None, help="generated images per class (default 30)")
-    p.add_argument("--sample-steps", type=int, default=None, help="Euler steps of the sampler (default 20)")
-    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale (default 2)")
+    p.add_argument("--steps", type=integer(at_least=1), default=None, help="training steps per run (default 500)")
+    p.add_argument("--batch-size", type=integer(at_least=1), default=None)
+    p.add_argument("--lr", type=finite_float(above=0), default=None)
+    p.add_argument("--budget-cost", type=finite_float(at_least=0), default=None,
+                   help="price on heads for the learned budgets")
+    p.add_argument("--samples-per-class", type=integer(at_least=1), default=None,
+                   help="generated images per class (default 30)")
+    p.add_argument("--sample-steps", type=integer(at_least=1), default=None,
+                   help="Euler steps of the sampler (default 20)")
+    p.add_argument("--guidance", type=finite_float(at_least=0), default=None,
+                   help="classifier-free guidance scale (default 2)")
     p.add_argument("--executor", default=None, help="auto | masked | gathered | reference (routed variants)")
     p.add_argument("--data", type=Path, default=None,
                    help="an .npz image set instead of scikit-learn's digits (train_images, train_labels, test_images, "
                    "test_labels; uint8 images), e.g. CIFAR-10 with --preset cifar (docs/dit.md)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the runs are small)")
-    p.add_argument("--checkpoint-every", type=int, default=50,
+    p.add_argument("--threads", type=integer(at_least=1), default=1,
+                   help="torch threads (default 1: the runs are small)")
+    p.add_argument("--checkpoint-every", type=integer(at_least=1), default=50,
                    help="training steps between a run's checkpoints (a stopped study resumes from the last)")
     p.add_argument("--plots-only", action="store_true", help="only redraw the plots from OUT's records")
     p.add_argument("--no-plots", action="store_true")

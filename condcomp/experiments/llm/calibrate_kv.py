@@ -15,6 +15,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from condcomp.cli_args import finite_float, integer, output_file
+from condcomp.experiments.llm.importance_file import importance_file
+
 METHODS = ("duo", "importance", "request")
 DEFAULT_LR = {"duo": 0.02, "importance": 0.02, "request": 1e-3}
 
@@ -71,8 +74,10 @@ def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
     def on_step(step: int, distill: float, mean_gate: float) -> None:
         bar.update(1, distill=distill, mean_gate=mean_gate)
 
-    gates, history = train_gates(model, rows, settings, checkpoint=checkpoint, on_step=on_step)
-    bar.close()
+    try:
+        gates, history = train_gates(model, rows, settings, checkpoint=checkpoint, on_step=on_step)
+    finally:
+        bar.close()  # a run that stops (diverged, interrupted) ends the bar's line before the message
     save_gates(out, "duo", args.model, gates.alpha.detach().double(), args.sinks, args.window, asdict(settings),
                history)
     checkpoint.unlink(missing_ok=True)  # finished: the gates file is the result
@@ -153,30 +158,37 @@ def add_commands(sub: Any) -> None:
                         "request: train per-request topk routers (model frozen)")
     p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
                    help="smollm2 (needs the llm extra, docs/llm.md) or tiny-llama (random, no download)")
-    p.add_argument("--out", type=Path, required=True, help="the file to write: gates (JSON), e.g. "
-                                                           "results/kv/duo_gates.json, or routers (--method request, "
-                                                           ".pt)")
-    p.add_argument("--steps", type=int, default=100, help="training steps, one calibration row each (importance: "
-                                                          "the number of rows)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration row (> sinks + window)")
-    p.add_argument("--lr", type=float, default=None, help="Adam's learning rate (default: 0.02 on the gates, "
-                                                          "DuoAttention's; 1e-3 on the request routers' scorers)")
-    p.add_argument("--l1", type=float, default=0.05, help="lambda: the price per unit of mean gate")
-    p.add_argument("--sinks", type=int, default=4, help="streaming pattern: first tokens every query sees")
-    p.add_argument("--window", type=int, default=252, help="streaming pattern: recent tokens every query sees")
+    p.add_argument("--out", type=output_file, required=True,
+                   help="the file to write: gates (JSON), e.g. results/kv/duo_gates.json, or routers (--method "
+                        "request, .pt)")
+    p.add_argument("--steps", type=integer(at_least=1), default=100,
+                   help="training steps, one calibration row each (importance: the number of rows)")
+    p.add_argument("--seq-len", type=integer(at_least=2), default=1024,
+                   help="tokens per calibration row (> sinks + window)")
+    p.add_argument("--lr", type=finite_float(above=0), default=None,
+                   help="Adam's learning rate (default: 0.02 on the gates, DuoAttention's; 1e-3 on the request "
+                        "routers' scorers)")
+    p.add_argument("--l1", type=finite_float(at_least=0), default=0.05,
+                   help="lambda: the price per unit of mean gate")
+    p.add_argument("--sinks", type=integer(at_least=0), default=4,
+                   help="streaming pattern: first tokens every query sees")
+    p.add_argument("--window", type=integer(at_least=1), default=252,
+                   help="streaming pattern: recent tokens every query sees")
     p.add_argument("--evaluate", nargs="+", default=None, metavar="GATES",
                    help="instead of calibrating: screen the splits these gates files give (and static pruning's, "
                         "and StreamingLLM) against the dense model on --steps held-out rows; --out gets the JSON")
-    p.add_argument("--fraction", type=float, default=1 / 3, help="--evaluate: the share of groups kept in full")
-    p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),
-                   help="--evaluate: static pruning's group importance (condcomp tune-llm's)")
+    p.add_argument("--fraction", type=finite_float(above=0, at_most=1), default=1 / 3,
+                   help="--evaluate: the share of groups kept in full")
+    p.add_argument("--importance", type=importance_file, default=Path("results/llm/static_importance.json"),
+                   help="--evaluate and request --init importance: static pruning's group importance "
+                        "(static_importance.json, condcomp tune-llm's)")
     p.add_argument("--init", choices=("importance", "duo"), default="importance",
                    help="request: the routers' warm start, static pruning's ranking (--importance, what "
                         "split-static-1of3 keeps) or the DuoAttention gates' (--duo-gates)")
     p.add_argument("--duo-gates", type=Path, default=Path("results/kv/duo_gates.json"),
                    help="request --init duo: the gates file to start from")
-    p.add_argument("--keep", type=int, default=1, help="request: KV groups per layer kept in full")
+    p.add_argument("--keep", type=integer(at_least=1), default=1, help="request: KV groups per layer kept in full")
     p.add_argument("--data-dir", default=None, help="the staged corpora (default ../shared/data)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=integer(at_least=1), default=1)
+    p.add_argument("--seed", type=integer(at_least=0), default=0)
     p.set_defaults(func=_cmd)

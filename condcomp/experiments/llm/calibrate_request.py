@@ -118,9 +118,11 @@ def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
     def on_step(step: int, distill: float, moved: float) -> None:
         bar.update(1, distill=distill, moved=moved)
 
-    split, history = train_router(model, [r.ids for r in rows], settings, init, checkpoint=checkpoint,
-                                  on_step=on_step)
-    bar.close()
+    try:
+        split, history = train_router(model, [r.ids for r in rows], settings, init, checkpoint=checkpoint,
+                                      on_step=on_step)
+    finally:
+        bar.close()  # a run that stops (diverged, interrupted) ends the bar's line before the message
     save_router(out, split, args.model, model, asdict(settings), history)
     checkpoint.unlink(missing_ok=True)  # finished: the router file is the result
     print(f"wrote {out}: {args.steps} steps, last distillation {history[-1][1]:.4g}")

@@ -14,10 +14,21 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from condcomp.cli_args import folders_with, output_folder
+from condcomp.cli_args import finite_float, folders_with, integer, output_folder
 from condcomp.experiments.llm.data import LM_DATASETS
 from condcomp.experiments.llm.objectives import OBJECTIVES
 from condcomp.experiments.llm.tuning import PRESET_ALIASES, PRESETS, TuneSettings
+
+# The range of every numeric TuneSettings field, checked when the command line is parsed.
+NUMBER_FLAGS: dict[str, Callable[[str], Any]] = {
+    "seq_len": integer(at_least=2), "prompt_len": integer(at_least=1), "batch_size": integer(at_least=1),
+    "steps": integer(at_least=1), "lr": finite_float(above=0), "router_lr": finite_float(above=0),
+    "warmup": integer(at_least=0), "lora_rank": integer(at_least=1), "lora_alpha": finite_float(above=0),
+    "eval_seqs": integer(at_least=1), "calib_seqs": integer(at_least=1), "agree_prompts": integer(at_least=1),
+    "agree_tokens": integer(at_least=1), "samples": integer(at_least=0), "checkpoint_every": integer(at_least=1),
+    "seed": integer(at_least=0), "kl_temperature": finite_float(above=0),
+    "kl_weight": finite_float(at_least=0, at_most=1),
+}
 
 
 def settings_from_args(args: argparse.Namespace) -> TuneSettings:
@@ -79,7 +90,8 @@ def add_commands(sub: Any) -> None:
                         "at their largest prompt and batch, joined by kept KV fraction (e.g. "
                         "results/bench/decode/smollm2_cpu results/bench/decode/smollm2_moh_cpu)")
     p.add_argument("--data-dir", default=None, help="staged datasets (default ../shared/data)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    p.add_argument("--threads", type=integer(at_least=1), default=1,
+                   help="torch threads (default 1: the machine is shared)")
     for f in fields(TuneSettings):
         if f.name == "datasets":
             p.add_argument("--datasets", nargs="+", default=None, choices=list(LM_DATASETS))
@@ -90,7 +102,8 @@ def add_commands(sub: Any) -> None:
                                 "(distillation from the dense model's next-token distributions), hidden (its final "
                                 "hidden states), lm+kl (weighted by --kl-weight); see docs/tuning.md")
             continue
-        kind: Callable[[str], Any] = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
+        numeric = str(f.type) in ("int", "float", "float | None")
+        kind: Callable[[str], Any] = NUMBER_FLAGS[f.name] if numeric else str  # a new number needs its range above
         default = "--lr" if f.name == "router_lr" else f.default
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
                        help=f"(default {default})")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from condcomp.experiments.divergence import flags, stop_if_diverged
 from condcomp.experiments.llm.duo_attention import DuoGates, attention_modules, gated
 
 FORMAT = "condcomp-kv-gates/1"
@@ -174,6 +175,8 @@ def train_loop(model: nn.Module, trainable: nn.Module, opt: torch.optim.Optimize
         for step in range(start, steps):
             ids = torch.tensor([list(rows[step % len(rows)])], device=device)  # (1, T)
             first, second = step_fn(step, ids)
+            stop_if_diverged(step + 1, {"distillation": first, "second number": second}, trainable.parameters(),
+                             flags(settings, "lr", "l1"))
             if step % HISTORY_EVERY == 0 or step == steps - 1:
                 history.append([float(step), first, second])
             if on_step is not None:

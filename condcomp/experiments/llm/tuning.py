@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import condcomp
+from condcomp.experiments.divergence import flags, stop_if_diverged
 from condcomp.experiments.llm.data import LM_DATASETS
 from condcomp.experiments.llm.objectives import (
     DEFAULT_KL_WEIGHT,
@@ -152,6 +153,7 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
             started, cpu_started = time.perf_counter(), time.process_time()
             batch = train_ids[order[step * settings.batch_size:(step + 1) * settings.batch_size]]
             loss, aux, parts = _train_step(model, teacher, batch, step, settings, opt, sched, params, routed)
+            stop_if_diverged(step + 1, {"loss": loss, "aux": aux}, params, _diverging_settings(settings))
             state["step"] = step + 1
             state["seconds"] += time.perf_counter() - started  # wall clock: includes pauses on a shared machine
             state["cpu_seconds"] += time.process_time() - cpu_started  # this process's CPU time, all threads
@@ -165,6 +167,11 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
     finally:
         bar.close()
     return state
+
+
+def _diverging_settings(s: TuneSettings) -> str:
+    """What a diverged run names: the learning rates, and the temperature when the objective distils."""
+    return flags(asdict(s), "lr", "router_lr", *(("kl_temperature",) if "kl" in s.objective else ()))
 
 
 def _optimizer(model: nn.Module, settings: TuneSettings) -> tuple[torch.optim.Optimizer, Any]:

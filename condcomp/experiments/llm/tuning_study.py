@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from condcomp.experiments.divergence import TrainingDiverged
 from condcomp.experiments.llm.data import PackedSplit, packed_split, split_calibration, tokenizer_encoder
 from condcomp.experiments.llm.evaluation import agreement, continuation_nll, greedy, perplexity
 from condcomp.experiments.llm.head_importance import (
@@ -182,6 +183,8 @@ def run_tuning_study(s: TuneSettings, variants: list[str], out: Path, results: P
                 record = run_variant(name, dense, tokenizer, data, s, out, reference, static)
             except MissingFeature as err:
                 record = {"variant": name, "status": "skipped", "reason": str(err), "settings": asdict(s)}
+            except TrainingDiverged:  # the settings are wrong for every variant: the run stops, no record
+                raise
             except Exception as err:  # one broken variant must not cost the others their run
                 record = {"variant": name, "status": "failed", "reason": f"{type(err).__name__}: {err}",
                           "traceback": traceback.format_exc(), "settings": asdict(s)}
