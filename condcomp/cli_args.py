@@ -13,6 +13,7 @@ PosixPath('runs/new')
 - ``output_file``: a file to write; an existing folder, or a path under a file, is refused.
 - ``json_object`` / ``json_object_file``: a JSON object given inline or in a file; a list or a number is refused.
 - ``folders_with``: the folders among some that hold results (``--report-only``); none is an error.
+- ``component(role)``: a user's router or policy, a registered name or ``module:Class`` (imported and registered).
 - ``OneLineParser``: the ``argparse`` parser that reports any of these (and every other usage mistake) in one line.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -114,3 +115,21 @@ def folders_with(folders: Iterable[Path | None], pattern: str, flags: str, what:
         raise ValueError(f"{flags}: no {what} in {looked} (no {pattern}); pass the folder a run wrote")
     return found
 
+
+
+def component(role: str) -> Callable[[str], str]:
+    """An argparse type for a user's ``role`` (``"router"`` or ``"policy"``): a registered name or a
+    ``module:Class`` spec, imported and registered now (a module that does not import, or a name that is not
+    registered, is refused with what to pass). The value is kept as given: a run records the spec."""
+
+    def check(value: str) -> str:
+        from condcomp.experiments.classification.user_components import resolve
+
+        try:
+            resolve(role, value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    check.__name__ = role  # argparse names the type in its messages
+    return check
