@@ -30,7 +30,7 @@ class PlateauCheck:
     window: float = 0.2
     min_window_steps: int = 10
     tolerance: float = 0.02  # a relative drop below this is a plateau
-    absolute_tolerance: float = 0.02  # and so is a drop below this (nats): a loss near 0 halving is not learning
+    absolute_tolerance: float = 0.05  # and so is a drop below this (nats): a loss near 0 halving is not learning
 
     def verdict(self, losses: Sequence[float]) -> dict[str, Any]:
         """``plateaued``: True, False, or None (too few steps to tell), with the two window means."""

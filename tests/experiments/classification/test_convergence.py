@@ -29,7 +29,7 @@ def test_a_flat_noisy_or_near_zero_loss_counts_as_a_plateau() -> None:
     assert noisy["plateaued"] is True  # 2 standard errors: 2 * sqrt((0.25 + 0.25) / 20) = 0.32 > 0.05
     near_zero = check.verdict([0.014] * 80 + [0.006] * 20)
     assert near_zero["relative_drop"] == pytest.approx(0.008 / 0.014)  # 57 % relative, 0.008 absolute
-    assert near_zero["plateaued"] is True  # below absolute_tolerance (0.02)
+    assert near_zero["plateaued"] is True  # below absolute_tolerance (0.05)
     assert PlateauCheck(absolute_tolerance=0.0).verdict([0.02] * 80 + [0.0] * 20)["plateaued"] is False
 
 
