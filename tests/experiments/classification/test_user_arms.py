@@ -37,6 +37,18 @@ class FirstHeadsRouter(nn.Module):
         return condcomp.plan_top_k(scores, budget.k, gates="binary")
 
 
+class QuarterPolicy(nn.Module):
+    """A budget of a quarter of the heads for every example (no parameters)."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> condcomp.Budget:
+        s = torch.full(x.shape[:1], 0.25)  # (B,)
+        return condcomp.Budget(s=s, k=condcomp.budget_k(s, self.num_heads))
+
+
 SPEC = f"{__name__}:FirstHeadsRouter"
 
 
@@ -95,3 +107,15 @@ def test_a_spec_that_does_not_import_is_refused_before_anything_runs(
         main(["train", *TINY, "--out", str(tmp_path), "--router", "nope"])
     assert "no router of that name" in capsys.readouterr().err
     assert not (tmp_path / "synthetic").exists()
+
+
+def test_a_user_policy_is_an_arm_with_the_topk_scorer(tmp_path: Path) -> None:
+    spec = f"{__name__}:QuarterPolicy"
+    assert main(["ablate", *TINY, "--out", str(tmp_path), "--seeds", "0", "--arms", "standard",
+                 "--policy-arms", spec]) == 0
+    records = {r["arm"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+    mine = records["policy_quarterpolicy"]
+    assert mine["policy"] == spec and mine["method_options"] == {"policy": spec}
+    assert mine["s_mean"] == pytest.approx(0.25) and mine["heads"] == pytest.approx(0.25)  # 1 of the 4 heads
+    layers = json.loads((Path(mine["run_dir"]) / "examples.json").read_text())["layers"]
+    assert all(layer["k"] == [1] * 40 for layer in layers.values())
