@@ -15,6 +15,7 @@ PosixPath('runs/new')
 - ``folders_with``: the folders among some that hold results (``--report-only``); none is an error.
 - ``finite_float`` / ``integer``: a number in a range (``nan`` and ``inf`` refused), e.g.
   ``type=finite_float(above=0)`` for a learning rate, ``type=integer(at_least=1)`` for a count.
+- ``component(role)``: a user's router or policy, a registered name or ``module:Class`` (imported and registered).
 - ``OneLineParser``: the ``argparse`` parser that reports any of these (and every other usage mistake) in one line.
 """
 
@@ -169,3 +170,21 @@ def integer(at_least: int | None = None, at_most: int | None = None) -> Callable
 
     parse.__name__ = "integer"
     return parse
+
+
+def component(role: str) -> Callable[[str], str]:
+    """An argparse type for a user's ``role`` (``"router"`` or ``"policy"``): a registered name or a
+    ``module:Class`` spec, imported and registered now (a module that does not import, or a name that is not
+    registered, is refused with what to pass). The value is kept as given: a run records the spec."""
+
+    def check(value: str) -> str:
+        from condcomp.experiments.classification.user_components import resolve
+
+        try:
+            resolve(role, value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    check.__name__ = role  # argparse names the type in its messages
+    return check

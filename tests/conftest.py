@@ -1,4 +1,8 @@
-"""Fixtures shared by the tests: a fixed seed per test and throw-away registrations.
+"""Fixtures shared by the tests: a fixed seed per test and throw-away registrations; the ``--full`` option.
+
+``pytest`` runs the fast suite (what a contributor runs before a commit); tests marked ``@pytest.mark.slow``
+(trainings, studies, subprocesses, the docs gate's long blocks: seconds each) are deselected unless ``--full`` is
+given (CI runs ``pytest -q --full``), ``-m`` chooses otherwise, or a test is named by its node id.
 
 Builders (layouts, weights, plans) live in tests/core_helpers.py: import them from there, not from conftest,
 which is ambiguous when several conftest.py files exist (tests/integrations/ has one).
@@ -7,11 +11,38 @@ which is ambiguous when several conftest.py files exist (tests/integrations/ has
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from condcomp.registry import EXECUTORS, POLICIES, ROUTERS
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the tests marked slow (the whole suite, as CI runs it)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full") or config.getoption("markexpr"):
+        return
+    named = [a.split("::", 1) for a in config.args if "::" in a]  # a test named by its node id runs, slow or not
+
+    def was_named(item: pytest.Item) -> bool:
+        file, _, test = item.nodeid.partition("::")
+        return any(Path(f).name == Path(file).name and test.startswith(t) for f, t in named)
+
+    slow = [i for i in items if i.get_closest_marker("slow") and not was_named(i)]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [i for i in items if i not in set(slow)]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--full") or config.getoption("markexpr"):
+        return "condcomp: the whole suite (--full or -m)"
+    return "condcomp: the fast suite; tests marked slow are deselected (--full runs them, as CI does)"
 
 
 @pytest.fixture(autouse=True)

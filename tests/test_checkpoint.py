@@ -83,6 +83,7 @@ def _train(model: TinyNet, opt: torch.optim.Optimizer, steps: range) -> None:
         opt.step()
 
 
+@pytest.mark.slow
 def test_optimizer_resume_equals_uninterrupted_training(tmp_path: Path) -> None:
     ref = _model(0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

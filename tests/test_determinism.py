@@ -63,6 +63,7 @@ def test_eval_is_bit_identical_across_calls(executor: str) -> None:
     assert torch.equal(net(x.clone(), mask.clone()), first)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_seeded_training_reproduces_exactly(executor: str) -> None:
     def run() -> dict[str, torch.Tensor]:

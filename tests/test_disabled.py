@@ -60,6 +60,7 @@ def test_disabled_needs_routing() -> None:
             pass
 
 
+@pytest.mark.slow
 def test_disabled_on_transformers_models_both_paths() -> None:
     transformers = pytest.importorskip("transformers")
     from condcomp.integrations.hf.interface import apply_interface_

@@ -160,7 +160,20 @@ def check_output(block: Block, printed: str) -> None:
                              f"--- printed\n{printed}")
 
 
-@pytest.mark.parametrize("block", ALL, ids=[b.id for b in ALL])
+# Blocks that load pretrained models (extras llm, examples) and bash blocks (commands that train, in a process of
+# their own): seconds to minutes each, so the fast suite leaves them out (pytest --full runs them). A page's python
+# blocks share a namespace, so a mark by extra keeps a page's dependent blocks together (they need it too).
+SLOW_EXTRAS = ("llm", "examples")
+
+
+def slow(block: Block) -> bool:
+    needs = block.mark[len("needs "):].split(",") if block.mark and block.mark.startswith("needs ") else []
+    never_run = bool(block.mark and block.mark.startswith("not run")) or (
+        block.lang == "bash" and block.page in GENERATED_NOT_RUN and block.mark is None)
+    return not never_run and (block.lang == "bash" or any(n.strip() in SLOW_EXTRAS for n in needs))
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if slow(b) else []) for b in ALL])
 def test_block_runs_as_written(block: Block, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reason = skip_reason(block)
     if reason:

@@ -23,6 +23,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_import_is_light_and_does_not_touch_cuda() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
     facts = json.loads(out.stdout.strip().splitlines()[-1])
@@ -54,6 +55,7 @@ print(json.dumps({"light": light, "names": names, "unknown": unknown}))
 """
 
 
+@pytest.mark.slow
 def test_integration_names_work_as_written_after_import_condcomp() -> None:
     # The README writes condcomp.integrations.hf.CondCompCallback() right after `import condcomp`.
     pytest.importorskip("transformers", reason="transformers is not installed (the hf extra)")

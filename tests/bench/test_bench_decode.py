@@ -13,6 +13,7 @@ from condcomp.cli import main
 pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
 
 
+@pytest.mark.slow
 def test_quick_decode_benchmark_writes_every_variant(tmp_path: Path) -> None:
     assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--out", str(tmp_path)]) == 0
     records = json.loads((tmp_path / "metrics.json").read_text())["records"]
@@ -26,6 +27,7 @@ def test_quick_decode_benchmark_writes_every_variant(tmp_path: Path) -> None:
     assert (tmp_path / "table.md").read_text().startswith("| prompt |")
 
 
+@pytest.mark.slow
 def test_moh_and_chosen_variants_decode_with_a_full_cache_and_unknown_names_are_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """MoH routes per token: a later token may pick any head, so every key/value head stays cached."""

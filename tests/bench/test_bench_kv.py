@@ -185,6 +185,7 @@ def test_records_are_read_back_only_with_the_same_settings(tmp_path: Path) -> No
     assert read_record(path, {"a": 1}) is None
 
 
+@pytest.mark.slow
 def test_tiny_run_end_to_end_and_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")
     from condcomp.bench import kv, kv_report
@@ -248,6 +249,7 @@ def test_other_prompt_lengths_keep_each_lengths_case_counts() -> None:
     assert PRESETS["cpu-2048"].at_lengths((2048, 4096)).cases(4096) == (10, 4)
 
 
+@pytest.mark.slow
 def test_a_new_variant_reads_the_finished_dense_record_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")
     from condcomp.bench import kv

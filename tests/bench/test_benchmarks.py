@@ -54,6 +54,7 @@ def load_benchmark_script(name: str) -> types.ModuleType:
     return importlib.import_module(f"condcomp.bench.{name}")
 
 
+@pytest.mark.slow
 def test_prepared_gpu_script_checks_pass_on_cpu() -> None:
     """``condcomp bench gpu-check`` is run once, on a lent GPU, with no chance to debug it there: its correctness part
     (gathered vs reference, float32 and bfloat16, eight situations) must already run and pass on CPU."""
@@ -76,6 +77,7 @@ def fake_torch_scatter(correct: bool) -> types.ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_scatter_benchmark_checks_every_variant_before_timing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """``condcomp bench scatter``: without torch-scatter it says how to get it; with it, every case times all four
@@ -98,6 +100,7 @@ def test_scatter_benchmark_checks_every_variant_before_timing(tmp_path: Path, mo
         scatter_bench.run(reps=1, rounds=1)
 
 
+@pytest.mark.slow
 def test_condcomp_bench_scatter_runs_the_same_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The command line reaches the module's benchmark: every case and variant written to --out."""
     from condcomp.cli import main as condcomp_main

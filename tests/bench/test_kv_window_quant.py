@@ -99,6 +99,7 @@ class ReferenceWindows:
             layer.condcomp_windows = WindowCache(parts[0], parts[1], w.positions, w.seen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fp8", "hqq4"])
 @pytest.mark.parametrize(("kv_heads", "fraction"), [(3, 1 / 3), (6, 1 / 3), (3, 0.0)])  # GQA, MHA, all windowed
 def test_split_inside_a_quantized_cache_reads_its_windows_quantized(kind: str, kv_heads: int, fraction: float,

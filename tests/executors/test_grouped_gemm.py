@@ -159,6 +159,7 @@ def test_falls_back_when_the_library_has_no_batch_gemm() -> None:
     torch.testing.assert_close(run(w, AttentionInputs(x=x), plan), want)
 
 
+@pytest.mark.slow
 def test_self_test_runs_at_first_use_not_at_import() -> None:
     """``import condcomp`` loads no library and runs no GEMM; ``ENABLED = False`` never runs the self-test."""
     code = ("import torch, condcomp; from condcomp.executors import grouped_gemm as g; assert g._READY is None; "

@@ -30,6 +30,10 @@ Arms (``--arms`` and the sweep flags):
 - every BudgetFormer record carries ``adaptivity`` (:mod:`.adaptivity`): the per-example
   spread of s and k per layer, the share of examples off the layer's most common k, head-set entropy, and the
   rank correlation of s with the standard model's per-example loss.
+- your components: ``router_<key>`` for each ``--router-arms`` (a registered name or ``module:Class``): fixed
+  top-k's budget (the matched fraction when BudgetFormer is trained, else half the heads) with your router
+  choosing the heads, to compare with ``fixed_matched``; ``policy_<key>`` for each ``--policy-arms``: your
+  budget policy with the topk scorer, to compare with ``budgetformer``. The record holds the spec.
 - sweep: ``fixed_<f>`` for ``--sweep-fractions`` (``fixed_1`` is the standard arm: k = H, gates 1 is the
   same model), ``budgetformer_cost<c>`` for ``--budget-costs`` (an extra price ``c * mean(s)`` on heads),
   ``moh_k<K>`` for ``--moh-topk`` (the main MoH arm's shared heads, another K).
@@ -55,8 +59,11 @@ from condcomp.experiments.classification.ablation_summary import (
     write_statistics,
 )
 from condcomp.experiments.classification.adaptivity import mode_budgets
+from condcomp.experiments.classification.methods import DEFAULTS
 from condcomp.experiments.classification.runconfig import RunConfig, check_same_settings
 from condcomp.experiments.classification.seed_study import SeedStudy, matched_fraction
+from condcomp.experiments.classification.user_components import arm_name, resolve
+from condcomp.registry import ROUTERS
 
 MAIN_ARMS = ("standard", "budgetformer", "fixed_matched", "moh")
 # Trained at BudgetFormer's per-layer mean head counts of the same seed: top-k scorer / random heads.
@@ -74,6 +81,8 @@ class AblationPlan:
     moh_topk: tuple[int, ...] = ()
     moh: dict[str, Any] = field(default_factory=dict)
     budgetformer: dict[str, Any] = field(default_factory=dict)
+    router_arms: tuple[str, ...] = ()  # a user's routers (registered names or module:Class specs)
+    policy_arms: tuple[str, ...] = ()  # a user's budget policies
     # fixed_matched and fixed_per_layer train with BudgetFormer's router_options (its topk schedule), so that
     # they differ from it only in the budget (--share-router-schedule)
     share_router: bool = False
@@ -104,6 +113,8 @@ class AblationPlan:
         names += [f"fixed_{f:g}" for f in self.sweep_fractions]
         names += [f"budgetformer_cost{c:g}" for c in self.budget_costs]
         names += [f"moh_k{k}" for k in self.moh_topk]
+        names += [arm_name("router", spec) for spec in self.router_arms]
+        names += [arm_name("policy", spec) for spec in self.policy_arms]
         return names
 
 
@@ -161,6 +172,7 @@ def run_ablation_study(cfg: RunConfig, out: Path, seeds: list[int], plan: Ablati
         _matched_and_moh_arms(run, plan, names, matched)
         _controls(run, names, matched)
         _sweep_arms(run, plan)
+        _user_arms(run, plan, matched)
         if not all(run.study.reused.get(n, True) for n in run.study.rows):
             _retime(run, scfg.latency_reps)
     return [r for r in load_summary(summary_path) if r["dataset"] == cfg.dataset]
@@ -267,6 +279,23 @@ def _sweep_arms(run: SeedRun, plan: AblationPlan) -> None:
         arm = f"moh_k{k}"
         study.train(arm, "moh", {**plan.moh, "top_k": k})
         run.done(arm, {"top_k": k})
+
+
+def _user_arms(run: SeedRun, plan: AblationPlan, matched: float | None) -> None:
+    """The user's components (:mod:`.user_components`): ``router_<key>`` chooses the heads at fixed top-k's
+    budget (the matched fraction, else half the heads), ``policy_<key>`` sets the budget for the topk scorer.
+    The spec goes into the run's settings, so a reused run, ``condcomp eval`` and the record name it."""
+    fraction = matched if matched is not None else DEFAULTS["fixed"]["fraction"]
+    for spec in plan.router_arms:
+        arm = arm_name("router", spec)
+        per_token = ROUTERS.get(resolve("router", spec)).granularity == "token"  # a budget per token then
+        run.study.train(arm, "fixed", {"fraction": fraction, "router": spec, **({"per_token": True} if per_token
+                                                                               else {})})
+        run.done(arm, {"router": spec, "fraction": fraction})
+    for spec in plan.policy_arms:
+        arm = arm_name("policy", spec)
+        run.study.train(arm, "fixed", {"policy": spec})
+        run.done(arm, {"policy": spec})
 
 
 def _retime(run: SeedRun, reps: int) -> None:

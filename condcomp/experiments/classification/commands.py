@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from condcomp.cli_args import (
+    component,
     finite_float,
     integer,
     json_object,
@@ -87,6 +88,26 @@ def run_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> 
     return RunConfig.from_dict(d)
 
 
+def with_components(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfig, str | None]:
+    """``cfg`` with ``--router``/``--policy`` (a user's component) in its method options, where the run records
+    them, and the run's name (``fixed+router_norm``; None: the method's own)."""
+    given: dict[str, str] = {role: getattr(args, role) for role in ("policy", "router") if getattr(args, role, None)}
+    if not given:
+        return cfg, None
+    from condcomp.experiments.classification.user_components import arm_name
+
+    cfg = RunConfig.from_dict({**cfg.to_dict(), "method_options": {**cfg.method_options, **given}})
+    return cfg, "+".join([cfg.method, *(arm_name(role, spec) for role, spec in given.items())])
+
+
+def _add_component_flags(p: argparse.ArgumentParser) -> None:
+    for role, replaces in (("router", "the method's head scorer (topk for fixed and budgetformer)"),
+                           ("policy", "the method's budget policy (fixed for fixed, budgetformer for budgetformer)")):
+        p.add_argument(f"--{role}", type=component(role), default=None,
+                       help=f"your own {role} in place of {replaces}: a registered name or module:Class "
+                       "(imported from the current folder or PYTHONPATH); see docs/extending.md")
+
+
 def _threads(n: int | None) -> None:
     """``n`` torch threads; unset: one thread when the machine is already busy (load >= cores), where several
     threads spin against other jobs and run many times slower (measured: 10-40x on 2 shared cores)."""
@@ -112,9 +133,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from condcomp.experiments.classification.metrics_report import markdown_table, rows_of
     from condcomp.experiments.classification.runner import run_single
 
-    cfg = run_config(args)
+    cfg, name = with_components(run_config(args), args)
     _threads(cfg.threads)
-    metrics, _ = run_single(cfg, args.out, resume=args.resume)
+    metrics, _ = run_single(cfg, args.out, resume=args.resume, name=name)
     print(markdown_table(rows_of(metrics, cfg.method)))
     print(f"wrote {args.out / 'metrics.json'} and the checkpoint {args.out / 'checkpoint'}")
     return 0
@@ -144,7 +165,8 @@ def _cmd_ablate(args: argparse.Namespace) -> int:
     _threads(cfg.threads)
     plan = AblationPlan(arms=tuple(args.arms), sweep_fractions=tuple(args.sweep_fractions),
                      budget_costs=tuple(args.budget_costs), moh_topk=tuple(args.moh_topk),
-                     moh=args.moh or {},
+                     moh=args.moh or {}, router_arms=tuple(args.router_arms),
+                     policy_arms=tuple(args.policy_arms),
                      budgetformer=cfg.method_options if cfg.method == "budgetformer" else {},
                      share_router=args.share_router_schedule)
     seeds = list(args.seeds) if args.seeds else [cfg.seed]
@@ -195,6 +217,7 @@ def add_commands(sub: Any) -> None:
     _add_run_flags(p)
     p.add_argument("--out", type=output_folder, required=True)
     p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint (model, optimiser, step)")
+    _add_component_flags(p)
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a checkpoint on its run's test split; metrics.json in --out")
@@ -228,6 +251,12 @@ def add_commands(sub: Any) -> None:
                    help="extra MoH arms moh_k<K> with another K")
     p.add_argument("--moh", type=json_object, default=None,
                    help='JSON options of the MoH arms, e.g. \'{"shared_heads": 2, "top_k": 2}\'')
+    p.add_argument("--router-arms", type=component("router"), nargs="*", default=[],
+                   help="your routers as arms router_<key> (a registered name or module:Class): fixed top-k's "
+                   "budget (the matched fraction, else half the heads) with your router choosing the heads")
+    p.add_argument("--policy-arms", type=component("policy"), nargs="*", default=[],
+                   help="your budget policies as arms policy_<key> (a registered name or module:Class), heads "
+                   "chosen by the topk scorer as in the budgetformer arm")
     p.set_defaults(func=_cmd_ablate)
 
     p = sub.add_parser("report", help="markdown table (+ plots) from metrics.json files or run folders, or the "

@@ -26,6 +26,7 @@ from torch import nn
 from condcomp.api import routed_modules
 from condcomp.config import CondCompConfig
 from condcomp.experiments.classification.layer_budget import ConstantBudgetPolicy
+from condcomp.experiments.classification.user_components import is_spec, resolve
 from condcomp.policies.fixed import FixedPolicy
 from condcomp.policies.full import FullPolicy
 from condcomp.routers.random import RandomRouter
@@ -48,12 +49,14 @@ def method_config(method: str, num_heads: int, options: dict[str, Any] | None = 
 
     ``moh`` takes ``shared_frac``/``routed_frac`` (fractions of H, at least one head each) or explicit
     ``shared_heads``/``top_k``; other options go to the router. ``policy``/``router`` keys override the specs.
-    ``num_layers``: the routed layers of the model, which ``balance="released"`` averages over.
+    ``num_layers``: the routed layers of the model, which ``balance="released"`` averages over. A
+    ``policy``/``router`` given as ``module:Class`` (a user's component) is imported and registered first.
     """
     if method not in METHODS:
         raise KeyError(f"unknown method {method!r}; valid: {list(METHODS)}")
     opts = {**DEFAULTS[method], **(options or {})}
-    policy_spec, router_spec = opts.pop("policy", None), opts.pop("router", None)
+    policy_spec = _user_spec("policy", opts.pop("policy", None))
+    router_spec = _user_spec("router", opts.pop("router", None))
     spec_name = policy_spec if isinstance(policy_spec, str) or policy_spec is None else policy_spec[0]
     if spec_name == "budgetformer_signed":  # a study variant, registered only when a run asks for it
         from condcomp.experiments.classification.signed_budget import register
@@ -96,6 +99,16 @@ def method_config(method: str, num_heads: int, options: dict[str, Any] | None = 
             opts["balance_layers"] = num_layers
         policy, router = "full", ("moh", {"shared_heads": shared, "top_k": top_k, **opts})
     return CondCompConfig(policy=policy_spec or policy, router=router_spec or router, executor=executor)
+
+
+def _user_spec(role: str, spec: Any) -> Any:
+    """``spec`` (a name, or ``[name, options]``) with a ``module:Class`` name imported, registered, replaced by
+    its registry key (:mod:`.user_components`); anything else as it is."""
+    name, options = (spec[0], dict(spec[1])) if isinstance(spec, (list, tuple)) else (spec, None)
+    if not is_spec(name):
+        return spec
+    key = resolve(role, name)
+    return key if options is None else (key, options)
 
 
 @contextmanager

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -92,11 +94,22 @@ def run_single(cfg: RunConfig, out: Path, resume: bool = False, prep: PreparedDa
         tokenizer.save(str(ckpt / "tokenizer.json"))
     with CarbonTracker(cfg.carbon_country, str(out)) as carbon_train:
         state = train(model, prep.train, cfg, ckpt, resume, meta, desc=name or cfg.method)
+    _warn_unless_converged(state, cfg, len(prep.train), name or cfg.method)
     metrics = finish(model, prep, cfg, out, name or cfg.method)
     metrics.update({"train": {k: v for k, v in state.items() if k != "rng"},
                     "carbon_train": carbon_train.result(), "wall_seconds": time.perf_counter() - t0})
     write_json(out / "metrics.json", metrics)
     return metrics, model
+
+
+def _warn_unless_converged(state: dict[str, Any], cfg: RunConfig, n_train: int, name: str) -> None:
+    """The convergence signal on stderr: a warning when the loss was still falling (or the run too short)."""
+    from condcomp.experiments.classification.convergence import warning
+
+    epochs = state["step"] / max(1, math.ceil(n_train / cfg.batch_size))
+    message = warning(state["convergence"], epochs, name)
+    if message:
+        print(message, file=sys.stderr, flush=True)
 
 
 def finish(model: EncoderClassifier, prep: PreparedDataset, cfg: RunConfig, out: Path, name: str,

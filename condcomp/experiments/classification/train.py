@@ -19,6 +19,7 @@ from torch import Tensor, nn
 import condcomp
 from condcomp.api import routed_modules
 from condcomp.experiments.classification.batches import EncodedSplit, on_device
+from condcomp.experiments.classification.convergence import PlateauCheck
 from condcomp.experiments.classification.difficulty_target import difficulty_target_loss
 from condcomp.experiments.classification.methods import method_config
 from condcomp.experiments.classification.metrics import layer_plan_stats
@@ -64,8 +65,11 @@ def make_scheduler(opt: torch.optim.Optimizer, cfg: RunConfig, steps: int, done:
 
 
 def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_dir: Path | None = None,
-          resume: bool = False, meta: dict[str, Any] | None = None, desc: str = "train") -> dict[str, Any]:
-    """Train in place; returns the train state (steps, final loss, seconds). Checkpoints into ``ckpt_dir``."""
+          resume: bool = False, meta: dict[str, Any] | None = None, desc: str = "train",
+          plateau: PlateauCheck | None = None) -> dict[str, Any]:
+    """Train in place; returns the train state (steps, final loss, seconds, ``convergence``: the verdict of
+    ``plateau``, default ``PlateauCheck()``, on the loss of every step). Checkpoints into ``ckpt_dir`` (with the
+    loss history, so that a resumed run's verdict covers every step)."""
     from condcomp.checkpoint import save_checkpoint
     from condcomp.resume import capture_rng, restore_rng
 
@@ -73,6 +77,8 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
     per_epoch = math.ceil(len(split) / cfg.batch_size)
     opt = make_optimizer(model, cfg)
     state, rng = _start_state(model, opt, steps, ckpt_dir, resume, meta or {})
+    history = state.pop("loss_history", None)  # the losses of the steps before a resume
+    losses: list[float] = [] if history is None else [float(v) for v in history.tolist()]
     sched = make_scheduler(opt, cfg, steps, int(state["step"]))
     if rng is not None:
         restore_rng(rng)  # last: nothing above may draw from the restored streams
@@ -82,7 +88,8 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
 
     def save() -> None:
         if ckpt_dir is not None:
-            st = {**state, "seconds": time.perf_counter() - t0, "rng": capture_rng()}
+            st = {**state, "seconds": time.perf_counter() - t0, "rng": capture_rng(),
+                  "loss_history": torch.tensor(losses, dtype=torch.float64)}
             save_checkpoint(ckpt_dir, model, meta or {}, opt, st)
 
     # each routed layer's budget of the forward (policy, s), for the price on heads and the difficulty target
@@ -102,6 +109,7 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
             state["loss"] = _train_step(model, on_device(batch, device), opt, sched, cfg, budgets)
             stop_if_diverged(state["step"] + 1, {"loss": state["loss"]}, model.parameters(),
                              flags(vars(cfg), "lr", "budget_cost", "budget_target"))
+            losses.append(state["loss"])
             state["step"] += 1
             state["epoch"] = epoch
             bar.update(1, loss=state["loss"])
@@ -113,6 +121,7 @@ def train(model: EncoderClassifier, split: EncodedSplit, cfg: RunConfig, ckpt_di
     for h in hooks:
         h.remove()
     state["seconds"] = time.perf_counter() - t0
+    state["convergence"] = (plateau or PlateauCheck()).verdict(losses)
     condcomp.set_progress(model, 1.0)  # before the save: the final checkpoint is the trained model, schedules done
     save()
     model.eval()

@@ -72,6 +72,7 @@ TINY = ["--dataset", "synthetic", "--synthetic-train", "160", "--synthetic-test"
         "--max-steps", "4", "--batch-size", "16", "--latency-reps", "1", "--threads", "1"]
 
 
+@pytest.mark.slow
 def test_ablate_seeds_is_resumable_and_writes_the_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, summary = tmp_path / "runs", tmp_path / "res" / "summary.json"
     args = ["ablate", *TINY, "--out", str(out), "--summary", str(summary), "--seeds", "0", "1",

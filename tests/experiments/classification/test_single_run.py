@@ -25,6 +25,7 @@ def tiny(**kw: object) -> RunConfig:
     return RunConfig.from_dict({**TINY, **kw})
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly_where_the_run_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Oracle: one uninterrupted 8-step run. Interrupted: the same run killed after its step-4 checkpoint, resumed.
     cfg = tiny(method="budgetformer", max_steps=8, checkpoint_every=4)

@@ -23,6 +23,7 @@ def quick_judge(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(classifier, "train_judge", lambda images, labels: real(images, labels, steps=3))
 
 
+@pytest.mark.slow
 def test_study_writes_records_matches_the_fixed_arm_and_resumes(tmp_path: Path, quick_judge: None,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     settings = DiTRunSettings.from_dict(TOY)

@@ -18,6 +18,7 @@ TEXTS = [" ".join(random.Random(i).choice(["alpha", "beta", "gamma", "delta"]) f
          for i in range(30)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["duo", "importance"])
 def test_both_methods_write_a_gates_file_the_split_reads(tmp_path: Path, method: str) -> None:
     out = tmp_path / "gates.json"
@@ -61,6 +62,7 @@ def test_evaluate_screens_the_splits_against_dense(tmp_path: Path) -> None:
     assert streaming["hidden_mse"] > 0 and streaming["full_frac"] == 0.0
 
 
+@pytest.mark.slow
 def test_request_method_trains_a_router_file_and_the_screen_reads_it(tmp_path: Path) -> None:
     import json
 

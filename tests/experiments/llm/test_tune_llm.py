@@ -141,6 +141,7 @@ SETTINGS = TuneSettings(seq_len=12, prompt_len=4, batch_size=2, steps=4, warmup=
                         checkpoint_every=1, lr=1e-2)
 
 
+@pytest.mark.slow
 def test_a_stopped_run_resumes_from_its_checkpoint_and_ends_where_an_uninterrupted_one_does(tmp_path: Path) -> None:
     data = ids(B=6, T=12, seed=3)
     whole = _routed_lora(7)
@@ -291,6 +292,7 @@ class CharTokenizer:
         return "".join(chr(int(t)) for t in tokens)
 
 
+@pytest.mark.slow
 def test_the_study_writes_metrics_for_each_variant_and_reuses_finished_ones(tmp_path: Path) -> None:
     pytest.importorskip("peft", reason="peft is not installed (pip install condcomp[peft])")
     from condcomp.experiments.llm.tuning_study import run_tuning_study

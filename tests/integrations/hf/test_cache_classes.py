@@ -31,6 +31,7 @@ from torch import nn
 import condcomp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True])
 def test_crop_keeps_the_plan_and_redecoding_equals_the_reference(static: bool) -> None:
     model = wrap(llama(kv_heads=4))
@@ -50,6 +51,7 @@ def test_crop_keeps_the_plan_and_redecoding_equals_the_reference(static: bool) -
     torch.testing.assert_close(nxt, reference_logits(model, ids, mask)[:, -1], **TOL)
 
 
+@pytest.mark.slow
 def test_prompt_lookup_decoding_equals_greedy_reference_decoding() -> None:
     model = wrap(llama(kv_heads=4))
     ids, _ = prompts(batch=1)
@@ -72,6 +74,7 @@ def test_beam_search_with_rows_of_different_plans_equals_beam_search_on_referenc
     torch.testing.assert_close(out.sequences_scores, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True])
 def test_sliding_window_caches_at_the_full_and_half_budget(static: bool) -> None:
     torch.manual_seed(0)
@@ -109,6 +112,7 @@ def _t5() -> nn.Module:
                                                    attn_implementation="sdpa")).eval()
 
 
+@pytest.mark.slow
 def test_t5_encoder_decoder_cache_greedy_and_beams() -> None:
     dense = _t5()
     ids, mask = prompts()

@@ -61,6 +61,7 @@ def test_static_cache_at_the_full_budget_generates_the_unwrapped_models_tokens(p
     assert torch.equal(out.sequences, out_dense.sequences)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, fraction", [("llama", 0.5), ("llama", 0.25), ("gpt2", 0.5)])
 def test_static_cache_with_a_left_padded_batch_matches_the_reference(arch: str, fraction: float) -> None:
     model = wrap(llama(kv_heads=4) if arch == "llama" else gpt2(), fraction)
@@ -97,6 +98,7 @@ def test_batch_select_indices_keeps_the_selected_rows_plans() -> None:
     torch.testing.assert_close(got, reference_logits(model, tokens, mask[keep])[:, -1], **TOL)
 
 
+@pytest.mark.slow
 def test_generate_without_a_cache_is_refused_and_equals_cached_generation_with_plans_from_the_prompt() -> None:
     model = wrap(llama())
     ids, mask = prompts()
@@ -129,6 +131,7 @@ def test_disabled_after_a_routed_prefill_is_refused_for_a_compact_cache_and_exac
     torch.testing.assert_close(got, step(dense, tokens, mask2, dense_cache, 1), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [llama, gpt2])
 def test_a_prefix_cache_continues_with_the_prefixs_plan(build: object) -> None:
     """transformers' prompt-reuse recipe: prefill a prefix once, then generate from copies of its cache."""
@@ -183,6 +186,7 @@ def test_a_mode_switch_mid_request_keeps_the_requests_plan() -> None:
         assert torch.equal(after[name].gates, plan.gates) and not plan.compact
 
 
+@pytest.mark.slow
 def test_a_per_token_budget_with_topk_generates_like_the_reference() -> None:
     model = wrap(llama(), policy=("budgetformer_token", {}))
     ids, mask = prompts()
@@ -227,6 +231,7 @@ def test_a_scoring_forward_inside_another_models_generate_is_not_refused() -> No
     torch.testing.assert_close(seen[-1], want, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [llama, gpt2])
 def test_chunked_prefill_whose_first_chunk_is_padding_is_refused_and_a_longer_chunk_equals_the_reference(
         build: object) -> None:

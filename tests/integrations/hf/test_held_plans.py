@@ -84,6 +84,7 @@ def _kept_groups(model: nn.Module, cache: object) -> list[torch.Tensor]:
     return [m.held_plan(cache)[1].kv_index for m in condcomp.api.routed_modules(model).values()]  # type: ignore[index]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads, fraction, kv_groups", [
     (2, 0.5, True),    # GQA, whole groups: one of two KV groups per row
     (4, 0.25, False),  # GQA, single heads: a group is kept when any of its heads is
@@ -142,6 +143,7 @@ def test_the_plan_is_decided_once_per_request_and_held() -> None:
     assert _kept_groups(model, cache) == first  # the first request's plan is unchanged
 
 
+@pytest.mark.slow
 def test_generate_with_a_per_request_budget_matches_greedy_reference_decoding() -> None:
     model = _wrapped(2, 0.5, True)
     ids, mask = _prompts()
@@ -202,6 +204,7 @@ def test_a_wrapped_model_pickles_after_generating() -> None:
     assert cache is not None
 
 
+@pytest.mark.slow
 def test_beam_search_with_held_plans_matches_the_dense_model_at_full_budget_and_runs_at_half() -> None:
     dense = _llama(2)
     wrapped = copy.deepcopy(dense)
@@ -243,6 +246,7 @@ def test_a_plan_with_no_heads_outputs_zero_attention_and_caches_one_slot() -> No
         torch.testing.assert_close(got, want[:, step], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_held_plans_with_peft_lora_equal_the_reference_and_bf16_full_budget_equals_dense() -> None:
     peft = pytest.importorskip("peft")
     model = _wrapped(2, 0.5, True)

@@ -43,6 +43,7 @@ def test_full_budget_parity_and_exact_remove(arch: str, executor: str) -> None:
     assert state_equal(model.state_dict(), before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_half_budget_equals_unwrapped_model_without_the_skipped_heads(arch: str, executor: str,

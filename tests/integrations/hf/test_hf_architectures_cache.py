@@ -36,6 +36,7 @@ CASES = [(arch, executor, fraction) for arch in ("gpt2", "gemma", "qwen3", "t5")
          for fraction in (1.0, 0.5)] + [("mixtral", "masked", 1.0), ("mixtral", "gathered", 0.5)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,executor,fraction", CASES)
 def test_greedy_generation_through_the_cache_matches_the_unwrapped_model(arch: str, executor: str, fraction: float,
                                                                          prefer_router: str) -> None:

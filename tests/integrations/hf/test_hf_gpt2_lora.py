@@ -51,6 +51,7 @@ def _pair(order: str, cfg: condcomp.CondCompConfig) -> tuple[nn.Module, nn.Modul
 IDS = torch.randint(2, 100, (2, 6), generator=torch.Generator().manual_seed(3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["gathered", "masked"])
 @pytest.mark.parametrize("order", ["lora_first", "condcomp_first"])
 def test_full_budget_equals_the_peft_model_outputs_and_lora_gradients(order: str, executor: str) -> None:

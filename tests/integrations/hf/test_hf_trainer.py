@@ -56,6 +56,7 @@ def _s_mean(model: torch.nn.Module) -> float:
     return sum(u.s_mean for u in usage.values()) / len(usage)
 
 
+@pytest.mark.slow
 def test_the_callback_trains_the_budget_steps_schedules_and_logs(tmp_path: Path) -> None:
     start = _s_mean(_model())
     plain = _model()

@@ -96,6 +96,7 @@ def _hand_step(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], l
         loss.backward()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_kwargs", [True, False], ids=["loss_kwargs", "no_loss_kwargs"])
 @pytest.mark.parametrize("micro_batches", [1, 2, 4])
 def test_one_accumulated_step_equals_a_hand_written_step(tmp_path: Path, loss_kwargs: bool,

@@ -53,6 +53,7 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["gathered", "masked", "reference"])
 @pytest.mark.parametrize("order", ["lora_first", "condcomp_first"])
 @pytest.mark.parametrize("arch", ["llama", "bert"])

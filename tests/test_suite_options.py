@@ -1,0 +1,40 @@
+"""The suite's own switches: ``pytest`` leaves the tests marked slow out, ``--full`` (what CI runs) and ``-m`` or a
+test's node id bring them back; the README's test command is the one CI runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOW_TEST = "tests/test_determinism.py::test_eval_is_bit_identical_across_processes"  # marked slow
+
+
+def collected(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow  # four pytest processes: a minute and more on a busy machine
+def test_slow_tests_are_deselected_unless_full_or_named() -> None:
+    fast = collected("tests/test_determinism.py")
+    assert SLOW_TEST not in fast and re.search(r"\b\d+ deselected\b", fast)
+    full = collected("tests/test_determinism.py", "--full")
+    assert SLOW_TEST in full and "deselected" not in full
+    assert SLOW_TEST in collected(SLOW_TEST)  # named by its node id: it runs
+    assert SLOW_TEST in collected("tests/test_determinism.py", "-m", "slow")
+
+
+def test_the_readme_test_command_is_the_one_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme[:readme.index("## Install")], re.S)
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    after = ci.index(next(line for line in ci if "(Quickstart, second command)" in line))
+    assert blocks[1].strip() == ci[after + 1].strip()
+    assert blocks[1].strip().endswith("pytest -q --full")  # CI runs the whole suite
