@@ -15,12 +15,23 @@ def length_record(name: str, prompt_len: int, r: dict[str, Any], dense: dict[str
                   settings: dict[str, Any]) -> dict[str, Any]:
     """One variant at one prompt length, from :func:`condcomp.bench.kv.measure_length`'s tallies."""
     nll = r["nll_sum"] / r["tokens"]
-    cases = sum(n for _, n in r["by_depth"].values())
-    return {"variant": name, "prompt_len": prompt_len, "kv_bytes": r["kv_bytes"],
-            "kv_frac": r["kv_bytes"] / dense["kv_bytes"], "nll": nll, "ppl": math.exp(nll), "ppl_tokens": r["tokens"],
-            "passkey_acc": sum(r["hits"]) / cases, "passkey_n": cases, "passkey_correct": r["hits"],
-            "passkey_by_depth": {d: hits / n for d, (hits, n) in sorted(r["by_depth"].items())},
+    cases = len(r["hits"])
+    return {"variant": name, "prompt_len": prompt_len, "task": settings.get("task", "passkey"),
+            "kv_bytes": r["kv_bytes"], "kv_frac": r["kv_bytes"] / dense["kv_bytes"], "nll": nll, "ppl": math.exp(nll),
+            "ppl_tokens": r["tokens"], "token_nll": r["token_nll"],
+            "retrieval_acc": sum(r["hits"]) / cases, "retrieval_n": cases, "retrieval_correct": r["hits"],
+            "retrieval_by_depth": {d: hits / n for d, (hits, n) in sorted(r["by_depth"].items())},
             "samples": r["samples"], "note": VARIANTS[name].note, "settings": settings}
+
+
+def correct(r: dict[str, Any]) -> list[bool] | None:
+    """A record's per-case retrieval results (``passkey_correct`` in records written before the facts task)."""
+    found = r.get("retrieval_correct", r.get("passkey_correct"))
+    return None if found is None else [bool(x) for x in found]
+
+
+def accuracy(r: dict[str, Any]) -> float:
+    return float(r.get("retrieval_acc", r.get("passkey_acc", math.nan)))
 
 
 def merged(length: dict[str, Any] | None, decode: dict[str, Any] | None) -> dict[str, Any]:
@@ -45,7 +56,7 @@ def paired_with_dense(r: dict[str, Any], dense: dict[str, Any]) -> str:
     per-case results were kept."""
     from condcomp.experiments.stats import mcnemar
 
-    a, d = r.get("passkey_correct"), dense.get("passkey_correct")
+    a, d = correct(r), correct(dense)
     if r is dense or not a or not d or len(a) != len(d):
         return "-"
     t = mcnemar(a, d)
@@ -60,10 +71,10 @@ def table(records: list[dict[str, Any]]) -> str:
     for r in records:
         d = dense[r["prompt_len"]]
         ms = "-" if r["decode_ms_per_token"] is None else f"{r['decode_ms_per_token']:.1f}"
-        acc_ratio = _ratio(r["passkey_acc"], d["passkey_acc"]) if d["passkey_acc"] else "(dense 0)"
+        acc_ratio = _ratio(accuracy(r), accuracy(d)) if accuracy(d) else "(dense 0)"
         decode = "-" if r["decode_ratio"] is None else f"{r['decode_ratio']:.2f}"
         lines.append(f"| {r['prompt_len']} | {r['variant']} | {r['kv_frac']:.3f} | {r['kv_bytes'] / 2**20:.1f} | "
-                     f"{r['ppl']:.2f} | {_ratio(r['ppl'], d['ppl'])} | {r['passkey_acc']:.2f} ({r['passkey_n']}) | "
+                     f"{r['ppl']:.2f} | {_ratio(r['ppl'], d['ppl'])} | {accuracy(r):.2f} ({len(correct(r) or [])}) | "
                      f"{acc_ratio} | {paired_with_dense(r, d)} | {ms} | {decode} |")
     return "\n".join(lines)
 
@@ -103,9 +114,9 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     color = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}  # one colour per variant
     for P, marker in zip(sorted(dense), "os^D"):
         rows = [r for r in records if r["prompt_len"] == P]
-        for ax, key in zip(axes, ("ppl", "passkey_acc")):
+        for ax, key in zip(axes, ("ppl", "retrieval")):
             for r in rows:
-                y = r["ppl"] / dense[P]["ppl"] if key == "ppl" else r["passkey_acc"]
+                y = r["ppl"] / dense[P]["ppl"] if key == "ppl" else accuracy(r)
                 ax.scatter(r["kv_frac"], y, marker=marker, color=color[r["variant"]], label=f"{r['variant']} @ {P}")
     axes[0].set(xlabel="KV bytes / dense", ylabel="continuation perplexity / dense", yscale="log")
     axes[1].set(xlabel="KV bytes / dense", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
