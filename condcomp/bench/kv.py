@@ -35,13 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from condcomp.bench import kv_report
+from condcomp.bench import kv_press, kv_report
 from condcomp.bench.decode import device_clock
 from condcomp.bench.kv_cases import (
     RetrievalCase,
     answer_correct,
     continuation_cases,
-    corpus_texts,
     haystack_stream,
     retrieval_cases,
 )
@@ -50,17 +49,18 @@ from condcomp.bench.kv_presets import (
     PASSKEY_FORMATS,
     PRESET_HELP,
     PRESETS,
-    TASKS,
     Preset,
+    add_task_arguments,
     encoder,
     load,
     passkey_format,
 )
-from condcomp.bench.kv_text import choose_texts
+from condcomp.bench.kv_text import add_text_arguments, choose_texts, staged_texts
 from condcomp.bench.kv_variants import (
     DEFAULT_VARIANTS,
     MODELS,
     VARIANTS,
+    KVVariant,
     ModelContext,
     cache_bytes,
     cache_from_prefill,
@@ -71,6 +71,8 @@ from condcomp.bench.kv_variants import (
 )
 from condcomp.cli_args import output_folder
 from condcomp.experiments.progress import progress_bar
+
+kv_press.register(VARIANTS, MODELS, KVVariant)  # kvpress's presses beside condcomp's variants (optional extra)
 
 
 def record_path(out: Path, variant: str, prompt: int | str) -> Path:
@@ -108,13 +110,22 @@ class Bench:
         return self.models[key]
 
     def prefill(self, key: str, ids: Tensor) -> tuple[Tensor, Any]:
-        """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids``."""
-        out = self.model(key)(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
+        """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids`` (a kvpress variant's press
+        compresses the cache during it)."""
+        model = self.model(key)
+        with kv_press.prefill_context(key, model):
+            out = model(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
+        if key in kv_press.PRESS_VARIANTS:
+            kv_press.mark_seen(out.cache, ids.shape[1])  # the cache may hold fewer tokens than it has seen
         return out.logits[:, -1], out.cache
 
     def step(self, variant: str, ids: Tensor, cache: Any) -> tuple[Tensor, Any]:
         """Feed ``ids (B, T)`` on ``cache``: ``(logits (B, T, V), cache)``."""
-        out = self.model(VARIANTS[variant].model)(input_ids=ids.to(self.device), cache=cache, use_cache=True)
+        extra = {}
+        if (positions := kv_press.true_positions(cache, ids.shape[1])) is not None:  # after a press's eviction
+            extra["position_ids"] = positions.to(self.device)
+        out = self.model(VARIANTS[variant].model)(input_ids=ids.to(self.device), cache=cache, use_cache=True,
+                                                  **extra)
         return out.logits, out.cache
 
     def cache_for(self, variant: str, source: Any) -> Any:
@@ -240,7 +251,8 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     if unknown:
         raise ValueError(f"unknown kv variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     names = ["dense", *[n for n in dict.fromkeys(names) if n != "dense"]]
-    skipped = {n: reason for n in names if (reason := missing_packages(n))}
+    skipped = {n: reason for n in names if (reason := missing_packages(n) or (
+        kv_press.missing(n) if n in kv_press.PRESS_VARIANTS else None))}
     for reason in skipped.values():
         print(f"skipped: {reason}")
     torch.set_num_threads(threads)
@@ -253,16 +265,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     fmt = passkey_format(preset.passkey_format, tok) if preset.task == "passkey" else None
     cfg: Any = dense.config
     if texts is None:
-        from condcomp.experiments.data import resolve_data_dir
-
-        try:
-            folder = resolve_data_dir(data_dir)
-        except FileNotFoundError as err:  # its advice names train/ablate's flags; these are bench kv's
-            raise FileNotFoundError(
-                f"--data-dir {data_dir or '../shared/data'}: no staged corpora there (the project's layout of "
-                f"{', '.join(CORPORA)}). Measure on your own text with --text-file PATH, --text-dir DIR or "
-                "--hf-dataset NAME[:split[:column]], or on the small built-in corpus with --builtin-text") from err
-        texts = corpus_texts(folder, CORPORA, seed)
+        texts = staged_texts(data_dir, CORPORA, seed)
 
     def stream_for(prompt_len: int) -> list[int]:
         # The haystack of one prompt length depends on that length alone: cases drawn at 2048 are the same whether
@@ -324,7 +327,9 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         dense_ref = res["dense"] if "dense" in res else dense_done[P]
         assert dense_ref is not None  # measured now unless read back
         for name, r in res.items():
-            write_record(record_path(out, name, P), kv_report.length_record(name, P, r, dense_ref, settings[P]))
+            record = kv_report.length_record(name, P, r, dense_ref, settings[P])
+            record["nominal_frac"] = kv_press.nominal_fraction(name, bench.dense, P)  # head-wise presses mask
+            write_record(record_path(out, name, P), record)
     if time_pending:
         for name, r in time_decode(bench, timed, preset, int(cfg.vocab_size)).items():
             write_record(record_path(out, name, "decode"), {"variant": name, **r, "settings": timing})
@@ -334,6 +339,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
                                 read_record(record_path(out, n, "decode"), timing)) for P in preset.prompts
                for n in runnable]
     return {"benchmark": "kv", "preset": asdict(preset), "device": dev.type, "threads": threads,
+            "text": text_source or "staged",
             "records": records, "skipped": skipped}
 
 
@@ -375,13 +381,7 @@ def add_bench_commands(bench_subparsers: Any) -> None:
                         "those of its longest length)")
     p.add_argument("--cases", "--passkey-cases", dest="passkey_cases", type=int, nargs="+", default=None,
                    help="override the preset's retrieval cases: one count, or one per prompt length")
-    p.add_argument("--task", default=None, choices=TASKS,
-                   help="the retrieval task: facts (default: several facts 'The pass key of <name> is <4 digits>.' "
-                        "at distinct depths, one asked after the context) or passkey (one key, asked inside it)")
-    p.add_argument("--facts", type=int, default=None, help="facts per context of the facts task (default 4)")
-    p.add_argument("--question-in-context", action="store_true",
-                   help="facts task: the question ends the prefilled context (the cache is compressed knowing it) "
-                        "instead of being fed after it")
+    add_task_arguments(p)
     p.add_argument("--passkey-format", default=None, choices=PASSKEY_FORMATS,
                    help="override the preset's passkey prompt: chat (the instruct template) or raw (plain text)")
     p.add_argument("--time-decode", nargs="*", default=None, metavar="NAME",
@@ -393,18 +393,7 @@ def add_bench_commands(bench_subparsers: Any) -> None:
                    help=f"of: {', '.join(VARIANTS)} (dense is always run)")
     p.add_argument("--importance", type=Path, default=Path("results/llm/static_importance.json"),
                    help="static pruning's group importance (condcomp tune-llm's); computed when missing")
-    text = p.add_argument_group("haystack text (one of; default: the staged corpora at ../shared/data when "
-                                "present, else the built-in corpus)")
-    text.add_argument("--text-file", type=Path, default=None,
-                      help="your own text: a .txt file (documents split at blank lines) or .jsonl ('text' field)")
-    text.add_argument("--text-dir", type=Path, default=None, help="every .txt, .md and .jsonl file under a folder")
-    text.add_argument("--hf-dataset", default=None, metavar="NAME[:split[:column]]",
-                      help="a Hugging Face dataset's text (needs the datasets package; split train, column text by "
-                           "default), its first 2000 rows")
-    text.add_argument("--data-dir", default=None,
-                      help="the project's staged corpora (imdb, ag_news, yelp, dbpedia_14 test splits)")
-    text.add_argument("--builtin-text", action="store_true",
-                      help="the small corpus shipped with condcomp (checks a run works; too small to measure on)")
+    add_text_arguments(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

@@ -174,9 +174,13 @@ LAST_NAMES = ("Abbott", "Berger", "Castillo", "Dalton", "Eriksen", "Fischer", "G
               "Sandoval", "Tanaka", "Ulrich", "Varga", "Whitfield", "Zeller")
 
 
+QUESTION_FORMAT = "\n\nQuestion: What is the pass key of {name}?\nAnswer: The pass key of {name} is"
+
+
 def facts_question(example: tuple[str, str], asked: str) -> str:
-    """The question: one fact as an example, then the asked name's fact up to its key."""
-    return "\n\n" + FACT.format(name=example[0], key=example[1]) + "\n" + FACT.format(name=asked, key="").rstrip(". ")
+    """The question: one fact asked and answered as an example, then the asked name's question."""
+    shown = QUESTION_FORMAT.format(name=example[0]) + f" {example[1]}."
+    return shown + QUESTION_FORMAT.format(name=asked)
 
 
 def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int, n_facts: int = 4,
@@ -198,7 +202,9 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
     q_len: int | None = None
     for i in range(n):
         for _ in range(1000):
-            names = rng.sample([f"{f} {ln}" for f in FIRST_NAMES for ln in LAST_NAMES], n_facts)
+            # no first or last name shared inside a context: "Keiko Varga" asked beside "Keiko Berger" tests the
+            # name, not the retrieval
+            names = [f"{f} {ln}" for f, ln in zip(rng.sample(FIRST_NAMES, n_facts), rng.sample(LAST_NAMES, n_facts))]
             keys = [str(k) for k in rng.sample(range(1000, 10000), n_facts)]
             asked = i % n_facts
             example = rng.choice([j for j in range(n_facts) if j != asked])

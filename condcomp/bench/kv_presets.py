@@ -130,3 +130,15 @@ def passkey_format(name: str, tok: Any) -> PasskeyFormat:
         return str(tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                            add_generation_prompt=True))
     return chat_format(render)
+
+
+def add_task_arguments(parser: Any) -> None:
+    """``bench kv``'s retrieval-task options (override the preset's)."""
+    parser.add_argument("--task", default=None, choices=TASKS,
+                        help="the retrieval task: facts (default: several facts 'The pass key of <name> is <4 "
+                             "digits>.' at distinct depths, one asked after the context) or passkey (one key, asked "
+                             "inside it)")
+    parser.add_argument("--facts", type=int, default=None, help="facts per context of the facts task (default 4)")
+    parser.add_argument("--question-in-context", action="store_true",
+                        help="facts task: the question ends the prefilled context (the cache is compressed knowing "
+                             "it) instead of being fed after it")

@@ -51,7 +51,7 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 
 def paired_with_dense(r: dict[str, Any], dense: dict[str, Any]) -> str:
-    """The passkey cases only the variant found / only dense found, and the exact McNemar p of that split: the
+    """The retrieval cases only the variant found / only dense found, and the exact McNemar p of that split: the
     cases are the same prompts for every variant, so this pairs them. '-' for dense, for records written before
     per-case results were kept."""
     from condcomp.experiments.stats import mcnemar
@@ -66,7 +66,7 @@ def paired_with_dense(r: dict[str, Any], dense: dict[str, Any]) -> str:
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown: per prompt length and variant, the measured values and their ratios to dense's."""
     dense = {r["prompt_len"]: r for r in records if r["variant"] == "dense"}
-    lines = ["| prompt | variant | kv_frac | KV MiB | ppl | x dense | passkey acc (n) | x dense | passkey only it / "
+    lines = ["| prompt | variant | kv_frac | KV MiB | ppl | x dense | retrieval acc (n) | x dense | found only it / "
              "only dense, McNemar p | decode ms/token | x dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         d = dense[r["prompt_len"]]
@@ -79,19 +79,90 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+FAMILIES = (("dense", "dense"), ("quantized-", "quantized cache"), ("kvpress-", "kvpress"),
+            ("streaming", "window (StreamingLLM)"), ("drop-", "condcomp drop"), ("split-", "condcomp split"),
+            ("router-", "condcomp router"))
+
+
+def family(name: str) -> str:
+    """The plot's colour group of a variant: its kind, with ' + quantized' when composed with a quantized cache.
+
+    >>> family("split-static-1of3+fp8"), family("kvpress-snapkv-0.50"), family("quantized-hqq4")
+    ('condcomp split + quantized', 'kvpress', 'quantized cache')
+    """
+    base, _, composed = name.partition("+")
+    kind = next((label for prefix, label in FAMILIES if base.startswith(prefix)), "other")
+    return kind + (" + quantized" if composed else "")
+
+
+def best_kvpress(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The kvpress variant of one prompt length with the most retrieval cases found (None without any)."""
+    presses = [r for r in rows if family(r["variant"]) == "kvpress" and correct(r)]
+    return max(presses, key=lambda r: sum(correct(r) or []), default=None)
+
+
+def statistics_table(records: list[dict[str, Any]], cfg: Any = None) -> str:
+    """Markdown, per prompt length and variant: retrieval with its Wilson interval, the exact McNemar test against
+    dense and against the best kvpress press, the non-inferiority bound against dense, and perplexity / dense's with
+    its paired bootstrap interval over tokens."""
+    from condcomp.bench.kv_stats import KVStats, mcnemar, noninferiority, ppl_ratio, wilson
+
+    cfg = cfg or KVStats()
+    lines = [f"| prompt | variant | kv_frac | retrieval (Wilson {cfg.confidence:.0%}) | vs dense: only it / only "
+             f"dense, McNemar p | acc - dense, one-sided {1 - cfg.alpha:.0%} lower bound | within "
+             f"{cfg.margin * 100:.0f} points | vs best kvpress: only it / only it, p | ppl x dense "
+             f"[{cfg.confidence:.0%} bootstrap] |", "|---|---|---|---|---|---|---|---|---|"]
+    for P in dict.fromkeys(r["prompt_len"] for r in records):
+        rows = [r for r in records if r["prompt_len"] == P]
+        dense = next(r for r in rows if r["variant"] == "dense")
+        best = best_kvpress(rows)
+        for r in rows:
+            hits, d = correct(r) or [], correct(dense) or []
+            lo, hi = wilson(sum(hits), len(hits), cfg.confidence) if hits else (math.nan, math.nan)
+            vs_dense = ni = within = vs_best = "-"
+            if r is not dense and hits and len(hits) == len(d):
+                t = mcnemar(hits, d)
+                vs_dense = f"{t['a_only']} / {t['b_only']}, p {t['p']:.3f}"
+                n_i = noninferiority(hits, d, cfg)
+                ni = f"{n_i['diff'] * 100:+.1f} (>= {n_i['lower'] * 100:+.1f})"
+                within = "yes" if n_i["non_inferior"] else "no"
+            if best is not None and r is not best and hits:
+                t = mcnemar(hits, correct(best) or [])
+                vs_best = f"{t['a_only']} / {t['b_only']} ({best['variant']}), p {t['p']:.3f}"
+            ppl = "-"
+            if r.get("token_nll") and dense.get("token_nll"):
+                q = ppl_ratio(r["token_nll"], dense["token_nll"], cfg)
+                ppl = f"{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}]"
+            nominal = f" (nominal {r['nominal_frac']:.2f})" if r.get("nominal_frac") is not None else ""
+            lines.append(f"| {P} | {r['variant']} | {r['kv_frac']:.3f}{nominal} | {sum(hits)} / {len(hits)} "
+                         f"[{lo:.2f}, {hi:.2f}] | {vs_dense} | {ni} | {within} | {vs_best} | {ppl} |")
+    return "\n".join(lines)
+
+
 def summary(result: dict[str, Any]) -> str:
     p = result["preset"]
     records = result["records"]
     timing = next((r for r in records if r["decode_prompt"] is not None), None)
+    task = p.get("task", "passkey")
+    asked = ("inside the context" if p.get("question_in_context") else "after the context, through the cache") if (
+        task == "facts") else "inside the prompt"
+    facts = f"{p.get('facts', 4)} facts per context, " if task == "facts" else ""
     lines = ["# condcomp bench kv", "",
-             f"Prompts {', '.join(map(str, p['prompts']))} tokens; passkey cases {p['passkey_cases']} and "
-             f"continuations {p['ppl_cases']} of {p['cont_len']} scored tokens (per length where a list); "
-             f"passkey prompt format {p.get('passkey_format', 'raw')}; device {result['device']}, "
-             f"{result['threads']} threads.",
+             f"Prompts {', '.join(map(str, p['prompts']))} tokens; retrieval task {task} ({facts}the question "
+             f"{asked}); retrieval cases {p['passkey_cases']} and continuations {p['ppl_cases']} of {p['cont_len']} "
+             f"scored tokens (per length where a list); haystack text {result.get('text', 'staged')}; device "
+             f"{result['device']}, {result['threads']} threads.",
              f"Decode ms/token: prompt {p['decode_prompt']}, batch {p['decode_batch']}, median of "
              f"{p['decode_tokens']} interleaved steps ('x dense': step-paired median ratio)." if timing else "", "",
-             table(records), "", "## Variants", ""]
-    lines += [f"- `{n}`: {VARIANTS[n].note}" for n in dict.fromkeys(r["variant"] for r in records)]
+             table(records), ""]
+    try:
+        lines += ["## Paired statistics", "", statistics_table(records), "",
+                  "Non-inferiority: Newcombe's paired interval (method 10); perplexity intervals resample tokens "
+                  "(windows' tokens are not independent: the token-level part of the uncertainty).", ""]
+    except ImportError:
+        lines += ["(Paired statistics need scipy: pip install 'condcomp[report]'.)", ""]
+    lines += ["## Variants", ""]
+    lines += [f"- `{n}`: {note}" for n, note in dict.fromkeys((r["variant"], r.get("note", "")) for r in records)]
     if result["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {reason}" for reason in result["skipped"].values()]
     if PLANNED_VARIANTS:
@@ -100,7 +171,8 @@ def summary(result: dict[str, Any]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> bool:
-    """Perplexity (x dense) and passkey accuracy against kv_frac, one panel each; False without matplotlib."""
+    """Retrieval accuracy and perplexity (x dense) against measured KV bytes / dense, one colour per family
+    (:func:`family`), one marker per prompt length, the legend outside the axes; False without matplotlib."""
     try:
         import matplotlib
 
@@ -109,20 +181,21 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     dense = {r["prompt_len"]: r for r in records if r["variant"] == "dense"}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    names = list(dict.fromkeys(r["variant"] for r in records))
-    color = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}  # one colour per variant
-    for P, marker in zip(sorted(dense), "os^D"):
-        rows = [r for r in records if r["prompt_len"] == P]
-        for ax, key in zip(axes, ("ppl", "retrieval")):
-            for r in rows:
-                y = r["ppl"] / dense[P]["ppl"] if key == "ppl" else accuracy(r)
-                ax.scatter(r["kv_frac"], y, marker=marker, color=color[r["variant"]], label=f"{r['variant']} @ {P}")
-    axes[0].set(xlabel="KV bytes / dense", ylabel="continuation perplexity / dense", yscale="log")
-    axes[1].set(xlabel="KV bytes / dense", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
-    axes[1].legend(fontsize=6, loc="lower right")
-    fig.suptitle("Quality per KV byte (markers: prompt lengths)")
-    fig.tight_layout()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    families = list(dict.fromkeys(family(r["variant"]) for r in records))
+    color = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    markers = dict(zip(sorted(dense), "os^Dv"))
+    for r in records:
+        ys = (accuracy(r), r["ppl"] / dense[r["prompt_len"]]["ppl"])
+        for ax, y in zip(axes, ys):
+            ax.scatter(r["kv_frac"], y, marker=markers.get(r["prompt_len"], "o"), color=color[family(r["variant"])])
+    axes[0].set(xlabel="KV bytes held / dense (measured)", ylabel="retrieval accuracy", ylim=(-0.05, 1.05))
+    axes[1].set(xlabel="KV bytes held / dense (measured)", ylabel="continuation perplexity / dense", yscale="log")
+    handles = [plt.Line2D([], [], ls="", marker="o", color=color[f], label=f) for f in families]
+    handles += [plt.Line2D([], [], ls="", marker=m, color="grey", label=f"prompt {P}") for P, m in markers.items()]
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.84, 0.5), fontsize=8, frameon=False)
+    fig.suptitle("Quality per KV byte")
+    fig.tight_layout(rect=(0, 0, 0.83, 1))  # the legend's column right of the panels, outside the data
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
@@ -132,7 +205,7 @@ def write(out: Path, result: dict[str, Any]) -> None:
     """``metrics.json`` (samples apart), ``samples.json``, ``summary.md`` and ``quality_vs_kv.png``."""
     slim = [{k: v for k, v in r.items() if k != "samples"} for r in result["records"]]
     (out / "metrics.json").write_text(json.dumps({**result, "records": slim}, indent=1))
-    samples = {f"{r['variant']}@{r['prompt_len']}": r["samples"] for r in result["records"]}
+    samples = {f"{r['variant']}@{r['prompt_len']}": r.get("samples", []) for r in result["records"]}
     (out / "samples.json").write_text(json.dumps(samples, indent=1))
     (out / "summary.md").write_text(summary(result))
     plot(result["records"], out / "quality_vs_kv.png")

@@ -17,6 +17,7 @@ import json
 import random
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 BUILTIN = "builtin"
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
@@ -136,3 +137,34 @@ def choose_texts(text_file: Path | None = None, text_dir: Path | None = None, hf
                   "a small sample that repeats; measure on your own text with --text-file, --text-dir or "
                   "--hf-dataset")
     return builtin_texts(seed), BUILTIN
+
+
+def staged_texts(data_dir: str | None, corpora: tuple[str, ...], seed: int) -> list[str]:
+    """The staged corpora's test documents (``--data-dir``, else ``../shared/data``), in a seeded order."""
+    from condcomp.bench.kv_cases import corpus_texts
+    from condcomp.experiments.data import resolve_data_dir
+
+    try:
+        folder = resolve_data_dir(data_dir)
+    except FileNotFoundError as err:  # its advice names train/ablate's flags; these are bench kv's
+        raise FileNotFoundError(
+            f"--data-dir {data_dir or '../shared/data'}: no staged corpora there (the project's layout of "
+            f"{', '.join(corpora)}). Measure on your own text with --text-file PATH, --text-dir DIR or "
+            "--hf-dataset NAME[:split[:column]], or on the small built-in corpus with --builtin-text") from err
+    return corpus_texts(folder, corpora, seed)
+
+
+def add_text_arguments(parser: Any) -> None:
+    """``bench kv``'s haystack-text options (one of them; :func:`choose_texts` reads them)."""
+    text = parser.add_argument_group("haystack text (one of; default: the staged corpora at ../shared/data when "
+                                     "present, else the built-in corpus)")
+    text.add_argument("--text-file", type=Path, default=None,
+                      help="your own text: a .txt file (documents split at blank lines) or .jsonl ('text' field)")
+    text.add_argument("--text-dir", type=Path, default=None, help="every .txt, .md and .jsonl file under a folder")
+    text.add_argument("--hf-dataset", default=None, metavar="NAME[:split[:column]]",
+                      help="a Hugging Face dataset's text (needs the datasets package; split train, column text by "
+                           "default), its first 2000 rows")
+    text.add_argument("--data-dir", default=None,
+                      help="the project's staged corpora (imdb, ag_news, yelp, dbpedia_14 test splits)")
+    text.add_argument("--builtin-text", action="store_true",
+                      help="the small corpus shipped with condcomp (checks a run works; too small to measure on)")

@@ -37,17 +37,23 @@ def test_facts_are_planted_at_distinct_depths_and_one_is_asked(in_context: bool)
     for case in cases:
         assert len(case.ids) == 900
         text = bytes(case.ids).decode()
-        facts = FACT_RE.findall(text if not in_context else text[:text.rindex("\n\nThe pass key of")])
-        assert text.startswith(FACTS_HEAD) and len(facts) == 4
-        assert len({n for n, _ in facts}) == 4 and len({k for _, k in facts}) == 4  # distinct names and keys
-        starts = [text.index(f"The pass key of {n} is") - 2 for n, _ in facts]  # "\n\n" opens each fact
+        question = bytes(case.question).decode()
+        if in_context:  # the question ends the context
+            question = text[-len(bytes(facts_cases(stream(), byte_encode, 900, n=8, seed=1)[cases.index(case)]
+                                       .question).decode()):]
+        context = text[:len(text) - len(question)] if in_context else text
+        facts = FACT_RE.findall(context)
+        assert context.startswith(FACTS_HEAD) and len(facts) == 4
+        assert len({n.split()[0] for n, _ in facts}) == 4 and len({n.split()[1] for n, _ in facts}) == 4
+        assert len({k for _, k in facts}) == 4  # distinct names (first and last) and keys
+        starts = [context.index(f"The pass key of {n} is") - 2 for n, _ in facts]  # "\n\n" opens each fact
         assert list(case.fact_starts) == starts and starts == sorted(starts)
-        asked = bytes(case.question).decode() if not in_context else text[text.rindex("\n\nThe pass key of"):]
-        example, ask = FACT_RE.search(asked), re.search(r"\nThe pass key of ([A-Z][a-z]+ [A-Z][a-z]+) is$", asked)
-        assert example is not None and ask is not None
-        assert (example.group(1), example.group(2)) in facts and example.group(1) != ask.group(1)
-        assert dict(facts)[ask.group(1)] == case.key  # the asked key is the asked name's
-        asked_slices.append([n for n, _ in facts].index(ask.group(1)))
+        (example_name, example_key), = FACT_RE.findall(question)  # the example: one other fact, with its key
+        asked = question.rsplit("The pass key of ", 1)[1].removesuffix(" is")
+        assert question.endswith(f"The pass key of {asked} is") and asked != example_name
+        assert (example_name, example_key) in facts
+        assert dict(facts)[asked] == case.key  # the asked key is the asked name's
+        asked_slices.append([n for n, _ in facts].index(asked))
         assert (case.question == []) == in_context
     assert asked_slices == [0, 1, 2, 3, 0, 1, 2, 3]  # every depth slice asked equally often
     assert len({len(c.question) for c in cases}) == 1  # one question length: a batch steps it at once
