@@ -110,7 +110,7 @@ def statistics_table(records: list[dict[str, Any]], cfg: Any = None) -> str:
     cfg = cfg or KVStats()
     lines = [f"| prompt | variant | kv_frac | retrieval (Wilson {cfg.confidence:.0%}) | vs dense: only it / only "
              f"dense, McNemar p | acc - dense, one-sided {1 - cfg.alpha:.0%} lower bound | within "
-             f"{cfg.margin * 100:.0f} points | vs best kvpress: only it / only it, p | ppl x dense "
+             f"{cfg.margin * 100:.0f} points | vs best kvpress: only it / only the press, p | ppl x dense "
              f"[{cfg.confidence:.0%} bootstrap] |", "|---|---|---|---|---|---|---|---|---|"]
     for P in dict.fromkeys(r["prompt_len"] for r in records):
         rows = [r for r in records if r["prompt_len"] == P]
@@ -187,15 +187,21 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     markers = dict(zip(sorted(dense), "os^Dv"))
     for r in records:
         ys = (accuracy(r), r["ppl"] / dense[r["prompt_len"]]["ppl"])
+        c, m = color[family(r["variant"])], markers.get(r["prompt_len"], "o")
         for ax, y in zip(axes, ys):
-            ax.scatter(r["kv_frac"], y, marker=markers.get(r["prompt_len"], "o"), color=color[family(r["variant"])])
+            ax.scatter(r["kv_frac"], y, marker=m, color=c)
+            if r.get("nominal_frac") is not None:  # a head-wise press: hollow at the bytes it would hold if freed
+                ax.scatter(r["nominal_frac"], y, marker=m, facecolors="none", edgecolors=c)
+                ax.plot([r["nominal_frac"], r["kv_frac"]], [y, y], ls=":", color=c, lw=0.8)
     axes[0].set(xlabel="KV bytes held / dense (measured)", ylabel="retrieval accuracy", ylim=(-0.05, 1.05))
-    axes[1].set(xlabel="KV bytes held / dense (measured)", ylabel="continuation perplexity / dense", yscale="log")
+    axes[1].set(xlabel="KV bytes held / dense (measured)", ylabel="continuation perplexity / dense")
     handles = [plt.Line2D([], [], ls="", marker="o", color=color[f], label=f) for f in families]
     handles += [plt.Line2D([], [], ls="", marker=m, color="grey", label=f"prompt {P}") for P, m in markers.items()]
-    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.84, 0.5), fontsize=8, frameon=False)
+    handles.append(plt.Line2D([], [], ls=":", marker="o", mfc="none", color="grey",
+                              label="nominal bytes (masked)"))
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.81, 0.5), fontsize=8, frameon=False)
     fig.suptitle("Quality per KV byte")
-    fig.tight_layout(rect=(0, 0, 0.83, 1))  # the legend's column right of the panels, outside the data
+    fig.tight_layout(rect=(0, 0, 0.8, 1))  # the legend's column right of the panels, outside the data
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
