@@ -4,6 +4,9 @@ the evicted cache equals the press's rule applied by hand, and tokens after it r
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -75,3 +78,35 @@ def test_every_press_runs_and_holds_its_fraction(name: str) -> None:
     assert torch.isfinite(logits).all()
     want = 1.0 if "adakv" in name else float(name.rsplit("-", 1)[1])  # AdaKV masks keys: nothing freed
     assert frac == pytest.approx(want)
+
+
+def test_duo_press_streams_the_lowest_gates_and_reports_its_nominal_bytes(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from condcomp.bench import kv, kv_press
+    from condcomp.bench.kv_variants import cache_bytes
+    from condcomp.experiments.llm.duo_gates import FORMAT
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=6, num_key_value_heads=3, vocab_size=300,
+                                      max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config).eval()
+    gates = tmp_path / "gates.json"
+    gates.write_text(json.dumps({"format": FORMAT, "scores": [[0.9, 0.1, 0.5]]}))  # group 0 kept in full
+    name = "kvpress-duo-gates-1of3"
+    monkeypatch.setitem(kv_press.PRESS_VARIANTS, name, kv_press.PressVariant(
+        kv_press._duo(gates, 1 / 3), "test", headwise=True, needs=gates))
+    bench = kv.Bench(model, torch.device("cpu"), importance=lambda: None)
+    ids = torch.randint(0, 300, (1, 300), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        _, dense = bench.prefill("dense", ids)
+        dense_logits, _ = bench.step("dense", ids[:, :2], bench.cache_for("dense", dense))
+        _, cache = bench.prefill(name, ids)
+        assert cache_bytes(cache) == cache_bytes(dense)  # masked, nothing freed
+        masked = model.model.layers[0].self_attn.masked_key_indices  # (batch, head, position) of masked keys
+        logits, _ = bench.step(name, ids[:, :2], cache)
+    assert sorted(set(masked[1].tolist())) == [1, 2]  # the two lowest gates stream
+    assert sorted(set(masked[2].tolist())) == list(range(4, 300 - 252))  # 4 sinks and 252 recent tokens kept
+    assert not torch.allclose(logits, dense_logits, atol=1e-4)  # the masking is read
+    assert kv_press.nominal_fraction(name, model, 300) == pytest.approx(1 - 2 / 3 * (1 - 256 / 300))
