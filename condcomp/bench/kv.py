@@ -113,7 +113,7 @@ class Bench:
         """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids`` (a kvpress variant's press
         compresses the cache during it)."""
         model = self.model(key)
-        with kv_press.prefill_context(key, model):
+        with kv_press.prefill_context(key, model, ids.shape[1]):
             out = model(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
         if key in kv_press.PRESS_VARIANTS:
             kv_press.mark_seen(out.cache, ids.shape[1])  # the cache may hold fewer tokens than it has seen

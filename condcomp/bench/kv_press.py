@@ -84,6 +84,7 @@ class PressVariant:
     nominal: float | None = None
     headwise: bool = False
     needs: Path | None = None
+    min_tokens: int = 1  # SnapKV scores with the prompt's last 64 queries: it needs a longer prompt
 
 
 def _eviction(cls_name: str, fraction: float) -> Callable[[Any], Any]:
@@ -130,11 +131,12 @@ EVICTION = {"streaming": ("StreamingLLMPress", "StreamingLLM: the first and the 
             "tova": ("TOVAPress", "TOVA: tokens the last query attends most")}
 PRESS_VARIANTS: dict[str, PressVariant] = {
     f"kvpress-{short}-{frac:.2f}": PressVariant(_eviction(cls, frac), f"kvpress {note}, keeps {frac:.2f} of the "
-                                                f"prompt's tokens in every head", nominal=frac)
+                                                f"prompt's tokens in every head", nominal=frac,
+                                                min_tokens=65 if short == "snapkv" else 1)
     for frac in (0.5, 0.25) for short, (cls, note) in EVICTION.items()}
 PRESS_VARIANTS["kvpress-adakv-snapkv-0.50"] = PressVariant(
     _adakv(0.5), "kvpress AdaKV over SnapKV at 0.5: a head-wise budget, evicted keys masked (nothing freed)",
-    nominal=0.5, headwise=True)
+    nominal=0.5, headwise=True, min_tokens=65)
 PRESS_VARIANTS["kvpress-duo-gates-1of3"] = PressVariant(
     _duo(DUO_GATES, 1 / 3), "kvpress DuoAttentionPress with condcomp's DuoAttention gates (results/kv/"
     "duo_gates.json): a third of the KV groups full, the others 4 sink + 252 recent tokens, masked (nothing freed)",
@@ -174,9 +176,12 @@ def register(variants: dict[str, Any], models: dict[str, Any], variant_cls: type
         models.setdefault(name, lambda dense, ctx: dense)
 
 
-def prefill_context(key: str, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+def prefill_context(key: str, model: nn.Module, prompt_len: int) -> contextlib.AbstractContextManager[Any]:
     """The press of variant ``key`` applied to ``model`` (a fresh press per prefill), else a null context."""
     v = PRESS_VARIANTS.get(key)
     if v is None:
         return contextlib.nullcontext()
+    if prompt_len < v.min_tokens:
+        raise ValueError(f"{key} needs prompts of {v.min_tokens} tokens or more, got {prompt_len} (the decode "
+                         "timing's --decode-prompt, or --prompts): give longer ones or leave it out of --time-decode")
     return pressed(v.make(getattr(model, "config")), model)  # noqa: B009

@@ -110,3 +110,11 @@ def test_duo_press_streams_the_lowest_gates_and_reports_its_nominal_bytes(tmp_pa
     assert sorted(set(masked[2].tolist())) == list(range(4, 300 - 252))  # 4 sinks and 252 recent tokens kept
     assert not torch.allclose(logits, dense_logits, atol=1e-4)  # the masking is read
     assert kv_press.nominal_fraction(name, model, 300) == pytest.approx(1 - 2 / 3 * (1 - 256 / 300))
+
+
+def test_snapkv_refuses_a_prompt_shorter_than_its_window() -> None:
+    from condcomp.bench import kv
+
+    bench = kv.Bench(one_layer_llama(), torch.device("cpu"), importance=lambda: None)
+    with pytest.raises(ValueError, match="kvpress-snapkv-0.50 needs prompts of 65 tokens or more, got 32"):
+        bench.prefill("kvpress-snapkv-0.50", torch.zeros(1, 32, dtype=torch.long))
