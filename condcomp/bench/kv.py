@@ -7,8 +7,11 @@ condcomp's compact caches keeping some KV groups, their compositions) is measure
 - ``ppl``: perplexity of continuation tokens teacher-forced *through the cache*: the prompt is prefilled into the
   variant's cache, then the continuation is fed on that cache, so every scored prediction reads the compressed
   prompt;
-- ``passkey_acc``: exact-match passkey retrieval, greedy answers decoded on the variant's cache;
-- ``kv_bytes`` / ``kv_frac``: the bytes of the tensors the variant's cache holds after the passkey prefill
+- ``retrieval_acc`` / ``retrieval_correct`` (per case, the same cases in the same order for every variant):
+  exact-match retrieval (:mod:`condcomp.bench.kv_cases`: the facts task, or the passkey task), greedy answers
+  decoded on the variant's cache; where the question follows the context it is fed through that cache too;
+- ``token_nll``: the per-token NLLs behind ``ppl`` (one list per continuation window), for paired tests;
+- ``kv_bytes`` / ``kv_frac``: the bytes of the tensors the variant's cache holds after the retrieval prefill
   (quantized tensors, scales and zero points included), over the dense cache's;
 - ``decode_ms_per_token``: greedy decode steps on a random prompt, all variants interleaved step by step (medians;
   ``decode_ratio``: step-paired ratio to dense), as ``condcomp bench decode`` times them.
@@ -32,23 +35,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from condcomp.bench import kv_report
+from condcomp.bench import kv_press, kv_report
 from condcomp.bench.decode import device_clock
-from condcomp.bench.kv_cases import answer_correct, continuation_cases, corpus_texts, haystack_stream, passkey_cases
+from condcomp.bench.kv_cases import (
+    RetrievalCase,
+    answer_correct,
+    continuation_cases,
+    haystack_stream,
+    retrieval_cases,
+)
 from condcomp.bench.kv_presets import (
     CORPORA,
     PASSKEY_FORMATS,
     PRESET_HELP,
     PRESETS,
     Preset,
+    add_task_arguments,
     encoder,
     load,
     passkey_format,
 )
+from condcomp.bench.kv_text import add_text_arguments, choose_texts, staged_texts
 from condcomp.bench.kv_variants import (
     DEFAULT_VARIANTS,
     MODELS,
     VARIANTS,
+    KVVariant,
     ModelContext,
     cache_bytes,
     cache_from_prefill,
@@ -60,6 +72,8 @@ from condcomp.bench.kv_variants import (
 from condcomp.cli_args import integer, output_folder
 from condcomp.experiments.llm.importance_file import importance_file
 from condcomp.experiments.progress import progress_bar
+
+kv_press.register(VARIANTS, MODELS, KVVariant)  # kvpress's presses beside condcomp's variants (optional extra)
 
 
 def record_path(out: Path, variant: str, prompt: int | str) -> Path:
@@ -97,13 +111,22 @@ class Bench:
         return self.models[key]
 
     def prefill(self, key: str, ids: Tensor) -> tuple[Tensor, Any]:
-        """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids``."""
-        out = self.model(key)(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
+        """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids`` (a kvpress variant's press
+        compresses the cache during it)."""
+        model = self.model(key)
+        with kv_press.prefill_context(key, model, ids.shape[1]):
+            out = model(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
+        if key in kv_press.PRESS_VARIANTS:
+            kv_press.mark_seen(out.cache, ids.shape[1])  # the cache may hold fewer tokens than it has seen
         return out.logits[:, -1], out.cache
 
     def step(self, variant: str, ids: Tensor, cache: Any) -> tuple[Tensor, Any]:
         """Feed ``ids (B, T)`` on ``cache``: ``(logits (B, T, V), cache)``."""
-        out = self.model(VARIANTS[variant].model)(input_ids=ids.to(self.device), cache=cache, use_cache=True)
+        extra = {}
+        if (positions := kv_press.true_positions(cache, ids.shape[1])) is not None:  # after a press's eviction
+            extra["position_ids"] = positions.to(self.device)
+        out = self.model(VARIANTS[variant].model)(input_ids=ids.to(self.device), cache=cache, use_cache=True,
+                                                  **extra)
         return out.logits, out.cache
 
     def cache_for(self, variant: str, source: Any) -> Any:
@@ -119,11 +142,11 @@ def by_model(names: list[str]) -> dict[str, list[str]]:
 
 
 @torch.inference_mode()
-def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: list[Any], p: Preset,
+def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: list[RetrievalCase], p: Preset,
                    decode_text: Any, bar: Any) -> dict[str, dict[str, Any]]:
-    """Every variant of ``names`` on one prompt length's continuation and passkey cases."""
-    res: dict[str, dict[str, Any]] = {
-        n: {"nll_sum": 0.0, "tokens": 0, "hits": [], "by_depth": {}, "samples": [], "kv_bytes": None} for n in names}
+    """Every variant of ``names`` on one prompt length's continuation and retrieval cases."""
+    res: dict[str, dict[str, Any]] = {n: {"nll_sum": 0.0, "tokens": 0, "token_nll": [], "hits": [], "by_depth": {},
+                                          "samples": [], "kv_bytes": None} for n in names}
     P = len(keys[0].ids)
     for start in range(0, len(cont), p.batch):
         ids = torch.tensor(cont[start:start + p.batch])  # (b, P + C + 1)
@@ -132,20 +155,26 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
             for name in group:
                 logits, _ = bench.step(name, ids[:, P:-1], bench.cache_for(name, source))  # (b, C, V)
                 nll = F.cross_entropy(logits.float().transpose(1, 2), ids[:, P + 1:].to(logits.device),
-                                      reduction="sum")
-                res[name]["nll_sum"] += float(nll)
-                res[name]["tokens"] += ids[:, P + 1:].numel()
+                                      reduction="none")  # (b, C)
+                res[name]["nll_sum"] += float(nll.sum())
+                res[name]["tokens"] += nll.numel()
+                res[name]["token_nll"] += [[round(x, 5) for x in row] for row in nll.tolist()]  # paired per token
             bar.update(1)
     for start in range(0, len(keys), p.batch):
         cases = keys[start:start + p.batch]
         ids = torch.tensor([c.ids for c in cases])  # (b, P)
+        question = torch.tensor([c.question for c in cases])  # (b, Q); Q = 0 when the question is in the context
         for key, group in by_model(names).items():
             last, source = bench.prefill(key, ids)
             for name in group:
                 cache = bench.cache_for(name, source)
                 if res[name]["kv_bytes"] is None:
-                    res[name]["kv_bytes"] = cache_bytes(cache)  # after the prefill of the first passkey batch
-                token = last.argmax(-1, keepdim=True)  # (b, 1)
+                    res[name]["kv_bytes"] = cache_bytes(cache)  # after the prefill of the first retrieval batch
+                first = last
+                if question.shape[1]:  # asked after the context: the question reads the compressed cache
+                    logits, cache = bench.step(name, question, cache)  # (b, Q, V)
+                    first = logits[:, -1]
+                token = first.argmax(-1, keepdim=True)  # (b, 1)
                 answer = [token]
                 for _ in range(p.answer_tokens - 1):
                     logits, cache = bench.step(name, token, cache)
@@ -156,8 +185,9 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
                     ok = answer_correct(text, case.key)
                     r = res[name]
                     r["hits"].append(bool(ok))  # per case, in case order: paired comparisons between variants
-                    hits, n = r["by_depth"].get(str(case.depth), (0, 0))
-                    r["by_depth"][str(case.depth)] = (hits + ok, n + 1)
+                    depth = str(round(case.depth, 1))
+                    hits, n = r["by_depth"].get(depth, (0, 0))
+                    r["by_depth"][depth] = (hits + ok, n + 1)
                     if len(r["samples"]) < 4:
                         r["samples"].append({"key": case.key, "depth": case.depth, "answer": text, "correct": ok})
             bar.update(1)
@@ -212,14 +242,18 @@ def probe_composition(bench: Bench, name: str, vocab: int) -> str | None:
 
 def run(model_name: str, out: Path, preset: Preset, names: list[str], device: str = "cpu", threads: int = 2,
         seed: int = 0, data_dir: str | None = None, texts: list[str] | None = None,
-        importance_file: Path | None = None, timed: list[str] | None = None) -> dict[str, Any]:
+        importance_file: Path | None = None, timed: list[str] | None = None, text_source: str | None = None
+        ) -> dict[str, Any]:
     """Measure ``names`` (dense always) at the preset's lengths; time decode for ``timed`` (None: every variant,
-    ``[]``: none; dense is timed with any other, as the ratios' base). Finished records in ``out`` are reused."""
+    ``[]``: none; dense is timed with any other, as the ratios' base). Finished records in ``out`` are reused.
+    ``texts``: the haystack documents (None: the staged corpora of ``data_dir``); ``text_source``: their label in
+    the records (:func:`condcomp.bench.kv_text.choose_texts`'s), so that records of other text are not reused."""
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown kv variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     names = ["dense", *[n for n in dict.fromkeys(names) if n != "dense"]]
-    skipped = {n: reason for n in names if (reason := missing_packages(n))}
+    skipped = {n: reason for n in names if (reason := missing_packages(n) or (
+        kv_press.missing(n) if n in kv_press.PRESS_VARIANTS else None))}
     for reason in skipped.values():
         print(f"skipped: {reason}")
     torch.set_num_threads(threads)
@@ -229,12 +263,10 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     dense, tok, sep, prefix = load(model_name)
     dense = dense.to(dev).eval()
     encode = encoder(tok)
-    fmt = passkey_format(preset.passkey_format, tok)
+    fmt = passkey_format(preset.passkey_format, tok) if preset.task == "passkey" else None
     cfg: Any = dense.config
     if texts is None:
-        from condcomp.experiments.data import resolve_data_dir
-
-        texts = corpus_texts(resolve_data_dir(data_dir), CORPORA, seed)
+        texts = staged_texts(data_dir, CORPORA, seed)
 
     def stream_for(prompt_len: int) -> list[int]:
         # The haystack of one prompt length depends on that length alone: cases drawn at 2048 are the same whether
@@ -262,6 +294,12 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     runnable = [n for n in names if n not in skipped]
     base = {"model": model_name, "seed": seed, "batch": preset.batch, "answer_tokens": preset.answer_tokens,
             "passkey_format": preset.passkey_format}
+    # keys only where they differ from what every earlier record measured (the passkey task on the staged
+    # corpora), so that those records are still read back
+    if text_source not in (None, "staged"):
+        base["text"] = text_source
+    if preset.task != "passkey":
+        base.update(task=preset.task, facts=preset.facts, question_in_context=preset.question_in_context)
     settings = {P: {**base, "prompt_len": P, "passkey_cases": preset.cases(P)[0], "ppl_cases": preset.cases(P)[1],
                     "cont_len": preset.cont_len} for P in preset.prompts}
     timing = {**base, "decode_prompt": preset.decode_prompt, "decode_batch": preset.decode_batch,
@@ -284,12 +322,15 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         n_passkey, n_ppl = preset.cases(P)
         haystack = stream_for(P)
         cont = continuation_cases(haystack, P, preset.cont_len, n_ppl, seed)
-        keys = passkey_cases(haystack, encode, P, n_passkey, seed, prefix_ids=prefix, fmt=fmt)
+        keys = retrieval_cases(preset.task, haystack, encode, P, n_passkey, seed, prefix, fmt, preset.facts,
+                               preset.question_in_context)
         res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
         dense_ref = res["dense"] if "dense" in res else dense_done[P]
         assert dense_ref is not None  # measured now unless read back
         for name, r in res.items():
-            write_record(record_path(out, name, P), kv_report.length_record(name, P, r, dense_ref, settings[P]))
+            record = kv_report.length_record(name, P, r, dense_ref, settings[P])
+            record["nominal_frac"] = kv_press.nominal_fraction(name, bench.dense, P)  # head-wise presses mask
+            write_record(record_path(out, name, P), record)
     if time_pending:
         for name, r in time_decode(bench, timed, preset, int(cfg.vocab_size)).items():
             write_record(record_path(out, name, "decode"), {"variant": name, **r, "settings": timing})
@@ -299,6 +340,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
                                 read_record(record_path(out, n, "decode"), timing)) for P in preset.prompts
                for n in runnable]
     return {"benchmark": "kv", "preset": asdict(preset), "device": dev.type, "threads": threads,
+            "text": text_source or "staged",
             "records": records, "skipped": skipped}
 
 
@@ -308,14 +350,18 @@ def main(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     if args.prompts:
         preset = preset.at_lengths(tuple(args.prompts))
-    for field in ("decode_prompt", "decode_batch", "passkey_format"):
+    for field in ("decode_prompt", "decode_batch", "passkey_format", "task", "facts"):
         if getattr(args, field) is not None:
             preset = replace(preset, **{field: getattr(args, field)})
+    if args.question_in_context:
+        preset = replace(preset, question_in_context=True)
     if args.passkey_cases:
         counts = tuple(args.passkey_cases)
         preset = replace(preset, passkey_cases=counts[0] if len(counts) == 1 else counts)
+    texts, source = choose_texts(args.text_file, args.text_dir, args.hf_dataset, args.data_dir, args.seed,
+                                 args.builtin_text)
     result = run(args.model, out, preset, args.variants, args.device, args.threads, args.seed, args.data_dir,
-                 importance_file=args.importance, timed=args.time_decode)
+                 texts=texts, importance_file=args.importance, timed=args.time_decode, text_source=source)
     kv_report.write(out, result)
     print(kv_report.table(result["records"]))
     return 0
@@ -324,7 +370,7 @@ def main(args: argparse.Namespace) -> int:
 def add_bench_commands(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser("kv", help="quality per KV-cache byte on long prompts: quantized caches, "
                                     "condcomp's compact caches and dense, side by side",
-                                    description="Continuation perplexity through the cache, passkey retrieval, "
+                                    description="Continuation perplexity through the cache, retrieval of facts, "
                                                 "measured cache bytes and decode ms/token of every variant; writes "
                                                 "metrics.json, summary.md, samples.json and a plot (docs/kv.md).")
     p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
@@ -334,8 +380,10 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=None,
                    help="other prompt lengths (a length the preset measures keeps its case counts; a new one takes "
                         "those of its longest length)")
-    p.add_argument("--passkey-cases", type=integer(at_least=1), nargs="+", default=None,
-                   help="override the preset's passkey cases: one count, or one per prompt length")
+    p.add_argument("--cases", "--passkey-cases", dest="passkey_cases", type=integer(at_least=1), nargs="+",
+                   default=None,
+                   help="override the preset's retrieval cases: one count, or one per prompt length")
+    add_task_arguments(p)
     p.add_argument("--passkey-format", default=None, choices=PASSKEY_FORMATS,
                    help="override the preset's passkey prompt: chat (the instruct template) or raw (plain text)")
     p.add_argument("--time-decode", nargs="*", default=None, metavar="NAME",
@@ -349,7 +397,7 @@ def add_bench_commands(bench_subparsers: Any) -> None:
                    help=f"of: {', '.join(VARIANTS)} (dense is always run)")
     p.add_argument("--importance", type=importance_file, default=Path("results/llm/static_importance.json"),
                    help="static pruning's group importance (condcomp tune-llm's); computed when missing")
-    p.add_argument("--data-dir", default=None, help="the staged corpora (default ../shared/data)")
+    add_text_arguments(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=integer(at_least=1), default=2)
     p.add_argument("--seed", type=integer(at_least=0), default=0)

@@ -8,6 +8,10 @@
 - **Passkey cases**: the classic passkey-retrieval prompt (an instruction, haystack text, a random 5-digit key
   planted at a relative depth, more haystack, the question), exactly ``prompt_len`` tokens; the answer is the
   greedy continuation, correct when its first number equals the key.
+- **Facts cases** (:func:`facts_cases`): several facts "The pass key of <name> is <4 digits>." planted at distinct
+  depths (one drawn in each equal slice of the haystack), one of them asked; the question, with another fact as
+  an example, is fed after the context (question-agnostic: the cache compresses the context before the question
+  is known) or placed at its end (``in_context``). Correct when the answer's first number is the asked key.
 """
 
 from __future__ import annotations
@@ -145,3 +149,107 @@ def answer_correct(answer: str, key: str) -> bool:
     """
     found = re.search(r"\d+", answer)
     return found is not None and found.group() == key
+
+
+@dataclass(frozen=True)
+class RetrievalCase:
+    """One retrieval prompt: ``ids`` (the context, exactly the prompt length, prefilled into the cache), then
+    ``question`` (fed through that cache; empty when the question is inside the context), the asked ``key``, its
+    relative depth, and the start of every planted fact in ``ids``."""
+
+    ids: list[int]
+    question: list[int]
+    key: str
+    depth: float
+    fact_starts: tuple[int, ...]
+
+
+FACTS_HEAD = "Some pass keys are hidden in the text below. Remember them.\n\n"
+FACT = "The pass key of {name} is {key}."
+FIRST_NAMES = ("Alice", "Bruno", "Carmen", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ingrid", "Jonas", "Keiko",
+               "Liam", "Marta", "Nadia", "Oscar", "Priya", "Quentin", "Rosa", "Stefan", "Tomas", "Ursula", "Victor",
+               "Wanda", "Yusuf")
+LAST_NAMES = ("Abbott", "Berger", "Castillo", "Dalton", "Eriksen", "Fischer", "Garnier", "Holloway", "Ivanova",
+              "Jensen", "Kowalski", "Lindqvist", "Moreau", "Novak", "Okafor", "Petrov", "Quinlan", "Rossi",
+              "Sandoval", "Tanaka", "Ulrich", "Varga", "Whitfield", "Zeller")
+
+
+QUESTION_FORMAT = "\n\nQuestion: What is the pass key of {name}?\nAnswer: The pass key of {name} is"
+
+
+def facts_question(example: tuple[str, str], asked: str) -> str:
+    """The question: one fact asked and answered as an example, then the asked name's question."""
+    shown = QUESTION_FORMAT.format(name=example[0]) + f" {example[1]}."
+    return shown + QUESTION_FORMAT.format(name=asked)
+
+
+def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int, n_facts: int = 4,
+                in_context: bool = False, prefix_ids: Sequence[int] = ()) -> list[RetrievalCase]:
+    """``n`` contexts of exactly ``prompt_len`` tokens with ``n_facts`` facts each (distinct names and keys);
+    case i asks fact ``i % n_facts`` (in depth order), so every depth slice is asked equally often.
+
+    Fact j starts after ``round(d_j * H)`` haystack tokens (H: the haystack tokens in the context), ``d_j`` drawn
+    uniformly in the j-th of ``n_facts`` equal slices of [0.05, 0.95]. The question of every case has the same
+    token count (names and keys are redrawn until it does), so that a batch feeds its questions in one step.
+    """
+    if n_facts < 2:
+        raise ValueError(f"the facts task needs at least 2 facts per case (one asked, one as the example), got "
+                         f"{n_facts}")
+    rng = random.Random(f"facts/{seed}/{prompt_len}/{n_facts}")
+    head = list(prefix_ids) + encode(FACTS_HEAD)
+    width = 0.9 / n_facts
+    cases: list[RetrievalCase] = []
+    q_len: int | None = None
+    for i in range(n):
+        for _ in range(1000):
+            # no first or last name shared inside a context: "Keiko Varga" asked beside "Keiko Berger" tests the
+            # name, not the retrieval
+            names = [f"{f} {ln}" for f, ln in zip(rng.sample(FIRST_NAMES, n_facts), rng.sample(LAST_NAMES, n_facts))]
+            keys = [str(k) for k in rng.sample(range(1000, 10000), n_facts)]
+            asked = i % n_facts
+            example = rng.choice([j for j in range(n_facts) if j != asked])
+            question = encode(facts_question((names[example], keys[example]), names[asked]))
+            if q_len is None or len(question) == q_len:
+                q_len = len(question)
+                break
+        else:
+            raise ValueError("no facts question of the first case's token count in 1000 draws; this tokenizer "
+                             "splits names too unevenly for batched questions")
+        depths = [0.05 + width * (j + rng.random()) for j in range(n_facts)]
+        facts = [encode("\n\n" + FACT.format(name=nm, key=k) + "\n\n") for nm, k in zip(names, keys)]
+        tail = question if in_context else []
+        H = prompt_len - len(head) - sum(map(len, facts)) - len(tail)
+        if H < n_facts:
+            raise ValueError(f"a facts context of {prompt_len} tokens leaves no room for haystack text "
+                             f"({n_facts} facts, head and question take {prompt_len - H}); use a longer prompt or "
+                             "fewer facts")
+        (offset,) = _offsets(len(stream), H, 1, rng)
+        hay = list(stream[offset:offset + H])
+        ids, starts, prev = list(head), [], 0
+        for d, fact in zip(depths, facts):
+            cut = round(d * H)
+            ids += hay[prev:cut]
+            starts.append(len(ids))
+            ids += fact
+            prev = cut
+        ids += hay[prev:] + tail
+        cases.append(RetrievalCase(ids, [] if in_context else question, keys[asked], depths[asked], tuple(starts)))
+    return cases
+
+
+def as_retrieval(case: PasskeyCase) -> RetrievalCase:
+    """A passkey case as a retrieval case (its question is inside the context)."""
+    return RetrievalCase(case.ids, [], case.key, case.depth, (case.needle_start,))
+
+
+def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int,
+                    prefix_ids: Sequence[int], fmt: PasskeyFormat | None, n_facts: int = 4, in_context: bool = False
+                    ) -> list[RetrievalCase]:
+    """The retrieval cases of ``task`` at one prompt length: ``facts`` (:func:`facts_cases`) or ``passkey``."""
+    if task == "passkey":
+        return [as_retrieval(c) for c in passkey_cases(stream, encode, prompt_len, n, seed, prefix_ids=prefix_ids,
+                                                       fmt=fmt or RAW)]
+    if task != "facts":
+        raise ValueError(f"unknown retrieval task {task!r}; choose facts or passkey")
+    return facts_cases(stream, encode, prompt_len, n, seed, n_facts=n_facts, in_context=in_context,
+                       prefix_ids=prefix_ids)

@@ -10,12 +10,16 @@ from torch import nn
 from condcomp.bench.decode import load_model
 from condcomp.bench.kv_cases import COPY, RAW, PasskeyFormat, chat_format
 
+TASKS = ("facts", "passkey")
+
 
 @dataclass(frozen=True)
 class Preset:
     """How much a run measures. Case counts: one for every prompt length, or one per length (a tuple, in the order
     of ``prompts``). ``batch``: cases per forward; the decode timing runs its own prompt and batch.
-    ``passkey_format``: how the passkey prompt reads (:func:`passkey_format`)."""
+    ``task``: the retrieval task, ``facts`` (``facts`` facts per context, one asked; the question fed after the
+    context unless ``question_in_context``) or ``passkey`` (one key, the question inside the prompt, read as
+    ``passkey_format``: :func:`passkey_format`). ``passkey_cases``: the retrieval cases of either task."""
 
     prompts: tuple[int, ...]
     passkey_cases: int | tuple[int, ...]
@@ -27,17 +31,22 @@ class Preset:
     decode_tokens: int
     answer_tokens: int = 8
     passkey_format: str = "copy"
+    task: str = "facts"
+    facts: int = 4
+    question_in_context: bool = False
 
     def __post_init__(self) -> None:
         # a count of 0 ends in an empty case list deep in the run (an IndexError); refuse it here, by name
         flags = {"prompts": " (--prompts)", "passkey_cases": " (--passkey-cases)",
                  "decode_prompt": " (--decode-prompt)", "decode_batch": " (--decode-batch)"}
         for name in ("prompts", "passkey_cases", "ppl_cases", "cont_len", "batch", "decode_prompt", "decode_batch",
-                     "decode_tokens", "answer_tokens"):
+                     "decode_tokens", "answer_tokens", "facts"):
             v = getattr(self, name)
             vals = (v,) if isinstance(v, int) else v
             if not vals or any(x < 1 for x in vals):
                 raise ValueError(f"{name} must be one or more values >= 1, got {v!r}{flags.get(name, '')}")
+        if self.task not in TASKS:
+            raise ValueError(f"unknown retrieval task {self.task!r} (--task); choose from {', '.join(TASKS)}")
 
     def cases(self, prompt_len: int) -> tuple[int, int]:
         """``(passkey cases, continuation cases)`` at one prompt length."""
@@ -68,7 +77,7 @@ PRESETS = {
     "quick": Preset((320,), passkey_cases=2, ppl_cases=2, cont_len=8, batch=2, decode_prompt=32, decode_batch=2,
                     decode_tokens=3, answer_tokens=4, passkey_format="raw"),
 }
-PRESET_HELP = ("full: prompts 2048 and 4096, 50 passkey cases (a GPU's run); cpu-2048: prompt 2048, 10 passkey cases, "
+PRESET_HELP = ("full: prompts 2048 and 4096, 50 retrieval cases (a GPU's run); cpu-2048: prompt 2048, 10 cases, "
                "4 continuations (what one thread of a loaded 2-core CPU measures in an hour); cpu: 1024 and 2048, 10 "
                "cases; quick: a smoke run. Decode is timed at 2048 x 8 (cpu: 512 x 2)")
 CORPORA = ("imdb", "ag_news", "yelp", "dbpedia_14")
@@ -121,3 +130,15 @@ def passkey_format(name: str, tok: Any) -> PasskeyFormat:
         return str(tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                            add_generation_prompt=True))
     return chat_format(render)
+
+
+def add_task_arguments(parser: Any) -> None:
+    """``bench kv``'s retrieval-task options (override the preset's)."""
+    parser.add_argument("--task", default=None, choices=TASKS,
+                        help="the retrieval task: facts (default: several facts 'The pass key of <name> is <4 "
+                             "digits>.' at distinct depths, one asked after the context) or passkey (one key, asked "
+                             "inside it)")
+    parser.add_argument("--facts", type=int, default=None, help="facts per context of the facts task (default 4)")
+    parser.add_argument("--question-in-context", action="store_true",
+                        help="facts task: the question ends the prefilled context (the cache is compressed knowing "
+                             "it) instead of being fed after it")

@@ -15,12 +15,23 @@ def length_record(name: str, prompt_len: int, r: dict[str, Any], dense: dict[str
                   settings: dict[str, Any]) -> dict[str, Any]:
     """One variant at one prompt length, from :func:`condcomp.bench.kv.measure_length`'s tallies."""
     nll = r["nll_sum"] / r["tokens"]
-    cases = sum(n for _, n in r["by_depth"].values())
-    return {"variant": name, "prompt_len": prompt_len, "kv_bytes": r["kv_bytes"],
-            "kv_frac": r["kv_bytes"] / dense["kv_bytes"], "nll": nll, "ppl": math.exp(nll), "ppl_tokens": r["tokens"],
-            "passkey_acc": sum(r["hits"]) / cases, "passkey_n": cases, "passkey_correct": r["hits"],
-            "passkey_by_depth": {d: hits / n for d, (hits, n) in sorted(r["by_depth"].items())},
+    cases = len(r["hits"])
+    return {"variant": name, "prompt_len": prompt_len, "task": settings.get("task", "passkey"),
+            "kv_bytes": r["kv_bytes"], "kv_frac": r["kv_bytes"] / dense["kv_bytes"], "nll": nll, "ppl": math.exp(nll),
+            "ppl_tokens": r["tokens"], "token_nll": r["token_nll"],
+            "retrieval_acc": sum(r["hits"]) / cases, "retrieval_n": cases, "retrieval_correct": r["hits"],
+            "retrieval_by_depth": {d: hits / n for d, (hits, n) in sorted(r["by_depth"].items())},
             "samples": r["samples"], "note": VARIANTS[name].note, "settings": settings}
+
+
+def correct(r: dict[str, Any]) -> list[bool] | None:
+    """A record's per-case retrieval results (``passkey_correct`` in records written before the facts task)."""
+    found = r.get("retrieval_correct", r.get("passkey_correct"))
+    return None if found is None else [bool(x) for x in found]
+
+
+def accuracy(r: dict[str, Any]) -> float:
+    return float(r.get("retrieval_acc", r.get("passkey_acc", math.nan)))
 
 
 def merged(length: dict[str, Any] | None, decode: dict[str, Any] | None) -> dict[str, Any]:
@@ -40,12 +51,12 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 
 def paired_with_dense(r: dict[str, Any], dense: dict[str, Any]) -> str:
-    """The passkey cases only the variant found / only dense found, and the exact McNemar p of that split: the
+    """The retrieval cases only the variant found / only dense found, and the exact McNemar p of that split: the
     cases are the same prompts for every variant, so this pairs them. '-' for dense, for records written before
     per-case results were kept."""
     from condcomp.experiments.stats import mcnemar
 
-    a, d = r.get("passkey_correct"), dense.get("passkey_correct")
+    a, d = correct(r), correct(dense)
     if r is dense or not a or not d or len(a) != len(d):
         return "-"
     t = mcnemar(a, d)
@@ -55,16 +66,76 @@ def paired_with_dense(r: dict[str, Any], dense: dict[str, Any]) -> str:
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown: per prompt length and variant, the measured values and their ratios to dense's."""
     dense = {r["prompt_len"]: r for r in records if r["variant"] == "dense"}
-    lines = ["| prompt | variant | kv_frac | KV MiB | ppl | x dense | passkey acc (n) | x dense | passkey only it / "
+    lines = ["| prompt | variant | kv_frac | KV MiB | ppl | x dense | retrieval acc (n) | x dense | found only it / "
              "only dense, McNemar p | decode ms/token | x dense |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         d = dense[r["prompt_len"]]
         ms = "-" if r["decode_ms_per_token"] is None else f"{r['decode_ms_per_token']:.1f}"
-        acc_ratio = _ratio(r["passkey_acc"], d["passkey_acc"]) if d["passkey_acc"] else "(dense 0)"
+        acc_ratio = _ratio(accuracy(r), accuracy(d)) if accuracy(d) else "(dense 0)"
         decode = "-" if r["decode_ratio"] is None else f"{r['decode_ratio']:.2f}"
         lines.append(f"| {r['prompt_len']} | {r['variant']} | {r['kv_frac']:.3f} | {r['kv_bytes'] / 2**20:.1f} | "
-                     f"{r['ppl']:.2f} | {_ratio(r['ppl'], d['ppl'])} | {r['passkey_acc']:.2f} ({r['passkey_n']}) | "
+                     f"{r['ppl']:.2f} | {_ratio(r['ppl'], d['ppl'])} | {accuracy(r):.2f} ({len(correct(r) or [])}) | "
                      f"{acc_ratio} | {paired_with_dense(r, d)} | {ms} | {decode} |")
+    return "\n".join(lines)
+
+
+FAMILIES = (("dense", "dense"), ("quantized-", "quantized cache"), ("kvpress-", "kvpress"),
+            ("streaming", "window (StreamingLLM)"), ("drop-", "condcomp drop"), ("split-", "condcomp split"),
+            ("router-", "condcomp router"))
+
+
+def family(name: str) -> str:
+    """The plot's colour group of a variant: its kind, with ' + quantized' when composed with a quantized cache.
+
+    >>> family("split-static-1of3+fp8"), family("kvpress-snapkv-0.50"), family("quantized-hqq4")
+    ('condcomp split + quantized', 'kvpress', 'quantized cache')
+    """
+    base, _, composed = name.partition("+")
+    kind = next((label for prefix, label in FAMILIES if base.startswith(prefix)), "other")
+    return kind + (" + quantized" if composed else "")
+
+
+def best_kvpress(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The kvpress variant of one prompt length with the most retrieval cases found (None without any)."""
+    presses = [r for r in rows if family(r["variant"]) == "kvpress" and correct(r)]
+    return max(presses, key=lambda r: sum(correct(r) or []), default=None)
+
+
+def statistics_table(records: list[dict[str, Any]], cfg: Any = None) -> str:
+    """Markdown, per prompt length and variant: retrieval with its Wilson interval, the exact McNemar test against
+    dense and against the best kvpress press, the non-inferiority bound against dense, and perplexity / dense's with
+    its paired bootstrap interval over tokens."""
+    from condcomp.bench.kv_stats import KVStats, mcnemar, noninferiority, ppl_ratio, wilson
+
+    cfg = cfg or KVStats()
+    lines = [f"| prompt | variant | kv_frac | retrieval (Wilson {cfg.confidence:.0%}) | vs dense: only it / only "
+             f"dense, McNemar p | acc - dense, one-sided {1 - cfg.alpha:.0%} lower bound | within "
+             f"{cfg.margin * 100:.0f} points | vs best kvpress: only it / only the press, p | ppl x dense "
+             f"[{cfg.confidence:.0%} bootstrap] |", "|---|---|---|---|---|---|---|---|---|"]
+    for P in dict.fromkeys(r["prompt_len"] for r in records):
+        rows = [r for r in records if r["prompt_len"] == P]
+        dense = next(r for r in rows if r["variant"] == "dense")
+        best = best_kvpress(rows)
+        for r in rows:
+            hits, d = correct(r) or [], correct(dense) or []
+            lo, hi = wilson(sum(hits), len(hits), cfg.confidence) if hits else (math.nan, math.nan)
+            vs_dense = ni = within = vs_best = "-"
+            if r is not dense and hits and len(hits) == len(d):
+                t = mcnemar(hits, d)
+                vs_dense = f"{t['a_only']} / {t['b_only']}, p {t['p']:.3f}"
+                n_i = noninferiority(hits, d, cfg)
+                ni = f"{n_i['diff'] * 100:+.1f} (>= {n_i['lower'] * 100:+.1f})"
+                within = "yes" if n_i["non_inferior"] else "no"
+            if best is not None and r is not best and hits:
+                t = mcnemar(hits, correct(best) or [])
+                vs_best = f"{t['a_only']} / {t['b_only']} ({best['variant']}), p {t['p']:.3f}"
+            ppl = "-"
+            if r.get("token_nll") and dense.get("token_nll"):
+                q = ppl_ratio(r["token_nll"], dense["token_nll"], cfg)
+                ppl = f"{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}]"
+            nominal = f" (nominal {r['nominal_frac']:.2f})" if r.get("nominal_frac") is not None else ""
+            lines.append(f"| {P} | {r['variant']} | {r['kv_frac']:.3f}{nominal} | {sum(hits)} / {len(hits)} "
+                         f"[{lo:.2f}, {hi:.2f}] | {vs_dense} | {ni} | {within} | {vs_best} | {ppl} |")
     return "\n".join(lines)
 
 
@@ -72,15 +143,26 @@ def summary(result: dict[str, Any]) -> str:
     p = result["preset"]
     records = result["records"]
     timing = next((r for r in records if r["decode_prompt"] is not None), None)
+    task = p.get("task", "passkey")
+    asked = ("inside the context" if p.get("question_in_context") else "after the context, through the cache") if (
+        task == "facts") else "inside the prompt"
+    facts = f"{p.get('facts', 4)} facts per context, " if task == "facts" else ""
     lines = ["# condcomp bench kv", "",
-             f"Prompts {', '.join(map(str, p['prompts']))} tokens; passkey cases {p['passkey_cases']} and "
-             f"continuations {p['ppl_cases']} of {p['cont_len']} scored tokens (per length where a list); "
-             f"passkey prompt format {p.get('passkey_format', 'raw')}; device {result['device']}, "
-             f"{result['threads']} threads.",
+             f"Prompts {', '.join(map(str, p['prompts']))} tokens; retrieval task {task} ({facts}the question "
+             f"{asked}); retrieval cases {p['passkey_cases']} and continuations {p['ppl_cases']} of {p['cont_len']} "
+             f"scored tokens (per length where a list); haystack text {result.get('text', 'staged')}; device "
+             f"{result['device']}, {result['threads']} threads.",
              f"Decode ms/token: prompt {p['decode_prompt']}, batch {p['decode_batch']}, median of "
              f"{p['decode_tokens']} interleaved steps ('x dense': step-paired median ratio)." if timing else "", "",
-             table(records), "", "## Variants", ""]
-    lines += [f"- `{n}`: {VARIANTS[n].note}" for n in dict.fromkeys(r["variant"] for r in records)]
+             table(records), ""]
+    try:
+        lines += ["## Paired statistics", "", statistics_table(records), "",
+                  "Non-inferiority: Newcombe's paired interval (method 10); perplexity intervals resample tokens "
+                  "(windows' tokens are not independent: the token-level part of the uncertainty).", ""]
+    except ImportError:
+        lines += ["(Paired statistics need scipy: pip install 'condcomp[report]'.)", ""]
+    lines += ["## Variants", ""]
+    lines += [f"- `{n}`: {note}" for n, note in dict.fromkeys((r["variant"], r.get("note", "")) for r in records)]
     if result["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {reason}" for reason in result["skipped"].values()]
     if PLANNED_VARIANTS:
@@ -89,7 +171,8 @@ def summary(result: dict[str, Any]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> bool:
-    """Perplexity (x dense) and passkey accuracy against kv_frac, one panel each; False without matplotlib."""
+    """Retrieval accuracy and perplexity (x dense) against measured KV bytes / dense, one colour per family
+    (:func:`family`), one marker per prompt length, the legend outside the axes; False without matplotlib."""
     try:
         import matplotlib
 
@@ -98,20 +181,27 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     dense = {r["prompt_len"]: r for r in records if r["variant"] == "dense"}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
-    names = list(dict.fromkeys(r["variant"] for r in records))
-    color = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}  # one colour per variant (<= 20)
-    for P, marker in zip(sorted(dense), "os^D"):
-        rows = [r for r in records if r["prompt_len"] == P]
-        for ax, key in zip(axes, ("ppl", "passkey_acc")):
-            for r in rows:
-                y = r["ppl"] / dense[P]["ppl"] if key == "ppl" else r["passkey_acc"]
-                ax.scatter(r["kv_frac"], y, marker=marker, color=color[r["variant"]], label=f"{r['variant']} @ {P}")
-    axes[0].set(xlabel="KV bytes / dense", ylabel="continuation perplexity / dense", yscale="log")
-    axes[1].set(xlabel="KV bytes / dense", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
-    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: it hid dense's point
-    fig.suptitle("Quality per KV byte (markers: prompt lengths)")
-    fig.tight_layout()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    families = list(dict.fromkeys(family(r["variant"]) for r in records))
+    color = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    markers = dict(zip(sorted(dense), "os^Dv"))
+    for r in records:
+        ys = (accuracy(r), r["ppl"] / dense[r["prompt_len"]]["ppl"])
+        c, m = color[family(r["variant"])], markers.get(r["prompt_len"], "o")
+        for ax, y in zip(axes, ys):
+            ax.scatter(r["kv_frac"], y, marker=m, color=c)
+            if r.get("nominal_frac") is not None:  # a head-wise press: hollow at the bytes it would hold if freed
+                ax.scatter(r["nominal_frac"], y, marker=m, facecolors="none", edgecolors=c)
+                ax.plot([r["nominal_frac"], r["kv_frac"]], [y, y], ls=":", color=c, lw=0.8)
+    axes[0].set(xlabel="KV bytes held / dense (measured)", ylabel="retrieval accuracy", ylim=(-0.05, 1.05))
+    axes[1].set(xlabel="KV bytes held / dense (measured)", ylabel="continuation perplexity / dense")
+    handles = [plt.Line2D([], [], ls="", marker="o", color=color[f], label=f) for f in families]
+    handles += [plt.Line2D([], [], ls="", marker=m, color="grey", label=f"prompt {P}") for P, m in markers.items()]
+    handles.append(plt.Line2D([], [], ls=":", marker="o", mfc="none", color="grey",
+                              label="nominal bytes (masked)"))
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.81, 0.5), fontsize=8, frameon=False)
+    fig.suptitle("Quality per KV byte")
+    fig.tight_layout(rect=(0, 0, 0.8, 1))  # the legend's column right of the panels, outside the data
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
@@ -121,7 +211,7 @@ def write(out: Path, result: dict[str, Any]) -> None:
     """``metrics.json`` (samples apart), ``samples.json``, ``summary.md`` and ``quality_vs_kv.png``."""
     slim = [{k: v for k, v in r.items() if k != "samples"} for r in result["records"]]
     (out / "metrics.json").write_text(json.dumps({**result, "records": slim}, indent=1))
-    samples = {f"{r['variant']}@{r['prompt_len']}": r["samples"] for r in result["records"]}
+    samples = {f"{r['variant']}@{r['prompt_len']}": r.get("samples", []) for r in result["records"]}
     (out / "samples.json").write_text(json.dumps(samples, indent=1))
     (out / "summary.md").write_text(summary(result))
     plot(result["records"], out / "quality_vs_kv.png")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -198,9 +199,11 @@ def test_tiny_run_end_to_end_and_resume(tmp_path: Path, monkeypatch: pytest.Monk
     records = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
     assert set(records) == set(names)
     for r in records.values():
-        assert {"variant", "prompt_len", "kv_frac", "ppl", "passkey_acc", "decode_ms_per_token"} <= set(r)
-        assert r["prompt_len"] == 300 and r["passkey_n"] == 2 and r["ppl_tokens"] == 4
-        assert len(r["passkey_correct"]) == 2 and sum(r["passkey_correct"]) / 2 == r["passkey_acc"]
+        assert {"variant", "prompt_len", "kv_frac", "ppl", "retrieval_acc", "decode_ms_per_token"} <= set(r)
+        assert r["prompt_len"] == 300 and r["retrieval_n"] == 2 and r["ppl_tokens"] == 4 and r["task"] == "facts"
+        assert len(r["retrieval_correct"]) == 2 and sum(r["retrieval_correct"]) / 2 == r["retrieval_acc"]
+        assert len(r["token_nll"]) == 1 and len(r["token_nll"][0]) == 4  # one window of 4 scored tokens
+        assert r["ppl"] == pytest.approx(math.exp(sum(r["token_nll"][0]) / 4), rel=1e-4)
         timed = r["variant"] in ("dense", "quantized-fp8")  # only the asked variant is timed, dense as the base
         assert (r["decode_ms_per_token"] is not None) == timed
     # the tiny Llama has 8 key/value heads: 1/3 of them rounds to 3 kept; fp8: a byte per value plus scales

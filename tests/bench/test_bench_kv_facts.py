@@ -1,0 +1,163 @@
+"""``bench kv``'s facts task: facts planted at distinct depths, the question after the context through the real
+cache path, and the text sources a clone runs with (the built-in corpus, a file, a folder, a HF dataset name)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from condcomp.bench.kv_cases import FACTS_HEAD, facts_cases, haystack_stream
+
+TEXTS = [" ".join(random.Random(i).choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(60))
+         for i in range(40)]
+FACT_RE = re.compile(r"The pass key of ([A-Z][a-z]+ [A-Z][a-z]+) is (\d{4})\.")
+
+
+def byte_encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def stream() -> list[int]:
+    return haystack_stream(TEXTS, byte_encode, 10, min_tokens=8000)
+
+
+@pytest.mark.parametrize("in_context", [False, True])
+def test_facts_are_planted_at_distinct_depths_and_one_is_asked(in_context: bool) -> None:
+    cases = facts_cases(stream(), byte_encode, 900, n=8, seed=1, n_facts=4, in_context=in_context)
+    asked_slices = []
+    for case in cases:
+        assert len(case.ids) == 900
+        text = bytes(case.ids).decode()
+        question = bytes(case.question).decode()
+        if in_context:  # the question ends the context
+            question = text[-len(bytes(facts_cases(stream(), byte_encode, 900, n=8, seed=1)[cases.index(case)]
+                                       .question).decode()):]
+        context = text[:len(text) - len(question)] if in_context else text
+        facts = FACT_RE.findall(context)
+        assert context.startswith(FACTS_HEAD) and len(facts) == 4
+        assert len({n.split()[0] for n, _ in facts}) == 4 and len({n.split()[1] for n, _ in facts}) == 4
+        assert len({k for _, k in facts}) == 4  # distinct names (first and last) and keys
+        starts = [context.index(f"The pass key of {n} is") - 2 for n, _ in facts]  # "\n\n" opens each fact
+        assert list(case.fact_starts) == starts and starts == sorted(starts)
+        (example_name, example_key), = FACT_RE.findall(question)  # the example: one other fact, with its key
+        asked = question.rsplit("The pass key of ", 1)[1].removesuffix(" is")
+        assert question.endswith(f"The pass key of {asked} is") and asked != example_name
+        assert (example_name, example_key) in facts
+        assert dict(facts)[asked] == case.key  # the asked key is the asked name's
+        asked_slices.append([n for n, _ in facts].index(asked))
+        assert (case.question == []) == in_context
+    assert asked_slices == [0, 1, 2, 3, 0, 1, 2, 3]  # every depth slice asked equally often
+    assert len({len(c.question) for c in cases}) == 1  # one question length: a batch steps it at once
+    depths = [c.depth for c in cases]
+    assert all(0.05 + 0.225 * (i % 4) <= d <= 0.05 + 0.225 * (i % 4 + 1) for i, d in enumerate(depths))
+    assert facts_cases(stream(), byte_encode, 900, n=8, seed=1, in_context=in_context) == cases  # seeded
+
+
+def test_facts_refuse_a_context_too_short() -> None:
+    with pytest.raises(ValueError, match="leaves no room for haystack text"):
+        facts_cases(stream(), byte_encode, 100, n=1, seed=0)
+    with pytest.raises(ValueError, match="at least 2 facts"):
+        facts_cases(stream(), byte_encode, 900, n=1, seed=0, n_facts=1)
+
+
+def test_the_question_after_the_context_reads_the_prefilled_cache() -> None:
+    """The dense variant's answer (context prefilled into the cache, question and answer fed through it) equals a
+    greedy decode of context + question by the plain model without any cache: the float64 reference."""
+    transformers = pytest.importorskip("transformers")
+    from condcomp.bench import kv
+    from condcomp.bench.kv_presets import PRESETS, ByteTokenizer
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=3, vocab_size=300,
+                                      max_position_embeddings=1024)
+    model = transformers.LlamaForCausalLM(config).eval()
+    bench = kv.Bench(model, torch.device("cpu"), importance=lambda: None)
+    cases = facts_cases(stream(), byte_encode, 400, n=2, seed=0)
+    preset = replace(PRESETS["quick"], batch=2, answer_tokens=3)
+    res = kv.measure_length(bench, ["dense"], [], cases, preset, ByteTokenizer().decode, _NoBar())
+    reference = model.to(torch.float64)
+    for case, sample in zip(cases, res["dense"]["samples"]):
+        ids = torch.tensor([case.ids + case.question])
+        answer = []
+        with torch.no_grad():
+            for _ in range(3):
+                token = int(reference(input_ids=ids, use_cache=False).logits[0, -1].argmax())
+                answer.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], 1)
+        assert sample["answer"] == ByteTokenizer().decode(answer)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+def test_text_sources(tmp_path: Path) -> None:
+    from condcomp.bench.kv_text import builtin_texts, choose_texts, dir_texts, file_texts, parse_hf_spec
+
+    text = tmp_path / "a.txt"
+    text.write_text("First  document\nline two.\n\n\nSecond one.\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "third"}) + "\n\n" + json.dumps({"text": "fourth"}) + "\n")
+    assert file_texts(text) == ["First document line two.", "Second one."]
+    assert dir_texts(tmp_path) == ["First document line two.", "Second one.", "third", "fourth"]
+    (tmp_path / "c.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match="c.jsonl:1: no string field 'text'"):
+        file_texts(tmp_path / "c.jsonl")
+    with pytest.raises(FileNotFoundError, match="--text-file"):
+        file_texts(tmp_path / "missing.txt")
+    shipped = builtin_texts(seed=0, rounds=2)
+    assert len(shipped) == 28 and sorted(shipped[:14]) == sorted(shipped[14:]) and shipped[:14] != shipped[14:]
+    assert choose_texts(text_file=text) == (file_texts(text), "file:a.txt")
+    assert choose_texts(builtin=True, seed=0)[1] == "builtin"
+    with pytest.raises(ValueError, match="--text-file and --builtin-text: give one text source"):
+        choose_texts(text_file=text, builtin=True)
+    assert parse_hf_spec("imdb::label") == ("imdb", "train", "label")
+    with pytest.raises(ValueError, match="expected NAME"):
+        parse_hf_spec("a:b:c:d")
+
+
+def test_hf_dataset_without_the_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from condcomp.bench.kv_text import hf_texts
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(ImportError, match="pip install datasets"):
+        hf_texts("imdb:test")
+
+
+def test_a_missing_data_dir_names_bench_kv_flags(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from condcomp.bench import kv
+
+    preset = replace(kv.PRESETS["quick"], prompts=(300,))
+    with pytest.raises(FileNotFoundError, match="--text-file PATH, --text-dir DIR or --hf-dataset") as err:
+        kv.run("tiny-llama", tmp_path, preset, ["dense"], threads=1, data_dir=str(tmp_path / "none"), timed=[])
+    assert "--train-file" not in str(err.value)
+
+
+def test_quick_run_from_a_clone_without_shared_data(tmp_path: Path) -> None:
+    """``condcomp bench kv --model tiny-llama --preset quick`` in a folder with no ../shared/data: the built-in
+    corpus, rc 0, the records written."""
+    pytest.importorskip("transformers")
+    work = tmp_path / "clone"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CONDCOMP_DATA_DIR"}
+    done = subprocess.run([sys.executable, "-m", "condcomp.cli", "bench", "kv", "--model", "tiny-llama", "--preset",
+                           "quick", "--out", str(tmp_path / "out"), "--threads", "1", "--variants", "dense",
+                           "quantized-fp8", "--time-decode"], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the built-in corpus" in done.stdout
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert {r["variant"] for r in metrics["records"]} == {"dense", "quantized-fp8"}
+    record = json.loads((tmp_path / "out" / "records" / "dense@320.json").read_text())
+    assert record["settings"]["text"] == "builtin" and record["task"] == "facts"
