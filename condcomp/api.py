@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
-from condcomp.held_plans import RequestPlan
 from condcomp.host import RoutingHost, check_progress
+from condcomp.kv.selection import RequestPlan
 from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
 from condcomp.routed import RoutedAttention, layer_facts, wrap_module

@@ -2,9 +2,10 @@
 
 A decoder request's sequence plan is decided at its prefill and held in its KV cache. This executor computes a call
 under such a plan the way a compact cache stores it: only the key/value groups the plan keeps are projected, cached
-and read (``(B, g, S, Dh)``, :class:`~condcomp.held_plans.KVSelection`); groups it streams read a trimmed window
-(sinks + recent tokens, :mod:`.streaming`); the rest are never computed. A model adapter translates its arguments
-into :class:`CompactKV` (how to write the cache, what it holds) and calls the executor with it.
+and read (``(B, g, S, Dh)``, :class:`~condcomp.kv.selection.KVSelection`); groups the layer's KV policy holds
+(a streaming window, :mod:`condcomp.kv`) are attended by that policy over its state; the rest are never computed.
+A model adapter translates its arguments into :class:`CompactKV` (how to write the cache, what it holds) and calls
+the executor with it.
 
 Called without a cache (``executor="kv_cache"`` on any sequence-plan call) it computes the same kept-groups
 attention from the call's own keys and values: that is how it is compared with the reference executor, on the same
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +24,8 @@ from torch import Tensor
 
 from condcomp.dense import grouped_sdpa, project_kv
 from condcomp.executors.base import keep_gates_in_graph
-from condcomp.executors.streaming import WindowCache, band_applies, banded_attention, extend, query_positions, trim
-from condcomp.held_plans import KVSelection, select_kv
-from condcomp.masks import AttentionMask, build_attention_mask, dead_rows, streaming_allowed
+from condcomp.kv.selection import KVSelection, select_kv
+from condcomp.masks import AttentionMask, build_attention_mask, dead_rows
 from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.rotary import apply_rotary
@@ -62,15 +63,16 @@ class CompactKV:
     - ``store(k, v)``: appends the full slots' new keys/values ``(B, g, T, Dh)`` and returns their whole history
       ``(B, g, S, Dh)`` (a transformers cache layer's ``update``).
     - ``visible``: keys the queries may see (a static cache's empty slots after them are dropped); None = all.
-    - ``windows``: the streamed groups' cache before the call (None at prefill); ``keep_windows`` stores the new one.
+    - ``windows``: the state of the KV policy's groups before the call (None at prefill: a streaming window for
+      ``window``); ``keep_windows`` stores the new one.
     - ``projections``: how to project (None: the canonical weights).
     """
 
     selection: KVSelection
     store: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
     visible: int | None = None
-    windows: WindowCache | None = None
-    keep_windows: Callable[[WindowCache], None] | None = None
+    windows: Any = None
+    keep_windows: Callable[[Any], None] | None = None
     projections: Projections | None = None
 
 
@@ -139,29 +141,6 @@ def _combine(parts: list[tuple[Tensor, Tensor]], layout: HeadLayout, identity: b
     return full.reshape(B, T, layout.num_heads * Dh)
 
 
-def _streamed(q: Tensor, k: Tensor, v: Tensor, sel: KVSelection, cache: CompactKV, query_mask: Tensor | None,
-              scale: float) -> tuple[Tensor, Tensor]:
-    """The streamed slots' outputs ``(B, gw*r, T, Dh)`` and their dead queries ``(B, T)``; stores the trimmed
-    window. ``q (B, gw*r, T, Dh)``, ``k``/``v (B, gw, T, Dh)``: this call's."""
-    assert sel.window is not None
-    B, _, T, _ = q.shape
-    state = cache.windows
-    pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
-    keys, values, key_pos = extend(state, k, v, pos)
-    if state is None and band_applies(query_mask, T, sel.window):  # a long prefill: block by block
-        dead = pos < 0  # (B, T): padding queries
-        out = banded_attention(q, keys, values, pos, sel.window,
-                               lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale))
-    else:
-        allowed = streaming_allowed(pos, key_pos, sel.window.sinks, sel.window.window)  # (B, T, N)
-        dead = ~allowed.any(-1)  # (B, T): padding queries
-        out = grouped_sdpa(q, keys, values, (allowed | dead.unsqueeze(-1)).unsqueeze(1), False, scale)
-    if cache.keep_windows is not None:
-        seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
-        cache.keep_windows(trim(keys, values, key_pos, seen, sel.window))
-    return out, dead.unsqueeze(1)
-
-
 def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV) -> Tensor:
     """One call under a held plan on a compact cache: ``inputs.x (B, T, D)`` -> ``(B, T, D)``. ``inputs``: the
     query input, padding (``mask``, ``key_mask``, ``attn_bias`` over the full slots' keys) and ``rotary``."""
@@ -190,11 +169,14 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
     else:  # only streamed groups: the full-length tensor holds one placeholder of width 1 (it counts the tokens)
         placeholder = x.new_zeros(B, 1, T, 1)
         cache.store(placeholder, placeholder)
-    if sel.window_index is not None and sel.window_gates is not None:
-        q = _queries(_slots(q_all, sel.window_index, False), proj, inputs.rotary)
-        k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)
+    if sel.window_index is not None and sel.window_gates is not None and sel.policy is not None:
+        q = _queries(_slots(q_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw*r, T, Dh)
+        k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw, T, Dh)
         v = _slots(v_all, sel.window_index, False).transpose(1, 2)
-        out, w_dead = _streamed(q, k, v, sel, cache, inputs.mask, layout.scale)
+        keep = cache.keep_windows is not None
+        out, w_dead, state = sel.policy.attend(q, k, v, cache.windows, inputs.mask, layout.scale, keep)
+        if cache.keep_windows is not None:
+            cache.keep_windows(state)
         parts.append((_gated(out, sel.window_gates, w_dead), sel.window_index))
         dead = w_dead.squeeze(1) if dead is None else dead
     if not parts:  # an empty batch

@@ -1,9 +1,9 @@
 """Per-request plans with a KV cache for projection-style decoders (Llama, Qwen2/3, Mistral, Gemma).
 
 At inference with a cache, a sequence plan is decided once, at the request's prefill, and held for its later
-calls (:mod:`condcomp.held_plans`). The key/value heads the plan keeps are the only ones projected, cached and
+calls (:mod:`condcomp.kv.selection`). The key/value heads the plan keeps are the only ones projected, cached and
 read: the cache holds ``(B, g, S, Dh)`` with ``g`` the batch's largest number of kept KV groups, in the order of
-:class:`~condcomp.held_plans.KVSelection`. Query heads inside a kept group that the plan skips are computed with
+:class:`~condcomp.kv.selection.KVSelection`. Query heads inside a kept group that the plan skips are computed with
 gate 0 (at decode a group's cost is reading its keys and values, shared by its query heads); the output
 projection reads the kept heads' outputs scattered back to their columns, so LoRA and biases behave as in the
 module. At the full budget (every group kept, gates 1) nothing is gathered or scattered: this is dense attention.
@@ -18,8 +18,13 @@ from torch import Tensor
 
 from condcomp.executors.auto import get_executor
 from condcomp.executors.cached import CompactKV, Projections
-from condcomp.held_plans import KV_WINDOW, KVSelection, StreamWindow, pad_slots, select_kv
 from condcomp.host import LastForward
+from condcomp.kv.choose import kv_policy_of
+from condcomp.kv.policy import KV_NONE
+from condcomp.kv.selection import KVSelection, pad_slots, select_kv
+from condcomp.kv.window import StreamWindow
+from condcomp.kv.window_policy import WindowKV
+from condcomp.plans import kv_groups_used
 from condcomp.types import AttentionInputs, HeadPlan
 
 from .cache import RequestStep, cache_layer, compact_write, store_windows, stored_windows
@@ -39,20 +44,21 @@ def decide_request_plan(routed: RoutedAttention, x: Tensor, mask: Any, step: Req
 
 
 def stream_window(routed: RoutedAttention) -> StreamWindow | None:
-    """What groups a plan does not keep still see: the router's streaming window (``topk``'s ``stream_window``),
-    or None (they are dropped)."""
-    window = getattr(routed.condcomp_router, "stream", None)
-    return window if isinstance(window, StreamWindow) else None
+    """The streaming window the groups a plan does not keep get (the ``window`` KV policy), or None."""
+    policy = kv_policy_of(routed)
+    return policy.window_spec if isinstance(policy, WindowKV) else None
 
 
 def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep) -> KVSelection:
     """The slots of a plan decided now; a static cache layer allocated earlier fixes the slot count."""
-    selection = select_kv(plan, routed.layout, stream_window(routed))
+    policy = kv_policy_of(routed)
+    selection = select_kv(plan, routed.layout, policy)
     layer = cache_layer(step.cache, step.layer_idx)
     static = hasattr(layer, "max_cache_len") or type(step.cache).__name__.startswith("Static")
     if selection.window_index is not None and static:
-        raise ValueError("streamed key/value groups (the router's stream_window) keep a trimmed window beside the "
-                         "cache, which a static cache cannot hold: generate with the default DynamicCache")
+        raise ValueError(f"the KV policy {policy.name!r} keeps the groups a plan does not keep in a state of its own "
+                         "(streamed key/value groups: a trimmed window) beside the cache, which a static cache cannot "
+                         "hold: generate with the default DynamicCache")
     slots = getattr(layer, "num_heads", None) if getattr(layer, "is_initialized", False) else None
     if isinstance(slots, int) and hasattr(layer, "max_cache_len"):  # static: (B, slots, max_len, Dh) allocated
         if selection.slots <= slots:
@@ -63,7 +69,8 @@ def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep
 
 def _strategy(sel: KVSelection) -> str:
     if sel.window_index is not None:
-        return "full+window" if sel.slots else "window"
+        name = sel.policy.name if sel.policy is not None else "window"
+        return f"full+{name}" if sel.slots else name
     return "full" if sel.identity else "compact"
 
 
@@ -90,10 +97,10 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
 
     def keep_windows(windows: Any) -> None:
         # looked up again: at a prefill the layer exists only once store() has run
-        store_windows(cache_layer(cache, layer_idx), windows)  # read back by the request's next call
+        store_windows(cache_layer(cache, layer_idx), windows, sel.policy)  # read back by the request's next call
 
     layer = cache_layer(cache, layer_idx)
-    windows = stored_windows(layer) if step.held is not None else None
+    windows = stored_windows(layer, sel.policy) if step.held is not None else None
     proj = Projections(routed.q_proj, routed.k_proj, routed.v_proj, routed.o_proj,  # the modules: exact for LoRA
                        getattr(routed, "q_norm", None), getattr(routed, "k_norm", None))
     compact = CompactKV(sel, store, S if mask is None else None, windows, keep_windows, proj)
@@ -105,8 +112,10 @@ def held_attention(routed: RoutedAttention, sel: KVSelection, x: Tensor, rotary:
         last = routed.last
         s = last.s if last is not None and tuple(last.s.shape) == (B,) else plan.counts.float() / plan.num_heads
         streamed = None
-        if sel.window is not None and sel.modes is not None:  # (B, Hkv) -> (B, H): every head of a streamed group
-            streamed = (sel.modes == KV_WINDOW).repeat_interleave(plan.num_heads // sel.modes.shape[1], dim=1)
+        if sel.modes is not None and kv_policy_of(routed).needs_cache:
+            # (B, Hkv) -> (B, H): every head of a group the plan does not keep that its KV policy holds
+            by_policy = (sel.modes != KV_NONE) & ~kv_groups_used(plan.active, sel.modes.shape[1])
+            streamed = by_policy.repeat_interleave(plan.num_heads // sel.modes.shape[1], dim=1)
         routed.last = LastForward(s, plan, query_mask, T, S, "kv_cache", _strategy(sel), streamed,
-                                  sel.window.capacity if sel.window is not None else 0)
+                                  sel.window.capacity if sel.window is not None else S)
     return y  # type: ignore[no-any-return]
