@@ -14,6 +14,7 @@ plans, as every executor is.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +25,11 @@ from torch import Tensor
 
 from condcomp.dense import grouped_sdpa, project_kv
 from condcomp.executors.base import keep_gates_in_graph
+from condcomp.host import LastForward
+from condcomp.kv.policy import KV_NONE
 from condcomp.kv.selection import KVSelection, select_kv
 from condcomp.masks import AttentionMask, build_attention_mask, dead_rows
+from condcomp.plans import kv_groups_used
 from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.rotary import apply_rotary
@@ -187,13 +191,50 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
     return y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)
 
 
+@dataclass(frozen=True)
+class CachedRun:
+    """The ``kv_cache`` executor bound to one cached call (what ``resolve_executor`` returns for it): calling it
+    runs the call; ``strategy`` says how the cache is read; :meth:`usage` is the call's record for ``head_usage``."""
+
+    executor: CachedExecutor
+    selection: KVSelection
+    name: str = "kv_cache"
+
+    @property
+    def strategy(self) -> str:
+        """``full`` (every group, no gathers), ``compact`` (the kept groups), ``full+<policy>`` / ``<policy>``
+        (groups held by the KV policy too / only)."""
+        sel = self.selection
+        if sel.window_index is not None:
+            name = sel.policy.name if sel.policy is not None else "window"
+            return f"full+{name}" if sel.slots else name
+        return "full" if sel.identity else "compact"
+
+    def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
+        return self.executor(weights, inputs, plan)
+
+    def usage(self, s: Tensor, plan: HeadPlan, query_mask: Tensor | None, T: int, S: int,
+              holds_unkept: bool) -> LastForward:
+        """The call's usage record: ``s`` the request's budget, ``T`` queries, ``S`` keys; ``holds_unkept``: the KV
+        policy computes the heads of the groups the plan does not keep (they count as streamed heads)."""
+        sel, streamed = self.selection, None
+        if sel.modes is not None and holds_unkept:
+            # (B, Hkv) -> (B, H): every head of a group the plan does not keep that its KV policy holds
+            by_policy = (sel.modes != KV_NONE) & ~kv_groups_used(plan.active, sel.modes.shape[1])
+            streamed = by_policy.repeat_interleave(plan.num_heads // sel.modes.shape[1], dim=1)
+        window_keys = sel.window.capacity if sel.window is not None else S
+        return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys)
+
+
 @register_executor("kv_cache")
 class CachedExecutor:
-    """A request's held sequence plan on a compact KV cache: only the kept key/value groups are projected, cached
-    and read; streamed groups read their window; the others are never computed.
+    """A request's held sequence plan on a compact KV cache (``AttentionInputs.kv_cache``): only the kept key/value
+    groups are projected, cached and read; groups the KV policy holds are attended by it; the others are never
+    computed.
 
-    Wrapped decoders (Llama, Qwen2/3, Mistral, Gemma) run every call of a request with a KV cache through it,
-    whatever their ``executor`` (no other executor can read a compact cache). On a call without a cache it computes
+    It is the only executor that reads a compact cache (``capabilities.reads_kv_cache``): ``auto`` runs it on every
+    cached call of a wrapped decoder (Llama, Qwen2/3, Mistral, Gemma), and a named executor that cannot is replaced
+    by it on those calls with one warning (:func:`condcomp.explain` says why). On a call without a cache it computes
     the kept groups from the call's own keys and values, which ``auto`` never prefers (it projects every group); a
     per-token plan then keeps the groups any token reads (on a compact cache it is refused: a later token may pick
     any head).
@@ -205,37 +246,36 @@ class CachedExecutor:
 
     name = "kv_cache"
     granularities = ("sequence", "token")
-    capabilities = Capabilities()
+    capabilities = Capabilities(reads_kv_cache=True)
 
     def supports(self, weights: AttentionWeights | None, inputs: AttentionInputs, plan: HeadPlan,
                  cache: CompactKV | None = None) -> str | None:
+        cache = cache if cache is not None else inputs.kv_cache
         if cache is not None and plan.granularity != "sequence":
             return ("a per-token plan may pick any head at a later token: it cannot run on a compact KV cache (one "
                     "head set per request)")
         return None
 
-    def run_cached(self, layout: HeadLayout, inputs: AttentionInputs, plan: HeadPlan | None,
-                   cache: CompactKV) -> Tensor:
-        """A call of a request on its compact KV cache (``cache.projections`` required): ``(B, T, D)``."""
-        reasons = self.capabilities.reasons(inputs.x, "sequence" if plan is None else plan.granularity)
-        if plan is not None and (reason := self.supports(None, inputs, plan, cache)) is not None:
-            reasons.append(reason)
-        if reasons:
-            raise RuntimeError(f"executor 'kv_cache' cannot run this call: {'; '.join(reasons)}")
-        return compact_attention(layout, inputs, cache)
+    def prepare(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
+        """Bound to a cached call (:class:`CachedRun`: its strategy and usage record), or itself without a cache."""
+        cache = inputs.kv_cache
+        return self if cache is None else CachedRun(self, cache.selection)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
+        if inputs.kv_cache is not None:
+            return Estimate(0.0, self.prepare(weights, inputs, plan),
+                            note="the call reads a compact KV cache, which only this executor can")
         return Estimate(1.5, note="without a KV cache it projects every group and gathers the kept ones")
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
                  cache: CompactKV | None = None) -> Tensor:
+        cache = cache if cache is not None else inputs.kv_cache
         reason = self.supports(weights, inputs, plan, cache)
         if reason is not None:
             raise RuntimeError(f"executor 'kv_cache' cannot run this call: {reason}")
         if cache is not None:
             if cache.projections is None:
-                cache = CompactKV(cache.selection, cache.store, cache.visible, cache.windows, cache.keep_windows,
-                                  Projections.of_weights(weights))
+                cache = dataclasses.replace(cache, projections=Projections.of_weights(weights))
             return compact_attention(weights.layout, inputs, cache)
         return keep_gates_in_graph(self._cache_free(weights, inputs, plan), plan)
 

@@ -214,6 +214,31 @@ def held_record(cache: Any, layer_idx: int, cross: bool = False) -> HeldPlan | N
 
 
 @dataclass(frozen=True)
+class LayerSlot:
+    """One layer of a transformers cache as the ``kv_cache`` executor writes it
+    (:class:`~condcomp.executors.cached.CompactKV`'s ``store`` and ``keep_windows``): the kept groups' keys and
+    values through the layer's own ``update``, the KV policy's state beside them."""
+
+    cache: Any
+    layer_idx: int
+    extra: Any  # the call's cache kwargs, passed on to update
+    policy: KVPolicy | None
+
+    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the kept groups' ``(B, g, T, Dh)``; their whole history ``(B, g, S, Dh)``."""
+        with compact_write():
+            return self.cache.update(k, v, self.layer_idx, kwargs=self.extra)  # type: ignore[no-any-return]
+
+    def state(self) -> Any:
+        """The KV policy's state held before this call, as the executor reads it."""
+        return stored_windows(cache_layer(self.cache, self.layer_idx), self.policy)
+
+    def keep_windows(self, state: Any) -> None:
+        # looked up again: at a prefill the layer exists only once store() has run
+        store_windows(cache_layer(self.cache, self.layer_idx), state, self.policy)
+
+
+@dataclass(frozen=True)
 class RequestStep:
     """One call of a wrapped decoder layer on a KV cache: where the request's plan lives and what the cache held."""
 
