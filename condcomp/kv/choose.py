@@ -22,6 +22,26 @@ def build_kv_policy(spec: tuple[str, dict[str, Any]]) -> KVPolicy:
     return policy
 
 
+def check_kv_support(config: Any, modules: list[tuple[str, Any]], attachment: str = "apply_") -> None:
+    """Refuse, before anything is wrapped, a config whose KV policy keeps the groups a plan does not keep (``full``,
+    ``window``, the router's ``stream_window``, a policy of one's own) on modules whose adapter cannot hold it:
+    ``modules`` are ``(name, adapter class or None)``; adapters that can set ``holds_kv_policies = True``."""
+    stream = config.router[1].get("stream_window") is not None
+    policy = build_kv_policy(config.kv)
+    if not (stream or policy.needs_cache):
+        return
+    what = "the router's stream_window" if stream else f"kv={config.kv[0]!r}"
+    unable = [name for name, adapter in modules if not getattr(adapter, "holds_kv_policies", False)]
+    if unable:
+        kinds = sorted({str(getattr(a, "__name__", a)) for name, a in modules if a is not None and name in unable})
+        where = f" ({', '.join(kinds)})" if kinds else ""
+        raise ValueError(
+            f"{attachment}: {what} keeps key/value groups a plan does not keep in a compact KV cache, which only the "
+            f"Llama-family decoders' module swap holds (LlamaAttention, Qwen2/3, Mistral, Gemma); {unable[:3]}"
+            f"{' ...' if len(unable) > 3 else ''}{where} would cache every head and silently drop those groups "
+            "instead. Use kv='drop' (the default) here, or condcomp.apply_ on a Llama-family decoder")
+
+
 def kv_policy_of(routed: Any) -> KVPolicy:
     """The KV policy of a wrapped layer (built once from the config it was wrapped with)."""
     cached = routed.__dict__.get(_ATTR)

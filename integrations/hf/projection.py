@@ -51,6 +51,7 @@ class ProjectionAttentionAdapter(TransformersAdapter):
     (``cache`` / ``past_key_values``)."""
 
     module_types = import_classes(PROJECTION_CLASSES)
+    holds_kv_policies = True  # its decoders' calls on a cache run on the compact cache (.decode)
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
