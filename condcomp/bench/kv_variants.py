@@ -113,13 +113,25 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
     """
     if kind is None:
         return copy.deepcopy(source)
-    from condcomp.integrations.hf.cache import carrier_class, is_carrier, store_windows, stored_windows
+    from condcomp.integrations.hf.cache import (
+        carrier_class,
+        is_carrier,
+        placeholder_width,
+        store_windows,
+        stored_windows,
+    )
 
     target = quantized_cache(kind, config)
     for src, dst in zip(source.layers, target.layers):
         if not getattr(src, "is_initialized", False):
             continue
-        dst.update(src.keys, src.values)
+        keys, values = src.keys, src.values
+        held = getattr(src, "condcomp_plan", None)
+        if held is not None and held.selection is not None and held.selection.slots == 0:
+            # no group kept in full: a token-counting placeholder, as wide as the target layer stores it
+            B, _, T, _ = keys.shape
+            keys = values = keys.new_zeros(*keys.shape[:-1], placeholder_width(dst, B, T, prefill=True))
+        dst.update(keys, values)
         if is_carrier(src):
             dst.__class__ = carrier_class(type(dst))
             dst.condcomp_plan = src.condcomp_plan

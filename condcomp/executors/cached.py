@@ -70,6 +70,8 @@ class CompactKV:
     - ``windows``: the state of the KV policy's groups before the call (None at prefill: a streaming window for
       ``window``); ``keep_windows`` stores the new one.
     - ``projections``: how to project (None: the canonical weights).
+    - ``placeholder_width``: when no group is kept in full, the full-length tensor holds a placeholder of this width
+      that only counts the tokens (a quantized cache layer that quantizes in groups of ``n`` values needs ``n``).
     """
 
     selection: KVSelection
@@ -78,6 +80,7 @@ class CompactKV:
     windows: Any = None
     keep_windows: Callable[[Any], None] | None = None
     projections: Projections | None = None
+    placeholder_width: int = 1
 
 
 def _heads_of_slots(index: Tensor, r: int) -> Tensor:
@@ -170,8 +173,8 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         gated = out if sel.unit_gates and slot_dead is None else _gated(out, sel.slot_gates, slot_dead)
         parts.append((gated, sel.kv_index))
         dead = dead_rows(am, B, T)
-    else:  # only streamed groups: the full-length tensor holds one placeholder of width 1 (it counts the tokens)
-        placeholder = x.new_zeros(B, 1, T, 1)
+    else:  # only streamed groups: the full-length tensor holds one narrow placeholder (it counts the tokens)
+        placeholder = x.new_zeros(B, 1, T, cache.placeholder_width)
         cache.store(placeholder, placeholder)
     if sel.window_index is not None and sel.window_gates is not None and sel.policy is not None:
         q = _queries(_slots(q_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw*r, T, Dh)

@@ -172,6 +172,21 @@ def window_codec(layer: Any) -> WindowCodec | None:
     return None
 
 
+def placeholder_width(layer: Any, rows: int, tokens: int, prefill: bool) -> int:
+    """The width of the token-counting placeholder a layer holding no full group stores, fixed at the request's
+    prefill of ``rows x tokens`` (and kept with the layer for its later calls): 1, or, where a layer that quantizes
+    in groups of ``n`` values (HQQ, quanto) could not quantize ``rows x tokens`` values, ``n`` (whole groups at any
+    length; HQQ would raise a bare AssertionError)."""
+    if layer is None:
+        return 1
+    if not prefill:
+        return int(layer.__dict__.get("condcomp_placeholder", 1))
+    group = int(getattr(layer, "q_group_size", 1) or 1)
+    width = 1 if (rows * tokens) % group == 0 else group
+    layer.__dict__["condcomp_placeholder"] = width
+    return width
+
+
 def stored_windows(layer: Any, policy: KVPolicy | None = None) -> Any:
     """The state of the KV policy's groups a cache layer holds, as the executor reads it (a window dequantized if
     stored so); ``policy``: the policy that stored it (default: the layer's held plan's)."""

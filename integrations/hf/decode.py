@@ -27,7 +27,7 @@ from condcomp.kv.choose import kv_policy_of
 from condcomp.kv.selection import KVSelection, pad_slots, select_kv
 from condcomp.types import AttentionInputs, HeadPlan
 
-from .cache import LayerSlot, RequestStep, cache_layer, compact_write, open_step
+from .cache import LayerSlot, RequestStep, cache_layer, compact_write, open_step, placeholder_width
 from .common import decoder_request_plan, mask_parts, sliding_window_bias
 
 if TYPE_CHECKING:
@@ -95,7 +95,9 @@ def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, x:
     proj = Projections(routed.q_proj, routed.k_proj, routed.v_proj, routed.o_proj,  # the modules: exact for LoRA
                        getattr(routed, "q_norm", None), getattr(routed, "k_norm", None))
     windows = slot.state() if step.held is not None else None
-    compact = CompactKV(sel, slot.store, S if mask is None else None, windows, slot.keep_windows, proj)
+    # no group kept in full: the full-length tensor is a placeholder that counts the tokens
+    width = placeholder_width(cache_layer(cache, layer_idx), B, T, step.held is None) if sel.slots == 0 else 1
+    compact = CompactKV(sel, slot.store, S if mask is None else None, windows, slot.keep_windows, proj, width)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=rotary,
                              dropout_p=L.dropout_p if routed.training else 0.0, kv_cache=compact)
     weights = routed.weights()
