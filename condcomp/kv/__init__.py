@@ -6,7 +6,8 @@ Read it in this order:
    ``full``, or a state of the policy's own) and everything about that state (attend, rows, crop, bytes).
 2. window.py: the ``window`` policy's storage, a trimmed per-layer cache of sinks + recent tokens, and its
    block-banded prefill; window_quant.py: the same window stored quantized inside a quantized cache.
-3. window_policy.py: the ``window`` policy itself (StreamingLLM / DuoAttention's streaming heads).
+3. window_policy.py: the ``window`` policy itself (StreamingLLM / DuoAttention's streaming heads); snapkv.py:
+   ``snapkv``, the prompt tokens its last queries attend to most (SnapKV).
 4. selection.py: per request and layer, which groups the plan keeps in full and which its policy holds, in the
    compact slot order the cache stores them (:class:`KVSelection`), the plan held with the cache
    (:class:`HeldPlan`) and its public view (:class:`RequestPlan`).
@@ -23,10 +24,12 @@ that holds it is :mod:`condcomp.integrations.hf.cache`, whose ``cache_bytes`` co
 from condcomp.kv.choose import build_kv_policy, kv_policy_of
 from condcomp.kv.policy import KV_FULL, KV_MODE_NAMES, KV_NONE, KV_WINDOW, DropKV, FullKV, KVPolicy
 from condcomp.kv.selection import HeldPlan, KVSelection, RequestPlan, as_kv_policy, decision_mask, pad_slots, select_kv
+from condcomp.kv.snapkv import SnapKV, SnapState
 from condcomp.kv.window import StreamWindow, WindowCache
 from condcomp.kv.window_policy import WindowKV
 from condcomp.kv.window_quant import QuantizedWindowCache, WindowCodec
 
 __all__ = ["KV_FULL", "KV_MODE_NAMES", "KV_NONE", "KV_WINDOW", "DropKV", "FullKV", "HeldPlan", "KVPolicy",
-           "KVSelection", "QuantizedWindowCache", "RequestPlan", "StreamWindow", "WindowCache", "WindowCodec",
-           "WindowKV", "as_kv_policy", "build_kv_policy", "decision_mask", "kv_policy_of", "pad_slots", "select_kv"]
+           "KVSelection", "QuantizedWindowCache", "RequestPlan", "SnapKV", "SnapState", "StreamWindow", "WindowCache",
+           "WindowCodec", "WindowKV", "as_kv_policy", "build_kv_policy", "decision_mask", "kv_policy_of", "pad_slots",
+           "select_kv"]
