@@ -8,7 +8,8 @@ the whole prompt; later tokens attend to what was kept plus every token after th
 does not keep in full are compressed this way.
 
 Its state holds ``budget + observe`` prompt entries per row (fewer real ones in a shorter prompt: position -1) and
-grows by one entry per later token, as a full group does.
+grows by one entry per later token, as a full group does. Inside a quantized cache (fp8, HQQ, quanto) the state stays
+in full precision (``cache_bytes`` counts it so); a static cache cannot hold it (use the default ``DynamicCache``).
 """
 
 from __future__ import annotations
