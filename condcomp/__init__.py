@@ -6,7 +6,7 @@ which, an executor computes only those. See docs/concepts.md.
 
 # integrations, policies and routers live in top-level folders mapped into the package (pyproject's package-dir);
 # mypy >= 2.4 checks them as top-level packages and does not see them as condcomp's attributes
-from condcomp import executors, integrations, policies, routers  # type: ignore[attr-defined]  # noqa: F401
+from condcomp import executors, integrations, kv, policies, routers  # type: ignore[attr-defined]  # noqa: F401
 from condcomp.adapters import AttentionAdapter, register_adapter
 from condcomp.api import (
     apply_,
@@ -24,14 +24,16 @@ from condcomp.attention import HeadAttention
 from condcomp.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_config, save_checkpoint
 from condcomp.config import CondCompConfig
 from condcomp.executors.auto import explain, get_executor
-from condcomp.held_plans import KVSelection, RequestPlan, select_kv
+from condcomp.kv import KVPolicy, KVSelection, RequestPlan, select_kv
 from condcomp.plans import budget_k, full_plan, plan_from_active, plan_top_k, top_k_mask
 from condcomp.protocols import BudgetPolicy, Capabilities, Estimate, Executor, Router
 from condcomp.registry import (
     list_executors,
+    list_kv_policies,
     list_policies,
     list_routers,
     register_executor,
+    register_kv_policy,
     register_policy,
     register_router,
 )
@@ -44,9 +46,10 @@ __version__ = "0.2.0"
 __all__ = [
     "AttentionAdapter", "AttentionInputs", "AttentionWeights", "Budget", "BudgetPolicy", "Capabilities",
     "CheckpointError", "Estimate", "CondCompConfig", "load_checkpoint", "read_checkpoint_config", "save_checkpoint",
-    "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "KVSelection", "RequestPlan",
+    "Executor", "HeadAttention", "HeadLayout", "HeadPlan", "HeadUsage", "KVPolicy", "KVSelection", "RequestPlan",
     "RoutedAttention", "Router", "apply_", "aux_loss", "budget", "budget_k", "disabled", "explain", "full_plan",
-    "get_executor", "head_usage", "list_executors", "list_policies", "list_routers", "make_schedule",
-    "plan_from_active", "plan_from_prompt", "plan_top_k", "register_adapter", "register_executor", "register_policy",
-    "register_router", "remove_", "request_plans", "routed_modules", "select_kv", "set_progress", "top_k_mask"
+    "get_executor", "head_usage", "list_executors", "list_kv_policies", "list_policies", "list_routers",
+    "make_schedule", "plan_from_active", "plan_from_prompt", "plan_top_k", "register_adapter", "register_executor",
+    "register_kv_policy", "register_policy", "register_router", "remove_", "request_plans", "routed_modules",
+    "select_kv", "set_progress", "top_k_mask"
 ]

@@ -15,8 +15,9 @@ from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
-from condcomp.held_plans import RequestPlan
 from condcomp.host import RoutingHost, check_progress
+from condcomp.kv.choose import check_kv_support
+from condcomp.kv.selection import RequestPlan
 from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
 from condcomp.routed import RoutedAttention, layer_facts, wrap_module
@@ -69,6 +70,7 @@ def apply_(model: nn.Module, config: CondCompConfig | None = None) -> list[str]:
     _check_target_patterns(model, config, candidates, wrapped)
     chosen = select_targets(candidates, config)
     _check_chosen(model, config, chosen, candidates, wrapped)
+    check_kv_support(config, [(n, find_adapter(model.get_submodule(n))) for n in chosen])
     built = _build_wrappers(model, config, chosen, keep_preparation=bool(wrapped))
     for name, routed in built.items():
         parent_name, _, child = name.rpartition(".")

@@ -1,4 +1,5 @@
-"""CondCompConfig: which policy, router and executor, and which modules to wrap. Validated; JSON round-trip."""
+"""CondCompConfig: which policy, router, executor and KV policy, and which modules to wrap. Validated; JSON
+round-trip."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from condcomp.registry import EXECUTORS, POLICIES, ROUTERS
+from condcomp.kv.choose import build_kv_policy
+from condcomp.registry import EXECUTORS, KV_POLICIES, POLICIES, ROUTERS
 
 ComponentSpec = str | tuple[str, dict[str, Any]] | list[Any]
 
@@ -51,6 +53,9 @@ class CondCompConfig:
       users write them: a list of names, each matching that module or any module whose name ends with
       ``"." + name`` (``["self_attn"]``), or one string, a regular expression over the full name
       (``r".*\.layers\.[0-3]\.self_attn"``); also ``".suffix"`` and ``"re:<regex>"`` entries.
+    - ``kv``: KV policy key or ``(key, kwargs)``: what a decoder request's cache keeps of the key/value groups its
+      plan does not keep: ``"drop"`` (the default: nothing), ``"full"``, ``("window", {"sinks": 4, "window": 64})``
+      (see :mod:`condcomp.kv`; ``condcomp.list_kv_policies()``).
     - ``share_policy``: one budget policy for all wrapped layers (one budget per example for the whole model).
     - ``check_inputs``: reject NaN/inf inputs with a clear error instead of letting them propagate.
 
@@ -66,12 +71,19 @@ class CondCompConfig:
     exclude_modules: Any = None
     share_policy: bool = False
     check_inputs: bool = False
+    kv: Any = "drop"
 
     def __post_init__(self) -> None:
         self.policy = normalize_spec(self.policy, "policy")
         self.router = normalize_spec(self.router, "router")
         POLICIES.check_kwargs(*self.policy)
         ROUTERS.check_kwargs(*self.router)
+        self.kv = normalize_spec(self.kv, "kv")
+        KV_POLICIES.check_kwargs(*self.kv)
+        build_kv_policy(self.kv)  # its values checked now, before any model exists
+        if self.kv[0] != "drop" and self.router[1].get("stream_window") is not None:
+            raise ValueError(f"the router's stream_window and kv={self.kv[0]!r} both say what the groups a plan does "
+                             "not keep hold: set kv=('window', {'sinks': s, 'window': n}) and drop stream_window")
         if not isinstance(self.executor, str):
             raise TypeError(f"executor must be a string key, got {self.executor!r}")
         self.executor = self.executor.lower()
@@ -84,6 +96,7 @@ class CondCompConfig:
         d = asdict(self)
         d["policy"] = [self.policy[0], self.policy[1]]
         d["router"] = [self.router[0], self.router[1]]
+        d["kv"] = [self.kv[0], self.kv[1]]
         return d
 
     @classmethod

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.flops import dense_flops, flop_fraction, plan_flops, routing_flops
-from condcomp.held_plans import decision_mask
+from condcomp.kv.selection import decision_mask
 from condcomp.plans import budget_k, plan_from_active
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version

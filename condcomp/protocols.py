@@ -59,7 +59,8 @@ class Capabilities:
     """What an executor can run at all; ``None`` = any. ``auto`` checks these before calling ``supports``.
 
     ``skips_work``: its cost falls with the share of heads the plan keeps (the gathered executor), rather than
-    being the dense cost whatever the plan (masked, reference).
+    being the dense cost whatever the plan (masked, reference). ``reads_kv_cache``: it can run a call on a
+    decoder request's compact KV cache (``AttentionInputs.kv_cache``, the ``kv_cache`` executor); no other can.
 
     >>> caps = Capabilities(granularities=("sequence",), dtypes=(torch.float32,))
     >>> caps.reasons(torch.zeros(1, dtype=torch.float64), "token")
@@ -70,6 +71,7 @@ class Capabilities:
     devices: tuple[str, ...] | None = None
     dtypes: tuple[torch.dtype, ...] | None = None
     skips_work: bool = False
+    reads_kv_cache: bool = False
 
     def reasons(self, x: Tensor, granularity: str) -> list[str]:
         """Why a call with query input ``x`` and a plan of ``granularity`` is outside these capabilities."""

@@ -1,4 +1,4 @@
-"""Registries of policies, routers and executors, keyed by lowercase strings and filled by decorators."""
+"""Registries of policies, routers, executors and KV policies, keyed by lowercase strings and filled by decorators."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class Registry(Generic[T]):
     def get(self, name: str) -> Any:
         key = name.lower()
         if key not in self._entries:
-            plural = "policies" if self.role == "policy" else f"{self.role}s"
+            plural = f"{self.role[:-1]}ies" if self.role.endswith("policy") else f"{self.role}s"
             raise KeyError(f"unknown {self.role} {name!r}; registered {plural}: {', '.join(self.names())}")
         return self._entries[key]
 
@@ -82,6 +82,7 @@ def _same_definition(a: Any, b: Any) -> bool:
 POLICIES: Registry[Any] = Registry("policy")
 ROUTERS: Registry[Any] = Registry("router")
 EXECUTORS: Registry[Any] = Registry("executor")
+KV_POLICIES: Registry[Any] = Registry("kv policy")
 
 
 def register_policy(name: str, *, override: bool = False) -> Callable[[T], T]:
@@ -108,6 +109,17 @@ def register_executor(name: str, *, override: bool = False) -> Callable[[T], T]:
     return EXECUTORS.register(name, override)
 
 
+def register_kv_policy(name: str, *, override: bool = False) -> Callable[[T], T]:
+    """Class decorator: make a KV policy (what a request's key/value group keeps in its cache, see
+    :mod:`condcomp.kv`) available as ``CondCompConfig(kv=name)`` (``override=True`` to replace a registered one).
+
+    >>> import condcomp
+    >>> "window" in condcomp.list_kv_policies()
+    True
+    """
+    return KV_POLICIES.register(name, override)
+
+
 def list_policies() -> list[str]:
     """Registered budget policy keys."""
     return POLICIES.names()
@@ -121,3 +133,8 @@ def list_routers() -> list[str]:
 def list_executors() -> list[str]:
     """Registered executor keys (``"auto"`` is accepted too and picks among them)."""
     return EXECUTORS.names()
+
+
+def list_kv_policies() -> list[str]:
+    """Registered KV policy keys (``CondCompConfig(kv=...)``)."""
+    return KV_POLICIES.names()

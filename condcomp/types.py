@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -173,6 +173,9 @@ class AttentionInputs:
     - ``key_states``/``value_states``: precomputed ``(B, Hkv, S, Dh)`` keys/values (a decoder's KV cache); when
       given, executors skip the key/value projections.
     - ``dropout_p``: attention-probability dropout for this call (0 outside training).
+    - ``kv_cache``: a decoder request's compact KV cache for this call
+      (:class:`~condcomp.executors.cached.CompactKV`: only the plan's key/value groups are cached), or None. Only
+      an executor whose ``capabilities.reads_kv_cache`` is set can run such a call (``kv_cache``).
     """
 
     x: Tensor
@@ -185,6 +188,7 @@ class AttentionInputs:
     key_states: Tensor | None = None
     value_states: Tensor | None = None
     dropout_p: float = 0.0
+    kv_cache: Any = None
 
     @property
     def key_input(self) -> Tensor:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from condcomp.held_plans import StreamWindow
+from condcomp.kv.window import StreamWindow
 from condcomp.plans import plan_from_active, plan_top_k, top_k_mask
 from condcomp.registry import register_router
 from condcomp.relaxations import entropy, masked_mean, rows_with_tokens, soft_threshold, soft_topk_mask
@@ -48,12 +49,13 @@ class TopKRouter(nn.Module):
 
     ``kv_groups=True`` chooses whole key/value groups (GQA: the ``r = H / Hkv`` query heads sharing a key/value
     head; MHA: single heads): one score per group, ``ceil(k / r)`` groups kept, every head of a kept group on.
-    Budgets then translate into KV-cache savings (a held plan caches kept groups only, :mod:`condcomp.held_plans`).
+    Budgets then translate into KV-cache savings (a held plan caches kept groups only, :mod:`condcomp.kv.selection`).
 
-    ``stream_window=n`` (with ``stream_sinks``, default 4): at inference with a KV cache, the key/value groups a
+    ``stream_window=n`` (with ``stream_sinks``, default 4; deprecated: set ``CondCompConfig(kv=("window",
+    {"sinks": s, "window": n}))``, the KV policy it stands for): at inference with a KV cache, the key/value groups a
     request's plan does not keep are not dropped but streamed: their query heads attend to the request's first
     ``stream_sinks`` tokens and its last ``n`` tokens (gate 1), and the cache holds only those for them
-    (:class:`~condcomp.held_plans.StreamWindow`). Without a cache (training) the plan is unchanged.
+    (:class:`~condcomp.kv.window.StreamWindow`). Without a cache (training) the plan is unchanged.
 
     ``init_scores`` warm-starts the scorer from a prior ranking (one score per scored unit: a head, or a KV group
     with ``kv_groups``): the scorer's output bias starts at these scores and its output weights at zero, so the
@@ -83,6 +85,10 @@ class TopKRouter(nn.Module):
         self.kv_groups = bool(kv_groups)
         # groups a request's plan does not keep get a streaming window in its KV cache instead of nothing
         self.stream = None if stream_window is None else StreamWindow(stream_sinks, stream_window)
+        if self.stream is not None:
+            warnings.warn("topk(stream_window=, stream_sinks=) is a shorthand for the window KV policy: set "
+                          f"CondCompConfig(kv=('window', {{'sinks': {stream_sinks}, 'window': {stream_window}}})) "
+                          "instead", DeprecationWarning, stacklevel=2)
         # heads per scored unit: a KV group's query heads, or 1 (num_kv_heads None: a layer without GQA facts)
         self.group_size = num_heads // (num_kv_heads or num_heads) if self.kv_groups else 1
         units = num_heads // self.group_size

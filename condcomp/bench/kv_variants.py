@@ -113,13 +113,25 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
     """
     if kind is None:
         return copy.deepcopy(source)
-    from condcomp.integrations.hf.cache import carrier_class, is_carrier, store_windows, stored_windows
+    from condcomp.integrations.hf.cache import (
+        carrier_class,
+        is_carrier,
+        placeholder_width,
+        store_windows,
+        stored_windows,
+    )
 
     target = quantized_cache(kind, config)
     for src, dst in zip(source.layers, target.layers):
         if not getattr(src, "is_initialized", False):
             continue
-        dst.update(src.keys, src.values)
+        keys, values = src.keys, src.values
+        held = getattr(src, "condcomp_plan", None)
+        if held is not None and held.selection is not None and held.selection.slots == 0:
+            # no group kept in full: a token-counting placeholder, as wide as the target layer stores it
+            B, _, T, _ = keys.shape
+            keys = values = keys.new_zeros(*keys.shape[:-1], placeholder_width(dst, B, T, prefill=True))
+        dst.update(keys, values)
         if is_carrier(src):
             dst.__class__ = carrier_class(type(dst))
             dst.condcomp_plan = src.condcomp_plan
@@ -156,7 +168,7 @@ def static_split(fraction: float) -> Prepare:
     plan held in the cache: the cache holds only those groups)."""
     def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
         import condcomp
-        from condcomp.experiments.llm.head_importance import group_heads, keep_groups
+        from condcomp.kv.calibration import group_heads, keep_groups
 
         cfg: Any = getattr(dense, "config")  # noqa: B009
         H, G = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
@@ -192,20 +204,9 @@ def window_split(fraction: float, window: int, sinks: int = 4) -> Prepare:
     StreamingLLM: every group windowed. The ranking is the ``topk`` router's warm start (its scorer starts at the
     scores, so an untrained router keeps the same groups for every request)."""
     def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
-        import condcomp
-        from condcomp.experiments.llm.head_importance import warm_start_scores
+        from condcomp.kv.calibration import static_split as window_static_split
 
-        G = int(getattr(dense, "config").num_key_value_heads)  # noqa: B009
-        keep = 0 if fraction == 0 else _kept(fraction, G)
-        model = copy.deepcopy(dense)
-        layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
-        scores = warm_start_scores(ctx.importance())
-        for layer, init in zip(layers, scores, strict=True):
-            router = ("topk", {"kv_groups": True, "init_scores": init, "stream_window": window,
-                               "stream_sinks": sinks})
-            condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": keep / G, "k_min": 0}),
-                                                           router=router, executor="auto", target_modules=[layer]))
-        return model.eval()
+        return window_static_split(copy.deepcopy(dense), ctx.importance(), fraction, window=window, sinks=sinks)
     return prepare
 
 
@@ -218,23 +219,9 @@ def gate_split(path: Path, fraction: float, window: int, sinks: int = 4) -> Prep
     groups), the other groups stream (``sinks`` first + ``window`` last tokens). Built as one ``topk`` router per
     layer, warm-started from the gates with the layer's own kept count (every request gets the same split)."""
     def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
-        import condcomp
-        from condcomp.experiments.llm.duo_gates import load_gates, split_from_scores
-        from condcomp.experiments.llm.head_importance import warm_start_scores
+        from condcomp.kv.calibration import duo_split
 
-        cfg: Any = getattr(dense, "config")  # noqa: B009
-        G = int(cfg.num_key_value_heads)
-        model = copy.deepcopy(dense)
-        layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
-        scores = load_gates(path, len(layers), G)["scores"]
-        kept = split_from_scores(scores, fraction)
-        for layer, init, groups in zip(layers, warm_start_scores(scores), kept, strict=True):
-            router = ("topk", {"kv_groups": True, "init_scores": init, "stream_window": window,
-                               "stream_sinks": sinks})
-            condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": len(groups) / G,
-                                                                            "k_min": 0}),
-                                                           router=router, executor="auto", target_modules=[layer]))
-        return model.eval()
+        return duo_split(copy.deepcopy(dense), path, fraction, window=window, sinks=sinks)
     return prepare
 
 
@@ -247,22 +234,9 @@ def request_split(path: Path) -> Prepare:
     ``keep`` per layer); the others stream (the file's sinks and window). The cache holds each request's own
     split."""
     def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
-        import condcomp
-        from condcomp.api import routing_hosts
-        from condcomp.experiments.llm.request_split import load_router
+        from condcomp.kv.calibration import request_split as apply_request_split
 
-        split = load_router(path, dense)
-        model = copy.deepcopy(dense)
-        layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
-        for layer in layers:
-            router = ("topk", {"kv_groups": True, "stream_window": split.window, "stream_sinks": split.sinks})
-            condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": split.keep / split.groups,
-                                                                            "k_min": 0}),
-                                                           router=router, executor="auto", target_modules=[layer]))
-        hosts = list(routing_hosts(model).values())  # in layer order
-        for host, trained in zip(hosts, split.routers, strict=True):
-            host.condcomp_router.scorer.load_state_dict(trained.scorer.state_dict())  # type: ignore[union-attr]
-        return model.eval()
+        return apply_request_split(copy.deepcopy(dense), path)
     return prepare
 
 
@@ -291,7 +265,7 @@ def computed_importance(model: nn.Module, calibration: Tensor, prompt_len: int, 
     """Michel et al.'s gradient importance per KV group ``(L, G)`` on ``calibration`` rows (continuation loss after
     ``prompt_len`` tokens), as ``condcomp tune-llm`` computes static pruning's ranking."""
     from condcomp.experiments.llm.evaluation import continuation_nll
-    from condcomp.experiments.llm.head_importance import group_importance, head_gradients
+    from condcomp.kv.calibration import group_importance, head_gradients
 
     cfg: Any = getattr(model, "config")  # noqa: B009
     grads = head_gradients(model, list(calibration.split(batch_size)),

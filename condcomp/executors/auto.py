@@ -7,11 +7,17 @@ just above 1.0 where its tuning says dense is faster: a high share, or a call to
 cheapest runs, ties in ``AUTO_PREFERENCE`` order; executors without an estimate run only when no estimated one can.
 The gathered executor's estimate reads its sizes once, and the executor ``auto`` returns reuses them: ``auto`` costs
 no extra host synchronisation. :func:`explain` says what was chosen and why the others were not.
+
+A call on a decoder request's compact KV cache (``AttentionInputs.kv_cache``: only the plan's key/value groups are
+cached) can run only on an executor that declares ``reads_kv_cache`` (``kv_cache``). ``auto`` picks it; a named
+executor that cannot read it is replaced by ``kv_cache`` for such calls, with one warning naming the fix, and
+:func:`explain` says so.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +43,23 @@ def get_executor(name: str) -> Any:
     return cached[1]
 
 
+CACHE_EXECUTOR = "kv_cache"  # the executor that runs calls on a compact KV cache when the named one cannot
+
+
+def cache_rejection(executor: Any, inputs: AttentionInputs) -> str | None:
+    """Why ``executor`` cannot run a call on a compact KV cache, or None (no such cache, or it reads one)."""
+    if inputs.kv_cache is None or getattr(getattr(executor, "capabilities", None), "reads_kv_cache", False):
+        return None
+    return ("the call reads a request's compact KV cache (only the key/value groups its plan keeps are cached), "
+            "which only an executor with capabilities.reads_kv_cache can read")
+
+
 def rejection(executor: Any, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> str | None:
-    """Why ``executor`` cannot run the call (its declared capabilities first), or None."""
+    """Why ``executor`` cannot run the call (a compact KV cache it cannot read, its declared capabilities), or
+    None."""
+    cached = cache_rejection(executor, inputs)
+    if cached is not None:
+        return cached
     caps = getattr(executor, "capabilities", None)
     reasons = caps.reasons(inputs.x, plan.granularity) if caps is not None else []
     return "; ".join(reasons) if reasons else executor.supports(weights, inputs, plan)
@@ -76,6 +97,8 @@ def choose(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: 
     ``pool``: the executors ``auto`` chooses among (default: every registered one)."""
     if name != "auto":
         executor = get_executor(name)
+        if cache_rejection(executor, inputs) is not None:
+            return _cache_replacement(executor.name, weights, inputs, plan)
         reason = rejection(executor, weights, inputs, plan)
         if reason is not None:
             raise RuntimeError(f"executor {name!r} cannot run this call: {reason}")
@@ -105,6 +128,22 @@ def choose(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: 
     choice = Choice(executor.name, executor, run, verdicts)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("auto: %s", str(choice).replace("\n", ";"))
+    return choice
+
+
+_WARNED: set[str] = set()  # executors whose replacement on cached calls was announced (once each)
+
+
+def _cache_replacement(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Choice:
+    """``kv_cache`` for a cached call the named executor cannot read, announced once per executor."""
+    why = (f"{name!r} cannot read a decoder request's compact KV cache (only the key/value groups the plan keeps "
+           f"are cached): {CACHE_EXECUTOR!r} runs the cached calls instead. To compare {name!r} with it on the same "
+           "plans, run without a cache (use_cache=False, inside condcomp.plan_from_prompt for generate)")
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(why, UserWarning, stacklevel=4)
+    choice = choose(CACHE_EXECUTOR, weights, inputs, plan)
+    choice.verdicts = [(name, f"cannot run: {why}"), *choice.verdicts]
     return choice
 
 

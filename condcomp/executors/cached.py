@@ -2,9 +2,10 @@
 
 A decoder request's sequence plan is decided at its prefill and held in its KV cache. This executor computes a call
 under such a plan the way a compact cache stores it: only the key/value groups the plan keeps are projected, cached
-and read (``(B, g, S, Dh)``, :class:`~condcomp.held_plans.KVSelection`); groups it streams read a trimmed window
-(sinks + recent tokens, :mod:`.streaming`); the rest are never computed. A model adapter translates its arguments
-into :class:`CompactKV` (how to write the cache, what it holds) and calls the executor with it.
+and read (``(B, g, S, Dh)``, :class:`~condcomp.kv.selection.KVSelection`); groups the layer's KV policy holds
+(a streaming window, :mod:`condcomp.kv`) are attended by that policy over its state; the rest are never computed.
+A model adapter translates its arguments into :class:`CompactKV` (how to write the cache, what it holds) and calls
+the executor with it.
 
 Called without a cache (``executor="kv_cache"`` on any sequence-plan call) it computes the same kept-groups
 attention from the call's own keys and values: that is how it is compared with the reference executor, on the same
@@ -13,8 +14,10 @@ plans, as every executor is.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +25,11 @@ from torch import Tensor
 
 from condcomp.dense import grouped_sdpa, project_kv
 from condcomp.executors.base import keep_gates_in_graph
-from condcomp.executors.streaming import WindowCache, band_applies, banded_attention, extend, query_positions, trim
-from condcomp.held_plans import KVSelection, select_kv
-from condcomp.masks import AttentionMask, build_attention_mask, dead_rows, streaming_allowed
+from condcomp.host import LastForward
+from condcomp.kv.policy import KV_NONE
+from condcomp.kv.selection import KVSelection, select_kv
+from condcomp.masks import AttentionMask, build_attention_mask, dead_rows
+from condcomp.plans import kv_groups_used
 from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.rotary import apply_rotary
@@ -62,16 +67,20 @@ class CompactKV:
     - ``store(k, v)``: appends the full slots' new keys/values ``(B, g, T, Dh)`` and returns their whole history
       ``(B, g, S, Dh)`` (a transformers cache layer's ``update``).
     - ``visible``: keys the queries may see (a static cache's empty slots after them are dropped); None = all.
-    - ``windows``: the streamed groups' cache before the call (None at prefill); ``keep_windows`` stores the new one.
+    - ``windows``: the state of the KV policy's groups before the call (None at prefill: a streaming window for
+      ``window``); ``keep_windows`` stores the new one.
     - ``projections``: how to project (None: the canonical weights).
+    - ``placeholder_width``: when no group is kept in full, the full-length tensor holds a placeholder of this width
+      that only counts the tokens (a quantized cache layer that quantizes in groups of ``n`` values needs ``n``).
     """
 
     selection: KVSelection
     store: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
     visible: int | None = None
-    windows: WindowCache | None = None
-    keep_windows: Callable[[WindowCache], None] | None = None
+    windows: Any = None
+    keep_windows: Callable[[Any], None] | None = None
     projections: Projections | None = None
+    placeholder_width: int = 1
 
 
 def _heads_of_slots(index: Tensor, r: int) -> Tensor:
@@ -139,29 +148,6 @@ def _combine(parts: list[tuple[Tensor, Tensor]], layout: HeadLayout, identity: b
     return full.reshape(B, T, layout.num_heads * Dh)
 
 
-def _streamed(q: Tensor, k: Tensor, v: Tensor, sel: KVSelection, cache: CompactKV, query_mask: Tensor | None,
-              scale: float) -> tuple[Tensor, Tensor]:
-    """The streamed slots' outputs ``(B, gw*r, T, Dh)`` and their dead queries ``(B, T)``; stores the trimmed
-    window. ``q (B, gw*r, T, Dh)``, ``k``/``v (B, gw, T, Dh)``: this call's."""
-    assert sel.window is not None
-    B, _, T, _ = q.shape
-    state = cache.windows
-    pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
-    keys, values, key_pos = extend(state, k, v, pos)
-    if state is None and band_applies(query_mask, T, sel.window):  # a long prefill: block by block
-        dead = pos < 0  # (B, T): padding queries
-        out = banded_attention(q, keys, values, pos, sel.window,
-                               lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale))
-    else:
-        allowed = streaming_allowed(pos, key_pos, sel.window.sinks, sel.window.window)  # (B, T, N)
-        dead = ~allowed.any(-1)  # (B, T): padding queries
-        out = grouped_sdpa(q, keys, values, (allowed | dead.unsqueeze(-1)).unsqueeze(1), False, scale)
-    if cache.keep_windows is not None:
-        seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
-        cache.keep_windows(trim(keys, values, key_pos, seen, sel.window))
-    return out, dead.unsqueeze(1)
-
-
 def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV) -> Tensor:
     """One call under a held plan on a compact cache: ``inputs.x (B, T, D)`` -> ``(B, T, D)``. ``inputs``: the
     query input, padding (``mask``, ``key_mask``, ``attn_bias`` over the full slots' keys) and ``rotary``."""
@@ -187,14 +173,17 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         gated = out if sel.unit_gates and slot_dead is None else _gated(out, sel.slot_gates, slot_dead)
         parts.append((gated, sel.kv_index))
         dead = dead_rows(am, B, T)
-    else:  # only streamed groups: the full-length tensor holds one placeholder of width 1 (it counts the tokens)
-        placeholder = x.new_zeros(B, 1, T, 1)
+    else:  # only streamed groups: the full-length tensor holds one narrow placeholder (it counts the tokens)
+        placeholder = x.new_zeros(B, 1, T, cache.placeholder_width)
         cache.store(placeholder, placeholder)
-    if sel.window_index is not None and sel.window_gates is not None:
-        q = _queries(_slots(q_all, sel.window_index, False), proj, inputs.rotary)
-        k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)
+    if sel.window_index is not None and sel.window_gates is not None and sel.policy is not None:
+        q = _queries(_slots(q_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw*r, T, Dh)
+        k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw, T, Dh)
         v = _slots(v_all, sel.window_index, False).transpose(1, 2)
-        out, w_dead = _streamed(q, k, v, sel, cache, inputs.mask, layout.scale)
+        keep = cache.keep_windows is not None
+        out, w_dead, state = sel.policy.attend(q, k, v, cache.windows, inputs.mask, layout.scale, keep)
+        if cache.keep_windows is not None:
+            cache.keep_windows(state)
         parts.append((_gated(out, sel.window_gates, w_dead), sel.window_index))
         dead = w_dead.squeeze(1) if dead is None else dead
     if not parts:  # an empty batch
@@ -205,13 +194,50 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
     return y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)
 
 
+@dataclass(frozen=True)
+class CachedRun:
+    """The ``kv_cache`` executor bound to one cached call (what ``resolve_executor`` returns for it): calling it
+    runs the call; ``strategy`` says how the cache is read; :meth:`usage` is the call's record for ``head_usage``."""
+
+    executor: CachedExecutor
+    selection: KVSelection
+    name: str = "kv_cache"
+
+    @property
+    def strategy(self) -> str:
+        """``full`` (every group, no gathers), ``compact`` (the kept groups), ``full+<policy>`` / ``<policy>``
+        (groups held by the KV policy too / only)."""
+        sel = self.selection
+        if sel.window_index is not None:
+            name = sel.policy.name if sel.policy is not None else "window"
+            return f"full+{name}" if sel.slots else name
+        return "full" if sel.identity else "compact"
+
+    def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
+        return self.executor(weights, inputs, plan)
+
+    def usage(self, s: Tensor, plan: HeadPlan, query_mask: Tensor | None, T: int, S: int,
+              holds_unkept: bool) -> LastForward:
+        """The call's usage record: ``s`` the request's budget, ``T`` queries, ``S`` keys; ``holds_unkept``: the KV
+        policy computes the heads of the groups the plan does not keep (they count as streamed heads)."""
+        sel, streamed = self.selection, None
+        if sel.modes is not None and holds_unkept:
+            # (B, Hkv) -> (B, H): every head of a group the plan does not keep that its KV policy holds
+            by_policy = (sel.modes != KV_NONE) & ~kv_groups_used(plan.active, sel.modes.shape[1])
+            streamed = by_policy.repeat_interleave(plan.num_heads // sel.modes.shape[1], dim=1)
+        window_keys = sel.window.capacity if sel.window is not None else S
+        return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys)
+
+
 @register_executor("kv_cache")
 class CachedExecutor:
-    """A request's held sequence plan on a compact KV cache: only the kept key/value groups are projected, cached
-    and read; streamed groups read their window; the others are never computed.
+    """A request's held sequence plan on a compact KV cache (``AttentionInputs.kv_cache``): only the kept key/value
+    groups are projected, cached and read; groups the KV policy holds are attended by it; the others are never
+    computed.
 
-    Wrapped decoders (Llama, Qwen2/3, Mistral, Gemma) run every call of a request with a KV cache through it,
-    whatever their ``executor`` (no other executor can read a compact cache). On a call without a cache it computes
+    It is the only executor that reads a compact cache (``capabilities.reads_kv_cache``): ``auto`` runs it on every
+    cached call of a wrapped decoder (Llama, Qwen2/3, Mistral, Gemma), and a named executor that cannot is replaced
+    by it on those calls with one warning (:func:`condcomp.explain` says why). On a call without a cache it computes
     the kept groups from the call's own keys and values, which ``auto`` never prefers (it projects every group); a
     per-token plan then keeps the groups any token reads (on a compact cache it is refused: a later token may pick
     any head).
@@ -223,37 +249,36 @@ class CachedExecutor:
 
     name = "kv_cache"
     granularities = ("sequence", "token")
-    capabilities = Capabilities()
+    capabilities = Capabilities(reads_kv_cache=True)
 
     def supports(self, weights: AttentionWeights | None, inputs: AttentionInputs, plan: HeadPlan,
                  cache: CompactKV | None = None) -> str | None:
+        cache = cache if cache is not None else inputs.kv_cache
         if cache is not None and plan.granularity != "sequence":
             return ("a per-token plan may pick any head at a later token: it cannot run on a compact KV cache (one "
                     "head set per request)")
         return None
 
-    def run_cached(self, layout: HeadLayout, inputs: AttentionInputs, plan: HeadPlan | None,
-                   cache: CompactKV) -> Tensor:
-        """A call of a request on its compact KV cache (``cache.projections`` required): ``(B, T, D)``."""
-        reasons = self.capabilities.reasons(inputs.x, "sequence" if plan is None else plan.granularity)
-        if plan is not None and (reason := self.supports(None, inputs, plan, cache)) is not None:
-            reasons.append(reason)
-        if reasons:
-            raise RuntimeError(f"executor 'kv_cache' cannot run this call: {'; '.join(reasons)}")
-        return compact_attention(layout, inputs, cache)
+    def prepare(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
+        """Bound to a cached call (:class:`CachedRun`: its strategy and usage record), or itself without a cache."""
+        cache = inputs.kv_cache
+        return self if cache is None else CachedRun(self, cache.selection)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
+        if inputs.kv_cache is not None:
+            return Estimate(0.0, self.prepare(weights, inputs, plan),
+                            note="the call reads a compact KV cache, which only this executor can")
         return Estimate(1.5, note="without a KV cache it projects every group and gathers the kept ones")
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
                  cache: CompactKV | None = None) -> Tensor:
+        cache = cache if cache is not None else inputs.kv_cache
         reason = self.supports(weights, inputs, plan, cache)
         if reason is not None:
             raise RuntimeError(f"executor 'kv_cache' cannot run this call: {reason}")
         if cache is not None:
             if cache.projections is None:
-                cache = CompactKV(cache.selection, cache.store, cache.visible, cache.windows, cache.keep_windows,
-                                  Projections.of_weights(weights))
+                cache = dataclasses.replace(cache, projections=Projections.of_weights(weights))
             return compact_attention(weights.layout, inputs, cache)
         return keep_gates_in_graph(self._cache_free(weights, inputs, plan), plan)
 

@@ -4,7 +4,7 @@ At inference a decoder's sequence plan belongs to a request: decided at the requ
 (its prefill) and kept while the cache holds tokens. The plan is stored *with the cached tensors*: the cache layer
 object (a transformers ``CacheLayerMixin``) that the wrapped layer fills becomes a :class:`PlanCarrier` of its own
 class (``isinstance`` checks and every method still answer as before) holding a
-:class:`~condcomp.held_plans.HeldPlan` with one row per cache row. transformers' cache operations then act on the
+:class:`~condcomp.kv.selection.HeldPlan` with one row per cache row. transformers' cache operations then act on the
 plan as on the keys and values:
 
 - ``reset()`` drops it (the next call is a new request's prefill); ``crop(n)`` keeps it while tokens remain;
@@ -19,23 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn import Module
 
-from condcomp.executors.streaming import WindowCache
-from condcomp.executors.window_quant import QuantizedWindowCache, WindowCodec
-from condcomp.held_plans import HeldPlan, KVSelection
 from condcomp.host import detached
+from condcomp.kv.policy import KVPolicy
+from condcomp.kv.selection import HeldPlan, KVSelection
+from condcomp.kv.window_quant import WindowCodec
 from condcomp.types import HeadPlan
+
+from .generation_check import check_cache_free_generation
 
 _WRITING = threading.local()  # set while a wrapped layer writes a compact cache (others may not)
 
@@ -63,8 +61,9 @@ class PlanCarrier:
     ``condcomp_plan`` rides with the layer's tensors through the layer's own operations."""
 
     condcomp_plan: HeldPlan | None = None
-    # the streamed groups' trimmed keys/values (see .decode), quantized in a quantized layer (see window_codec)
-    condcomp_windows: WindowCache | QuantizedWindowCache | None = None
+    # the state of the groups the plan's KV policy holds (a streaming window: trimmed keys/values), as the policy
+    # stores it in this layer (quantized in a quantized layer, see window_codec)
+    condcomp_windows: Any = None
     condcomp_tokens: int  # static layers only: tokens held, counted on the host
     _condcomp_base: Any = object
 
@@ -76,9 +75,9 @@ class PlanCarrier:
             self.condcomp_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        windows, held = self.condcomp_windows, self.condcomp_plan
-        if windows is not None and held is not None and held.selection is not None and held.selection.window:
-            windows = windows.crop(abs(tokens_to_remove), held.selection.window)  # refused before anything changes
+        windows, policy = self.condcomp_windows, _held_policy(self)
+        if windows is not None and policy is not None:
+            windows = policy.crop(windows, abs(tokens_to_remove))  # refused before anything changes
         self._condcomp_base.crop(self, tokens_to_remove)
         self.condcomp_windows = windows
         if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
@@ -92,10 +91,11 @@ class PlanCarrier:
         self._take_rows(beam_idx)
 
     def _take_rows(self, index: Tensor) -> None:
+        policy = _held_policy(self)
         if self.condcomp_plan is not None:
             self.condcomp_plan = self.condcomp_plan.take_rows(index)
-        if self.condcomp_windows is not None:
-            self.condcomp_windows = self.condcomp_windows.take_rows(index)
+        if self.condcomp_windows is not None and policy is not None:
+            self.condcomp_windows = policy.take_rows(self.condcomp_windows, index)
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self._condcomp_base.batch_select_indices(self, indices)
@@ -151,6 +151,12 @@ def _rebuild_layer(base: Any) -> Any:
     return object.__new__(cls)
 
 
+def _held_policy(layer: Any) -> KVPolicy | None:
+    """The KV policy whose state ``layer`` holds (the held plan's), or None."""
+    held = layer.__dict__.get("condcomp_plan")
+    return None if held is None or held.selection is None else held.selection.policy
+
+
 def window_codec(layer: Any) -> WindowCodec | None:
     """How a quantized transformers cache layer stores the streamed groups' windows it holds, as it stores its own
     keys: fp8 for an ``Fp8QuantizedLayer``, the layer's ``nbits`` and ``q_group_size`` for a ``QuantizedLayer``
@@ -166,22 +172,38 @@ def window_codec(layer: Any) -> WindowCodec | None:
     return None
 
 
-def stored_windows(layer: Any) -> WindowCache | None:
-    """The streamed groups' window a cache layer holds, as full-precision tensors (dequantized if stored so)."""
+def placeholder_width(layer: Any, rows: int, tokens: int, prefill: bool) -> int:
+    """The width of the token-counting placeholder a layer holding no full group stores, fixed at the request's
+    prefill of ``rows x tokens`` (and kept with the layer for its later calls): 1, or, where a layer that quantizes
+    in groups of ``n`` values (HQQ, quanto) could not quantize ``rows x tokens`` values, ``n`` (whole groups at any
+    length; HQQ would raise a bare AssertionError)."""
+    if layer is None:
+        return 1
+    if not prefill:
+        return int(layer.__dict__.get("condcomp_placeholder", 1))
+    group = int(getattr(layer, "q_group_size", 1) or 1)
+    width = 1 if (rows * tokens) % group == 0 else group
+    layer.__dict__["condcomp_placeholder"] = width
+    return width
+
+
+def stored_windows(layer: Any, policy: KVPolicy | None = None) -> Any:
+    """The state of the KV policy's groups a cache layer holds, as the executor reads it (a window dequantized if
+    stored so); ``policy``: the policy that stored it (default: the layer's held plan's)."""
     windows = getattr(layer, "condcomp_windows", None)
-    return windows.dequantized() if isinstance(windows, QuantizedWindowCache) else windows
+    policy = policy if policy is not None else _held_policy(layer)
+    return windows if windows is None or policy is None else policy.loaded(windows)
 
 
-def store_windows(layer: Any, windows: WindowCache | None) -> None:
-    """Keep ``windows`` in a carrier ``layer``: quantized when the layer is a quantized one (:func:`window_codec`),
-    so a quantized cache holds the windows as compactly as its own keys."""
-    codec = window_codec(layer) if windows is not None else None
-    if codec is None or windows is None:
+def store_windows(layer: Any, windows: Any, policy: KVPolicy | None = None) -> None:
+    """Keep the state ``windows`` of ``policy`` (default: the layer's held plan's) in a carrier ``layer``, as the
+    policy stores it in this layer: a window quantized when the layer is a quantized one (:func:`window_codec`), so
+    a quantized cache holds the windows as compactly as its own keys."""
+    policy = policy if policy is not None else _held_policy(layer)
+    if windows is None or policy is None:
         layer.condcomp_windows = windows
         return
-    before = layer.__dict__.get("condcomp_windows")
-    layer.condcomp_windows = QuantizedWindowCache.store(
-        windows, codec, before if isinstance(before, QuantizedWindowCache) else None)
+    layer.condcomp_windows = policy.stored(windows, window_codec(layer), layer.__dict__.get("condcomp_windows"))
 
 
 def cache_layer(cache: Any, layer_idx: int, cross: bool = False) -> Any:
@@ -201,6 +223,31 @@ def held_record(cache: Any, layer_idx: int, cross: bool = False) -> HeldPlan | N
     if layer is None or _length(layer) == 0:
         return None
     return getattr(layer, "condcomp_plan", None)
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """One layer of a transformers cache as the ``kv_cache`` executor writes it
+    (:class:`~condcomp.executors.cached.CompactKV`'s ``store`` and ``keep_windows``): the kept groups' keys and
+    values through the layer's own ``update``, the KV policy's state beside them."""
+
+    cache: Any
+    layer_idx: int
+    extra: Any  # the call's cache kwargs, passed on to update
+    policy: KVPolicy | None
+
+    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the kept groups' ``(B, g, T, Dh)``; their whole history ``(B, g, S, Dh)``."""
+        with compact_write():
+            return self.cache.update(k, v, self.layer_idx, kwargs=self.extra)  # type: ignore[no-any-return]
+
+    def state(self) -> Any:
+        """The KV policy's state held before this call, as the executor reads it."""
+        return stored_windows(cache_layer(self.cache, self.layer_idx), self.policy)
+
+    def keep_windows(self, state: Any) -> None:
+        # looked up again: at a prefill the layer exists only once store() has run
+        store_windows(cache_layer(self.cache, self.layer_idx), state, self.policy)
 
 
 @dataclass(frozen=True)
@@ -288,64 +335,14 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
     return plan
 
 
-@functools.cache
-def _generate_code() -> Any:
-    try:
-        from transformers.generation.utils import GenerationMixin
-    except ImportError:
-        return None
-    return inspect.unwrap(GenerationMixin.generate).__code__
-
-
-def _inside_generate(routed: Any) -> bool:
-    """Whether a ``generate()`` of the model holding ``routed`` is on the call stack (a cache-free forward of this
-    model inside another model's ``generate``, e.g. a scoring model in a logits processor, is not its generation)."""
-    code, depth = _generate_code(), 0
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and depth < 200:
-        if frame.f_code is code:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Module) and any(m is routed for m in owner.modules()):
-                return True
-        frame, depth = frame.f_back, depth + 1
-    return False
-
-
-def check_cache_free_generation(routed: Any, plan: HeadPlan) -> None:
-    """``generate(use_cache=False)`` would decide a decoder's plan again at every step from the prompt *and* the
-    text generated so far (different tokens from generating with a cache): refused, with the fix, unless the plan
-    is decided from the prompt (``plan_from_prompt``) or keeps every head."""
-    streams = getattr(routed.condcomp_router, "stream", None) is not None
-    if routed.training or (routed.prompt_len is not None and not streams) or bool(plan.active.all()):
-        return
-    if not _inside_generate(routed):
-        return
-    if streams:
-        raise ValueError(
-            "generate(use_cache=False) with a router that streams the key/value groups a plan does not keep "
-            "(stream_window): streamed groups exist only in a KV cache (without one their heads would be skipped, "
-            "a different text). Generate with the cache (the default)")
-    raise ValueError(
-        "generate(use_cache=False) with per-request plans: without a KV cache every step would decide the plan again "
-        "from the prompt and the tokens generated so far, so the text would differ from generate() with a cache. "
-        "Generate with the cache (the default), or decide every step's plan from the prompt: "
-        "`with condcomp.plan_from_prompt(model, input_ids.shape[1]): model.generate(..., use_cache=False)` "
-        "(the same tokens as with a cache)")
-
-
 def _tensor_bytes(value: Any, seen: set[int]) -> int:
-    """Bytes of the tensors in ``value`` (a tensor, a container of them, or a streamed-groups cache), each
-    storage counted once."""
+    """Bytes of the tensors in ``value`` (a tensor or a container of them), each storage counted once."""
     if isinstance(value, Tensor):
         key = value.untyped_storage().data_ptr() if value.numel() else id(value)
         if key in seen:
             return 0
         seen.add(key)
         return value.numel() * value.element_size()
-    if isinstance(value, WindowCache):
-        return sum(_tensor_bytes(t, seen) for t in (value.keys, value.values, value.positions, value.seen))
-    if isinstance(value, QuantizedWindowCache):
-        return sum(_tensor_bytes(t, seen) for t in value.tensors())
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v, seen) for v in value)
     if isinstance(value, dict):
@@ -372,5 +369,15 @@ def cache_bytes(cache: Any) -> list[int]:
     out = []
     for layer in layers:
         seen: set[int] = set()
-        out.append(sum(_tensor_bytes(v, seen) for k, v in vars(layer).items() if k != "condcomp_plan"))
+        policy = _held_policy(layer)
+        total = 0
+        for k, v in vars(layer).items():
+            if k == "condcomp_plan":
+                continue
+            if k == "condcomp_windows" and v is not None:  # the KV policy counts its own state
+                if policy is None:
+                    raise ValueError("cache_bytes: a cache layer holds a KV policy's state but no plan saying whose")
+                v = policy.tensors(v)
+            total += _tensor_bytes(v, seen)
+        out.append(total)
     return out

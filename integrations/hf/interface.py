@@ -36,6 +36,7 @@ from condcomp.adapters import find_adapter, load_integrations_for
 from condcomp.api import aux_loss, head_usage, select_targets, set_progress
 from condcomp.config import CondCompConfig
 from condcomp.host import RoutingHost
+from condcomp.kv.choose import check_kv_support
 from condcomp.routed import build_routing, read_adapter
 from condcomp.types import HeadLayout, HeadPlan
 
@@ -234,6 +235,7 @@ def apply_interface_(model: nn.Module, config: CondCompConfig | None = None) -> 
     if not chosen:
         raise ValueError("apply_interface_ matched no attention module that dispatches through transformers' "
                          f"AttentionInterface; target_modules={config.target_modules}")
+    check_kv_support(config, [(target[0], None) for target in chosen], "apply_interface_")
     shared = None
     for name, module, core, adapter in chosen:
         device = next(core.parameters()).device

@@ -3,8 +3,9 @@
 ``"projection"``).
 
 ``q_proj``/``k_proj``/``v_proj``/``o_proj``, grouped-query heads, optional per-head ``q_norm``/``k_norm`` (Qwen3),
-rotary ``position_embeddings=(cos, sin)``, optional sliding window and KV cache. With a cache, a sequence plan is
-the request's: :mod:`.decode` then projects, caches and reads only the key/value groups it keeps.
+rotary ``position_embeddings=(cos, sin)``, optional sliding window and KV cache. This adapter only translates
+arguments: with a cache, :func:`.decode.request_call` decides the request's plan and, for a sequence plan at
+inference, projects, caches and reads only the key/value groups it keeps.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from condcomp.attention import linear_weights
 from condcomp.dense import split_heads
 from condcomp.types import AttentionWeights, HeadLayout
 
-from .cache import open_step
 from .common import (
     TransformersAdapter,
     attend_call,
@@ -29,7 +29,7 @@ from .common import (
     parameter_names,
     sliding_window_bias,
 )
-from .decode import compact_selection, decide_request_plan, held_attention
+from .decode import request_call
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -51,6 +51,7 @@ class ProjectionAttentionAdapter(TransformersAdapter):
     (``cache`` / ``past_key_values``)."""
 
     module_types = import_classes(PROJECTION_CLASSES)
+    holds_kv_policies = True  # its decoders' calls on a cache run on the compact cache (.decode)
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
@@ -104,19 +105,9 @@ class ProjectionAttentionAdapter(TransformersAdapter):
             rotary = (cos.expand(B, T, L.head_dim), sin.expand(B, T, L.head_dim))  # (B, T, Dh), views
         mask = a.get("attention_mask")
         step = plan = None
-        if cache is not None and self.layer_idx is not None:
-            # A decoder's sequence plan is its request's: stored in the cache at the first call, read at the later
-            # ones. In inference (or whenever the cache holds one) only the key/value groups it keeps are projected,
-            # cached and read; a per-token plan, or a plan decided in training, caches every key/value head.
-            step = open_step(routed, cache, self.layer_idx, B, T)
-            held = step.held
-            if held is not None and held.selection is not None:
-                return held_attention(routed, held.selection, x, rotary, step, mask, self.sliding_window, extra), None
-            plan = decide_request_plan(routed, x, mask, step)
-            if held is None and plan.granularity == "sequence" and not routed.training:
-                selection = compact_selection(routed, plan, step)
-                y = held_attention(routed, selection, x, rotary, step, mask, self.sliding_window, extra)
-                step.keep(routed, plan, selection)
+        if cache is not None and self.layer_idx is not None:  # a request's call: decode.request_call decides how
+            y, step, plan = request_call(routed, x, rotary, cache, self.layer_idx, mask, self.sliding_window, extra)
+            if y is not None:
                 return y, None
         key_states = value_states = None
         if cache is not None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from condcomp.executors.window_quant import WindowCodec
+from condcomp.kv.window_quant import WindowCodec
 
 FP8_MAX = 448.0  # float8 e4m3's largest value
 
@@ -83,7 +83,7 @@ class ReferenceWindows:
         self.kind, self.scales = kind, {}
 
     def round(self, cache: Any) -> None:
-        from condcomp.executors.streaming import WindowCache
+        from condcomp.kv.window import WindowCache
 
         for i, layer in enumerate(cache.layers):
             w = layer.__dict__.get("condcomp_windows")
@@ -107,7 +107,7 @@ def test_split_inside_a_quantized_cache_reads_its_windows_quantized(kind: str, k
     from condcomp.integrations.hf import cache as hf_cache
 
     from condcomp.bench.kv_variants import ModelContext, missing_packages, quantized_cache, window_split
-    from condcomp.executors.window_quant import QuantizedWindowCache
+    from condcomp.kv.window_quant import QuantizedWindowCache
 
     if missing_packages({"fp8": "quantized-fp8", "hqq4": "quantized-hqq4"}[kind]):
         pytest.skip(f"{kind} needs the kvquant extra")

@@ -16,7 +16,7 @@ from torch import Tensor
 import condcomp
 from condcomp.executors.auto import get_executor
 from condcomp.executors.cached import CompactKV
-from condcomp.held_plans import KV_FULL, KV_NONE, KV_WINDOW, StreamWindow, select_kv
+from condcomp.kv.selection import KV_FULL, KV_NONE, KV_WINDOW, StreamWindow, select_kv
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 B, P, STEPS, D, H, Dh = 4, 6, 5, 16, 4, 4
@@ -143,7 +143,7 @@ def test_explain_lists_the_kv_cache_executor_and_auto_prefers_dense_without_a_ca
 
 def test_window_entries_are_taken_as_gather_takes_them() -> None:
     """The window trim's row copy (index_select over flattened entries) against torch.gather on the same index."""
-    from condcomp.executors.streaming import take_entries
+    from condcomp.kv.window import take_entries
 
     g = torch.Generator().manual_seed(0)
     t = torch.randn(3, 2, 9, 4, generator=g)

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from condcomp.dense import grouped_sdpa
-from condcomp.executors.streaming import band_applies, banded_attention
-from condcomp.held_plans import StreamWindow
+from condcomp.kv.window import StreamWindow, band_applies, banded_attention
 
 
 def rule_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from condcomp.executors.streaming import query_positions
+from condcomp.kv.window import query_positions
 from condcomp.masks import streaming_allowed
 
 ATTN_NAME = "condcomp_duo"

@@ -18,7 +18,7 @@ from torch import nn
 
 import condcomp
 from condcomp.executors.auto import get_executor
-from condcomp.held_plans import KV_WINDOW, RequestPlan
+from condcomp.kv.selection import KV_WINDOW, RequestPlan
 from condcomp.types import AttentionInputs
 
 t = pytest.importorskip("transformers")

@@ -2,7 +2,7 @@
 
 A streamed group's keys and values live in one trimmed tensor per layer, ``(B, gw, N, Dh)`` with
 ``N <= sinks + window``, beside the full-length cache of the fully kept groups; rows with different streamed
-groups share it as the compact cache does (:class:`~condcomp.held_plans.KVSelection`). Each entry remembers the
+groups share it as the compact cache does (:class:`~condcomp.kv.selection.KVSelection`). Each entry remembers the
 real-token position of its token (``-1``: empty), so the streaming rule (:func:`condcomp.masks.streaming_allowed`)
 reads the same at prefill and at every decode step. Keys are stored after rotary, at their own positions.
 """
@@ -15,10 +15,36 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from condcomp.held_plans import StreamWindow
 from condcomp.masks import streaming_allowed
 
 _SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent token when trimming
+
+
+@dataclass(frozen=True)
+class StreamWindow:
+    """What a streaming KV group keeps: the request's first ``sinks`` tokens plus its last ``window`` tokens.
+
+    A query at position ``p`` of a streaming group attends to keys at positions ``j <= p`` with ``j < sinks`` or
+    ``p - j < window`` (positions count the request's real tokens, padding excluded); the cache holds at most
+    ``sinks + window`` tokens per streaming group, so its bytes stop growing with the context.
+
+    >>> StreamWindow(sinks=4, window=60).capacity
+    64
+    """
+
+    sinks: int = 4
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        for name, low in (("sinks", 0), ("window", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"StreamWindow.{name} must be an int >= {low}, got {v!r}")
+
+    @property
+    def capacity(self) -> int:
+        """Tokens a streaming group's cache holds at most."""
+        return self.sinks + self.window
 
 
 @dataclass(frozen=True)
@@ -31,10 +57,14 @@ class WindowCache:
     positions: Tensor
     seen: Tensor
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The four tensors held."""
+        return self.keys, self.values, self.positions, self.seen
+
     @property
     def nbytes(self) -> int:
         """Bytes the four tensors hold."""
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.seen))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def take_rows(self, index: Tensor) -> WindowCache:
         """Rows ``index`` (int64 or bool over rows), in that order (beam reordering, selecting, repeating)."""

@@ -1,6 +1,6 @@
 """Streamed-group windows stored quantized, for a quantized KV cache layer that holds them beside its own keys.
 
-A window (:class:`~condcomp.executors.streaming.WindowCache`) is trimmed at every step: its oldest recent token
+A window (:class:`~condcomp.kv.window.WindowCache`) is trimmed at every step: its oldest recent token
 leaves and the new one enters, so entries move within the tensor. Its keys and values are therefore quantized
 *per entry*: every (row, key/value head, token) carries its own codes and its own scale, so trimming or selecting
 rows moves codes and scales together, and quantizing an entry that was already quantized gives back the same codes
@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from condcomp.executors.streaming import WindowCache, crop_positions
-from condcomp.held_plans import StreamWindow
+from condcomp.kv.window import StreamWindow, WindowCache, crop_positions
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max

@@ -1,0 +1,128 @@
+"""Splits of a decoder's KV groups into full and windowed ones, from calibration: the public entry points.
+
+Three ways to decide which (layer, KV group) pairs keep their full cache, the others getting the ``window`` KV
+policy (first ``sinks`` + last ``window`` tokens):
+
+- :func:`duo_split`: DuoAttention gates from a gates file (``condcomp calibrate-kv --method duo``; the repository
+  commits ``results/kv/duo_gates.json`` for SmolLM2-135M): the highest-scored fraction of all pairs stays full,
+  globally over layers, and every request gets the same split.
+- :func:`static_split`: static pruning's gradient importance per group (:func:`group_importance` of
+  :func:`head_gradients`), the same kept count in every layer.
+- :func:`request_split`: a per-request router file (``condcomp calibrate-kv --method request``): each prompt picks
+  its own full groups (:func:`load_request_split` reads the file).
+
+Each applies condcomp to the model in place (one ``topk`` router per attention layer, ``kv=("window", ...)``) and
+returns it. The training code lives in ``condcomp.experiments.llm`` (``calibrate-kv``); these names are the stable
+ones to call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from condcomp.api import apply_, routing_hosts
+from condcomp.config import CondCompConfig
+from condcomp.experiments.llm.duo_gates import load_gates as _load_gates
+from condcomp.experiments.llm.duo_gates import split_from_scores
+from condcomp.experiments.llm.head_importance import (
+    group_heads,
+    group_importance,
+    head_gradients,
+    head_importance,
+    keep_groups,
+    warm_start_scores,
+)
+from condcomp.experiments.llm.request_split import RequestSplit
+from condcomp.experiments.llm.request_split import load_router as _load_router
+
+__all__ = ["duo_split", "group_heads", "group_importance", "head_gradients", "head_importance", "keep_groups",
+           "load_gates", "load_request_split", "request_split", "split_from_scores", "static_split",
+           "warm_start_scores"]
+
+
+def _attention_layers(model: nn.Module) -> list[str]:
+    layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no modules named '*self_attn' (a Llama-family decoder's "
+                         "attention layers): the KV splits are for those decoders")
+    return layers
+
+
+def _groups(model: nn.Module) -> tuple[int, int]:
+    cfg: Any = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "num_key_value_heads"):
+        raise ValueError(f"{type(model).__name__} has no config.num_key_value_heads: the KV splits are for "
+                         "transformers decoders with key/value groups (Llama, Qwen2/3, Mistral, Gemma)")
+    return int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+
+
+def load_gates(path: str | Path, layers: int, groups: int) -> dict[str, Any]:
+    """A gates file's record (``scores (L, G)`` float64, ``sinks``, ``window``, how it was made), checked against
+    ``layers x groups``; a string path works too."""
+    return _load_gates(Path(path), layers, groups)
+
+
+def _apply_layers(model: nn.Module, kept_counts: list[int], scores: list[list[float]] | None, G: int,
+                  sinks: int, window: int) -> None:
+    inits: list[list[float] | None] = list(scores) if scores is not None else [None] * len(kept_counts)
+    for layer, keep, init in zip(_attention_layers(model), kept_counts, inits, strict=True):
+        router = ("topk", {"kv_groups": True} if init is None else {"kv_groups": True, "init_scores": init})
+        apply_(model, CondCompConfig(policy=("fixed", {"fraction": keep / G, "k_min": 0}), router=router,
+                                     kv=("window", {"sinks": sinks, "window": window}), target_modules=[layer]))
+
+
+def duo_split(model: nn.Module, path: str | Path, fraction: float, *, window: int | None = None,
+              sinks: int | None = None) -> nn.Module:
+    """Apply a DuoAttention split from a gates file in place: the ``fraction`` of all (layer, KV group) pairs with
+    the highest gates keeps the full cache (a layer may keep none or all of its groups), the others stream the
+    file's ``sinks`` + ``window`` tokens (or the ones given). Returns ``model``, in eval mode.
+
+    >>> import condcomp.kv.calibration as kvc  # doctest: +SKIP
+    >>> model = kvc.duo_split(smollm2, "results/kv/duo_gates.json", 1 / 3)  # doctest: +SKIP
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"duo_split: fraction must be in [0, 1] (the share of (layer, group) pairs kept in full), "
+                         f"got {fraction}")
+    _, G = _groups(model)
+    record = load_gates(path, len(_attention_layers(model)), G)
+    kept = split_from_scores(record["scores"], fraction)
+    _apply_layers(model, [len(k) for k in kept], warm_start_scores(record["scores"]), G,
+                  int(record["sinks"] if sinks is None else sinks), int(record["window"] if window is None else window))
+    return model.eval()
+
+
+def static_split(model: nn.Module, importance: Tensor, fraction: float, *, window: int = 252,
+                 sinks: int = 4) -> nn.Module:
+    """Apply static pruning's split in place: in every layer the ``fraction`` of KV groups that ``importance
+    (L, G)`` ranks highest keeps the full cache (at least one), the others stream ``sinks`` + ``window`` tokens
+    (``fraction`` 0: every group streams, StreamingLLM). Returns ``model``, in eval mode."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"static_split: fraction must be in [0, 1], got {fraction}")
+    _, G = _groups(model)
+    layers = _attention_layers(model)
+    if tuple(importance.shape) != (len(layers), G):
+        raise ValueError(f"static_split: importance has shape {tuple(importance.shape)}, this model needs "
+                         f"({len(layers)}, {G}) (one score per layer and KV group)")
+    keep = 0 if fraction == 0 else max(1, round(fraction * G))
+    _apply_layers(model, [keep] * len(layers), warm_start_scores(importance), G, sinks, window)
+    return model.eval()
+
+
+def load_request_split(path: str | Path, model: nn.Module) -> RequestSplit:
+    """The per-request routers of a router file (``condcomp calibrate-kv --method request``), checked against
+    ``model``'s shape; a string path works too."""
+    return _load_router(Path(path), model)
+
+
+def request_split(model: nn.Module, path: str | Path) -> nn.Module:
+    """Apply a per-request split in place: per layer a ``topk`` router with the file's scorer picks from each
+    prompt the file's ``keep`` KV groups kept in full; the others stream the file's sinks + window. Returns
+    ``model``, in eval mode."""
+    split = load_request_split(path, model)
+    _apply_layers(model, [split.keep] * len(_attention_layers(model)), None, split.groups, split.sinks, split.window)
+    for host, trained in zip(routing_hosts(model).values(), split.routers, strict=True):  # in layer order
+        host.condcomp_router.scorer.load_state_dict(trained.scorer.state_dict())  # type: ignore[union-attr]
+    return model.eval()

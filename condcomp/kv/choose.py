@@ -1,0 +1,60 @@
+"""Which KV policy a wrapped layer's unkept groups get: ``CondCompConfig(kv=...)``, or the ``topk`` router's
+deprecated ``stream_window`` shorthand (the ``window`` policy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from condcomp.kv.policy import DropKV, KVPolicy
+from condcomp.kv.window import StreamWindow
+from condcomp.kv.window_policy import WindowKV
+from condcomp.registry import KV_POLICIES
+
+_ATTR = "_condcomp_kv_policy"  # the built policy, kept in the wrapped module's __dict__ (not a submodule)
+
+
+def build_kv_policy(spec: tuple[str, dict[str, Any]]) -> KVPolicy:
+    """The policy a normalized ``kv=`` spec names (``("window", {"sinks": 4, "window": 64})``)."""
+    policy = KV_POLICIES.build(spec[0], spec[1], {})
+    if not isinstance(policy, KVPolicy):
+        raise TypeError(f"kv policy {spec[0]!r} built a {type(policy).__name__}, not a condcomp.kv.KVPolicy "
+                        "subclass: derive the registered class from KVPolicy")
+    return policy
+
+
+def check_kv_support(config: Any, modules: list[tuple[str, Any]], attachment: str = "apply_") -> None:
+    """Refuse, before anything is wrapped, a config whose KV policy keeps the groups a plan does not keep (``full``,
+    ``window``, the router's ``stream_window``, a policy of one's own) on modules whose adapter cannot hold it:
+    ``modules`` are ``(name, adapter class or None)``; adapters that can set ``holds_kv_policies = True``."""
+    stream = config.router[1].get("stream_window") is not None
+    policy = build_kv_policy(config.kv)
+    if not (stream or policy.needs_cache):
+        return
+    what = "the router's stream_window" if stream else f"kv={config.kv[0]!r}"
+    unable = [name for name, adapter in modules if not getattr(adapter, "holds_kv_policies", False)]
+    if unable:
+        kinds = sorted({str(getattr(a, "__name__", a)) for name, a in modules if a is not None and name in unable})
+        where = f" ({', '.join(kinds)})" if kinds else ""
+        raise ValueError(
+            f"{attachment}: {what} keeps key/value groups a plan does not keep in a compact KV cache, which only the "
+            f"Llama-family decoders' module swap holds (LlamaAttention, Qwen2/3, Mistral, Gemma); {unable[:3]}"
+            f"{' ...' if len(unable) > 3 else ''}{where} would cache every head and silently drop those groups "
+            "instead. Use kv='drop' (the default) here, or condcomp.apply_ on a Llama-family decoder")
+
+
+def kv_policy_of(routed: Any) -> KVPolicy:
+    """The KV policy of a wrapped layer (built once from the config it was wrapped with)."""
+    cached = routed.__dict__.get(_ATTR)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    config = getattr(routed, "condcomp_config", None)
+    spec: tuple[str, dict[str, Any]] = getattr(config, "kv", None) or ("drop", {})
+    policy = build_kv_policy(spec)
+    stream = getattr(routed.condcomp_router, "stream", None)  # topk(stream_window=...): the window shorthand
+    if isinstance(stream, StreamWindow):
+        if not isinstance(policy, DropKV):
+            raise ValueError(f"the router's stream_window and kv={spec[0]!r} both say what unkept groups keep: "
+                             "set kv=('window', {'sinks': s, 'window': n}) and drop the router's stream_window")
+        policy = WindowKV(stream.sinks, stream.window)
+    routed.__dict__[_ATTR] = policy
+    return policy

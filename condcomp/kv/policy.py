@@ -1,0 +1,107 @@
+"""The KV policy: what a request's key/value group keeps in its cache when its plan does not keep it in full.
+
+A decoder request's plan (decided at prefill, :mod:`condcomp.kv.selection`) keeps some key/value groups (GQA groups;
+MHA: single heads) in full. The groups it does not keep get the layer's KV policy, the fourth role beside the budget
+policy, the router and the executor, named by ``CondCompConfig(kv=...)``:
+
+- ``drop`` (the default): the group is neither computed nor cached (its heads output zero);
+- ``full``: the group is cached in full and its heads are computed with gate 1 (dense decoding: the baseline);
+- ``window``: the group keeps its first ``sinks`` tokens and its last ``window`` tokens (StreamingLLM /
+  DuoAttention's streaming heads), :class:`~condcomp.kv.window_policy.WindowKV`;
+- anything registered with :func:`condcomp.register_kv_policy`: a :class:`KVPolicy` subclass that stores its groups
+  in a state of its own and says how its heads attend over it.
+
+A policy is data (frozen, compared by value) and owns everything about its state: how a call attends over it and
+updates it (:meth:`KVPolicy.attend`), the cache operations on rows (:meth:`KVPolicy.take_rows`, :meth:`KVPolicy.crop`;
+copies and pickling copy the state), how it is stored in a quantized cache (:meth:`KVPolicy.stored`) and what it
+costs in bytes (:meth:`KVPolicy.tensors`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from condcomp.registry import register_kv_policy
+
+KV_NONE, KV_WINDOW, KV_FULL = 0, 1, 2  # a request's KV group: not cached, a policy's own state, the full cache
+KV_MODE_NAMES = ("none", "window", "full")
+
+
+class KVPolicy:
+    """Base of the KV policies: ``stores`` says where the groups it gets live.
+
+    - ``"none"``: nowhere (dropped); ``"full"``: in the full-length cache beside the kept groups, heads at gate 1;
+    - ``"own"``: in a state of the policy's own, one per layer for the batch's groups it gets
+      (``(B, gw, ...)``, rows in cache order). Such a policy implements :meth:`attend`, and :meth:`take_rows`,
+      :meth:`crop` and :meth:`tensors` on its state unless the state has ``take_rows`` / ``crop`` / ``tensors``.
+
+    Subclasses are frozen dataclasses registered with :func:`condcomp.register_kv_policy`; their options are the
+    dataclass fields. A policy that is not a dataclass compares by type.
+    """
+
+    stores: ClassVar[str] = "own"
+    needs_static_room: ClassVar[bool] = False  # whether a static (preallocated) cache can hold its state
+
+    @property
+    def name(self) -> str:
+        """The registry key (the class name when unregistered)."""
+        return str(getattr(type(self), "registry_key", type(self).__name__))
+
+    @property
+    def mode(self) -> int:
+        """The mode code a group under this policy carries in ``KVSelection.modes``."""
+        return {"none": KV_NONE, "full": KV_FULL}.get(self.stores, KV_WINDOW)
+
+    @property
+    def needs_cache(self) -> bool:
+        """Whether its groups differ from a plan without a cache (where unkept groups are skipped)."""
+        return self.stores != "none"
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
+               keep: bool) -> tuple[Tensor, Tensor, Any]:
+        """One call over the policy's groups: ``q (B, gw*r, T, Dh)``, this call's ``k``/``v (B, gw, T, Dh)``
+        (after rotary), ``state`` before the call (None at prefill), ``query_mask (B, T)`` real tokens or None.
+        Returns ``(out (B, gw*r, T, Dh), dead (B, 1, T) queries that see no key, new state or None if not keep)``."""
+        raise NotImplementedError(f"KV policy {self.name!r} stores {self.stores!r}: it holds no state to attend")
+
+    def take_rows(self, state: Any, index: Tensor) -> Any:
+        """The state of rows ``index`` (int64 or bool over rows), in that order (beam reordering, selecting,
+        repeating rows)."""
+        return state.take_rows(index)
+
+    def crop(self, state: Any, tokens: int) -> Any:
+        """The state without each request's last ``tokens`` tokens (or an error saying why it cannot be)."""
+        return state.crop(tokens)
+
+    def tensors(self, state: Any) -> tuple[Tensor, ...]:
+        """Every tensor the state holds: what it costs in bytes (``condcomp.integrations.hf.cache_bytes``)."""
+        return tuple(state.tensors())
+
+    def stored(self, state: Any, codec: Any, before: Any) -> Any:
+        """The state as a quantized cache layer should hold it (``codec``: the layer's
+        :class:`~condcomp.kv.window_quant.WindowCodec`; ``before``: what it held). Default: as is."""
+        return state
+
+    def loaded(self, stored: Any) -> Any:
+        """The state an executor reads from what :meth:`stored` returned."""
+        return stored
+
+
+@register_kv_policy("drop")
+@dataclass(frozen=True)
+class DropKV(KVPolicy):
+    """The groups a plan does not keep are neither computed nor cached (the default)."""
+
+    stores: ClassVar[str] = "none"
+
+
+@register_kv_policy("full")
+@dataclass(frozen=True)
+class FullKV(KVPolicy):
+    """The groups a plan does not keep are cached in full and computed with gate 1: dense decoding, a baseline
+    that holds every group (the plan then only decides which heads of the kept groups are skipped)."""
+
+    stores: ClassVar[str] = "full"

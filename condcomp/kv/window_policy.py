@@ -1,0 +1,74 @@
+"""The ``window`` KV policy: a group keeps its request's first ``sinks`` tokens and its last ``window`` tokens.
+
+Its state is a :class:`~condcomp.kv.window.WindowCache` per layer (quantized as the layer's own keys in a quantized
+cache, :mod:`condcomp.kv.window_quant`); a query at real-token position ``p`` reads keys ``j <= p`` with
+``j < sinks`` or ``p - j < window`` (:func:`condcomp.masks.streaming_allowed`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from condcomp.dense import grouped_sdpa
+from condcomp.kv.policy import KVPolicy
+from condcomp.kv.window import StreamWindow, WindowCache, band_applies, banded_attention, extend, query_positions, trim
+from condcomp.kv.window_quant import QuantizedWindowCache, WindowCodec
+from condcomp.masks import streaming_allowed
+from condcomp.registry import register_kv_policy
+
+
+@register_kv_policy("window")
+@dataclass(frozen=True)
+class WindowKV(KVPolicy):
+    """Streaming groups: the first ``sinks`` tokens and the last ``window`` tokens of each request, at most
+    ``sinks + window`` cached tokens per group whatever the context.
+
+    >>> WindowKV(sinks=4, window=60).window_spec.capacity
+    64
+    """
+
+    sinks: int = 4
+    window: int = 64
+    stores: ClassVar[str] = "own"
+
+    def __post_init__(self) -> None:
+        StreamWindow(self.sinks, self.window)  # validates both
+
+    @property
+    def window_spec(self) -> StreamWindow:
+        """The same window as a :class:`~condcomp.kv.window.StreamWindow`."""
+        return StreamWindow(self.sinks, self.window)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
+               keep: bool) -> tuple[Tensor, Tensor, Any]:
+        window = self.window_spec
+        B, _, T, _ = q.shape
+        pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
+        keys, values, key_pos = extend(state, k, v, pos)
+        if state is None and band_applies(query_mask, T, window):  # a long prefill: block by block
+            dead = pos < 0  # (B, T): padding queries
+            out = banded_attention(q, keys, values, pos, window,
+                                   lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale))
+        else:
+            allowed = streaming_allowed(pos, key_pos, window.sinks, window.window)  # (B, T, N)
+            dead = ~allowed.any(-1)  # (B, T): padding queries
+            out = grouped_sdpa(q, keys, values, (allowed | dead.unsqueeze(-1)).unsqueeze(1), False, scale)
+        new = None
+        if keep:
+            seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
+            new = trim(keys, values, key_pos, seen, window)
+        return out, dead.unsqueeze(1), new
+
+    def crop(self, state: Any, tokens: int) -> Any:
+        return state.crop(tokens, self.window_spec)
+
+    def stored(self, state: Any, codec: Any, before: Any) -> Any:
+        if not isinstance(codec, WindowCodec) or not isinstance(state, WindowCache):
+            return state
+        return QuantizedWindowCache.store(state, codec, before if isinstance(before, QuantizedWindowCache) else None)
+
+    def loaded(self, stored: Any) -> Any:
+        return stored.dequantized() if isinstance(stored, QuantizedWindowCache) else stored

@@ -1,0 +1,85 @@
+"""Decoding as an ordinary executor call: a call on a compact KV cache carries it in ``AttentionInputs.kv_cache``,
+``resolve_executor``/``explain`` pick ``kv_cache`` for it and say why, a named executor that cannot read the cache is
+replaced on those calls with one warning naming the fix, and the usage record is the executor's."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import Tensor
+
+import condcomp
+import condcomp.executors.auto as auto
+from condcomp.executors.auto import resolve_executor
+from condcomp.executors.cached import CachedRun, CompactKV
+from condcomp.kv import select_kv
+from condcomp.types import AttentionInputs
+
+t = pytest.importorskip("transformers")
+
+
+class ListCache:
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return self.k, self.v
+
+
+def cached_call() -> tuple[condcomp.AttentionWeights, AttentionInputs, condcomp.HeadPlan]:
+    torch.manual_seed(0)
+    attn = condcomp.HeadAttention(16, 4, num_kv_heads=2, causal=True)
+    plan = condcomp.plan_from_active(torch.tensor([[True, True, False, False], [False, False, True, True]]))
+    compact = CompactKV(select_kv(plan, attn.layout), ListCache().store)
+    return attn.weights(), AttentionInputs(x=torch.randn(2, 3, 16), kv_cache=compact), plan
+
+
+def test_auto_and_explain_pick_kv_cache_on_a_cached_call_and_say_why_the_others_cannot() -> None:
+    w, inputs, plan = cached_call()
+    choice = condcomp.explain(w, inputs, plan)
+    assert choice.executor == "kv_cache" and isinstance(choice.run, CachedRun)
+    verdicts = dict(choice.verdicts)
+    assert "compact KV cache" in verdicts["gathered"] and "compact KV cache" in verdicts["masked"]
+    assert "only this executor" in verdicts["kv_cache"]
+    # the same plan without a cache: the cache-free executors compete again
+    assert condcomp.explain(w, AttentionInputs(x=inputs.x), plan).executor != "kv_cache"
+
+
+def test_a_named_executor_that_cannot_read_the_cache_is_replaced_with_one_warning_naming_the_fix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto, "_WARNED", set())
+    w, inputs, plan = cached_call()
+    with pytest.warns(UserWarning, match="'gathered' cannot read .*use_cache=False"):
+        run = resolve_executor("gathered", w, inputs, plan)
+    assert run.name == "kv_cache"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per executor, not per call
+        assert resolve_executor("gathered", w, inputs, plan).name == "kv_cache"
+    choice = condcomp.explain(w, inputs, plan, executor="gathered")
+    assert choice.executor == "kv_cache" and "use_cache=False" in dict(choice.verdicts)["gathered"]
+
+
+@pytest.mark.parametrize("executor", ["auto", "gathered"])
+def test_a_wrapped_llama_decodes_through_kv_cache_and_records_it(executor: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto, "_WARNED", set())
+    torch.manual_seed(0)
+    config = t.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=50)
+    model = t.LlamaForCausalLM(config).eval()
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), executor=executor,
+                                                   router=("topk", {"kv_groups": True})))
+    ids = torch.randint(1, 50, (2, 5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    replaced = [w for w in caught if "cannot read a decoder request's compact KV cache" in str(w.message)]
+    assert len(replaced) == (1 if executor == "gathered" else 0)  # one warning for the whole generation
+    usage = condcomp.head_usage(model)
+    assert {u.executor for u in usage.values()} == {"kv_cache"}
+    assert {u.strategy for u in usage.values()} <= {"compact", "full"}

@@ -1,0 +1,168 @@
+"""The ``snapkv`` KV policy on the ``kv_cache`` executor against its rule written from scratch in float64: which
+prompt tokens each (row, KV group) keeps (the last ``observe`` prompt queries' attention summed over the group's
+heads, average-pooled over ``pool`` tokens, the ``budget`` best plus the window), and the attention over them at
+every later step. MHA and GQA, left padding, rows with different plans, prefill then decode, row selection, crop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+import condcomp
+from condcomp.executors.auto import get_executor
+from condcomp.executors.cached import CompactKV
+from condcomp.kv import SnapKV, select_kv
+from condcomp.types import AttentionInputs, AttentionWeights
+
+sys_path = __import__("sys").path
+sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+from core_helpers import make_layout, make_weights, random_active  # noqa: E402
+
+B, P, STEPS, D, H, Dh = 3, 12, 4, 16, 4, 4
+POLICY = SnapKV(budget=3, observe=2, pool=3)
+
+
+class ListCache:
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.windows: object = None
+
+    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return self.k, self.v
+
+    def keep(self, windows: object) -> None:
+        self.windows = windows
+
+
+def padding() -> Tensor:
+    mask = torch.ones(B, P + STEPS, dtype=torch.bool)
+    mask[1, :2] = False  # left padding
+    mask[2, :7] = False  # 5 real prompt tokens: fewer than budget + observe + pool's reach
+    return mask
+
+
+def kept_by_rule(w: AttentionWeights, x: Tensor, mask: Tensor, b: int, g: int) -> set[int]:
+    """The sequence indices of the prompt tokens row ``b``'s group ``g`` keeps, from scratch in float64."""
+    L = w.layout
+    r = L.group_size
+    real = [i for i in range(P) if mask[b, i]]
+    obs, prefix = real[-POLICY.observe:], real[:-POLICY.observe]
+    k = x[b] @ w.k_weight[g * Dh:(g + 1) * Dh].T  # (S, Dh)
+    score = {j: 0.0 for j in prefix}
+    for h in range(g * r, (g + 1) * r):
+        q = x[b] @ w.q_weight[h * Dh:(h + 1) * Dh].T
+        for i in obs:
+            seen = [j for j in real if j <= i]
+            logits = [float(q[i] @ k[j]) * L.scale for j in seen]
+            top = max(logits)
+            z = sum(math.exp(v - top) for v in logits)
+            for j, v in zip(seen, logits):
+                if j in score:
+                    score[j] += math.exp(v - top) / z
+    half = POLICY.pool // 2
+    pooled = {j: sum(score.get(j + d, 0.0) for d in range(-half, half + 1)) / POLICY.pool for j in prefix}
+    best = sorted(prefix, key=lambda j: -pooled[j])[:POLICY.budget]
+    return set(best) | set(obs)
+
+
+def rule_bias(w: AttentionWeights, x: Tensor, mask: Tensor, snap: Tensor) -> Tensor:
+    """``(B, H, S, S)`` float64: causal over real tokens; a snapkv group's heads after the prompt also only over
+    its kept prompt tokens."""
+    S, r = mask.shape[1], w.layout.group_size
+    bias = torch.full((B, H, S, S), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        kept = {g: kept_by_rule(w, x, mask, b, g) for g in range(w.layout.num_kv_heads) if snap[b, g]}
+        for h in range(H):
+            for i in range(S):
+                for j in range(i + 1):
+                    if not (mask[b, i] and mask[b, j]):
+                        continue
+                    if snap[b, h // r] and i >= P and j < P and j not in kept[h // r]:
+                        continue
+                    bias[b, h, i, j] = 0.0
+    return bias
+
+
+@pytest.mark.parametrize("Hkv", [4, 2])
+@pytest.mark.parametrize("ks", [[0, 2, 4], [2, 1, 3]])
+def test_snapkv_prefill_and_decode_equal_the_rule_from_scratch(Hkv: int, ks: list[int]) -> None:
+    torch.manual_seed(Hkv * 10 + sum(ks))
+    layout = make_layout(H=H, Hkv=Hkv, Dh=Dh, D=D, causal=True)
+    w = make_weights(layout, torch.float64)
+    w = AttentionWeights(layout, w.q_weight, w.k_weight, w.v_weight, w.o_weight)  # no biases: the rule's q.k
+    x = torch.randn(B, P + STEPS, D, dtype=torch.float64)
+    mask = padding()
+    active = random_active((B, H), torch.tensor(ks))
+    plan = condcomp.plan_from_active(active)
+    sel = select_kv(plan, layout, POLICY)
+    cache, outs = ListCache(), []
+    ex = get_executor("kv_cache")
+    with torch.no_grad():
+        for lo, hi in [(0, P)] + [(P + i, P + i + 1) for i in range(STEPS)]:
+            compact = CompactKV(sel, cache.store, None, cache.windows, cache.keep)
+            inputs = AttentionInputs(x=x[:, lo:hi], mask=mask[:, lo:hi], key_mask=mask[:, :hi], kv_cache=compact)
+            outs.append(ex(w, inputs, plan))
+        y = torch.cat(outs, 1)
+        snap = ~active.view(B, Hkv, -1).any(-1)  # (B, Hkv): the groups the plan does not keep
+        heads = active | snap.repeat_interleave(H // Hkv, 1)
+        ref = get_executor("reference")(w, AttentionInputs(x=x, mask=mask, attn_bias=rule_bias(w, x, mask, snap)),
+                                        condcomp.plan_from_active(heads))
+    torch.testing.assert_close(y, ref, atol=1e-10, rtol=1e-9)
+    state = cache.windows
+    assert state is not None and state.keys.shape[2] == POLICY.budget + POLICY.observe + STEPS  # bytes by hand
+    assert sum(t.numel() * t.element_size() for t in POLICY.tensors(state)) == (
+        2 * B * int(snap.sum(-1).max()) * (POLICY.budget + POLICY.observe + STEPS) * Dh * 8
+        + B * int(snap.sum(-1).max()) * (POLICY.budget + POLICY.observe + STEPS) * 8 + 2 * B * 8)
+
+
+def test_snapkv_rows_crop_and_options() -> None:
+    from condcomp.kv.snapkv import SnapState
+
+    state = SnapState(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4), torch.tensor([[[0, 5, 6]], [[1, 2, -1]]]),
+                      torch.tensor([7, 3]), torch.tensor([6, 3]))
+    rows = POLICY.take_rows(state, torch.tensor([1, 1, 0]))
+    assert rows.positions[:, 0].tolist() == [[1, 2, -1], [1, 2, -1], [0, 5, 6]] and rows.seen.tolist() == [3, 3, 7]
+    cropped = POLICY.crop(SnapState(state.keys[:1], state.values[:1], state.positions[:1], state.seen[:1],
+                                    state.prompt[:1]), 1)
+    assert cropped.positions.tolist() == [[[0, 5, -1]]] and cropped.seen.tolist() == [6]
+    with pytest.raises(ValueError, match="cannot crop 2 token"):
+        POLICY.crop(state, 2)  # row 0 would lose a prompt token
+    with pytest.raises(ValueError, match="pool must be odd"):
+        SnapKV(pool=4)
+    with pytest.raises(ValueError, match="observe must be an int >= 1"):
+        condcomp.CondCompConfig(kv=("snapkv", {"observe": 0}))
+
+
+def test_snapkv_on_a_llama_keeping_the_whole_prompt_decodes_as_the_unwrapped_model() -> None:
+    # whole-group plans + a budget larger than any prompt: every token is kept, every head computed: the dense model
+    t = pytest.importorskip("transformers")
+    from condcomp.integrations.hf.cache import cache_bytes
+
+    def llama() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = t.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=50)
+        return t.LlamaForCausalLM(config).eval()
+
+    ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    model = llama()
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
+                                                   router=("topk", {"kv_groups": True}),
+                                                   kv=("snapkv", {"budget": 16, "observe": 2, "pool": 3})))
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    got = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    want = llama().generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    plans = condcomp.request_plans(model, got.past_key_values)
+    assert {m for p in plans.values() for row in p.group_modes() for m in row} == {"full", "snapkv"}
+    assert all(n > 0 for n in cache_bytes(got.past_key_values))
