@@ -1,7 +1,8 @@
 """The long-context cases of ``condcomp bench kv``, built from local text corpora only, deterministic from a seed.
 
 - **Haystack**: documents of the staged corpora (``../shared/data``, the test splits), cleaned, shuffled by the
-  seed, tokenized and concatenated into one token stream, separated by the tokenizer's document separator.
+  seed, tokenized and concatenated into one token stream, separated by a blank line (the facts task) or the
+  tokenizer's document separator (the passkey task; :meth:`condcomp.bench.kv_presets.Preset.separator`).
 - **Continuation cases**: windows of ``prompt_len + cont_len + 1`` consecutive stream tokens at seeded offsets: the
   first ``prompt_len`` are the prompt (prefilled into the cache), the next ``cont_len`` are fed through the cache
   and the ``cont_len`` tokens after the prompt's first one are scored (each prediction reads the cache).
