@@ -54,6 +54,7 @@ from condcomp.bench.kv_presets import (
     encoder,
     load,
     passkey_format,
+    separator_ids,
 )
 from condcomp.bench.kv_text import add_text_arguments, choose_texts, staged_texts
 from condcomp.bench.kv_variants import (
@@ -262,7 +263,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         raise RuntimeError("--device cuda: this torch build sees no CUDA device")
     dense, tok, sep, prefix = load(model_name)
     dense = dense.to(dev).eval()
-    encode = encoder(tok)
+    encode, sep_ids = encoder(tok), separator_ids(preset, sep, tok)
     fmt = passkey_format(preset.passkey_format, tok) if preset.task == "passkey" else None
     cfg: Any = dense.config
     if texts is None:
@@ -271,7 +272,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     def stream_for(prompt_len: int) -> list[int]:
         # The haystack of one prompt length depends on that length alone: cases drawn at 2048 are the same whether
         # or not the run also measures 4096 (so records written by a run of other lengths are the same cases)
-        return haystack_stream(texts, encode, sep, min_tokens=max(4 * (prompt_len + preset.cont_len + 1), 1024))
+        return haystack_stream(texts, encode, sep_ids, min_tokens=max(4 * (prompt_len + preset.cont_len + 1), 1024))
 
     stream = stream_for(min(preset.prompts))
 
@@ -298,8 +299,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     # corpora), so that those records are still read back
     if text_source not in (None, "staged"):
         base["text"] = text_source
-    if preset.task != "passkey":
-        base.update(task=preset.task, facts=preset.facts, question_in_context=preset.question_in_context)
+    base.update(preset.task_settings())
     settings = {P: {**base, "prompt_len": P, "passkey_cases": preset.cases(P)[0], "ppl_cases": preset.cases(P)[1],
                     "cont_len": preset.cont_len} for P in preset.prompts}
     timing = {**base, "decode_prompt": preset.decode_prompt, "decode_batch": preset.decode_batch,
@@ -323,7 +323,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         haystack = stream_for(P)
         cont = continuation_cases(haystack, P, preset.cont_len, n_ppl, seed)
         keys = retrieval_cases(preset.task, haystack, encode, P, n_passkey, seed, prefix, fmt, preset.facts,
-                               preset.question_in_context)
+                               preset.question_in_context, preset.question_form)
         res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
         dense_ref = res["dense"] if "dense" in res else dense_done[P]
         assert dense_ref is not None  # measured now unless read back
@@ -350,11 +350,10 @@ def main(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     if args.prompts:
         preset = preset.at_lengths(tuple(args.prompts))
-    for field in ("decode_prompt", "decode_batch", "passkey_format", "task", "facts"):
+    for field in ("decode_prompt", "decode_batch", "passkey_format", "task", "facts", "question_form",
+                  "question_in_context", "haystack_sep"):
         if getattr(args, field) is not None:
             preset = replace(preset, **{field: getattr(args, field)})
-    if args.question_in_context:
-        preset = replace(preset, question_in_context=True)
     if args.passkey_cases:
         counts = tuple(args.passkey_cases)
         preset = replace(preset, passkey_cases=counts[0] if len(counts) == 1 else counts)

@@ -1,17 +1,20 @@
 """The long-context cases of ``condcomp bench kv``, built from local text corpora only, deterministic from a seed.
 
 - **Haystack**: documents of the staged corpora (``../shared/data``, the test splits), cleaned, shuffled by the
-  seed, tokenized and concatenated into one token stream, separated by the tokenizer's document separator.
+  seed, tokenized and concatenated into one token stream, separated by a blank line (the facts task) or the
+  tokenizer's document separator (the passkey task; :meth:`condcomp.bench.kv_presets.Preset.separator`).
 - **Continuation cases**: windows of ``prompt_len + cont_len + 1`` consecutive stream tokens at seeded offsets: the
   first ``prompt_len`` are the prompt (prefilled into the cache), the next ``cont_len`` are fed through the cache
   and the ``cont_len`` tokens after the prompt's first one are scored (each prediction reads the cache).
 - **Passkey cases**: the classic passkey-retrieval prompt (an instruction, haystack text, a random 5-digit key
   planted at a relative depth, more haystack, the question), exactly ``prompt_len`` tokens; the answer is the
   greedy continuation, correct when its first number equals the key.
-- **Facts cases** (:func:`facts_cases`): several facts "The pass key of <name> is <4 digits>." planted at distinct
-  depths (one drawn in each equal slice of the haystack), one of them asked; the question, with another fact as
-  an example, is fed after the context (question-agnostic: the cache compresses the context before the question
-  is known) or placed at its end (``in_context``). Correct when the answer's first number is the asked key.
+- **Facts cases** (:func:`facts_cases`): one or more facts "The pass key of <name> is <4 digits>." planted at
+  distinct depths (one drawn in each equal slice of the haystack), one of them asked; the question is fed after
+  the context (question-agnostic: the cache compresses the context before the question is known) or placed at its
+  end (``in_context``). Its form (:data:`QUESTION_FORMS`): ``completion``, the fact's own opening words "The pass
+  key of <name> is" for the model to complete, or ``qa``, a Question/Answer pair with another fact as an example.
+  Correct when the answer's first number is the asked key.
 """
 
 from __future__ import annotations
@@ -74,18 +77,23 @@ class PasskeyCase:
     needle_end: int
 
 
-def haystack_stream(texts: Sequence[str], encode: Encode, sep_id: int, min_tokens: int) -> list[int]:
-    """The texts' tokens, each followed by ``sep_id``, until at least ``min_tokens`` tokens (all texts if fewer).
+def haystack_stream(texts: Sequence[str], encode: Encode, sep_id: int | Sequence[int], min_tokens: int
+                    ) -> list[int]:
+    """The texts' tokens, each followed by ``sep_id`` (one token id, or several: a blank line's), until at least
+    ``min_tokens`` tokens (all texts if fewer).
 
     >>> haystack_stream(["a b", "c"], lambda t: [len(w) for w in t.split()], 0, 3)
     [1, 1, 0]
+    >>> haystack_stream(["a b", "c"], lambda t: [len(w) for w in t.split()], [7, 7], 3)
+    [1, 1, 7, 7]
     """
+    sep = [sep_id] if isinstance(sep_id, int) else list(sep_id)
     stream: list[int] = []
     for text in texts:
         if len(stream) >= min_tokens:
             break
         stream.extend(encode(text))
-        stream.append(sep_id)
+        stream.extend(sep)
     return stream
 
 
@@ -175,26 +183,46 @@ LAST_NAMES = ("Abbott", "Berger", "Castillo", "Dalton", "Eriksen", "Fischer", "G
 
 
 QUESTION_FORMAT = "\n\nQuestion: What is the pass key of {name}?\nAnswer: The pass key of {name} is"
+COMPLETION_FORMAT = "\n\nThe pass key of {name} is"
+QUESTION_FORMS = ("completion", "qa")
 
 
-def facts_question(example: tuple[str, str], asked: str) -> str:
-    """The question: one fact asked and answered as an example, then the asked name's question."""
+def facts_question(example: tuple[str, str] | None, asked: str, form: str = "qa") -> str:
+    """The question. ``completion``: the asked fact's opening words (``example`` unused, may be None); ``qa``: one
+    fact asked and answered as an example, then the asked name's question.
+
+    >>> facts_question(None, "Rosa Novak", "completion")
+    '\\n\\nThe pass key of Rosa Novak is'
+    """
+    if form == "completion":
+        return COMPLETION_FORMAT.format(name=asked)
+    if form != "qa":
+        raise ValueError(f"unknown facts question form {form!r} (--question-form); choose from "
+                         f"{', '.join(QUESTION_FORMS)}")
+    if example is None:
+        raise ValueError("the qa question form shows another fact as an example: pass one")
     shown = QUESTION_FORMAT.format(name=example[0]) + f" {example[1]}."
     return shown + QUESTION_FORMAT.format(name=asked)
 
 
 def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int, n_facts: int = 4,
-                in_context: bool = False, prefix_ids: Sequence[int] = ()) -> list[RetrievalCase]:
+                in_context: bool = False, prefix_ids: Sequence[int] = (), question_form: str = "completion"
+                ) -> list[RetrievalCase]:
     """``n`` contexts of exactly ``prompt_len`` tokens with ``n_facts`` facts each (distinct names and keys);
-    case i asks fact ``i % n_facts`` (in depth order), so every depth slice is asked equally often.
+    case i asks fact ``i % n_facts`` (in depth order), so every depth slice is asked equally often. The question
+    reads as ``question_form`` (:func:`facts_question`).
 
     Fact j starts after ``round(d_j * H)`` haystack tokens (H: the haystack tokens in the context), ``d_j`` drawn
     uniformly in the j-th of ``n_facts`` equal slices of [0.05, 0.95]. The question of every case has the same
     token count (names and keys are redrawn until it does), so that a batch feeds its questions in one step.
     """
-    if n_facts < 2:
-        raise ValueError(f"the facts task needs at least 2 facts per case (one asked, one as the example), got "
-                         f"{n_facts}")
+    if question_form not in QUESTION_FORMS:
+        raise ValueError(f"unknown facts question form {question_form!r} (--question-form); choose from "
+                         f"{', '.join(QUESTION_FORMS)}")
+    least = 2 if question_form == "qa" else 1
+    if n_facts < least:
+        raise ValueError(f"the facts task needs at least {least} fact(s) per case with the {question_form} question "
+                         f"form{' (one asked, one as the example)' if least == 2 else ''}, got {n_facts}")
     rng = random.Random(f"facts/{seed}/{prompt_len}/{n_facts}")
     head = list(prefix_ids) + encode(FACTS_HEAD)
     width = 0.9 / n_facts
@@ -207,8 +235,11 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
             names = [f"{f} {ln}" for f, ln in zip(rng.sample(FIRST_NAMES, n_facts), rng.sample(LAST_NAMES, n_facts))]
             keys = [str(k) for k in rng.sample(range(1000, 10000), n_facts)]
             asked = i % n_facts
-            example = rng.choice([j for j in range(n_facts) if j != asked])
-            question = encode(facts_question((names[example], keys[example]), names[asked]))
+            shown = None
+            if question_form == "qa":  # drawn only here: qa cases are the ones drawn before completion existed
+                example = rng.choice([j for j in range(n_facts) if j != asked])
+                shown = (names[example], keys[example])
+            question = encode(facts_question(shown, names[asked], question_form))
             if q_len is None or len(question) == q_len:
                 q_len = len(question)
                 break
@@ -243,8 +274,8 @@ def as_retrieval(case: PasskeyCase) -> RetrievalCase:
 
 
 def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int,
-                    prefix_ids: Sequence[int], fmt: PasskeyFormat | None, n_facts: int = 4, in_context: bool = False
-                    ) -> list[RetrievalCase]:
+                    prefix_ids: Sequence[int], fmt: PasskeyFormat | None, n_facts: int = 4, in_context: bool = False,
+                    question_form: str = "completion") -> list[RetrievalCase]:
     """The retrieval cases of ``task`` at one prompt length: ``facts`` (:func:`facts_cases`) or ``passkey``."""
     if task == "passkey":
         return [as_retrieval(c) for c in passkey_cases(stream, encode, prompt_len, n, seed, prefix_ids=prefix_ids,
@@ -252,4 +283,4 @@ def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len
     if task != "facts":
         raise ValueError(f"unknown retrieval task {task!r}; choose facts or passkey")
     return facts_cases(stream, encode, prompt_len, n, seed, n_facts=n_facts, in_context=in_context,
-                       prefix_ids=prefix_ids)
+                       prefix_ids=prefix_ids, question_form=question_form)

@@ -8,17 +8,20 @@ from typing import Any
 from torch import nn
 
 from condcomp.bench.decode import load_model
-from condcomp.bench.kv_cases import COPY, RAW, PasskeyFormat, chat_format
+from condcomp.bench.kv_cases import COPY, QUESTION_FORMS, RAW, PasskeyFormat, chat_format
 
 TASKS = ("facts", "passkey")
+# what separates the haystack's documents: a blank line, or the tokenizer's document separator (<|endoftext|>)
+HAYSTACK_SEPS = ("blank", "eos")
 
 
 @dataclass(frozen=True)
 class Preset:
     """How much a run measures. Case counts: one for every prompt length, or one per length (a tuple, in the order
     of ``prompts``). ``batch``: cases per forward; the decode timing runs its own prompt and batch.
-    ``task``: the retrieval task, ``facts`` (``facts`` facts per context, one asked; the question fed after the
-    context unless ``question_in_context``) or ``passkey`` (one key, the question inside the prompt, read as
+    ``task``: the retrieval task, ``facts`` (``facts`` facts per context, one asked; the question, in the form
+    ``question_form`` (:func:`condcomp.bench.kv_cases.facts_question`), fed after the context unless
+    ``question_in_context``) or ``passkey`` (one key, the question inside the prompt, read as
     ``passkey_format``: :func:`passkey_format`). ``passkey_cases``: the retrieval cases of either task."""
 
     prompts: tuple[int, ...]
@@ -34,6 +37,8 @@ class Preset:
     task: str = "facts"
     facts: int = 4
     question_in_context: bool = False
+    question_form: str = "completion"
+    haystack_sep: str | None = None  # None: the task's own (:meth:`separator`)
 
     def __post_init__(self) -> None:
         # a count of 0 ends in an empty case list deep in the run (an IndexError); refuse it here, by name
@@ -47,6 +52,30 @@ class Preset:
                 raise ValueError(f"{name} must be one or more values >= 1, got {v!r}{flags.get(name, '')}")
         if self.task not in TASKS:
             raise ValueError(f"unknown retrieval task {self.task!r} (--task); choose from {', '.join(TASKS)}")
+        if self.question_form not in QUESTION_FORMS:
+            raise ValueError(f"unknown facts question form {self.question_form!r} (--question-form); choose from "
+                             f"{', '.join(QUESTION_FORMS)}")
+        if self.haystack_sep not in (None, *HAYSTACK_SEPS):
+            raise ValueError(f"unknown haystack separator {self.haystack_sep!r} (--haystack-sep); choose from "
+                             f"{', '.join(HAYSTACK_SEPS)}")
+        if self.task == "facts" and self.question_form == "qa" and self.facts < 2:
+            raise ValueError(f"--question-form qa shows another fact as an example: it needs --facts 2 or more, got "
+                             f"{self.facts}")
+
+    def separator(self) -> str:
+        """What separates the haystack's documents: ``haystack_sep``, else the task's own: ``blank`` for facts
+        (SmolLM2 reads what follows <|endoftext|> as a new document and stops recalling facts before it:
+        results/kv_facts_screen/README.md), ``eos`` for passkey (its committed records were measured so)."""
+        return self.haystack_sep or ("blank" if self.task == "facts" else "eos")
+
+    def task_settings(self) -> dict[str, Any]:
+        """The task's fields a record holds in its settings (a record of other values is measured again); none for
+        the passkey task on its own separator, so that records written before these fields are still read back."""
+        sep = {"haystack_sep": self.separator()} if self.separator() != "eos" else {}
+        if self.task == "passkey":
+            return sep
+        return {"task": self.task, "facts": self.facts, "question_in_context": self.question_in_context,
+                "question_form": self.question_form, "haystack_sep": self.separator()}
 
     def cases(self, prompt_len: int) -> tuple[int, int]:
         """``(passkey cases, continuation cases)`` at one prompt length."""
@@ -114,6 +143,11 @@ def encoder(tok: Any) -> Any:
     return getattr(tok, "encode_plain", None) or tok.encode
 
 
+def separator_ids(preset: Preset, sep_id: int, tok: Any) -> list[int]:
+    """The token ids between two haystack documents: ``sep_id`` (the tokenizer's separator) or a blank line."""
+    return [sep_id] if preset.separator() == "eos" else list(encoder(tok)("\n\n"))
+
+
 def passkey_format(name: str, tok: Any) -> PasskeyFormat:
     """``copy``: the question ends with the needle's opening words (the key is what followed them); ``raw``: the
     classic passkey prompt as plain text; ``chat``: the same in the tokenizer's chat template (the
@@ -138,7 +172,17 @@ def add_task_arguments(parser: Any) -> None:
                         help="the retrieval task: facts (default: several facts 'The pass key of <name> is <4 "
                              "digits>.' at distinct depths, one asked after the context) or passkey (one key, asked "
                              "inside it)")
-    parser.add_argument("--facts", type=int, default=None, help="facts per context of the facts task (default 4)")
-    parser.add_argument("--question-in-context", action="store_true",
+    parser.add_argument("--facts", type=int, default=None,
+                        help="facts per context of the facts task (default 4: with the completion question, the "
+                             "most that dense SmolLM2-135M passed at 1024 tokens, 9 of 10 keys in "
+                             "results/kv_facts_screen)")
+    parser.add_argument("--question-form", default=None, choices=QUESTION_FORMS,
+                        help="facts task: how the question reads. completion (default): the asked fact's opening "
+                             "words 'The pass key of <name> is', for the model to complete; qa: 'Question: ... "
+                             "Answer: ...' with another fact and its key as an example (needs --facts 2 or more)")
+    parser.add_argument("--haystack-sep", default=None, choices=HAYSTACK_SEPS,
+                        help="what separates the haystack's documents: a blank line (the facts task's default) or "
+                             "the tokenizer's document separator, <|endoftext|> (the passkey task's)")
+    parser.add_argument("--question-in-context", action="store_const", const=True, default=None,
                         help="facts task: the question ends the prefilled context (the cache is compressed knowing "
                              "it) instead of being fed after it")

@@ -146,7 +146,10 @@ def summary(result: dict[str, Any]) -> str:
     task = p.get("task", "passkey")
     asked = ("inside the context" if p.get("question_in_context") else "after the context, through the cache") if (
         task == "facts") else "inside the prompt"
-    facts = f"{p.get('facts', 4)} facts per context, " if task == "facts" else ""
+    sep = {"blank": "a blank line", "eos": "<|endoftext|>"}[p.get("haystack_sep") or (
+        "blank" if task == "facts" and "haystack_sep" in p else "eos")]  # runs before the option: eos
+    facts = (f"{p.get('facts', 4)} facts per context, question form {p.get('question_form', 'qa')}, documents "
+             f"separated by {sep}, ") if task == "facts" else ""
     lines = ["# condcomp bench kv", "",
              f"Prompts {', '.join(map(str, p['prompts']))} tokens; retrieval task {task} ({facts}the question "
              f"{asked}); retrieval cases {p['passkey_cases']} and continuations {p['ppl_cases']} of {p['cont_len']} "

@@ -32,15 +32,16 @@ def stream() -> list[int]:
 
 @pytest.mark.parametrize("in_context", [False, True])
 def test_facts_are_planted_at_distinct_depths_and_one_is_asked(in_context: bool) -> None:
-    cases = facts_cases(stream(), byte_encode, 900, n=8, seed=1, n_facts=4, in_context=in_context)
+    cases = facts_cases(stream(), byte_encode, 900, n=8, seed=1, n_facts=4, in_context=in_context,
+                        question_form="qa")
     asked_slices = []
     for case in cases:
         assert len(case.ids) == 900
         text = bytes(case.ids).decode()
         question = bytes(case.question).decode()
         if in_context:  # the question ends the context
-            question = text[-len(bytes(facts_cases(stream(), byte_encode, 900, n=8, seed=1)[cases.index(case)]
-                                       .question).decode()):]
+            after = facts_cases(stream(), byte_encode, 900, n=8, seed=1, question_form="qa")[cases.index(case)]
+            question = text[-len(bytes(after.question).decode()):]
         context = text[:len(text) - len(question)] if in_context else text
         facts = FACT_RE.findall(context)
         assert context.startswith(FACTS_HEAD) and len(facts) == 4
@@ -59,14 +60,14 @@ def test_facts_are_planted_at_distinct_depths_and_one_is_asked(in_context: bool)
     assert len({len(c.question) for c in cases}) == 1  # one question length: a batch steps it at once
     depths = [c.depth for c in cases]
     assert all(0.05 + 0.225 * (i % 4) <= d <= 0.05 + 0.225 * (i % 4 + 1) for i, d in enumerate(depths))
-    assert facts_cases(stream(), byte_encode, 900, n=8, seed=1, in_context=in_context) == cases  # seeded
+    assert facts_cases(stream(), byte_encode, 900, n=8, seed=1, in_context=in_context, question_form="qa") == cases
 
 
 def test_facts_refuse_a_context_too_short() -> None:
     with pytest.raises(ValueError, match="leaves no room for haystack text"):
         facts_cases(stream(), byte_encode, 100, n=1, seed=0)
-    with pytest.raises(ValueError, match="at least 2 facts"):
-        facts_cases(stream(), byte_encode, 900, n=1, seed=0, n_facts=1)
+    with pytest.raises(ValueError, match="at least 2 fact"):
+        facts_cases(stream(), byte_encode, 900, n=1, seed=0, n_facts=1, question_form="qa")
 
 
 def test_the_question_after_the_context_reads_the_prefilled_cache() -> None:
@@ -82,7 +83,7 @@ def test_the_question_after_the_context_reads_the_prefilled_cache() -> None:
                                       max_position_embeddings=1024)
     model = transformers.LlamaForCausalLM(config).eval()
     bench = kv.Bench(model, torch.device("cpu"), importance=lambda: None)
-    cases = facts_cases(stream(), byte_encode, 400, n=2, seed=0)
+    cases = facts_cases(stream(), byte_encode, 400, n=2, seed=0, question_form="qa")
     preset = replace(PRESETS["quick"], batch=2, answer_tokens=3)
     res = kv.measure_length(bench, ["dense"], [], cases, preset, ByteTokenizer().decode, _NoBar())
     reference = model.to(torch.float64)
@@ -161,3 +162,93 @@ def test_quick_run_from_a_clone_without_shared_data(tmp_path: Path) -> None:
     assert {r["variant"] for r in metrics["records"]} == {"dense", "quantized-fp8"}
     record = json.loads((tmp_path / "out" / "records" / "dense@320.json").read_text())
     assert record["settings"]["text"] == "builtin" and record["task"] == "facts"
+    assert record["settings"]["question_form"] == "completion" and record["settings"]["haystack_sep"] == "blank"
+
+
+@pytest.mark.parametrize("n_facts", [1, 3])
+@pytest.mark.parametrize("in_context", [False, True])
+def test_completion_question_is_the_asked_facts_opening_words(n_facts: int, in_context: bool) -> None:
+    """``--question-form completion``: the question is exactly "\\n\\nThe pass key of <asked name> is" (no example,
+    no Question/Answer), after the context or ending it; one fact per context is allowed."""
+    cases = facts_cases(stream(), byte_encode, 700, n=6, seed=2, n_facts=n_facts, in_context=in_context,
+                        question_form="completion")
+    for case in cases:
+        assert len(case.ids) == 700
+        text = bytes(case.ids).decode()
+        question = text[text.rindex("\n\nThe pass key of "):] if in_context else bytes(case.question).decode()
+        facts = FACT_RE.findall(text)
+        assert len(facts) == n_facts
+        asked = dict(facts)
+        (name,) = [n for n in asked if question == f"\n\nThe pass key of {n} is"]  # the exact text, one name
+        assert asked[name] == case.key and "Question" not in question and "Answer" not in question
+        assert (case.question == []) == in_context
+    assert len({len(c.question) for c in cases}) == 1
+
+
+def test_question_forms_are_checked_by_name() -> None:
+    from condcomp.bench.kv_presets import PRESETS
+
+    with pytest.raises(ValueError, match="unknown facts question form 'cloze'"):
+        facts_cases(stream(), byte_encode, 900, n=1, seed=0, question_form="cloze")
+    with pytest.raises(ValueError, match="needs --facts 2 or more"):
+        replace(PRESETS["quick"], facts=1, question_form="qa")
+    with pytest.raises(ValueError, match="--question-form"):
+        replace(PRESETS["quick"], question_form="cloze")
+
+
+def test_completion_question_is_fed_through_the_cache_after_the_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step after the prefill feeds the completion question's tokens on a cache holding the whole
+    context; the answer equals a float64 greedy decode of context + question with no cache (the reference)."""
+    transformers = pytest.importorskip("transformers")
+    from condcomp.bench import kv
+    from condcomp.bench.kv_presets import PRESETS, ByteTokenizer
+
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=3, vocab_size=300,
+                                      max_position_embeddings=1024)
+    model = transformers.LlamaForCausalLM(config).eval()
+    bench = kv.Bench(model, torch.device("cpu"), importance=lambda: None)
+    cases = facts_cases(stream(), byte_encode, 400, n=2, seed=0, n_facts=1, question_form="completion")
+    fed: list[tuple[list[list[int]], int]] = []
+    step = bench.step
+
+    def recording_step(variant: str, ids: torch.Tensor, cache: object) -> object:
+        fed.append((ids.tolist(), cache.get_seq_length()))  # type: ignore[attr-defined]
+        return step(variant, ids, cache)
+
+    monkeypatch.setattr(bench, "step", recording_step)
+    preset = replace(PRESETS["quick"], batch=2, answer_tokens=3, facts=1, question_form="completion")
+    res = kv.measure_length(bench, ["dense"], [], cases, preset, ByteTokenizer().decode, _NoBar())
+    first_ids, cached = fed[0]
+    assert cached == 400  # the whole context in the cache, the question not in it
+    assert [bytes(row).decode() for row in first_ids] == [bytes(c.question).decode() for c in cases]
+    assert all(bytes(c.question).decode().startswith("\n\nThe pass key of ") for c in cases)
+    reference = model.to(torch.float64)
+    for case, sample in zip(cases, res["dense"]["samples"]):
+        ids = torch.tensor([case.ids + case.question])
+        answer = []
+        with torch.no_grad():
+            for _ in range(3):
+                token = int(reference(input_ids=ids, use_cache=False).logits[0, -1].argmax())
+                answer.append(token)
+                ids = torch.cat([ids, torch.tensor([[token]])], 1)
+        assert sample["answer"] == ByteTokenizer().decode(answer)
+
+
+def test_haystack_separator_is_a_blank_line_for_facts_and_eos_for_passkey() -> None:
+    """The facts task joins documents with a blank line (SmolLM2 stops recalling facts before an <|endoftext|>);
+    the passkey task keeps the tokenizer's separator and records no new setting, so its old records read back."""
+    from condcomp.bench.kv_presets import PRESETS, ByteTokenizer, separator_ids
+
+    tok = ByteTokenizer()
+    facts, passkey = PRESETS["quick"], replace(PRESETS["quick"], task="passkey")
+    assert separator_ids(facts, tok.sep_id, tok) == [10, 10]  # "\n\n" in bytes
+    assert separator_ids(passkey, tok.sep_id, tok) == [256]
+    assert separator_ids(replace(facts, haystack_sep="eos"), tok.sep_id, tok) == [256]
+    assert passkey.task_settings() == {}
+    assert replace(passkey, haystack_sep="blank").task_settings() == {"haystack_sep": "blank"}
+    assert facts.task_settings() == {"task": "facts", "facts": facts.facts, "question_in_context": False,
+                                     "question_form": "completion", "haystack_sep": "blank"}
+    with pytest.raises(ValueError, match="--haystack-sep"):
+        replace(facts, haystack_sep="tab")
