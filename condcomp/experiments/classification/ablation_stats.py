@@ -18,6 +18,10 @@ COMPARISONS = (("budgetformer", "fixed_matched"), ("budgetformer", "fixed_per_la
                ("fixed_per_layer", "fixed_matched"), ("budgetformer", "budgetformer_mode_k"),
                ("fixed_per_layer", "random_routing"), ("budgetformer", "standard"), ("moh", "standard"),
                ("budgetformer", "budgetformer_random_heads"))
+# A user's component (``condcomp ablate --router-arms / --policy-arms``, arms ``router_<key>`` / ``policy_<key>``)
+# against the built-in arm that differs from it in that component only: a router at fixed_matched's budget, a
+# policy with BudgetFormer's topk scorer.
+USER_ARM_BASELINES = (("router_", "fixed_matched"), ("policy_", "budgetformer"))
 ARM_KEYS = ("accuracy", "heads", "s_mean", "flop_fraction", "latency_b1_s", "latency_b64_s",
             "peak_inference_memory_b64_bytes", "inference_gco2")
 TARGET = 0.01  # the difference (accuracy, 1 point) the seeds should be able to detect
@@ -72,8 +76,21 @@ def compare(rows: list[dict[str, Any]], a: str, b: str) -> dict[str, Any] | None
     return comp
 
 
+def is_user_arm(arm: str) -> bool:
+    """Whether ``arm`` is a user's component (``router_<key>`` / ``policy_<key>``), not a built-in arm."""
+    return any(arm.startswith(prefix) for prefix, _ in USER_ARM_BASELINES)
+
+
+def comparisons_of(arms: set[str]) -> list[tuple[str, str]]:
+    """:data:`COMPARISONS`, then each user arm in ``arms`` against its built-in counterpart
+    (:data:`USER_ARM_BASELINES`)."""
+    user = [(arm, base) for prefix, base in USER_ARM_BASELINES for arm in sorted(arms) if arm.startswith(prefix)]
+    return [*COMPARISONS, *user]
+
+
 def statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per dataset: every arm's mean and 95 % t-interval over seeds; every comparison of :data:`COMPARISONS`."""
+    """Per dataset: every arm's mean and 95 % t-interval over seeds; every comparison of :func:`comparisons_of`
+    (those of a user's arm flagged ``user_arm``)."""
     result: dict[str, Any] = {}
     for ds in sorted({r["dataset"] for r in records}):
         rows = [r for r in records if r["dataset"] == ds]
@@ -84,10 +101,10 @@ def statistics(records: list[dict[str, Any]]) -> dict[str, Any]:
             for key in ARM_KEYS:
                 arms[arm][key] = S.mean_ci([r[key] for r in rs if r.get(key) is not None])
         comps = {}
-        for a, b in COMPARISONS:
+        for a, b in comparisons_of(set(arms)):
             comp = compare(rows, a, b)
             if comp is not None:
-                comps[f"{a}_vs_{b}"] = comp
+                comps[f"{a}_vs_{b}"] = {**comp, "user_arm": True} if is_user_arm(a) else comp
         result[ds] = {"arms": arms, "comparisons": comps}
     return result
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from condcomp.experiments.classification.metrics_report import markdown_table
+from condcomp.experiments.classification.metrics_report import COLUMNS, markdown_table
 from condcomp.experiments.classification.plots import plot_budget_by_difficulty, plot_layer_usage
 from condcomp.experiments.classification.runconfig import RunConfig
 from condcomp.experiments.classification.runner import write_json
@@ -21,6 +21,8 @@ DEMO: dict[str, Any] = {
     "batch_size": 64, "lr": 3e-3, "dropout": 0.0, "eval_batch_size": 250, "latency_reps": 15,
     "method_options": {"s_min": 0.1, "s_max": 0.9}, "budget_cost": 0.1,
 }
+# the table's columns, then PlateauCheck's verdict on each arm's training loss (convergence.py)
+DEMO_COLUMNS = (*COLUMNS, ("loss_flat", "loss flat", "{}"))
 QUICK: dict[str, Any] = {"d_model": 32, "num_heads": 4, "d_ff": 64, "num_layers": 1, "synthetic_train": 256,
                          "synthetic_test": 128, "epochs": 1, "latency_reps": 2}
 
@@ -43,6 +45,9 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, **overrides: Any) ->
     study.train("moh", "moh", None)
     study.paired_timing(cfg.latency_reps)
     result = collect(study, matched)
+    for name, row in result["rows"].items():
+        row["convergence"] = (study.rows[name].get("train") or {}).get("convergence")
+        row["loss_flat"] = loss_flat(row["convergence"])
     by_tag = bf.get("by_tag") or {}
     result["difficulty"] = by_tag
     easy, hard = by_tag.get("easy", {}), by_tag.get("hard", {})
@@ -57,7 +62,10 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, **overrides: Any) ->
         plots.append("layer_usage.png")
     result["plots"] = plots
     write_json(out / "metrics.json", result)
-    print(markdown_table(result["rows"]))
+    print(markdown_table(result["rows"], DEMO_COLUMNS))
+    note = not_converged_note(result["rows"])
+    if note:
+        print(f"\n{note}")
     print(f"\nfixed_topk runs {round(matched * H)} of {H} heads: BudgetFormer's realised mean "
           f"{bf['k_frac'] * H:.2f} heads, rounded up. Latency: median, executor '{bf.get('executor')}'.")
     if easy and hard:
@@ -67,3 +75,28 @@ def run_demo(out: Path, seed: int = 0, quick: bool = False, **overrides: Any) ->
               f"{easy['k_frac']:.1%} heads, s={easy['s_mean']:.3f}, acc {easy['accuracy']:.3f})")
     print(f"wrote {out / 'metrics.json'} and {', '.join(plots) or 'no plots'}; {result['wall_seconds']:.0f} s")
     return result
+
+
+def loss_flat(convergence: dict[str, Any] | None) -> str:
+    """The table's word for PlateauCheck's verdict: yes (the loss stopped falling), no, or "too short"."""
+    if convergence is None:
+        return "not recorded"
+    plateaued = convergence.get("plateaued")
+    return "too short" if plateaued is None else ("yes" if plateaued else "no")
+
+
+def not_converged_note(rows: dict[str, dict[str, Any]]) -> str | None:
+    """The line under the table naming the arms whose loss was still falling (or too short to tell), and what
+    that means for a reader of the demo, whose length is fixed; None when every arm's loss was flat."""
+    parts = []
+    for name, row in rows.items():
+        c = row.get("convergence") or {}
+        if row.get("loss_flat") == "no":
+            parts.append(f"{name} (still falling: {c['earlier_loss']:.3f} -> {c['last_loss']:.3f})")
+        elif row.get("loss_flat") == "too short":
+            parts.append(f"{name} ({c['steps']} steps, too few to tell)")
+    if not parts:
+        return None
+    return ("Training loss not flat at the end (mean over the last fifth of the steps against the fifth before): "
+            + ", ".join(parts) + ". Those arms' accuracy and budget are not final (the warnings on stderr say the "
+            "same); the demo's length is fixed: docs/demo.md, 'Loss flat', says what to run instead.")

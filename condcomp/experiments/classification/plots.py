@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from condcomp.experiments.classification.ablation_stats import is_user_arm
 from condcomp.experiments.plots import pyplot, save_figure
 
 
@@ -78,12 +79,14 @@ def _arm_family(arm: str) -> str:
         return "BudgetFormer"
     if arm.startswith("moh"):
         return "MoH"
+    if is_user_arm(arm):
+        return "your router / policy"
     return "control"
 
 
 _STYLES = {"fixed top-k sweep (standard = all heads)": ("tab:grey", "s"),
            "fixed top-k, matched / per-layer counts": ("dimgrey", "D"), "BudgetFormer": ("tab:blue", "o"),
-           "MoH": ("tab:orange", "^"), "control": ("tab:red", "x")}
+           "MoH": ("tab:orange", "^"), "your router / policy": ("tab:green", "P"), "control": ("tab:red", "x")}
 
 
 def plot_pareto(records: list[dict[str, Any]], path: Path, title: str = "") -> bool:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from condcomp.experiments.classification.ablation_stats import is_user_arm
 from condcomp.experiments.classification.budget_verdict import difficulty_target
 from condcomp.experiments.classification.study_page_questions import (
     adaptivity_section,
@@ -100,7 +101,8 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
     rel = (lambda p: os.path.relpath(p, doc.parent)) if doc is not None else (lambda p: str(p))
     project = folder.resolve().parent == PROJECT_RESULTS
     regenerate = f"condcomp report {folder}" + (f" --doc {doc}" if doc is not None else "")
-    intro = _intro(folder, regenerate, difficulty_target(records))
+    user_arms = sorted({r["arm"] for r in records if is_user_arm(r["arm"])})
+    intro = _intro(folder, regenerate, difficulty_target(records), user_arms)
     out = intro[:4] + summary_section(stats, datasets) + intro[4:]  # the summary first, then what the arms are
     out += questions_section(stats, datasets, NAMES, records)
     out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
@@ -133,7 +135,14 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
     return text
 
 
-def _intro(folder: Path, regenerate: str, target: float) -> list[str]:
+def user_arms_text(arms: list[str]) -> str:
+    """The intro's words for the study's user arms (``--router-arms`` / ``--policy-arms``)."""
+    return ("; your components, not controls: " + ", ".join(f"`{a}`" for a in arms) + " (`router_<key>`: your "
+            "router at `fixed_matched`'s budget, compared with `fixed_matched`; `policy_<key>`: your budget policy "
+            "with the topk scorer, compared with `budgetformer`)")
+
+
+def _intro(folder: Path, regenerate: str, target: float, user_arms: list[str] | None = None) -> list[str]:
     title = "# Results: the learned-budget vs fixed top-k study"
     out: list[str] = [title + (" (the budget trained with the difficulty target)" if target else ""), ""]
     out += [
@@ -150,7 +159,8 @@ def _intro(folder: Path, regenerate: str, target: float) -> list[str]:
         "`random_routing` (the same per-layer counts, random heads in training and evaluation); `moh`; "
         "evaluation-only controls of the trained BudgetFormer: `budgetformer_mode_k` (every example's head "
         "count set to its layer's most common one, s to the layer's mean), `budgetformer_random_heads` (random "
-        "heads at its own budget: does the model depend on its router's picks?).",
+        "heads at its own budget: does the model depend on its router's picks?)"
+        + (user_arms_text(user_arms) if user_arms else "") + ".",
         "",
     ]
     return out

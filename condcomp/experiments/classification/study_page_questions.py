@@ -90,7 +90,23 @@ def questions_section(stats: dict[str, Any], datasets: list[str], names: dict[st
             out += [""]
         if question.startswith("Does per-input adaptivity"):
             out += training_not_inference(stats, datasets, names, records)
-    return out
+    return out + user_arms_section(stats, datasets, names)
+
+
+def user_arms_section(stats: dict[str, Any], datasets: list[str], names: dict[str, str]) -> list[str]:
+    """Your components (``--router-arms`` / ``--policy-arms``) against the built-in arm that differs only in
+    that component, in the questions' table; nothing when the study has none."""
+    rows = [(ds, c) for ds in datasets for c in ((stats.get(ds) or {}).get("comparisons") or {}).values()
+            if c.get("user_arm")]
+    if not rows:
+        return []
+    return ["### Does your component beat the built-in one?", "",
+            "`router_<key>`: your router choosing the heads at `fixed_matched`'s budget, against the topk scorer "
+            "there (only the router differs); `policy_<key>`: your budget policy with BudgetFormer's topk scorer, "
+            "against `budgetformer` (only the policy differs).", "",
+            "| dataset: a - b | seeds | heads a | heads b | a - b (pts) [95 % seed t] | within-seed bootstrap | "
+            "MDD 80 % (pts) | seeds for 1 pt | verdict |", "|---|---|---|---|---|---|---|---|---|",
+            *(comparison_row(f"{names.get(ds, ds)}: {c['a']} - {c['b']}", c) for ds, c in rows), ""]
 
 
 def router_options(records: list[dict[str, Any]], ds: str, arm: str) -> dict[str, Any]:

@@ -178,7 +178,8 @@ def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], da
             "whole model (right; MoH's per-token routing saves less compute than its head share suggests): the "
             "fixed top-k sweep `fixed_<f>` (grey squares, joined; `fixed_1` is the standard model), fixed top-k "
             "at the matched or per-layer counts (grey, not joined: they mix head counts), BudgetFormer with the "
-            "paper's loss and with a price on heads (blue), MoH (orange), controls (red). Each point is the mean "
+            "paper's loss and with a price on heads (blue), MoH (orange), your components `router_<key>` / "
+            "`policy_<key>` (plus-shaped markers), controls (red). Each point is the mean "
             "over seeds with its 95 % t-interval over seeds; a one-seed point carries the binomial 95 % interval "
             "of its test accuracy instead (dashed), which leaves out the seed-to-seed spread. Faint dots: the "
             "single seeds.", ""]
@@ -206,7 +207,7 @@ def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], da
         out += [""]
         comps = (stats.get(ds) or {}).get("comparisons", {})
         asked = {name for _, group in QUESTIONS for name, _ in group}
-        other = [c for n, c in comps.items() if n not in asked]
+        other = [c for n, c in comps.items() if n not in asked and not c.get("user_arm")]  # those: questions
         if other:
             from condcomp.experiments.classification.study_page_questions import RULE
 
