@@ -379,9 +379,6 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=None,
                    help="other prompt lengths (a length the preset measures keeps its case counts; a new one takes "
                         "those of its longest length)")
-    p.add_argument("--cases", "--passkey-cases", dest="passkey_cases", type=integer(at_least=1), nargs="+",
-                   default=None,
-                   help="override the preset's retrieval cases: one count, or one per prompt length")
     add_task_arguments(p)
     p.add_argument("--passkey-format", default=None, choices=PASSKEY_FORMATS,
                    help="override the preset's passkey prompt: chat (the instruct template) or raw (plain text)")

@@ -168,11 +168,15 @@ def passkey_format(name: str, tok: Any) -> PasskeyFormat:
 
 def add_task_arguments(parser: Any) -> None:
     """``bench kv``'s retrieval-task options (override the preset's)."""
+    from condcomp.cli_args import integer
+
+    parser.add_argument("--cases", "--passkey-cases", dest="passkey_cases", type=integer(at_least=1), nargs="+",
+                        default=None, help="override the preset's retrieval cases: one count, or one per prompt length")
     parser.add_argument("--task", default=None, choices=TASKS,
                         help="the retrieval task: facts (default: several facts 'The pass key of <name> is <4 "
                              "digits>.' at distinct depths, one asked after the context) or passkey (one key, asked "
                              "inside it)")
-    parser.add_argument("--facts", type=int, default=None,
+    parser.add_argument("--facts", type=integer(at_least=1), default=None,
                         help="facts per context of the facts task (default 4: with the completion question, the "
                              "most that dense SmolLM2-135M passed at 1024 tokens, 9 of 10 keys in "
                              "results/kv_facts_screen)")

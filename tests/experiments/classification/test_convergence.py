@@ -61,7 +61,21 @@ def test_a_resumed_run_judges_every_step(tmp_path: Path, capsys: pytest.CaptureF
     base = ["train", "--dataset", "synthetic", "--synthetic-train", "96", "--synthetic-test", "40",
             "--synthetic-len", "16", "--preset", "tiny", "--method", "standard", "--batch-size", "16", "--epochs", "10",
             "--latency-reps", "1", "--threads", "1", "--out", str(tmp_path / "run")]
-    assert main([*base, "--max-steps", "12"]) == 0
-    assert main([*base, "--max-steps", "24", "--resume"]) == 0
+    import condcomp.experiments.classification.train as train_module
+
+    real_step, calls = train_module._train_step, []
+
+    def interrupted_after_12(*args: object, **kwargs: object) -> float:
+        calls.append(1)
+        if len(calls) > 12:  # as a Ctrl-C after the step-12 checkpoint
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)  # type: ignore[arg-type]
+
+    run = [*base, "--max-steps", "24", "--checkpoint-every", "4"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_module, "_train_step", interrupted_after_12)
+        with pytest.raises(KeyboardInterrupt):
+            main(run)
+    assert main([*run, "--resume"]) == 0
     conv = json.loads((tmp_path / "run" / "metrics.json").read_text())["train"]["convergence"]
     assert conv["steps"] == 24  # 12 before the resume + 12 after, not only the last 12
