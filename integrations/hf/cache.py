@@ -335,14 +335,28 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
     return plan
 
 
+def _held_bytes(t: Tensor) -> int:
+    """Bytes of the memory ``t`` keeps alive: its whole storage (a view cut by ``crop`` or a sliding layer keeps the
+    storage it was cut from); a tensor whose storage cannot be read (a wrapper subclass) counts its elements."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return t.numel() * t.element_size()
+
+
 def _tensor_bytes(value: Any, seen: set[int]) -> int:
-    """Bytes of the tensors in ``value`` (a tensor or a container of them), each storage counted once."""
+    """Bytes of the storages the tensors in ``value`` (a tensor or a container of them) hold, each counted once."""
     if isinstance(value, Tensor):
-        key = value.untyped_storage().data_ptr() if value.numel() else id(value)
+        if not value.numel():
+            return 0
+        try:
+            key = value.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            key = id(value)
         if key in seen:
             return 0
         seen.add(key)
-        return value.numel() * value.element_size()
+        return _held_bytes(value)
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v, seen) for v in value)
     if isinstance(value, dict):
@@ -354,6 +368,10 @@ def cache_bytes(cache: Any) -> list[int]:
     """The bytes each layer of a transformers KV cache holds in tensors: keys and values (quantized ones and their
     scales too, for a quantized cache) and condcomp's streamed-group windows; the plan itself (a few bytes per
     request and head) is not counted. ``sum(cache_bytes(c)) / sum(cache_bytes(dense))`` is the measured KV fraction.
+
+    It counts the memory held, not the tokens visible: each distinct storage once, whole. After ``cache.crop(n)``
+    transformers' layers keep views of the storage they had until their next update, and a sliding-window layer keeps
+    a view of its last update's storage; both are counted at the storage's size (what is freed only later).
 
     >>> import torch, transformers  # doctest: +SKIP
     >>> cache = transformers.DynamicCache()  # doctest: +SKIP
