@@ -40,7 +40,7 @@ class WindowKV(KVPolicy):
     stores: ClassVar[str] = "own"
 
     def __post_init__(self) -> None:
-        self.window_spec  # validates the three
+        StreamWindow(self.sinks, self.window, self.model_window)  # validates the three
 
     @property
     def window_spec(self) -> StreamWindow:
