@@ -335,28 +335,22 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
     return plan
 
 
-def _held_bytes(t: Tensor) -> int:
-    """Bytes of the memory ``t`` keeps alive: its whole storage (a view cut by ``crop`` or a sliding layer keeps the
-    storage it was cut from); a tensor whose storage cannot be read (a wrapper subclass) counts its elements."""
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError, TypeError):
-        return t.numel() * t.element_size()
-
-
 def _tensor_bytes(value: Any, seen: set[int]) -> int:
-    """Bytes of the storages the tensors in ``value`` (a tensor or a container of them) hold, each counted once."""
+    """Bytes of the memory the tensors in ``value`` (a tensor or a container of them) keep alive: each storage once
+    and whole (a view cut by ``crop`` or a sliding layer keeps the storage it was cut from); a tensor whose storage
+    cannot be read (a wrapper subclass) counts its elements."""
     if isinstance(value, Tensor):
         if not value.numel():
             return 0
         try:
-            key = value.untyped_storage().data_ptr()
+            storage = value.untyped_storage()
+            key, nbytes = storage.data_ptr(), int(storage.nbytes())
         except (RuntimeError, NotImplementedError, TypeError):
-            key = id(value)
+            key, nbytes = id(value), value.numel() * value.element_size()
         if key in seen:
             return 0
         seen.add(key)
-        return _held_bytes(value)
+        return nbytes
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v, seen) for v in value)
     if isinstance(value, dict):

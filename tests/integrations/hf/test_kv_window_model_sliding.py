@@ -24,13 +24,18 @@ t = pytest.importorskip("transformers")
 MODEL_WINDOW, SINKS, WINDOW, NEW = 3, 1, 6, 6  # the issue's numbers: a streamed window wider than the model's
 
 
-def mistral(seed: int = 0) -> nn.Module:
+def mistral(seed: int = 0, family: str = "mistral") -> nn.Module:
+    """A tiny random Mistral (``config.sliding_window``), or Qwen2 with every layer a sliding one."""
     torch.manual_seed(seed)
-    config = t.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                             num_key_value_heads=4, vocab_size=97, max_position_embeddings=64,
-                             sliding_window=MODEL_WINDOW)
+    size = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=97, max_position_embeddings=64, sliding_window=MODEL_WINDOW)
+    if family == "qwen2":
+        config = t.Qwen2Config(**size, use_sliding_window=True, max_window_layers=0)
+        assert set(config.layer_types) == {"sliding_attention"}
+    else:
+        config = t.MistralConfig(**size)
     config._attn_implementation = "sdpa"
-    return t.MistralForCausalLM(config).eval()
+    return (t.Qwen2ForCausalLM if family == "qwen2" else t.MistralForCausalLM)(config).eval()
 
 
 def streaming(model: nn.Module, fraction: float = 0.5) -> nn.Module:
@@ -59,9 +64,9 @@ def long_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([ids, more], 1), torch.cat([mask, torch.ones(mask.shape[0], 7, dtype=mask.dtype)], 1)
 
 
-@pytest.mark.parametrize("long_prompt", [False, True])
-def test_streamed_groups_read_only_within_the_models_own_sliding_window(long_prompt: bool) -> None:
-    model = streaming(mistral())
+@pytest.mark.parametrize("family,long_prompt", [("mistral", False), ("mistral", True), ("qwen2", False)])
+def test_streamed_groups_read_only_within_the_models_own_sliding_window(family: str, long_prompt: bool) -> None:
+    model = streaming(mistral(family=family))
     ids, mask = long_prompts() if long_prompt else prompts()
     tokens, full_mask, logits, cache = decode(model, ids, mask, NEW)
     plans = condcomp.request_plans(model, cache)
@@ -83,10 +88,10 @@ def test_full_groups_keep_the_models_own_window_at_the_full_budget() -> None:
 
 
 def test_a_policy_with_a_state_of_its_own_that_cannot_apply_the_models_window_is_refused() -> None:
-    from condcomp.kv.policy import KVPolicy
-
-    class Own(KVPolicy):
-        pass
-
-    with pytest.raises(ValueError, match="sliding window"):
-        Own().within_model_window(MODEL_WINDOW)
+    model = mistral()
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=("topk", {"kv_groups": True}),
+                                  kv=("snapkv", {"budget": 4, "observe": 2}))
+    condcomp.apply_(model, cfg)
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="'snapkv'.*cannot apply this layer's own sliding window"):
+        decode(model.eval(), ids, mask, 1)
