@@ -80,6 +80,19 @@ class KVPolicy:
         """Every tensor the state holds: what it costs in bytes (``condcomp.integrations.hf.cache_bytes``)."""
         return tuple(state.tensors())
 
+    def within_model_window(self, sliding_window: int) -> KVPolicy:
+        """The policy on a layer whose model attends only the last ``sliding_window`` keys (Mistral's
+        ``sliding_window``): its groups must not read keys the model's own rule excludes. Policies that store
+        nothing of their own (``drop``, ``full``: the model's mask applies) are unchanged; one that keeps a state
+        of its own says how it honours the model's window by overriding this, and is refused otherwise."""
+        if self.stores != "own":
+            return self
+        raise ValueError(
+            f"the KV policy {self.name!r} keeps the groups a plan does not keep in a state of its own, but cannot "
+            f"apply this layer's own sliding window ({sliding_window} tokens): its groups would read keys the model "
+            "never attends. On a sliding-window model use kv='window', 'full' or 'drop', or give the policy a "
+            "within_model_window method")
+
     def stored(self, state: Any, codec: Any, before: Any) -> Any:
         """The state as a quantized cache layer should hold it (``codec``: the layer's
         :class:`~condcomp.kv.window_quant.WindowCodec`; ``before``: what it held). Default: as is."""

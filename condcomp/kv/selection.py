@@ -100,7 +100,7 @@ def as_kv_policy(policy: KVPolicy | StreamWindow | None) -> KVPolicy:
     if policy is None:
         return DropKV()
     if isinstance(policy, StreamWindow):
-        return WindowKV(policy.sinks, policy.window)
+        return WindowKV(policy.sinks, policy.window, policy.model_window)
     if not isinstance(policy, KVPolicy):
         raise TypeError(f"expected a KV policy (condcomp.kv.KVPolicy) or a StreamWindow, got {policy!r}")
     return policy

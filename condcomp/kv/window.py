@@ -28,23 +28,45 @@ class StreamWindow:
     ``p - j < window`` (positions count the request's real tokens, padding excluded); the cache holds at most
     ``sinks + window`` tokens per streaming group, so its bytes stop growing with the context.
 
+    ``model_window``: the model's own sliding window on this layer (Mistral's ``sliding_window``: a query reads keys
+    ``p - j < model_window`` only), set by the attachment; a streaming group then reads what *both* rules allow, so
+    it never sees a key its full group would not (:meth:`allowed`).
+
     >>> StreamWindow(sinks=4, window=60).capacity
     64
+    >>> StreamWindow(sinks=1, window=6, model_window=3).capacity  # the recent band shrinks to the model's
+    4
     """
 
     sinks: int = 4
     window: int = 64
+    model_window: int | None = None
 
     def __post_init__(self) -> None:
-        for name, low in (("sinks", 0), ("window", 1)):
+        for name, low in (("sinks", 0), ("window", 1), ("model_window", 1)):
             v = getattr(self, name)
+            if name == "model_window" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"StreamWindow.{name} must be an int >= {low}, got {v!r}")
 
     @property
+    def recent(self) -> int:
+        """The recent band a query reads: ``window``, or the model's own window where that is narrower."""
+        return self.window if self.model_window is None else min(self.window, self.model_window)
+
+    @property
     def capacity(self) -> int:
-        """Tokens a streaming group's cache holds at most."""
-        return self.sinks + self.window
+        """Tokens a streaming group's cache holds at most (between calls of one token)."""
+        return self.sinks + self.recent
+
+    def allowed(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
+        """``(B, T, S)``: the streaming rule (:func:`~condcomp.masks.streaming_allowed`) and, when set, the model's
+        own window (sinks too are read only within it); ``query_pos (B, T)``, ``key_pos (B, S)``."""
+        ok = streaming_allowed(query_pos, key_pos, self.sinks, self.recent)
+        if self.model_window is None:
+            return ok
+        return ok & (query_pos.unsqueeze(-1) - key_pos.unsqueeze(-2) < self.model_window)
 
 
 @dataclass(frozen=True)
@@ -72,22 +94,39 @@ class WindowCache:
         return WindowCache(self.keys[i], self.values[i], self.positions[i], self.seen[i])
 
     def crop(self, tokens: int, window: StreamWindow) -> WindowCache:
-        """The cache without each request's last ``tokens`` tokens; refused once tokens it would need again were
-        evicted (they cannot be brought back)."""
+        """The cache without each request's last ``tokens`` tokens (their entries are emptied, the next call drops
+        them); refused where a key the next query would read was already evicted (it cannot be brought back)."""
         positions, seen = crop_positions(self.positions, self.seen, tokens, window)
         return WindowCache(self.keys, self.values, positions, seen)
 
 
 def crop_positions(positions: Tensor, seen: Tensor, tokens: int, window: StreamWindow) -> tuple[Tensor, Tensor]:
     """A window's ``(positions, seen)`` without each request's last ``tokens`` tokens (see :meth:`WindowCache.crop`;
-    shared with the quantized window, whose entries stay where they are)."""
-    if bool((seen > window.capacity).any()):
+    shared with the quantized window, whose entries stay where they are).
+
+    ``tokens == 0`` changes nothing (assisted decoding crops 0 when every candidate was accepted); cropping every
+    token a row holds empties it (a new request). Otherwise each row's next query, at position ``seen - tokens``,
+    must find every earlier key its rule reads among the entries held: the sinks always are; the recent band is
+    while the crop stays within what the window still holds (the last ``recent`` tokens, plus the tokens of the last
+    call when it had more than one, which a verifier such as assisted decoding may take back)."""
+    if tokens == 0:
+        return positions, seen
+    after = (seen - tokens).clamp_min(0)  # (B,): each row's tokens after the crop = its next query's position
+    held = (positions >= 0) & (positions < after.unsqueeze(-1))  # (B, N)
+    read_held = (held & window.allowed(after.unsqueeze(-1), positions).squeeze(1)).sum(-1)  # (B,)
+    earlier = torch.arange(int(after.max()) if after.numel() else 0, device=positions.device)  # (P,)
+    earlier = earlier.expand(after.shape[0], -1)  # (B, P)
+    read = ((earlier < after.unsqueeze(-1)) & window.allowed(after.unsqueeze(-1), earlier).squeeze(1)).sum(-1)
+    short = read_held < read  # (B,): rows whose next query would miss an evicted key
+    if bool(short.any()):
+        rows = short.nonzero().flatten().tolist()
         raise ValueError(
-            f"cannot crop {tokens} token(s) from a KV cache whose streamed groups already evicted tokens (they hold"
-            f" the first {window.sinks} and the last {window.window} tokens of each request): the evicted ones "
-            "would be needed again. Crop before the request outgrows the window, or start the request again")
-    seen = (seen - tokens).clamp_min(0)  # (B,)
-    return positions.masked_fill(positions >= seen.unsqueeze(-1), -1), seen
+            f"cannot crop {tokens} token(s) from this KV cache: in row(s) {rows} its streamed groups already evicted "
+            f"token(s) the next query would read (they hold the first {window.sinks} and the last {window.recent} "
+            "tokens of each request, plus the tokens of the last call when it had several), and evicted tokens "
+            "cannot be brought back. Crop only tokens the windows still hold, or crop the whole cache (or reset() "
+            "it) and start the request again")
+    return positions.masked_fill(positions >= after.unsqueeze(-1), -1), after
 
 
 def query_positions(seen: Tensor | None, query_mask: Tensor | None, B: int, T: int, device: torch.device) -> Tensor:
@@ -107,11 +146,13 @@ def extend(state: WindowCache | None, keys: Tensor, values: Tensor, query_pos: T
             torch.cat([state.positions, query_pos], 1))
 
 
-def trim(keys: Tensor, values: Tensor, positions: Tensor, seen: Tensor, window: StreamWindow) -> WindowCache:
-    """Keep at most ``sinks + window`` entries per row: the sinks and the most recent tokens (what any later query
-    may still attend), in position order; the rest is evicted."""
+def trim(keys: Tensor, values: Tensor, positions: Tensor, seen: Tensor, window: StreamWindow, slack: int = 0
+         ) -> WindowCache:
+    """Keep at most ``sinks + recent + slack`` entries per row: the sinks and the most recent tokens (what any later
+    query may still attend, and ``slack`` more so a crop of that many tokens can be taken back), in position order;
+    the rest is evicted."""
     N = positions.shape[1]
-    keep = min(N, window.capacity)
+    keep = min(N, window.capacity + slack)
     if keep < N:
         # sinks rank first, then recent positions; empty entries (-1) last (no host read of the positions)
         score = torch.where((positions >= 0) & (positions < window.sinks), positions + _SINK_RANK, positions)
@@ -152,16 +193,16 @@ def band_applies(query_mask: Tensor | None, T: int, window: StreamWindow) -> boo
 
 
 def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: StreamWindow, attend: Attend) -> Tensor:
-    """The streaming rule's attention at a prefill, one block of ``window.window`` queries at a time: each block
+    """The streaming rule's attention at a prefill, one block of ``window.recent`` queries at a time: each block
     reads its request's sink tokens and the keys of its own and the previous block, not all ``T`` keys.
 
     ``q (B, Hq, T, Dh)``, ``k``/``v (B, Hkv, T, Dh)``, ``pos (B, T)`` real-token positions (``-1`` padding, which
     must come first in a row: :func:`band_applies`). Equals ``attend`` over all keys with the mask
-    :func:`~condcomp.masks.streaming_allowed` (padding queries get every key and are zeroed by the caller), at
+    :meth:`StreamWindow.allowed` (padding queries get every key and are zeroed by the caller), at
     about ``2 * window / T`` of its cost.
     """
     B, _, T, _ = q.shape
-    W, n_sinks = window.window, window.sinks
+    W, n_sinks = window.recent, window.sinks
     # each row's sink tokens (positions 0 .. sinks-1) by index; a row with fewer real tokens repeats an entry whose
     # position is set to -1 so it is never attended
     is_sink = (pos >= 0) & (pos < n_sinks)
@@ -175,8 +216,8 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: Strea
         end = min(start + W, T)
         lo = max(0, start - W + 1)  # the oldest key any query of the block may read in its band
         qp, kp = pos[:, start:end], pos[:, lo:end]
-        local = streaming_allowed(qp, kp, n_sinks, W) & (kp >= n_sinks).unsqueeze(1)  # sinks come from sink_k
-        allowed = torch.cat([streaming_allowed(qp, sink_pos, n_sinks, W), local], -1)  # (B, b, s + band)
+        local = window.allowed(qp, kp) & (kp >= n_sinks).unsqueeze(1)  # sinks come from sink_k
+        allowed = torch.cat([window.allowed(qp, sink_pos), local], -1)  # (B, b, s + band)
         dead = ~allowed.any(-1, keepdim=True)
         keys = torch.cat([sink_k, k[:, :, lo:end]], 2)
         values = torch.cat([sink_v, v[:, :, lo:end]], 2)

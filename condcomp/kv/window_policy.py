@@ -2,11 +2,13 @@
 
 Its state is a :class:`~condcomp.kv.window.WindowCache` per layer (quantized as the layer's own keys in a quantized
 cache, :mod:`condcomp.kv.window_quant`); a query at real-token position ``p`` reads keys ``j <= p`` with
-``j < sinks`` or ``p - j < window`` (:func:`condcomp.masks.streaming_allowed`).
+``j < sinks`` or ``p - j < window`` (:func:`condcomp.masks.streaming_allowed`), and within the model's own sliding
+window where the layer has one (``model_window``: a streamed group never reads a key its full group would not).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,7 +18,6 @@ from condcomp.dense import grouped_sdpa
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.window import StreamWindow, WindowCache, band_applies, banded_attention, extend, query_positions, trim
 from condcomp.kv.window_quant import QuantizedWindowCache, WindowCodec
-from condcomp.masks import streaming_allowed
 from condcomp.registry import register_kv_policy
 
 
@@ -26,21 +27,29 @@ class WindowKV(KVPolicy):
     """Streaming groups: the first ``sinks`` tokens and the last ``window`` tokens of each request, at most
     ``sinks + window`` cached tokens per group whatever the context.
 
+    ``model_window``: the model's own sliding window on the layer, set by the attachment
+    (:meth:`within_model_window`); the groups then read what both windows allow.
+
     >>> WindowKV(sinks=4, window=60).window_spec.capacity
     64
     """
 
     sinks: int = 4
     window: int = 64
+    model_window: int | None = None
     stores: ClassVar[str] = "own"
 
     def __post_init__(self) -> None:
-        StreamWindow(self.sinks, self.window)  # validates both
+        StreamWindow(self.sinks, self.window, self.model_window)  # validates the three
 
     @property
     def window_spec(self) -> StreamWindow:
         """The same window as a :class:`~condcomp.kv.window.StreamWindow`."""
-        return StreamWindow(self.sinks, self.window)
+        return StreamWindow(self.sinks, self.window, self.model_window)
+
+    def within_model_window(self, sliding_window: int) -> WindowKV:
+        narrower = sliding_window if self.model_window is None else min(sliding_window, self.model_window)
+        return dataclasses.replace(self, model_window=int(narrower))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
                keep: bool) -> tuple[Tensor, Tensor, Any]:
@@ -53,13 +62,15 @@ class WindowKV(KVPolicy):
             out = banded_attention(q, keys, values, pos, window,
                                    lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale))
         else:
-            allowed = streaming_allowed(pos, key_pos, window.sinks, window.window)  # (B, T, N)
+            allowed = window.allowed(pos, key_pos)  # (B, T, N)
             dead = ~allowed.any(-1)  # (B, T): padding queries
             out = grouped_sdpa(q, keys, values, (allowed | dead.unsqueeze(-1)).unsqueeze(1), False, scale)
         new = None
         if keep:
             seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
-            new = trim(keys, values, key_pos, seen, window)
+            # a later call of several tokens keeps them all until the next call: a verifier (assisted decoding) may
+            # crop them again; a prefill is trimmed to the window (its bytes are what the window promises)
+            new = trim(keys, values, key_pos, seen, window, slack=0 if state is None else T - 1)
         return out, dead.unsqueeze(1), new
 
     def crop(self, state: Any, tokens: int) -> Any:

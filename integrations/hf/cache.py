@@ -336,13 +336,21 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
 
 
 def _tensor_bytes(value: Any, seen: set[int]) -> int:
-    """Bytes of the tensors in ``value`` (a tensor or a container of them), each storage counted once."""
+    """Bytes of the memory the tensors in ``value`` (a tensor or a container of them) keep alive: each storage once
+    and whole (a view cut by ``crop`` or a sliding layer keeps the storage it was cut from); a tensor whose storage
+    cannot be read (a wrapper subclass) counts its elements."""
     if isinstance(value, Tensor):
-        key = value.untyped_storage().data_ptr() if value.numel() else id(value)
+        if not value.numel():
+            return 0
+        try:
+            storage = value.untyped_storage()
+            key, nbytes = storage.data_ptr(), int(storage.nbytes())
+        except (RuntimeError, NotImplementedError, TypeError):
+            key, nbytes = id(value), value.numel() * value.element_size()
         if key in seen:
             return 0
         seen.add(key)
-        return value.numel() * value.element_size()
+        return nbytes
     if isinstance(value, (list, tuple)):
         return sum(_tensor_bytes(v, seen) for v in value)
     if isinstance(value, dict):
@@ -354,6 +362,10 @@ def cache_bytes(cache: Any) -> list[int]:
     """The bytes each layer of a transformers KV cache holds in tensors: keys and values (quantized ones and their
     scales too, for a quantized cache) and condcomp's streamed-group windows; the plan itself (a few bytes per
     request and head) is not counted. ``sum(cache_bytes(c)) / sum(cache_bytes(dense))`` is the measured KV fraction.
+
+    It counts the memory held, not the tokens visible: each distinct storage once, whole. After ``cache.crop(n)``
+    transformers' layers keep views of the storage they had until their next update, and a sliding-window layer keeps
+    a view of its last update's storage; both are counted at the storage's size (what is freed only later).
 
     >>> import torch, transformers  # doctest: +SKIP
     >>> cache = transformers.DynamicCache()  # doctest: +SKIP

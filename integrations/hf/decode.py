@@ -48,16 +48,21 @@ def request_call(routed: RoutedAttention, x: Tensor, rotary: tuple[Tensor, Tenso
         return y, step, held.plan
     plan = decoder_request_plan(routed, step, x, mask)
     if held is None and plan.granularity == "sequence" and not routed.training:  # a request's first call
-        selection = compact_selection(routed, plan, step)
+        selection = compact_selection(routed, plan, step, sliding_window)
         y = held_attention(routed, plan, selection, x, rotary, step, mask, sliding_window, extra)
         step.keep(routed, plan, selection)
         return y, step, plan
     return None, step, plan
 
 
-def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep) -> KVSelection:
-    """The slots of a plan decided now; a static cache layer allocated earlier fixes the slot count."""
+def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep,
+                      sliding_window: int | None = None) -> KVSelection:
+    """The slots of a plan decided now; a static cache layer allocated earlier fixes the slot count. On a layer
+    with its own ``sliding_window`` the KV policy's groups read only within it too (never a key the model's rule
+    excludes)."""
     policy = kv_policy_of(routed)
+    if sliding_window is not None:
+        policy = policy.within_model_window(int(sliding_window))
     selection = select_kv(plan, routed.layout, policy)
     layer = cache_layer(step.cache, step.layer_idx)
     static = hasattr(layer, "max_cache_len") or type(step.cache).__name__.startswith("Static")

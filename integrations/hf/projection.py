@@ -82,7 +82,10 @@ class ProjectionAttentionAdapter(TransformersAdapter):
             dropout_p=float(getattr(module, "attention_dropout", 0.0) or 0.0),
         )
         self.layer_idx = getattr(module, "layer_idx", None)
-        self.sliding_window = getattr(module, "sliding_window", None)
+        # the layer's own window: its attribute (Qwen2/3: None on full-attention layers), else the config's
+        # (Mistral, Mixtral pass config.sliding_window to the attention function on every layer)
+        config_window = getattr(getattr(module, "config", None), "sliding_window", None)
+        self.sliding_window = getattr(module, "sliding_window", config_window)
         self.module_cls = type(module)
 
     def weights(self, owner: Any) -> AttentionWeights:

@@ -151,7 +151,7 @@ def test_head_usage_reports_the_decode_step_and_the_kv_cache_executor() -> None:
         assert routed.last is not None and routed.last.T == 1 and routed.last.S == ids.shape[1] + 1
 
 
-def test_crop_before_the_window_is_outgrown_continues_like_the_reference_and_is_refused_after() -> None:
+def test_crop_before_the_window_is_outgrown_continues_like_the_reference_and_a_crop_into_evicted_is_refused() -> None:
     model = streaming(4, window=12)  # 1 + 12 tokens: nothing evicted within this test's 6 + 2 tokens
     ids, mask = prompts()
     tokens, full_mask, logits, cache = generate(model, ids, mask, 2)
@@ -160,8 +160,8 @@ def test_crop_before_the_window_is_outgrown_continues_like_the_reference_and_is_
     torch.testing.assert_close(got, logits[-1], atol=1e-5, rtol=1e-5)
     model = streaming(4)  # 1 + 3 tokens: the 6-token prompts already evicted some
     tokens, full_mask, logits, cache = generate(model, ids, mask, 1)
-    with pytest.raises(ValueError, match="evicted"):
-        cache.crop(-1)
+    with pytest.raises(ValueError, match="evicted"):  # the next query (at 5) would read the evicted token 3
+        cache.crop(-2)
     assert cache.get_seq_length() == tokens.shape[1]  # refused before anything changed
 
 
