@@ -1,4 +1,4 @@
-"""The ``condcomp`` command: demo, train, eval, ablate, report, dit, bench.
+"""The ``condcomp`` command: demo, train, eval, ablate, report, dit, bench, tune-llm, calibrate-kv.
 
 Each command lives beside the code it drives; a module contributes commands through ``add_commands(sub)``
 (top-level commands) or ``add_bench_commands(sub)`` (``condcomp bench NAME``).
