@@ -69,6 +69,11 @@ class SnapKV(KVPolicy):
                keep: bool) -> tuple[Tensor, Tensor, Any]:
         B, H, T, _ = q.shape
         gw = k.shape[1]
+        if state is not None and T > 1 and bool((state.seen == state.prompt).all()):
+            # a second prompt chunk (generate's prefill_chunk_size): the first chunk was compressed on its own
+            # observation window and this one would be kept whole, which is not SnapKV's rule
+            raise ValueError("snapkv: the prompt must be prefilled in one call (a chunked prefill compresses only "
+                             "its first chunk); drop prefill_chunk_size, or pick another KV policy")
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
         key_pos = pos[:, None, :].expand(B, gw, T)  # (B, gw, T)
         if state is not None:

@@ -166,3 +166,16 @@ def test_snapkv_on_a_llama_keeping_the_whole_prompt_decodes_as_the_unwrapped_mod
     plans = condcomp.request_plans(model, got.past_key_values)
     assert {m for p in plans.values() for row in p.group_modes() for m in row} == {"full", "snapkv"}
     assert all(n > 0 for n in cache_bytes(got.past_key_values))
+
+
+def test_snapkv_refuses_a_prompt_prefilled_in_chunks() -> None:
+    # the second chunk of a prompt arrives before any generated token (seen == prompt) with several tokens
+    from condcomp.kv.snapkv import SnapState
+
+    state = SnapState(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.tensor([[[0, 4, 5]]]),
+                      torch.tensor([6]), torch.tensor([6]))
+    q, k, v = torch.randn(1, 2, 4, 4), torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="prefilled in one call"):
+        POLICY.attend(q, k, v, state, None, 0.5, True)
+    out, _, after = POLICY.attend(q[:, :, :1], k[:, :, :1], v[:, :, :1], state, None, 0.5, True)  # a decode step
+    assert out.shape == (1, 2, 1, 4) and after.seen.tolist() == [7]
