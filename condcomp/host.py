@@ -42,6 +42,7 @@ class LastForward:
     strategy: str | None = None
     streamed: Tensor | None = None  # (B, H) bool: heads that attended a streaming window, not the full context
     window_keys: int = 0  # the most keys a streamed head reads (the window's sinks + recent tokens)
+    held_full: Tensor | None = None  # (B, H) bool: heads the plan skips that the KV policy computes in full
 
 
 PROGRESS_BUFFER = "condcomp_progress"  # the buffer's name in state_dicts (one without it loads: _load_from_state_dict)
@@ -244,6 +245,11 @@ class RoutingHost(nn.Module):
             window = min(last.S, last.window_keys)
             if dense:
                 flops += float(plan_flops(self.layout, plan_from_active(last.streamed), last.T, window).sum() / dense)
+        if last.held_full is not None and last.held_full.any():  # computed over every key, as kept heads are
+            k_frac += float(last.held_full.float().sum(-1).mean()) / plan.num_heads
+            dense = dense_flops(self.layout, last.T, last.S) * plan.gates.shape[0]
+            if dense:
+                flops += float(plan_flops(self.layout, plan_from_active(last.held_full), last.T, last.S).sum() / dense)
         return HeadUsage(s_mean, k_frac, flops, last.executor, last.strategy, streamed_frac)
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from condcomp.dense import grouped_sdpa, project_kv
 from condcomp.executors.base import keep_gates_in_graph
 from condcomp.host import LastForward
-from condcomp.kv.policy import KV_NONE
+from condcomp.kv.policy import KV_FULL, KV_WINDOW
 from condcomp.kv.selection import KVSelection, select_kv
 from condcomp.masks import AttentionMask, build_attention_mask, dead_rows
 from condcomp.plans import kv_groups_used
@@ -220,13 +220,16 @@ class CachedRun:
               holds_unkept: bool) -> LastForward:
         """The call's usage record: ``s`` the request's budget, ``T`` queries, ``S`` keys; ``holds_unkept``: the KV
         policy computes the heads of the groups the plan does not keep (they count as streamed heads)."""
-        sel, streamed = self.selection, None
+        sel, streamed, held_full = self.selection, None, None
         if sel.modes is not None and holds_unkept:
-            # (B, Hkv) -> (B, H): every head of a group the plan does not keep that its KV policy holds
-            by_policy = (sel.modes != KV_NONE) & ~kv_groups_used(plan.active, sel.modes.shape[1])
-            streamed = by_policy.repeat_interleave(plan.num_heads // sel.modes.shape[1], dim=1)
+            # (B, Hkv) -> (B, H): every head of a group the plan does not keep that its KV policy holds; a policy
+            # that keeps such groups in full (`full`) computes them over every key: computed heads, not streamed
+            unkept = ~kv_groups_used(plan.active, sel.modes.shape[1])
+            per_head = plan.num_heads // sel.modes.shape[1]
+            streamed = ((sel.modes == KV_WINDOW) & unkept).repeat_interleave(per_head, dim=1)
+            held_full = ((sel.modes == KV_FULL) & unkept).repeat_interleave(per_head, dim=1)
         window_keys = sel.window.capacity if sel.window is not None else S
-        return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys)
+        return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys, held_full)
 
 
 @register_executor("kv_cache")

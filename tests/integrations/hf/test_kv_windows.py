@@ -196,3 +196,25 @@ def test_head_usage_counts_streamed_heads_as_computed_over_their_window() -> Non
         want = (sum(per_row) + extra * len(per_row)) / (dense * len(per_row))
         assert u.flop_frac == pytest.approx(want, rel=1e-9)
         assert u.flop_frac < 1.0  # the windows read fewer keys than the full context
+
+
+def test_head_usage_counts_the_full_policys_groups_as_computed_heads_not_streamed() -> None:
+    """With ``kv="full"`` the groups a plan does not keep are computed over every key: they count in ``k_frac`` and
+    in ``flop_frac`` as full heads (the hand count of the dense block), and none of them is "streamed"."""
+    from condcomp.flops import routing_flops
+
+    model = llama(4)
+    router = ("topk", {"kv_groups": True})
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=router, kv="full"))
+    model.eval()
+    ids, mask = prompts()
+    _, _, _, cache = generate(model, ids, mask, 1)
+    cfg = model.config
+    D, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    Dh, T, S = D // H, 1, ids.shape[1] + 1
+    dense = 2 * T * D * H * Dh + 2 * S * 2 * D * Hkv * Dh + 2 * T * H * Dh * D + 4 * T * S * H * Dh
+    for name, u in condcomp.head_usage(model).items():
+        routed = condcomp.api.routed_modules(model)[name]
+        extra = routing_flops(routed.condcomp_policy, T) + routing_flops(routed.condcomp_router, T)
+        assert u.k_frac == pytest.approx(1.0) and u.streamed_frac == 0.0
+        assert u.flop_frac == pytest.approx((dense + extra) / dense, rel=1e-9)
