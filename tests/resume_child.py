@@ -15,7 +15,6 @@ from __future__ import annotations
 import random
 import signal
 import sys
-from typing import Any
 
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -30,33 +29,12 @@ def corpus() -> None:
     kv.corpus_texts = kv_cases.corpus_texts = lambda *a, **k: list(TEXTS)  # type: ignore[assignment]
 
 
-class CharTokenizer:
-    pad_token_id, eos_token_id = 1, 2
-
-    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict[str, Any]:
-        return {"input_ids": [[3 + (ord(c) % 90) for c in t] for t in texts]}
-
-    def get_vocab(self) -> dict[str, int]:
-        return {"<|endoftext|>": 0}
-
-    def decode(self, tokens: Any) -> str:
-        return "".join(chr(int(t)) for t in tokens)
-
-
 def tiny_smollm() -> None:
-    import torch
-    import transformers
+    from tiny_models import tiny_char_llama  # this script's folder (tests/) is on sys.path
 
     import condcomp.experiments.llm.smollm2 as smollm2
 
-    def load() -> tuple[Any, Any]:
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                       max_position_embeddings=64, attn_implementation="sdpa")
-        return transformers.LlamaForCausalLM(cfg).eval(), CharTokenizer()
-
-    smollm2.load_smollm2 = load  # type: ignore[assignment]
+    smollm2.load_smollm2 = tiny_char_llama  # type: ignore[assignment]
 
 
 def quick_judge() -> None:

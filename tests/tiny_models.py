@@ -104,3 +104,29 @@ def set_executor(model: nn.Module, name: str) -> None:
     for m in model.modules():
         if isinstance(m, RoutedAttention):
             m.executor = name
+
+
+class CharTokenizer:
+    """A stand-in for SmolLM2's tokenizer in commands under test: one token per character, no download."""
+
+    pad_token_id, eos_token_id = 1, 2
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict[str, list[list[int]]]:
+        return {"input_ids": [[3 + (ord(c) % 90) for c in t] for t in texts]}
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"<|endoftext|>": 0}
+
+    def decode(self, tokens: list[int] | Tensor) -> str:
+        return "".join(chr(int(t)) for t in tokens)
+
+
+def tiny_char_llama() -> tuple[nn.Module, CharTokenizer]:
+    """A seeded 2-layer random Llama (GQA 4/2) and :class:`CharTokenizer`: SmolLM2's loader in tests."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).eval(), CharTokenizer()

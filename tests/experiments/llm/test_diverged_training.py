@@ -11,7 +11,6 @@ import functools
 import json
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -73,32 +72,14 @@ def test_tune_llm_stops_the_study_without_a_done_record(tmp_path: Path) -> None:
                     fh.write(json.dumps({"text": "".join(rng.choice("abcdefghijklm") for _ in range(8)),
                                          "label": 0}) + "\n")
 
-    class Chars:
-        pad_token_id, eos_token_id = 1, 2
-
-        def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict[str, Any]:
-            return {"input_ids": [[3 + (ord(c) % 90) for c in t] for t in texts]}
-
-        def get_vocab(self) -> dict[str, int]:
-            return {"<|endoftext|>": 0}
-
-        def decode(self, tokens: Any) -> str:
-            return "".join(chr(int(t)) for t in tokens)
-
-    def loader() -> tuple[Any, Any]:
-        import transformers
-
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                       max_position_embeddings=64, attn_implementation="sdpa")
-        return transformers.LlamaForCausalLM(cfg).eval(), Chars()
+    from tiny_models import tiny_char_llama
 
     s = TuneSettings(seq_len=16, prompt_len=6, batch_size=2, steps=4, warmup=1, lr=1e30, lora_rank=2, eval_seqs=2,
                      calib_seqs=1, agree_prompts=2, agree_tokens=3, checkpoint_every=1, datasets=("ag_news", "yelp"),
                      tune="attention")
     with pytest.raises(TrainingDiverged, match=r"training diverged at step \d .*--lr 1e\+30"):
-        run_tuning_study(s, ["dense_tuned"], tmp_path / "out", tmp_path / "results", tmp_path / "data", None, loader)
+        run_tuning_study(s, ["dense_tuned"], tmp_path / "out", tmp_path / "results", tmp_path / "data", None,
+                         tiny_char_llama)
     for folder in ("out", "results"):
         record = tmp_path / folder / "dense_tuned" / "metrics.json"
         assert not record.exists() or json.loads(record.read_text()).get("status") != "done"
