@@ -9,7 +9,9 @@ reads the same at prefill and at every decode step. Keys are stored after rotary
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,27 @@ from torch import Tensor
 from condcomp.masks import streaming_allowed
 
 _SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent token when trimming
+# tokens at the end of a request's first call that a verifier may take back (set by the attachment, see below)
+_FIRST_CALL_TAIL: contextvars.ContextVar[int] = contextvars.ContextVar("condcomp_first_call_tail", default=0)
+
+
+@contextlib.contextmanager
+def revertible_tail(tokens: int) -> Iterator[None]:
+    """Inside the block, a request's first call (its prefill) keeps its last ``tokens`` tokens in the streamed
+    groups' windows beyond what the window holds, until the next call, as a later call of several tokens does: they
+    are candidates a verifier may take back (assisted decoding's first call is the prompt and its first candidates,
+    and ``crop`` then rejects some). The attachment sets it to the tokens after the prompt under
+    :func:`condcomp.plan_from_prompt`; 0 (the default) trims a prefill to the window."""
+    token = _FIRST_CALL_TAIL.set(max(int(tokens), 0))
+    try:
+        yield
+    finally:
+        _FIRST_CALL_TAIL.reset(token)
+
+
+def first_call_tail() -> int:
+    """The tokens a prefill keeps beyond the window now (:func:`revertible_tail`)."""
+    return _FIRST_CALL_TAIL.get()
 
 
 @dataclass(frozen=True)
@@ -125,7 +148,8 @@ def crop_positions(positions: Tensor, seen: Tensor, tokens: int, window: StreamW
             f"token(s) the next query would read (they hold the first {window.sinks} and the last {window.recent} "
             "tokens of each request, plus the tokens of the last call when it had several), and evicted tokens "
             "cannot be brought back. Crop only tokens the windows still hold, or crop the whole cache (or reset() "
-            "it) and start the request again")
+            "it) and start the request again. Assisted decoding: generate inside condcomp.plan_from_prompt(model, "
+            "prompt width), so its first call keeps the candidates after the prompt until they are verified")
     return positions.masked_fill(positions >= after.unsqueeze(-1), -1), after
 
 

@@ -16,7 +16,16 @@ from torch import Tensor
 
 from condcomp.dense import grouped_sdpa
 from condcomp.kv.policy import KVPolicy
-from condcomp.kv.window import StreamWindow, WindowCache, band_applies, banded_attention, extend, query_positions, trim
+from condcomp.kv.window import (
+    StreamWindow,
+    WindowCache,
+    band_applies,
+    banded_attention,
+    extend,
+    first_call_tail,
+    query_positions,
+    trim,
+)
 from condcomp.kv.window_quant import QuantizedWindowCache, WindowCodec
 from condcomp.registry import register_kv_policy
 
@@ -69,8 +78,10 @@ class WindowKV(KVPolicy):
         if keep:
             seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
             # a later call of several tokens keeps them all until the next call: a verifier (assisted decoding) may
-            # crop them again; a prefill is trimmed to the window (its bytes are what the window promises)
-            new = trim(keys, values, key_pos, seen, window, slack=0 if state is None else T - 1)
+            # crop them again; a prefill is trimmed to the window (its bytes are what the window promises) but for
+            # the candidates after the prompt it carries (assisted decoding's first call, see revertible_tail)
+            slack = T - 1 if state is not None else min(first_call_tail(), T - 1)
+            new = trim(keys, values, key_pos, seen, window, slack=max(slack, 0))
         return out, dead.unsqueeze(1), new
 
     def crop(self, state: Any, tokens: int) -> Any:

@@ -260,6 +260,8 @@ class RequestStep:
     past: int  # tokens this layer held before the call
     query_start: int  # the attention mask's column of this call's first query
     held: HeldPlan | None  # the request's plan, when the cache holds one
+    # a first call's tokens after the prompt (plan_from_prompt): candidates a verifier may take back (revertible_tail)
+    after_prompt: int = 0
 
     def keep(self, routed: Any, plan: HeadPlan, selection: KVSelection | None) -> None:
         """Store a plan decided now with the cache layer (after the call's update created it)."""
@@ -310,7 +312,9 @@ def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bo
                 keys.shape[1] != max(held.selection.slots, 1 if held.selection.window_index is not None else 0)):
             raise ValueError(f"layer {layer_idx}: the KV cache holds {keys.shape[1]} key/value heads per row but its "
                              f"plan keeps {held.selection.slots}: its tensors were replaced by another model's")
-    return RequestStep(cache, layer_idx, cross, past, query_start, held)
+    prompt_len = getattr(routed, "prompt_len", None)
+    after_prompt = T - prompt_len if not past and prompt_len is not None and T > prompt_len else 0
+    return RequestStep(cache, layer_idx, cross, past, query_start, held, after_prompt)
 
 
 def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: Tensor | None, num_keys: int,

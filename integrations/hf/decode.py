@@ -25,6 +25,7 @@ from condcomp.executors.cached import CompactKV, Projections
 from condcomp.host import LastForward
 from condcomp.kv.choose import kv_policy_of
 from condcomp.kv.selection import KVSelection, pad_slots, select_kv
+from condcomp.kv.window import revertible_tail
 from condcomp.types import AttentionInputs, HeadPlan
 
 from .cache import LayerSlot, RequestStep, cache_layer, compact_write, open_step, placeholder_width
@@ -49,7 +50,8 @@ def request_call(routed: RoutedAttention, x: Tensor, rotary: tuple[Tensor, Tenso
     plan = decoder_request_plan(routed, step, x, mask)
     if held is None and plan.granularity == "sequence" and not routed.training:  # a request's first call
         selection = compact_selection(routed, plan, step, sliding_window)
-        y = held_attention(routed, plan, selection, x, rotary, step, mask, sliding_window, extra)
+        with revertible_tail(step.after_prompt):  # candidates after the prompt (assisted decoding)
+            y = held_attention(routed, plan, selection, x, rotary, step, mask, sliding_window, extra)
         step.keep(routed, plan, selection)
         return y, step, plan
     return None, step, plan

@@ -149,12 +149,78 @@ def test_assisted_decoding_with_streamed_groups_equals_the_greedy_decode_without
     assert any(n <= -2 and length > 1 + 6 + 3 for n, length in crops)  # rejected candidates after the eviction
 
 
-def test_a_first_call_longer_than_the_window_cannot_take_back_its_candidates() -> None:
-    """The limit of the above: a prefill keeps only the window (its bytes are the window's), so an assistant's
-    candidates fed with a prompt longer than the window cannot be taken back: refused, never a wrong token."""
+def _greedy_under_the_rule(model: nn.Module, tokens: torch.Tensor, prompt_len: int) -> None:
+    """Every token after the prompt is the argmax of the float64 rule's logits before it (plans from the prompt)."""
+    cache = t.DynamicCache()
+    ones = torch.ones_like(tokens)
+    with condcomp.plan_from_prompt(model, prompt_len):
+        step(model, tokens[:, :prompt_len], ones[:, :prompt_len], cache, prompt_len)
+    ref = rule_logits(model, condcomp.request_plans(model, cache), tokens, ones, SINKS, WINDOW)  # (1, S, V)
+    top2 = ref[0, prompt_len - 1:-1].topk(2, -1).values  # (new, 2)
+    assert bool((top2[:, 0] - top2[:, 1] > 1e-4).all())  # no near-tie the float32 path could flip
+    assert torch.equal(ref[0, prompt_len - 1:-1].argmax(-1), tokens[0, prompt_len:])
+
+
+def test_a_first_call_longer_than_the_window_keeps_its_candidates_until_they_are_verified(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Assisted decoding's first call is the prompt and the first candidates, already past the window (6 + 3
+    tokens, 1 + 3 entries): under plan_from_prompt the tokens after the prompt stay in the windows until the next
+    call, so rejecting them works, and the tokens are plain greedy decoding's and the float64 rule's."""
+    model = streaming()
+    crops: list[tuple[int, int]] = []
+    crop = t.DynamicCache.crop
+
+    def spy(self: Any, n: int) -> None:
+        if any(getattr(layer, "condcomp_plan", None) is not None for layer in self.layers):
+            crops.append((n, self.get_seq_length()))
+        crop(self, n)
+
+    monkeypatch.setattr(t.DynamicCache, "crop", spy)
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(2))
+    kw: dict[str, Any] = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              do_sample=False, pad_token_id=0)
+    with condcomp.plan_from_prompt(model, ids.shape[1]):
+        want = model.generate(**kw)
+        got = model.generate(**kw, assistant_model=assistant_of(3))
+    assert crops[0] == (-3, 6 + 3)  # the first round rejected all three candidates, fed with the 6-token prompt
+    assert torch.equal(got, want)
+    _greedy_under_the_rule(model, got, ids.shape[1])
+
+
+def test_prompt_lookup_on_topk_stream_window_rejects_its_first_candidates_as_plain_greedy_decoding() -> None:
+    model = llama(4)
+    router = ("topk", {"kv_groups": True, "stream_window": WINDOW, "stream_sinks": SINKS})
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=router))
+    model.eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9] * 2 + [5, 6]])  # the lookup drafts 7 8 9 5: the random model rejects them
+    kw: dict[str, Any] = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              do_sample=False, pad_token_id=0)
+    with condcomp.plan_from_prompt(model, ids.shape[1]):
+        want = model.generate(**kw)
+        got = model.generate(**kw, prompt_lookup_num_tokens=4)
+    assert torch.equal(got, want)
+    _greedy_under_the_rule(model, got, ids.shape[1])
+
+
+def test_a_prefill_keeps_only_the_tokens_after_the_prompt_beyond_its_window() -> None:
+    model = streaming()
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    for prompt_len, extra in ((9, 0), (6, 3), (2, 7)):
+        cache = t.DynamicCache()
+        with condcomp.plan_from_prompt(model, prompt_len):
+            step(model, ids, torch.ones_like(ids), cache, 9)
+        held = [layer.condcomp_windows.positions for layer in cache.layers]
+        want = sorted({*range(SINKS), *range(max(9 - WINDOW - extra, 0), 9)})  # sinks, window, tokens after the prompt
+        assert all(p.tolist() == [want] * 2 for p in held), (prompt_len, held)
+
+
+def test_without_plan_from_prompt_a_first_call_past_the_window_cannot_take_back_its_candidates() -> None:
+    """Without plan_from_prompt nothing says which tokens of the first call are candidates (and the plan is
+    decided from them too): the prefill keeps only the window, and taking candidates back is refused, naming
+    the fix."""
     model = streaming()
     ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(2))
-    with pytest.raises(ValueError, match="evicted"), condcomp.plan_from_prompt(model, ids.shape[1]):
+    with pytest.raises(ValueError, match="evicted.*plan_from_prompt"):
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                        pad_token_id=0, assistant_model=assistant_of(3))
 
