@@ -106,6 +106,9 @@ def static_split(model: nn.Module, importance: Tensor, fraction: float, *, windo
     if tuple(importance.shape) != (len(layers), G):
         raise ValueError(f"static_split: importance has shape {tuple(importance.shape)}, this model needs "
                          f"({len(layers)}, {G}) (one score per layer and KV group)")
+    if not bool(importance.isfinite().all()):  # NaN ranked as the most important group
+        raise ValueError(f"static_split: importance holds non-finite scores at (layer, group) "
+                         f"{(~importance.isfinite()).nonzero().tolist()}: compute it again (group_importance)")
     keep = 0 if fraction == 0 else max(1, round(fraction * G))
     _apply_layers(model, [keep] * len(layers), warm_start_scores(importance), G, sinks, window)
     return model.eval()

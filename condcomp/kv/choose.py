@@ -8,7 +8,7 @@ from typing import Any
 from condcomp.kv.policy import DropKV, KVPolicy
 from condcomp.kv.window import StreamWindow
 from condcomp.kv.window_policy import WindowKV
-from condcomp.registry import KV_POLICIES
+from condcomp.registry import KV_POLICIES, ROUTERS
 
 _ATTR = "_condcomp_kv_policy"  # the built policy, kept in the wrapped module's __dict__ (not a submodule)
 
@@ -31,6 +31,13 @@ def check_kv_support(config: Any, modules: list[tuple[str, Any]], attachment: st
     if not (stream or policy.needs_cache):
         return
     what = "the router's stream_window" if stream else f"kv={config.kv[0]!r}"
+    router = config.router[0]
+    if getattr(ROUTERS.get(router), "granularity", "sequence") == "token":
+        raise ValueError(
+            f"{attachment}: {what} says what a request keeps of the key/value groups its plan does not keep, but "
+            f"router {router!r} decides per token: any later token may read any head, so the KV cache holds every "
+            "key/value head and the KV policy would be silently ignored. Use a sequence router (topk, static, random) "
+            "for a compact or streamed KV cache, or kv='drop' (the default) with this router")
     unable = [name for name, adapter in modules if not getattr(adapter, "holds_kv_policies", False)]
     if unable:
         kinds = sorted({str(getattr(a, "__name__", a)) for name, a in modules if a is not None and name in unable})
@@ -58,3 +65,16 @@ def kv_policy_of(routed: Any) -> KVPolicy:
         policy = WindowKV(stream.sinks, stream.window)
     routed.__dict__[_ATTR] = policy
     return policy
+
+
+def check_token_plan(routed: Any, plan: Any) -> None:
+    """Refuse a per-token plan at inference on a cached call of a layer whose KV policy holds the groups a plan
+    does not keep (a per-token budget, ``fixed(per_token=True)``, under a sequence router): such a plan caches
+    every key/value head, so the policy would be silently ignored."""
+    if plan.granularity == "sequence" or routed.training or not kv_policy_of(routed).needs_cache:
+        return
+    raise ValueError(
+        f"kv={kv_policy_of(routed).name!r} says what a request keeps of the key/value groups its plan does not keep, "
+        "but this call's plan is per token (a per-token budget, e.g. fixed(per_token=True)): any later token may "
+        "read any head, so the KV cache holds every key/value head and the KV policy would be ignored. Use a "
+        "per-sequence budget with it, or kv='drop' (the default)")

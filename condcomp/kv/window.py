@@ -20,6 +20,7 @@ from torch import Tensor
 from condcomp.masks import streaming_allowed
 
 _SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent token when trimming
+_MAX_TOKENS = 1 << 40  # sinks and windows beyond any context (and below _SINK_RANK)
 # tokens at the end of a request's first call that a verifier may take back (set by the attachment, see below)
 _FIRST_CALL_TAIL: contextvars.ContextVar[int] = contextvars.ContextVar("condcomp_first_call_tail", default=0)
 
@@ -72,6 +73,9 @@ class StreamWindow:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"StreamWindow.{name} must be an int >= {low}, got {v!r}")
+            if v > _MAX_TOKENS:  # positions are int64 tensors: beyond it the rule's comparisons overflow
+                raise ValueError(f"StreamWindow.{name} must be at most {_MAX_TOKENS} tokens (longer than any context: "
+                                 f"use kv='full' to keep every token), got {v}")
 
     @property
     def recent(self) -> int:

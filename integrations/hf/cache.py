@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from condcomp.host import detached
+from condcomp.kv.choose import check_token_plan
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.selection import HeldPlan, KVSelection
 from condcomp.kv.window_quant import WindowCodec
@@ -260,8 +261,7 @@ class RequestStep:
     past: int  # tokens this layer held before the call
     query_start: int  # the attention mask's column of this call's first query
     held: HeldPlan | None  # the request's plan, when the cache holds one
-    # a first call's tokens after the prompt (plan_from_prompt): candidates a verifier may take back (revertible_tail)
-    after_prompt: int = 0
+    after_prompt: int = 0  # a first call's tokens after the prompt (plan_from_prompt): revertible_tail keeps them
 
     def keep(self, routed: Any, plan: HeadPlan, selection: KVSelection | None) -> None:
         """Store a plan decided now with the cache layer (after the call's update created it)."""
@@ -336,6 +336,8 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
             "drop empty prompts from the batch")
     if step is None and decoder and plan.granularity == "sequence":
         check_cache_free_generation(routed, plan)
+    if step is not None and decoder:
+        check_token_plan(routed, plan)  # a per-token plan caches every head: no KV policy can apply
     return plan
 
 
@@ -367,9 +369,8 @@ def cache_bytes(cache: Any) -> list[int]:
     scales too, for a quantized cache) and condcomp's streamed-group windows; the plan itself (a few bytes per
     request and head) is not counted. ``sum(cache_bytes(c)) / sum(cache_bytes(dense))`` is the measured KV fraction.
 
-    It counts the memory held, not the tokens visible: each distinct storage once, whole. After ``cache.crop(n)``
-    transformers' layers keep views of the storage they had until their next update, and a sliding-window layer keeps
-    a view of its last update's storage; both are counted at the storage's size (what is freed only later).
+    It counts the memory held, each distinct storage once and whole: after ``cache.crop(n)`` (until the next update)
+    and in a sliding-window layer, a view counts as the storage it was cut from (freed only later).
 
     >>> import torch, transformers  # doctest: +SKIP
     >>> cache = transformers.DynamicCache()  # doctest: +SKIP

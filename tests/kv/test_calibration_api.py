@@ -61,3 +61,28 @@ def test_the_committed_gates_file_loads_from_a_string_path() -> None:
     assert record["scores"].shape == (30, 3) and record["window"] == 252 and record["sinks"] == 4
     with pytest.raises(FileNotFoundError, match="calibrate-kv --method duo"):
         calibration.load_gates("no/such/gates.json", 30, 3)
+
+
+def test_static_split_refuses_non_finite_importance() -> None:
+    """Red team round 5: a NaN importance was ranked as the most important group, silently."""
+    importance = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [1.0, 2.0, float("inf"), 4.0]])
+    model = llama()
+    with pytest.raises(ValueError, match=r"non-finite scores at \(layer, group\) \[\[0, 0\], \[1, 2\]\]"):
+        calibration.static_split(model, importance, 0.5)
+    assert condcomp.routed_modules(model) == {}
+
+
+@pytest.mark.parametrize("field, value", [("window", 3.7), ("window", "3"), ("sinks", True), ("sinks", -1)])
+def test_a_gates_file_with_a_streaming_pattern_that_is_not_an_int_is_refused(tmp_path: Path, field: str,
+                                                                            value: object) -> None:
+    """Red team round 5: int(3.7), int("3") and True were read as windows of 3, 3 and sinks of 1, silently."""
+    import json
+
+    path = tmp_path / "gates.json"
+    save_gates(path, "duo", "tiny", torch.ones(2, 4), 2, 3, {})
+    record = json.loads(path.read_text())
+    record[field] = value
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=f"{field} must be an int >= .*got {value!r}"):
+        calibration.duo_split(llama(), path, 0.5)
+

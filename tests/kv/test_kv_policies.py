@@ -150,6 +150,9 @@ def test_kv_config_field_round_trips_and_the_stream_window_shorthand_is_the_wind
         condcomp.CondCompConfig(kv=("window", {"width": 3}))
     with pytest.raises(ValueError, match="StreamWindow.window"):
         condcomp.CondCompConfig(kv=("window", {"window": 0}))
+    for option in ("window", "sinks"):  # an OverflowError at the first call before (red team round 5)
+        with pytest.raises(ValueError, match=f"StreamWindow.{option} must be at most .* kv='full'"):
+            condcomp.CondCompConfig(kv=("window", {option: 10**30}))
     with pytest.raises(ValueError, match="stream_window"):
         condcomp.CondCompConfig(router=("topk", {"stream_window": 3}), kv="full")
     ids, mask = prompts()

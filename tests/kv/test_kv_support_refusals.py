@@ -54,3 +54,41 @@ def test_the_attention_function_attachment_refuses_a_window_policy() -> None:
         apply_interface_(model, cfg)
     assert cores(model) == {}
     assert condcomp.apply_(model, cfg)  # the module swap holds it on a Llama
+
+
+def _cache_bytes_after_decoding(model: torch.nn.Module) -> int:
+    from condcomp.integrations.hf.cache import cache_bytes
+
+    ids = torch.randint(1, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = t.DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return sum(cache_bytes(cache))
+
+
+@pytest.mark.parametrize("router", ["norm", ("moh", {"shared_heads": 1, "top_k": 1})])
+@pytest.mark.parametrize("kv", [("window", {"sinks": 1, "window": 2}), "full", "snapkv"])
+def test_a_per_token_router_refuses_a_kv_policy_it_would_ignore(router: object, kv: object) -> None:
+    """Red team round 5: a per-token router caches every key/value head, so kv= was ignored without a word (the
+    cache held the unwrapped model's bytes)."""
+    dense = _cache_bytes_after_decoding(llama())
+    model = llama()
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=router, kv=kv)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"apply_: kv=.*decides per token.*kv='drop'"):
+        condcomp.apply_(model, cfg)
+    assert condcomp.routed_modules(model) == {}
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=router))
+    assert _cache_bytes_after_decoding(model.eval()) == dense  # what kv= would have silently left
+
+
+def test_a_per_token_budget_under_a_sequence_router_refuses_a_kv_policy_at_the_call() -> None:
+    model = llama()
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5, "per_token": True}),
+                                  router=("topk", {"kv_groups": True}), kv=("window", {"sinks": 1, "window": 2}))
+    condcomp.apply_(model, cfg)
+    with pytest.raises(ValueError, match=r"kv='window'.*plan is per token.*per-sequence budget"):
+        _cache_bytes_after_decoding(model.eval())
+    sequence = llama()
+    condcomp.apply_(sequence, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
+                                                      router=("topk", {"kv_groups": True}), kv=cfg.kv))
+    assert _cache_bytes_after_decoding(sequence.eval()) < _cache_bytes_after_decoding(llama())  # streamed: smaller

@@ -241,5 +241,10 @@ def load_gates(path: Path, layers: int, groups: int) -> dict[str, Any]:
     if tuple(scores.shape) != (layers, groups) or not math.isfinite(float(scores.sum())):
         raise ValueError(f"{path} holds gates of shape {tuple(scores.shape)}; this model needs ({layers}, {groups}) "
                          "finite scores: calibrate it for this model")
+    for name, low in (("sinks", 0), ("window", 1)):  # int("3"), int(3.7) and True would pass silently
+        value = record.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{path}: {name} must be an int >= {low} (the streaming pattern the gates were "
+                             f"trained for), got {value!r}: write it again with condcomp calibrate-kv")
     record["scores"] = scores
     return record
