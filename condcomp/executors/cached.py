@@ -202,6 +202,7 @@ class CachedRun:
     executor: CachedExecutor
     selection: KVSelection
     name: str = "kv_cache"
+    held_entries: int | None = None  # entries of the KV policy's state before the call (its keys' length), if any
 
     @property
     def strategy(self) -> str:
@@ -228,7 +229,9 @@ class CachedRun:
             per_head = plan.num_heads // sel.modes.shape[1]
             streamed = ((sel.modes == KV_WINDOW) & unkept).repeat_interleave(per_head, dim=1)
             held_full = ((sel.modes == KV_FULL) & unkept).repeat_interleave(per_head, dim=1)
-        window_keys = sel.window.capacity if sel.window is not None else S
+        # keys a policy-held group reads at most: a window's capacity, else what its state held plus this call's
+        held = S if self.held_entries is None else min(S, self.held_entries + T)
+        window_keys = sel.window.capacity if sel.window is not None else held
         return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys, held_full)
 
 
@@ -265,7 +268,11 @@ class CachedExecutor:
     def prepare(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
         """Bound to a cached call (:class:`CachedRun`: its strategy and usage record), or itself without a cache."""
         cache = inputs.kv_cache
-        return self if cache is None else CachedRun(self, cache.selection)
+        if cache is None:
+            return self
+        keys = getattr(cache.windows, "keys", None)  # (B, gw, N, Dh) for window and snapkv states
+        held = int(keys.shape[2]) if isinstance(keys, Tensor) and keys.dim() == 4 else None
+        return CachedRun(self, cache.selection, held_entries=held)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         if inputs.kv_cache is not None:
