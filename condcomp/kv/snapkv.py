@@ -23,24 +23,28 @@ from torch import Tensor
 
 from condcomp.dense import grouped_sdpa
 from condcomp.kv.policy import KVPolicy
-from condcomp.kv.window import query_positions
+from condcomp.kv.window import first_call_tail, query_positions
 from condcomp.registry import register_kv_policy
 
 
 @dataclass(frozen=True)
 class SnapState:
     """``keys``/``values (B, gw, N, Dh)``, ``positions (B, gw, N)`` (each group keeps its own tokens; -1 = empty),
-    ``seen (B,)`` real tokens so far, ``prompt (B,)`` the real prompt tokens the selection was made from."""
+    ``seen (B,)`` real tokens so far, ``prompt (B,)`` the real prompt tokens the selection was made from;
+    ``prefill_only``: nothing happened since the prefill, so a call of several tokens is another prompt chunk
+    (refused); a crop (a verifier's) ends it."""
 
     keys: Tensor
     values: Tensor
     positions: Tensor
     seen: Tensor
     prompt: Tensor
+    prefill_only: bool = False
 
     def take_rows(self, index: Tensor) -> SnapState:
         i = index.to(self.keys.device)
-        return SnapState(self.keys[i], self.values[i], self.positions[i], self.seen[i], self.prompt[i])
+        return SnapState(self.keys[i], self.values[i], self.positions[i], self.seen[i], self.prompt[i],
+                         self.prefill_only)
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.keys, self.values, self.positions, self.seen, self.prompt
@@ -67,9 +71,24 @@ class SnapKV(KVPolicy):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
                keep: bool) -> tuple[Tensor, Tensor, Any]:
+        T = q.shape[2]
+        tail = min(first_call_tail(), T - 1) if state is None else 0
+        if tail <= 0:
+            return self._attend(q, k, v, state, query_mask, scale, keep, False)
+        # a first call that carries tokens after the prompt (assisted decoding's candidates, revertible_tail): the
+        # prompt is compressed on its own observation window, then the tail is a later call on it, as when
+        # decoded one by one (and a verifier can take it back)
+        P = T - tail
+        head_mask, tail_mask = (None, None) if query_mask is None else (query_mask[:, :P], query_mask[:, P:])
+        out, dead, prompt = self._attend(q[:, :, :P], k[:, :, :P], v[:, :, :P], None, head_mask, scale, True, False)
+        out2, dead2, new = self._attend(q[:, :, P:], k[:, :, P:], v[:, :, P:], prompt, tail_mask, scale, keep, True)
+        return torch.cat([out, out2], 2), torch.cat([dead, dead2], -1), new
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
+                keep: bool, after_prompt: bool) -> tuple[Tensor, Tensor, Any]:
         B, H, T, _ = q.shape
         gw = k.shape[1]
-        if state is not None and T > 1 and bool((state.seen == state.prompt).all()):
+        if state is not None and T > 1 and not after_prompt and state.prefill_only:
             # a second prompt chunk (generate's prefill_chunk_size): the first chunk was compressed on its own
             # observation window and this one would be kept whole, which is not SnapKV's rule
             raise ValueError("snapkv: the prompt must be prefilled in one call (a chunked prefill compresses only "
@@ -97,9 +116,11 @@ class SnapKV(KVPolicy):
         seen = state.seen - tokens  # (B,)
         if bool((seen < state.prompt).any()):
             raise ValueError(f"snapkv: cannot crop {tokens} token(s) into the prompt its groups were compressed from "
-                             "(the evicted prompt tokens cannot come back): start the request again")
+                             "(the evicted prompt tokens cannot come back): start the request again. Assisted "
+                             "decoding: generate inside condcomp.plan_from_prompt(model, prompt width), so its first "
+                             "call compresses the prompt alone and keeps the candidates after it")
         positions = state.positions.masked_fill(state.positions >= seen[:, None, None], -1)
-        return SnapState(state.keys, state.values, positions, seen, state.prompt)
+        return SnapState(state.keys, state.values, positions, seen, state.prompt)  # a verifier's: no more chunks
 
     def _select(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, prompt: Tensor, scale: float) -> SnapState:
         """The prompt's kept entries: ``q (B, gw*r, T, Dh)``, ``k``/``v (B, gw, T, Dh)``, ``pos (B, T)``."""
@@ -127,4 +148,4 @@ class SnapKV(KVPolicy):
         flat = (torch.arange(B * gw, device=k.device) * T).view(B, gw, 1) + idx  # (B, gw, n)
         keys = k.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, -1, Dh)
         values = v.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, -1, Dh)
-        return SnapState(keys, values, entry_pos, prompt, prompt)
+        return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=True)

@@ -173,9 +173,13 @@ def test_snapkv_refuses_a_prompt_prefilled_in_chunks() -> None:
     from condcomp.kv.snapkv import SnapState
 
     state = SnapState(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.tensor([[[0, 4, 5]]]),
-                      torch.tensor([6]), torch.tensor([6]))
+                      torch.tensor([6]), torch.tensor([6]), prefill_only=True)
     q, k, v = torch.randn(1, 2, 4, 4), torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4)
     with pytest.raises(ValueError, match="prefilled in one call"):
         POLICY.attend(q, k, v, state, None, 0.5, True)
+    # after a verifier's crop (assisted decoding crops 0 when a round had no candidates), several tokens are a
+    # verifier's call, not a chunk
+    verified = POLICY.attend(q, k, v, POLICY.crop(state, 0), None, 0.5, True)[2]
+    assert verified.seen.tolist() == [10]
     out, _, after = POLICY.attend(q[:, :, :1], k[:, :, :1], v[:, :, :1], state, None, 0.5, True)  # a decode step
     assert out.shape == (1, 2, 1, 4) and after.seen.tolist() == [7]
