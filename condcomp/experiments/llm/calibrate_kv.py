@@ -122,8 +122,12 @@ def evaluate(args: argparse.Namespace, texts: list[str] | None) -> Path:
         if path.suffix == ".pt":
             splits[f"{path.stem} per request"] = load_router(path, model)
         else:
-            splits[f"{path.stem} global {args.fraction:.3g}"] = split_from_scores(load_gates(path, L, G)["scores"],
-                                                                                 args.fraction)
+            record = load_gates(path, L, G)
+            if (record["sinks"], record["window"]) != (args.sinks, args.window):  # as a router file's (split_eval)
+                raise ValueError(f"{path} holds gates trained for {record['sinks']} + {record['window']} streamed "
+                                 f"tokens, the screen streams {args.sinks} + {args.window}: screen it with --sinks "
+                                 f"{record['sinks']} --window {record['window']}")
+            splits[f"{path.stem} global {args.fraction:.3g}"] = split_from_scores(record["scores"], args.fraction)
     print(f"screening {len(splits)} splits on {len(rows)} held-out rows of {args.seq_len} tokens")
     torch.set_num_threads(args.threads)
     results = evaluate_splits(model, rows, splits, args.sinks, args.window)

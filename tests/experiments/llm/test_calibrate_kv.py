@@ -62,6 +62,23 @@ def test_evaluate_screens_the_splits_against_dense(tmp_path: Path) -> None:
     assert streaming["hidden_mse"] > 0 and streaming["full_frac"] == 0.0
 
 
+def test_evaluate_refuses_gates_trained_for_another_streaming_pattern(tmp_path: Path) -> None:
+    """Red team round 5: a gates file was screened at --sinks/--window whatever it was trained for (a router file
+    was refused)."""
+    import torch
+
+    from condcomp.experiments.llm.duo_gates import save_gates
+
+    gates = tmp_path / "g.json"
+    save_gates(gates, "duo", "tiny-llama", torch.ones(4, 8), 4, 60, {})
+    args = build_parser().parse_args(["calibrate-kv", "--model", "tiny-llama", "--evaluate", str(gates), "--steps",
+                                      "1", "--seq-len", "400", "--window", "61", "--out", str(tmp_path / "s.json"),
+                                      "--importance", str(tmp_path / "absent.json")])
+    with pytest.raises(ValueError, match="trained for 4 \\+ 60 streamed tokens, the screen streams 4 \\+ 61: "
+                                         "screen it with --sinks 4 --window 60"):
+        run(args, texts=TEXTS)
+
+
 @pytest.mark.slow
 def test_request_method_trains_a_router_file_and_the_screen_reads_it(tmp_path: Path) -> None:
     import json
