@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from condcomp.api import apply_, routing_hosts
+from condcomp.api import apply_, routed_modules, routing_hosts
 from condcomp.config import CondCompConfig
 from condcomp.experiments.llm.duo_gates import load_gates as _load_gates
 from condcomp.experiments.llm.duo_gates import split_from_scores
@@ -68,7 +68,13 @@ def load_gates(path: str | Path, layers: int, groups: int) -> dict[str, Any]:
 def _apply_layers(model: nn.Module, kept_counts: list[int], scores: list[list[float]] | None, G: int,
                   sinks: int, window: int) -> None:
     inits: list[list[float] | None] = list(scores) if scores is not None else [None] * len(kept_counts)
-    for layer, keep, init in zip(_attention_layers(model), kept_counts, inits, strict=True):
+    layers = _attention_layers(model)
+    wrapped = [name for name in layers if name in routed_modules(model)]
+    if wrapped:  # refused before any layer is wrapped (it failed at the first wrapped one, the earlier ones split)
+        more = " ..." if len(wrapped) > 3 else ""
+        raise ValueError(f"the KV split wraps every attention layer, and {wrapped[:3]}{more} are already wrapped: "
+                         "call condcomp.remove_(model) first")
+    for layer, keep, init in zip(layers, kept_counts, inits, strict=True):
         router = ("topk", {"kv_groups": True} if init is None else {"kv_groups": True, "init_scores": init})
         apply_(model, CondCompConfig(policy=("fixed", {"fraction": keep / G, "k_min": 0}), router=router,
                                      kv=("window", {"sinks": sinks, "window": window}), target_modules=[layer]))

@@ -86,3 +86,17 @@ def test_a_gates_file_with_a_streaming_pattern_that_is_not_an_int_is_refused(tmp
     with pytest.raises(ValueError, match=f"{field} must be an int >= .*got {value!r}"):
         calibration.duo_split(llama(), path, 0.5)
 
+
+def test_a_split_of_a_model_with_a_wrapped_layer_is_refused_before_any_layer_changes(tmp_path: Path) -> None:
+    """Red team round 5: the split wrapped layer 0, then failed at the already wrapped layer 1, leaving a mix."""
+    path = tmp_path / "gates.json"
+    save_gates(path, "duo", "tiny", torch.rand(2, 4), 1, 3, {})
+    model = llama()
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
+                                                   target_modules=["model.layers.1.self_attn"]))
+    for split in (lambda: calibration.duo_split(model, path, 0.5),
+                  lambda: calibration.static_split(model, torch.rand(2, 4), 0.5)):
+        with pytest.raises(ValueError, match=r"\['model.layers.1.self_attn'\] are already wrapped.*remove_"):
+            split()
+        assert list(condcomp.routed_modules(model)) == ["model.layers.1.self_attn"]
+
