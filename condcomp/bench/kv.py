@@ -65,6 +65,7 @@ from condcomp.bench.kv_variants import (
     ModelContext,
     cache_bytes,
     cache_from_prefill,
+    check_names,
     computed_importance,
     missing_packages,
     quantized_cache,
@@ -249,9 +250,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     ``[]``: none; dense is timed with any other, as the ratios' base). Finished records in ``out`` are reused.
     ``texts``: the haystack documents (None: the staged corpora of ``data_dir``); ``text_source``: their label in
     the records (:func:`condcomp.bench.kv_text.choose_texts`'s), so that records of other text are not reused."""
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown kv variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    check_names(names, timed)
     names = ["dense", *[n for n in dict.fromkeys(names) if n != "dense"]]
     skipped = {n: reason for n in names if (reason := missing_packages(n) or (
         kv_press.missing(n) if n in kv_press.PRESS_VARIANTS else None))}

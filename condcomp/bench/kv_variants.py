@@ -83,6 +83,18 @@ DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3",
 PLANNED_VARIANTS: tuple[str, ...] = ()
 
 
+def check_names(names: list[str], timed: list[str] | None) -> None:
+    """Refuse variant names no entry of :data:`VARIANTS` has, and ``--time-decode`` names the run does not measure
+    (they would time nothing, without a word)."""
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown kv variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    untimed = [n for n in timed or [] if n not in names and n != "dense"]
+    if untimed:
+        raise ValueError(f"--time-decode names {untimed}, which this run does not measure (--variants: "
+                         f"{', '.join(names)})")
+
+
 def missing_packages(name: str) -> str | None:
     """Why variant ``name`` cannot run in this installation (a sentence), or None."""
     v = VARIANTS[name]

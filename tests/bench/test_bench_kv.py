@@ -299,3 +299,18 @@ def test_a_preset_refuses_empty_counts_by_name(change: dict[str, object]) -> Non
     name = next(iter(change))
     with pytest.raises(ValueError, match=f"{name} must be one or more values >= 1"):
         replace(PRESETS["cpu"], **change)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("names, timed, says", [
+    (["dense", "bogus"], None, r"unknown kv variant\(s\) \['bogus'\]"),
+    (["dense", "streaming"], ["streeming"], r"--time-decode names \['streeming'\], which this run does not measure"),
+    (["dense"], ["streaming"], r"--time-decode names \['streaming'\]"),
+])
+def test_a_variant_or_timed_name_the_run_does_not_measure_is_refused_before_any_work(
+        tmp_path: Path, names: list[str], timed: list[str] | None, says: str) -> None:
+    """Red team round 5: --time-decode with a misspelt name timed nothing, without a word."""
+    from condcomp.bench import kv
+
+    with pytest.raises(ValueError, match=says):
+        kv.run("tiny-llama", tmp_path, kv.PRESETS["quick"], names, threads=1, texts=TEXTS, timed=timed)
+    assert not any(tmp_path.iterdir())
