@@ -100,3 +100,27 @@ def test_a_split_of_a_model_with_a_wrapped_layer_is_refused_before_any_layer_cha
             split()
         assert list(condcomp.routed_modules(model)) == ["model.layers.1.self_attn"]
 
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"window": 3.7}, r"window must be an int in \[1, any\], got 3.7"),
+    ({"keep": 4}, r"keep must be an int in \[1, 3\], got 4"),
+    ({"sinks": True}, r"sinks must be an int in \[0, any\], got True"),
+    ({"nan": True}, r"layer\(s\) \[1\] hold non-finite weights"),
+])
+def test_a_router_file_with_bad_settings_or_weights_is_refused(tmp_path: Path, change: dict[str, object],
+                                                              says: str) -> None:
+    """Red team round 5: int() read 3.7 as a window of 3, and NaN scorer weights picked groups arbitrarily."""
+    from condcomp.experiments.llm.request_split import RequestSplit, save_router
+
+    model = llama()
+    path = tmp_path / "routers.pt"
+    save_router(path, RequestSplit(64, 8, 4, [[0.0] * 4] * 2, keep=1, sinks=1, window=3), "tiny", model, {}, [])
+    record = torch.load(path, weights_only=True)
+    if change.pop("nan", False):
+        next(iter(record["scorers"][1].values())).fill_(float("nan"))
+    record.update(change)
+    torch.save(record, path)
+    with pytest.raises(ValueError, match=says):
+        calibration.request_split(model, path)
+    assert condcomp.routed_modules(model) == {}

@@ -212,7 +212,15 @@ def load_router(path: Path, model: nn.Module) -> RequestSplit:
     if saved != (L, H, G, D) or len(record["scorers"]) != L:
         raise ValueError(f"{path} holds routers for (layers, heads, KV groups, d_model) = {saved}; this model is "
                          f"{(L, H, G, D)}: train a router file for this model")
-    split = RequestSplit(D, H, G, [[0.0] * G] * L, int(record["keep"]), int(record["sinks"]), int(record["window"]))
+    for name, low, high in (("keep", 1, G - 1), ("sinks", 0, None), ("window", 1, None)):  # int(3.7) would pass
+        v = record.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+            raise ValueError(f"{path}: {name} must be an int in [{low}, {high or 'any'}], got {v!r}: write the "
+                             "file again with `condcomp calibrate-kv --method request`")
+    bad = [i for i, state in enumerate(record["scorers"]) if not all(bool(t.isfinite().all()) for t in state.values())]
+    if bad:  # a NaN score would pick groups arbitrarily
+        raise ValueError(f"{path}: the routers of layer(s) {bad} hold non-finite weights: train the file again")
+    split = RequestSplit(D, H, G, [[0.0] * G] * L, record["keep"], record["sinks"], record["window"])
     for router, state in zip(split.routers, record["scorers"]):
         router.scorer.load_state_dict(state)  # type: ignore[union-attr]
     return split.eval()
