@@ -30,7 +30,7 @@ from torch import Tensor
 from condcomp.host import detached
 from condcomp.kv.choose import check_token_plan
 from condcomp.kv.policy import KVPolicy
-from condcomp.kv.selection import HeldPlan, KVSelection
+from condcomp.kv.selection import HeldPlan, KVSelection, decision_mask
 from condcomp.kv.window_quant import WindowCodec
 from condcomp.types import HeadPlan
 
@@ -143,8 +143,7 @@ def carrier_class(base: Any) -> Any:
 
 
 def is_carrier(layer: Any) -> bool:
-    """Whether a cache layer carries condcomp plans."""
-    return "_condcomp_base" in type(layer).__dict__
+    return "_condcomp_base" in type(layer).__dict__  # whether a cache layer carries condcomp plans
 
 
 def _rebuild_layer(base: Any) -> Any:
@@ -326,14 +325,15 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
     plan: HeadPlan = routed.route(x, query_mask, routed.weights(), num_keys)
     if step is not None and step.past > 0 and plan.granularity == "sequence":
         raise step.no_plan_error()
-    if step is not None and plan.granularity == "sequence" and query_mask is not None and query_mask.shape[1] and (
-            not bool(query_mask.any(-1).all())):  # one host sync, at a request's first call only
+    B, T = x.shape[:2]  # the plan is decided from the call's real tokens (the prompt's, under plan_from_prompt)
+    real = None if query_mask is None else decision_mask(query_mask, routed.prompt_len, B, T, x.device)
+    if step is not None and plan.granularity == "sequence" and real is not None and real.shape[1] and (
+            not bool(real.any(-1).all())):  # one host sync, at a request's first call only
         raise ValueError(
             f"layer {step.layer_idx}: a request's plan is decided at its first call, and row(s) "
-            f"{(~query_mask.any(-1)).nonzero().flatten().tolist()} of this call hold no real token (only padding): "
-            "their plan would be decided from nothing. With left padding and chunked prefill "
-            "(generate(prefill_chunk_size=n)), use a chunk longer than the longest padding, or prefill in one call; "
-            "drop empty prompts from the batch")
+            f"{(~real.any(-1)).nonzero().flatten().tolist()} hold no real (prompt) token: their plan would be decided "
+            "from nothing. With chunked prefill (generate(prefill_chunk_size=n)) use a chunk longer than the longest "
+            "padding, or prefill in one call; drop empty prompts from the batch")
     if step is None and decoder and plan.granularity == "sequence":
         check_cache_free_generation(routed, plan)
     if step is not None and decoder:

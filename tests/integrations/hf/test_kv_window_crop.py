@@ -214,6 +214,20 @@ def test_a_prefill_keeps_only_the_tokens_after_the_prompt_beyond_its_window() ->
         assert all(p.tolist() == [want] * 2 for p in held), (prompt_len, held)
 
 
+def test_a_row_whose_prompt_is_only_padding_is_refused_even_with_tokens_after_it() -> None:
+    """Red team round 5: under plan_from_prompt a first call carrying tokens after the prompt let a row whose
+    prompt was all padding through, its plan decided from no token (an empty prompt alone is refused)."""
+    model = streaming()
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # row 1: six padding columns of prompt, then three real tokens
+    with condcomp.plan_from_prompt(model, 6), pytest.raises(ValueError, match=r"row\(s\) \[1\] hold no real"):
+        step(model, ids, mask, t.DynamicCache(), 9)
+    mask[1, 5] = 1  # one real prompt token: accepted
+    with condcomp.plan_from_prompt(model, 6):
+        step(model, ids, mask, t.DynamicCache(), 9)
+
+
 def test_without_plan_from_prompt_a_first_call_past_the_window_cannot_take_back_its_candidates() -> None:
     """Without plan_from_prompt nothing says which tokens of the first call are candidates (and the plan is
     decided from them too): the prefill keeps only the window, and taking candidates back is refused, naming
