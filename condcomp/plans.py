@@ -12,8 +12,9 @@ from condcomp.types import HeadPlan
 Rounding = Literal["floor", "ceil", "round"]
 GateMode = Literal["binary", "weighted", "renormalized"]
 
-# s * H computed in float can land a hair off an integer (0.3 * 10 = 3.0000000000000004); the budget rule
-# must not turn that into an extra or a missing head.
+# s * H computed in float can land a hair off an integer (0.3 * 10 = 3.0000000000000004, and a float32 s = 31/56
+# times 112 heads is 61.99999...); the budget rule must not turn that into an extra or a missing head. The slack is
+# per head: a float32 s is off by up to 6e-8 of itself, so s * H by up to 6e-8 * H.
 _ROUNDING_SLACK = 1e-6
 
 
@@ -45,10 +46,11 @@ def budget_k(s: Tensor, num_heads: int, k_min: int = 1, rounding: Rounding = "fl
         raise ValueError(f"k_min must be in [0, num_heads={num_heads}], got {k_min}")
     # A NaN budget (non-finite input) would reach .long(), whose result is platform-defined; it means k_min.
     raw = torch.nan_to_num(s.detach().float(), nan=0.0) * num_heads
+    slack = _ROUNDING_SLACK * max(num_heads, 1)
     if rounding == "floor":
-        k = torch.floor(raw + _ROUNDING_SLACK)
+        k = torch.floor(raw + slack)
     elif rounding == "ceil":
-        k = torch.ceil(raw - _ROUNDING_SLACK)
+        k = torch.ceil(raw - slack)
     elif rounding == "round":
         k = torch.round(raw)
     else:

@@ -152,3 +152,14 @@ def test_kv_groups_used_by_hand() -> None:
     assert kv_groups_used(token, 4)[:, 1].tolist() == [[T, F, F, F], [F, F, T, F], [F, F, F, F]]  # 0+1, 4+5
     with pytest.raises(ValueError, match="do not split into 3"):
         kv_groups_used(sequence, 3)
+
+
+@pytest.mark.parametrize("rounding", ["floor", "ceil", "round"])
+def test_budget_k_gives_the_exact_count_for_every_fraction_whose_count_is_whole(rounding: str) -> None:
+    """Red team round 5: a float32 s of 31/56 times 112 heads is 61.99999..., and floor gave 61 heads, not 62 (any
+    H >= 67 had such fractions). Oracle: integer arithmetic, for every num/den <= 1 with num * H / den whole."""
+    for H in range(1, 129):
+        cases = [(num, den) for den in range(1, H + 1) for num in range(den + 1) if num * H % den == 0]
+        s = torch.tensor([num / den for num, den in cases])
+        want = [num * H // den for num, den in cases]
+        assert budget_k(s, H, k_min=0, rounding=rounding).tolist() == want, H  # type: ignore[arg-type]
