@@ -350,7 +350,7 @@ def main(args: argparse.Namespace) -> int:
     if args.prompts:
         preset = preset.at_lengths(tuple(args.prompts))
     for field in ("decode_prompt", "decode_batch", "passkey_format", "task", "facts", "question_form",
-                  "question_in_context", "haystack_sep"):
+                  "question_in_context", "haystack_sep", "ppl_cases"):
         if getattr(args, field) is not None:
             preset = replace(preset, **{field: getattr(args, field)})
     if args.passkey_cases:
