@@ -243,3 +243,26 @@ def test_the_two_by_two_page_is_its_records() -> None:
     script = _within_seed_script()
     block = text.split(script.BEGIN, 1)[1].split(script.END, 1)[0].strip()
     assert block == script.table().strip()
+
+
+POOLED_MCNEMAR = re.compile(r"(\d+) vs (\d+), p = (0\.\d+)")
+
+
+def test_every_pooled_mcnemar_a_page_quotes_is_a_records_counts_and_scipys_p() -> None:
+    """"419 vs 369, p = 0.081": discordant counts summed over the seeds of one comparison in a statistics.json,
+    and the exact two-sided binomial p of them (scipy), at the quoted precision."""
+    pooled = set()
+    for folder in ("reproduction", "reproduction_target"):
+        for st in json.loads((ROOT / "results" / folder / "statistics.json").read_text()).values():
+            for c in st["comparisons"].values():
+                per_seed = (c.get("mcnemar") or {}).values()
+                if per_seed:
+                    pooled.add((sum(m["a_only"] for m in per_seed), sum(m["b_only"] for m in per_seed)))
+    checked = 0
+    for page in PAGES:
+        for a, b, p in POOLED_MCNEMAR.findall(" ".join(page.read_text().split())):
+            checked += 1
+            assert (int(a), int(b)) in pooled, f"{page.name}: {a} vs {b} is no record's pooled discordant pairs"
+            exact = sps.binomtest(int(a), int(a) + int(b), 0.5).pvalue
+            assert _matches((p,), (exact,)), f"{page.name}: p = {p}, scipy's exact binomial p is {exact:.4f}"
+    assert checked >= 1  # README's AG News sentence: the pattern still finds it
