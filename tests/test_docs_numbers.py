@@ -266,3 +266,19 @@ def test_every_pooled_mcnemar_a_page_quotes_is_a_records_counts_and_scipys_p() -
             exact = sps.binomtest(int(a), int(a) + int(b), 0.5).pvalue
             assert _matches((p,), (exact,)), f"{page.name}: p = {p}, scipy's exact binomial p is {exact:.4f}"
     assert checked >= 1  # README's AG News sentence: the pattern still finds it
+
+
+def test_the_tuning_table_is_its_record() -> None:
+    """docs/tuning.md's "Measured" table: every row's accuracies, mean and last-seed s are results/tuning's."""
+    record = json.loads((ROOT / "results" / "tuning" / "table.json").read_text())
+    text = (ROOT / "docs" / "tuning.md").read_text()
+    for label, r in record["rows"].items():
+        accs = " / ".join(f"{a:.3f}" for a in r["accuracy"])
+        s = (r["s_mean_min_max_per_seed"] or [None])[-1]
+        row = (f"| {label} | {accs} | {sum(r['accuracy']) / len(r['accuracy']):.3f} | "
+               + (", ".join(f"{v:.2f}" for v in s) if s else "-") + " |")
+        assert row in text, f"docs/tuning.md lacks the record's row {row}"
+    seed0 = record["test_seed"]
+    assert (f"The test (seed 0) measured full {seed0['full']:.3f}, BudgetFormer {seed0['budgetformer']:.3f}, s in "
+            f"[{seed0['s_min']:.2f}, {seed0['s_max']:.2f}], {seed0['head_sets']} distinct head sets"
+            in " ".join(text.split()))
