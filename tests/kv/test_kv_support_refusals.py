@@ -67,6 +67,12 @@ def test_layers_without_a_request_cache_refuse_a_policy_that_keeps_unkept_groups
     condcomp.apply_(model, cfg)
     with pytest.raises(ValueError, match=r"cross-attention.*'full'.*Wrap only the decoder's self"):
         model(input_ids=ids, encoder_hidden_states=torch.randn(1, 3, 32))
+    torch.manual_seed(0)
+    model = t.BertModel(t.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=37, vocab_size=50)).eval()  # an encoder
+    condcomp.apply_(model, cfg)
+    with pytest.raises(ValueError, match=r"an encoder's self-attention.*'full'"):
+        model(input_ids=ids)
 
 
 def test_the_attention_function_attachment_refuses_a_window_policy() -> None:
