@@ -8,7 +8,12 @@ Two checks, each recomputing from the records with scipy (not with condcomp's st
   per-seed Fréchet distances (``results/dit/seed*/*/metrics.json``), the within-seed bootstraps kept in the
   studies' ``statistics.json`` (computed from per-example predictions that are not committed), or a committed
   report's table (``results/**/*.md``);
-- every cell of docs/kv.md's decision table equals the committed ``condcomp bench kv`` records it names.
+- every cell of docs/kv.md's decision table equals the committed ``condcomp bench kv`` records it names;
+- every interval a page gives as "within seeds [lo, hi]" is a within-seed bootstrap a record holds (the studies'
+  ``statistics.json``, or a committed table under ``results/``);
+- the 2x2's page (results/reproduction_target/README_2x2.md) quotes only intervals recomputed from its cells'
+  summaries, and its within-seed table is what ``within_seed_2x2.py`` computes from the committed per-example
+  correctness, which reproduces every run's recorded accuracy.
 
 What this cannot cover: a single number in running prose (a count, a ratio) has no shape that says which record
 it comes from; those are checked by review.
@@ -32,6 +37,9 @@ PAGES = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md"))
                                if p.relative_to(ROOT).as_posix() not in GENERATED)]
 NUM = r"[+-]?\d+\.\d+"
 INTERVAL = re.compile(rf"({NUM})\s+\[({NUM}),\s+({NUM})\]")
+WITHIN = re.compile(rf"within\s+seeds[^\[\]()]{{0,60}}\[({NUM}),\s+({NUM})\]")
+BRACKETS = re.compile(rf"\[({NUM}),\s+({NUM})\]")
+TWO_BY_TWO = ("target_schedule", "target_default", "notarget_schedule", "notarget_default")
 
 
 def _t_interval(diffs: list[float]) -> tuple[float, float, float] | None:
@@ -84,6 +92,23 @@ def _dit_intervals() -> list[tuple[float, float, float]]:
     return out
 
 
+def _two_by_two_intervals() -> list[tuple[float, float, float]]:
+    """The 2x2's seed-level intervals: BudgetFormer - fixed_per_layer per cell, and each factor's effect on that
+    gap (the mean over the other factor's levels of on minus off), paired by seed."""
+    gap: dict[str, dict[int, float]] = {}
+    for cell in TWO_BY_TWO:
+        runs = {(r["arm"], r["seed"]): r["accuracy"]
+                for r in json.loads((ROOT / "results" / f"reproduction_2x2_{cell}" / "summary.json").read_text())}
+        gap[cell] = {s: 100 * (acc - runs[("fixed_per_layer", s)])
+                     for (arm, s), acc in runs.items() if arm == "budgetformer" and ("fixed_per_layer", s) in runs}
+    seeds = sorted(set.intersection(*(set(g) for g in gap.values())))
+    ts, td, ns, nd = (gap[c] for c in TWO_BY_TWO)
+    target = [(ts[s] + td[s] - ns[s] - nd[s]) / 2 for s in seeds]
+    schedule = [(ts[s] + ns[s] - td[s] - nd[s]) / 2 for s in seeds]
+    out = [_t_interval(list(g.values())) for g in gap.values()] + [_t_interval(target), _t_interval(schedule)]
+    return [ci for ci in out if ci]
+
+
 def _report_intervals() -> list[tuple[float, float, float]]:
     out = []
     for f in (ROOT / "results").glob("**/*.md"):
@@ -102,7 +127,7 @@ def _matches(quoted: tuple[str, str, str], value: tuple[float, float, float]) ->
 
 @pytest.fixture(scope="module")
 def recomputed() -> list[tuple[float, float, float]]:
-    out = _dit_intervals() + _report_intervals()
+    out = _dit_intervals() + _report_intervals() + _two_by_two_intervals()
     for folder in ("reproduction", "reproduction_target"):
         out += _study_intervals(ROOT / "results" / folder)
     return out
@@ -158,3 +183,102 @@ def test_the_kv_decision_table_is_the_committed_bench_records() -> None:
         decode = r2.get("decode_ratio")
         assert cells[5] == "not timed" if decode is None else cells[5].startswith(f"{decode:.2f}"), variant
     assert "(dense 13)" in text and round(fifty[("dense", 2048)]["passkey_acc"] * 50) == 13
+
+
+def _bootstraps() -> list[tuple[float, float]]:
+    """Within-seed intervals the records hold: statistics.json's bootstraps and the committed tables' brackets."""
+    out = []
+    for folder in ("reproduction", "reproduction_target"):
+        for st in json.loads((ROOT / "results" / folder / "statistics.json").read_text()).values():
+            for c in st["comparisons"].values():
+                if c.get("bootstrap"):
+                    out.append((100 * c["bootstrap"]["lo"], 100 * c["bootstrap"]["hi"]))
+    for f in (ROOT / "results").glob("**/*.md"):
+        out += [(float(lo), float(hi)) for lo, hi in BRACKETS.findall(f.read_text())]
+    return out
+
+
+def test_every_within_seed_interval_is_a_record() -> None:
+    held = _bootstraps()
+    missing, checked = [], 0
+    for page in PAGES:
+        for m in WITHIN.finditer(page.read_text()):
+            checked += 1
+            if not any(_matches(m.groups(), (lo, hi)) for lo, hi in held):
+                missing.append(f"{page.relative_to(ROOT)}: {' '.join(m.group(0).split())}")
+    assert checked >= 5  # the pages do quote within-seed intervals: the pattern still finds them
+    assert not missing, "within-seed intervals no record holds:\n" + "\n".join(missing)
+
+
+def _within_seed_script():  # type: ignore[no-untyped-def]
+    import importlib.util
+    path = ROOT / "results" / "reproduction_target" / "within_seed_2x2.py"
+    spec = importlib.util.spec_from_file_location("within_seed_2x2", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_two_by_two_page_is_its_records() -> None:
+    text = (ROOT / "results" / "reproduction_target" / "README_2x2.md").read_text()
+    recomputed = _two_by_two_intervals() + _study_intervals(ROOT / "results" / "reproduction")
+    recomputed += _study_intervals(ROOT / "results" / "reproduction_target")
+    quoted = INTERVAL.findall(text)
+    assert len(quoted) >= 6
+    missing = [q for q in quoted if not any(_matches(q, v) for v in recomputed)]
+    assert not missing, f"README_2x2.md intervals no 2x2 summary gives: {missing}"
+    # the per-example record reproduces every run's recorded accuracy (numpy here, not the script)
+    import numpy as np
+    record = json.loads((ROOT / "results" / "reproduction_target" / "correct_2x2.json").read_text())
+    n = record["n_test"]
+    for cell in TWO_BY_TWO:
+        for r in json.loads((ROOT / "results" / f"reproduction_2x2_{cell}" / "summary.json").read_text()):
+            packed = record["cells"][cell][str(r["seed"])].get(r["arm"])
+            if packed is None:
+                continue
+            bits = np.unpackbits(np.frombuffer(bytes.fromhex(packed), dtype=np.uint8))[:n]
+            assert abs(bits.mean() - r["accuracy"]) < 1e-5, (cell, r["seed"], r["arm"])
+    # the within-seed table on the page is what the committed script computes from that record
+    script = _within_seed_script()
+    block = text.split(script.BEGIN, 1)[1].split(script.END, 1)[0].strip()
+    assert block == script.table().strip()
+
+
+POOLED_MCNEMAR = re.compile(r"(\d+) vs (\d+), p = (0\.\d+)")
+
+
+def test_every_pooled_mcnemar_a_page_quotes_is_a_records_counts_and_scipys_p() -> None:
+    """"419 vs 369, p = 0.081": discordant counts summed over the seeds of one comparison in a statistics.json,
+    and the exact two-sided binomial p of them (scipy), at the quoted precision."""
+    pooled = set()
+    for folder in ("reproduction", "reproduction_target"):
+        for st in json.loads((ROOT / "results" / folder / "statistics.json").read_text()).values():
+            for c in st["comparisons"].values():
+                per_seed = (c.get("mcnemar") or {}).values()
+                if per_seed:
+                    pooled.add((sum(m["a_only"] for m in per_seed), sum(m["b_only"] for m in per_seed)))
+    checked = 0
+    for page in PAGES:
+        for a, b, p in POOLED_MCNEMAR.findall(" ".join(page.read_text().split())):
+            checked += 1
+            assert (int(a), int(b)) in pooled, f"{page.name}: {a} vs {b} is no record's pooled discordant pairs"
+            exact = sps.binomtest(int(a), int(a) + int(b), 0.5).pvalue
+            assert _matches((p,), (exact,)), f"{page.name}: p = {p}, scipy's exact binomial p is {exact:.4f}"
+    assert checked >= 1  # README's AG News sentence: the pattern still finds it
+
+
+def test_the_tuning_table_is_its_record() -> None:
+    """docs/tuning.md's "Measured" table: every row's accuracies, mean and last-seed s are results/tuning's."""
+    record = json.loads((ROOT / "results" / "tuning" / "table.json").read_text())
+    text = (ROOT / "docs" / "tuning.md").read_text()
+    for label, r in record["rows"].items():
+        accs = " / ".join(f"{a:.3f}" for a in r["accuracy"])
+        s = (r["s_mean_min_max_per_seed"] or [None])[-1]
+        row = (f"| {label} | {accs} | {sum(r['accuracy']) / len(r['accuracy']):.3f} | "
+               + (", ".join(f"{v:.2f}" for v in s) if s else "-") + " |")
+        assert row in text, f"docs/tuning.md lacks the record's row {row}"
+    seed0 = record["test_seed"]
+    assert (f"The test (seed 0) measured full {seed0['full']:.3f}, BudgetFormer {seed0['budgetformer']:.3f}, s in "
+            f"[{seed0['s_min']:.2f}, {seed0['s_max']:.2f}], {seed0['head_sets']} distinct head sets"
+            in " ".join(text.split()))

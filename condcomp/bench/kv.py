@@ -37,13 +37,7 @@ from torch import Tensor, nn
 
 from condcomp.bench import kv_press, kv_report
 from condcomp.bench.decode import device_clock
-from condcomp.bench.kv_cases import (
-    RetrievalCase,
-    answer_correct,
-    continuation_cases,
-    haystack_stream,
-    retrieval_cases,
-)
+from condcomp.bench.kv_cases import RetrievalCase, answer_correct, continuation_cases, haystack_stream, retrieval_cases
 from condcomp.bench.kv_presets import (
     CORPORA,
     PASSKEY_FORMATS,
@@ -106,20 +100,23 @@ class Bench:
         self.ctx = ModelContext(importance=importance)
         self.models: dict[str, nn.Module] = {}
         self.config: Any = getattr(dense, "config")  # noqa: B009
+        self.pressed: dict[str, dict[int, tuple[Tensor, Tensor]]] = {}  # eviction presses' caches from the last prefill
+        self.seen = 0
 
     def model(self, key: str) -> nn.Module:
         if key not in self.models:
             self.models[key] = MODELS[key](self.dense, self.ctx).to(self.device).eval()
         return self.models[key]
 
-    def prefill(self, key: str, ids: Tensor) -> tuple[Tensor, Any]:
-        """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids`` (a kvpress variant's press
-        compresses the cache during it)."""
+    def prefill(self, key: str, ids: Tensor, group: list[str] | None = None) -> tuple[Tensor, Any]:
+        """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids``; a head-wise kvpress variant's
+        press masks during it, and the eviction presses of ``group`` capture their caches from it."""
         model = self.model(key)
-        with kv_press.prefill_context(key, model, ids.shape[1]):
+        with kv_press.prefill_context(key, model, ids.shape[1], group or []) as self.pressed:
             out = model(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
         if key in kv_press.PRESS_VARIANTS:
             kv_press.mark_seen(out.cache, ids.shape[1])  # the cache may hold fewer tokens than it has seen
+        self.seen = ids.shape[1]
         return out.logits[:, -1], out.cache
 
     def step(self, variant: str, ids: Tensor, cache: Any) -> tuple[Tensor, Any]:
@@ -131,7 +128,9 @@ class Bench:
                                                   **extra)
         return out.logits, out.cache
 
-    def cache_for(self, variant: str, source: Any) -> Any:
+    def cache_for(self, variant: str, source: Any) -> Any:  # source: the last prefill's cache
+        if variant in self.pressed:
+            return kv_press.cache_from_captured(self.pressed[variant], self.config, self.seen)
         return cache_from_prefill(source, VARIANTS[variant].cache, self.config)
 
 
@@ -153,7 +152,7 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
     for start in range(0, len(cont), p.batch):
         ids = torch.tensor(cont[start:start + p.batch])  # (b, P + C + 1)
         for key, group in by_model(names).items():
-            _, source = bench.prefill(key, ids[:, :P])
+            _, source = bench.prefill(key, ids[:, :P], group)
             for name in group:
                 logits, _ = bench.step(name, ids[:, P:-1], bench.cache_for(name, source))  # (b, C, V)
                 nll = F.cross_entropy(logits.float().transpose(1, 2), ids[:, P + 1:].to(logits.device),
@@ -167,7 +166,7 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
         ids = torch.tensor([c.ids for c in cases])  # (b, P)
         question = torch.tensor([c.question for c in cases])  # (b, Q); Q = 0 when the question is in the context
         for key, group in by_model(names).items():
-            last, source = bench.prefill(key, ids)
+            last, source = bench.prefill(key, ids, group)
             for name in group:
                 cache = bench.cache_for(name, source)
                 if res[name]["kv_bytes"] is None:
@@ -203,7 +202,7 @@ def time_decode(bench: Bench, names: list[str], p: Preset, vocab: int) -> dict[s
     prompt = torch.randint(0, vocab, (p.decode_batch, p.decode_prompt), generator=g)
     state: dict[str, dict[str, Any]] = {}
     for key, group in by_model(names).items():
-        last, source = bench.prefill(key, prompt)
+        last, source = bench.prefill(key, prompt, group)
         for name in group:
             state[name] = {"cache": bench.cache_for(name, source), "token": last.argmax(-1, keepdim=True), "s": []}
     for i in range(p.decode_tokens):
@@ -350,7 +349,7 @@ def main(args: argparse.Namespace) -> int:
     if args.prompts:
         preset = preset.at_lengths(tuple(args.prompts))
     for field in ("decode_prompt", "decode_batch", "passkey_format", "task", "facts", "question_form",
-                  "question_in_context", "haystack_sep"):
+                  "question_in_context", "haystack_sep", "ppl_cases"):
         if getattr(args, field) is not None:
             preset = replace(preset, **{field: getattr(args, field)})
     if args.passkey_cases:

@@ -172,6 +172,9 @@ def add_task_arguments(parser: Any) -> None:
 
     parser.add_argument("--cases", "--passkey-cases", dest="passkey_cases", type=integer(at_least=1), nargs="+",
                         default=None, help="override the preset's retrieval cases: one count, or one per prompt length")
+    parser.add_argument("--continuations", dest="ppl_cases", type=integer(at_least=1), default=None,
+                        help="override the preset's perplexity windows per prompt length (each a prompt and "
+                             "cont_len continuation tokens scored through the cache)")
     parser.add_argument("--task", default=None, choices=TASKS,
                         help="the retrieval task: facts (default: several facts 'The pass key of <name> is <4 "
                              "digits>.' at distinct depths, one asked after the context) or passkey (one key, asked "

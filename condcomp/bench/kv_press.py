@@ -170,18 +170,68 @@ def nominal_fraction(name: str, model: nn.Module, kv_len: int) -> float | None:
 
 
 def register(variants: dict[str, Any], models: dict[str, Any], variant_cls: type) -> None:
-    """Add the press variants to ``bench kv``'s tables: each prefills with the dense model (its own group)."""
+    """Add the press variants to ``bench kv``'s tables. An eviction press shares the dense model's prefill
+    (:func:`captured`); a head-wise press masks keys in the model's later calls, so it prefills on its own."""
     for name, v in PRESS_VARIANTS.items():
-        variants.setdefault(name, variant_cls(name, note=v.note))
+        variants.setdefault(name, variant_cls(name if v.headwise else "dense", note=v.note))
         models.setdefault(name, lambda dense, ctx: dense)
 
 
-def prefill_context(key: str, model: nn.Module, prompt_len: int) -> contextlib.AbstractContextManager[Any]:
-    """The press of variant ``key`` applied to ``model`` (a fresh press per prefill), else a null context."""
-    v = PRESS_VARIANTS.get(key)
-    if v is None:
-        return contextlib.nullcontext()
-    if prompt_len < v.min_tokens:
-        raise ValueError(f"{key} needs prompts of {v.min_tokens} tokens or more, got {prompt_len} (the decode "
-                         "timing's --decode-prompt, or --prompts): give longer ones or leave it out of --time-decode")
-    return pressed(v.make(getattr(model, "config")), model)  # noqa: B009
+def check_length(name: str, prompt_len: int) -> None:
+    if prompt_len < (need := PRESS_VARIANTS[name].min_tokens):
+        raise ValueError(f"{name} needs prompts of {need} tokens or more, got {prompt_len} (the decode timing's "
+                         "--decode-prompt, or --prompts): give longer ones or leave it out of --time-decode")
+
+
+@contextlib.contextmanager
+def prefill_context(key: str, model: nn.Module, prompt_len: int,
+                    group: list[str] | tuple[str, ...] = ()) -> Iterator[dict[str, dict[int, tuple[Tensor, Tensor]]]]:
+    """During the prefill of model ``key``: the head-wise press of variant ``key`` applied to ``model``, or every
+    eviction press of ``group`` capturing what it would keep (:func:`captured`); yields the captured layers."""
+    if key in PRESS_VARIANTS:
+        check_length(key, prompt_len)
+        with pressed(PRESS_VARIANTS[key].make(getattr(model, "config")), model):  # noqa: B009
+            yield {}
+        return
+    shared = [n for n in group if n in PRESS_VARIANTS and not PRESS_VARIANTS[n].headwise]
+    for name in shared:
+        check_length(name, prompt_len)
+    with captured(shared, model) as held:
+        yield held
+
+
+@contextlib.contextmanager
+def captured(names: list[str], model: nn.Module) -> Iterator[dict[str, dict[int, tuple[Tensor, Tensor]]]]:
+    """One prefill serving every eviction press of ``names``: after each attention layer, each press compresses
+    that layer's keys and values as its own hook would, into ``held[name][layer]``, and the cache is left whole.
+
+    Equal to one prefill per press: a press compresses a layer's cache only after that layer's attention ran, and a
+    prefill's attention reads the keys it has just computed, never the compressed cache, so every layer's hidden
+    states (what the presses score with) are the dense prefill's (tests/bench/test_bench_kv_press.py compares)."""
+    held: dict[str, dict[int, tuple[Tensor, Tensor]]] = {name: {} for name in names}
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            press = PRESS_VARIANTS[name].make(getattr(model, "config"))  # noqa: B009
+
+            def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any, press: Any = press,
+                     layers: dict[int, tuple[Tensor, Tensor]] = held[name]) -> Any:
+                kw = kvpress_kwargs(kwargs, kwargs["hidden_states"].shape[1])
+                layer = kw["past_key_values"].layers[module.layer_idx]
+                layers[module.layer_idx] = press.compress(module, kw["hidden_states"], layer.keys, layer.values,
+                                                          output[1], kw)
+                return output
+
+            press.forward_hook = hook  # the press registers its (instance) forward_hook on entering
+            stack.enter_context(press(model))
+        yield held
+
+
+def cache_from_captured(layers: dict[int, tuple[Tensor, Tensor]], config: Any, seen: int) -> Any:
+    """A dynamic cache holding a press's compressed ``layers`` (keys, values ``(B, Hkv, T', Dh)``), having seen
+    ``seen`` tokens (the positions later tokens continue from)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for idx, (keys, values) in sorted(layers.items()):
+        cache.update(keys.clone(), values.clone(), idx)  # clones: continuing a request grows it, others reuse these
+    return mark_seen(cache, seen)

@@ -68,10 +68,18 @@ VARIANTS: dict[str, KVVariant] = {
                                                       "differ; the others 4 sink + 252 recent tokens"),
     "streaming+hqq4": KVVariant("window-all-w252", "hqq4", note="StreamingLLM inside a 4-bit cache: windows 4-bit "
                                 "per token"),
+    "split-duo-1of3+fp8": KVVariant("duo-1of3-w252", "fp8", note="the DuoAttention split inside an fp8 "
+                                    "QuantizedCache"),
+    "split-duo-1of3+hqq4": KVVariant("duo-1of3-w252", "hqq4", note="the DuoAttention split inside a 4-bit cache"),
+    "split-duo-1of6-w92": KVVariant("duo-1of6-w92", note="condcomp static split from DuoAttention gates: the "
+                                    "highest sixth of all (layer, group) gates in full, the others 4 sink + 92 "
+                                    "recent tokens (about a quarter of the bytes at 1024 tokens)"),
     "split-request-1of3": KVVariant("request-1of3-w252", note="condcomp per-request split: a trained topk router "
                                     "per layer (results/kv/request_router_seed0.pt, condcomp calibrate-kv --method "
                                     "request) keeps 1 of 3 KV groups in full, chosen from each prompt; the others 4 "
                                     "sink + 252 recent tokens"),
+    "split-request-1of3+fp8": KVVariant("request-1of3-w252", "fp8", note="the per-request split inside an fp8 "
+                                        "QuantizedCache"),
     "split-request-1of3-seed1": KVVariant("request-1of3-w252-seed1", note="the per-request split with the routers "
                                           "of training seed 1 (results/kv/request_router_seed1.pt)"),
     "router-keep2of3": KVVariant("router-2of3", note="condcomp per-request plan, untrained topk router: 2 of 3 "
@@ -260,6 +268,7 @@ MODELS: dict[str, Prepare] = {
     "window-1of3-w252": window_split(1 / 3, 252),
     "window-all-w252": window_split(0, 252),
     "duo-1of3-w252": gate_split(DUO_GATES, 1 / 3, 252),
+    "duo-1of6-w92": gate_split(DUO_GATES, 1 / 6, 92),
     "request-1of3-w252": request_split(REQUEST_ROUTERS[0]),
     "request-1of3-w252-seed1": request_split(REQUEST_ROUTERS[1]),
 }

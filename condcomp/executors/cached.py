@@ -42,7 +42,8 @@ Project = Callable[[Tensor], Tensor]
 class Projections:
     """The layer's projections as the call runs them: ``q``/``k``/``v`` map ``(B, T, D)`` to every head's
     ``(B, T, H*Dh)`` / ``(B, T, Hkv*Dh)``, ``o`` maps ``(B, T, H*Dh)`` to ``(B, T, D)`` with its bias; per-head
-    norms over ``Dh`` (Qwen3) or None. A wrapped model passes its modules' own forwards (exact for LoRA)."""
+    norms over ``Dh`` (Qwen3) or None. A wrapped model passes its modules' own forwards (exact for LoRA); a layer
+    with one fused q/k/v projection (GPT-2's ``c_attn``) is built with :meth:`fused`, which runs it once."""
 
     q: Project
     k: Project
@@ -50,6 +51,19 @@ class Projections:
     o: Project
     q_norm: Project | None = None
     k_norm: Project | None = None
+    qkv: Callable[[Tensor], tuple[Tensor, ...]] | None = None  # the fused projection split, when the layer has one
+
+    def project(self, x: Tensor) -> tuple[Tensor, ...]:
+        """``(q, k, v)`` of every head for ``x (B, T, D)``: ``(B, T, H*Dh)``, ``(B, T, Hkv*Dh)`` twice."""
+        return self.qkv(x) if self.qkv is not None else (self.q(x), self.k(x), self.v(x))
+
+    @classmethod
+    def fused(cls, qkv: Project, o: Project, widths: tuple[int, int, int]) -> Projections:
+        """A layer whose ``qkv`` maps ``(B, T, D)`` to the queries, keys and values side by side (``widths``)."""
+        def split(x: Tensor) -> tuple[Tensor, ...]:
+            return tuple(qkv(x).split(list(widths), dim=-1))  # views
+
+        return cls(lambda x: split(x)[0], lambda x: split(x)[1], lambda x: split(x)[2], o, qkv=split)
 
     @classmethod
     def of_weights(cls, w: AttentionWeights) -> Projections:
@@ -155,8 +169,9 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
     assert proj is not None
     B, T, _ = x.shape
     Hkv, r, Dh, g = layout.num_kv_heads, layout.group_size, layout.head_dim, sel.slots
-    q_all = proj.q(x).view(B, T, Hkv, r, Dh)
-    k_all, v_all = proj.k(x).view(B, T, Hkv, Dh), proj.v(x).view(B, T, Hkv, Dh)
+    q_flat, k_flat, v_flat = proj.project(x)
+    q_all = q_flat.view(B, T, Hkv, r, Dh)
+    k_all, v_all = k_flat.view(B, T, Hkv, Dh), v_flat.view(B, T, Hkv, Dh)
     parts: list[tuple[Tensor, Tensor]] = []
     dead: Tensor | None = None
     if g > 0:
@@ -242,11 +257,11 @@ class CachedExecutor:
     computed.
 
     It is the only executor that reads a compact cache (``capabilities.reads_kv_cache``): ``auto`` runs it on every
-    cached call of a wrapped decoder (Llama, Qwen2/3, Mistral, Gemma), and a named executor that cannot is replaced
-    by it on those calls with one warning (:func:`condcomp.explain` says why). On a call without a cache it computes
-    the kept groups from the call's own keys and values, which ``auto`` never prefers (it projects every group); a
-    per-token plan then keeps the groups any token reads (on a compact cache it is refused: a later token may pick
-    any head).
+    cached call of a wrapped decoder (Llama, Qwen2/3, Mistral, Gemma, GPT-2, T5's decoder, BERT as a decoder), and a
+    named executor that cannot is replaced by it on those calls with one warning (:func:`condcomp.explain` says why).
+    On a call without a cache it computes the kept groups from the call's own keys and values, which ``auto`` never
+    prefers (it projects every group); a per-token plan then keeps the groups any token reads (on a compact cache it
+    is refused: a later token may pick any head).
 
     >>> import condcomp
     >>> "kv_cache" in condcomp.list_executors()

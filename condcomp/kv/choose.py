@@ -25,7 +25,8 @@ def build_kv_policy(spec: tuple[str, dict[str, Any]]) -> KVPolicy:
 def check_kv_support(config: Any, modules: list[tuple[str, Any]], attachment: str = "apply_") -> None:
     """Refuse, before anything is wrapped, a config whose KV policy keeps the groups a plan does not keep (``full``,
     ``window``, the router's ``stream_window``, a policy of one's own) on modules whose adapter cannot hold it:
-    ``modules`` are ``(name, adapter class or None)``; adapters that can set ``holds_kv_policies = True``."""
+    ``modules`` are ``(name, adapter class or None)``; adapters that can set ``holds_kv_policies = True``, or to
+    the ``KVPolicy.stores`` kinds they hold (``("none", "full")``: not a state of the policy's own)."""
     stream = config.router[1].get("stream_window") is not None
     policy = build_kv_policy(config.kv)
     if not (stream or policy.needs_cache):
@@ -38,15 +39,22 @@ def check_kv_support(config: Any, modules: list[tuple[str, Any]], attachment: st
             f"router {router!r} decides per token: any later token may read any head, so the KV cache holds every "
             "key/value head and the KV policy would be silently ignored. Use a sequence router (topk, static, random) "
             "for a compact or streamed KV cache, or kv='drop' (the default) with this router")
-    unable = [name for name, adapter in modules if not getattr(adapter, "holds_kv_policies", False)]
+    stores = "own" if stream else policy.stores
+
+    def holds(adapter: Any) -> bool:
+        kinds = getattr(adapter, "holds_kv_policies", False)
+        return kinds is True or (isinstance(kinds, tuple) and stores in kinds)
+
+    unable = [name for name, adapter in modules if not holds(adapter)]
     if unable:
         kinds = sorted({str(getattr(a, "__name__", a)) for name, a in modules if a is not None and name in unable})
         where = f" ({', '.join(kinds)})" if kinds else ""
         raise ValueError(
             f"{attachment}: {what} keeps key/value groups a plan does not keep in a compact KV cache, which only the "
-            f"Llama-family decoders' module swap holds (LlamaAttention, Qwen2/3, Mistral, Gemma); {unable[:3]}"
-            f"{' ...' if len(unable) > 3 else ''}{where} would cache every head and silently drop those groups "
-            "instead. Use kv='drop' (the default) here, or condcomp.apply_ on a Llama-family decoder")
+            "module swap of the Llama-family decoders (LlamaAttention, Qwen2/3, Mistral, Gemma), GPT-2 and BERT as "
+            "a decoder holds (T5's decoder: kv='full' only, its position bias would not reach a policy's own "
+            f"state); {unable[:3]}{' ...' if len(unable) > 3 else ''}{where} would cache every head and silently "
+            "drop those groups instead. Use kv='drop' (the default) here, or condcomp.apply_ on such a decoder")
 
 
 def kv_policy_of(routed: Any) -> KVPolicy:

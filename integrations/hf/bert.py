@@ -2,8 +2,10 @@
 
 The wrapped module owns ``.self`` (``query``/``key``/``value``) and ``.output`` (``dense`` -> dropout ->
 ``LayerNorm(. + residual)``); the adapter replays that output block exactly, so a row with no active head becomes
-``LayerNorm(residual)``. Self-attention (with a decoder's KV cache) and cross-attention (``is_cross_attention``,
-an ``EncoderDecoderCache``).
+``LayerNorm(residual)``. Self-attention and cross-attention (``is_cross_attention``, an ``EncoderDecoderCache``).
+A decoder's (``is_decoder=True``) self-attention on a KV cache runs the base decoder sequence
+(:func:`.decode.decoder_attention`): the compact per-request cache and every KV policy; an encoder's and the
+cross-attention refuse a policy that keeps unkept groups (they hold no request's growing cache).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
 from condcomp.dense import split_heads
+from condcomp.executors.cached import Projections
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionWeights, HeadLayout
 
@@ -24,10 +27,10 @@ from .common import (
     bind_arguments,
     cache_every_head,
     cross_attention_states,
-    decoder_request_plan,
     import_classes,
     parameter_names,
 )
+from .decode import DecoderCall, decoder_attention, refuse_kv_policy_outside_decoder
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -42,6 +45,7 @@ class BertStyleAttentionAdapter(TransformersAdapter):
     """``BertAttention`` / ``RobertaAttention`` (self- and cross-attention, decoder KV cache)."""
 
     module_types = import_classes(BERT_CLASSES)
+    holds_kv_policies = True  # a decoder's self-attention calls on a cache run on the compact cache (.decode)
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
@@ -90,7 +94,9 @@ class BertStyleAttentionAdapter(TransformersAdapter):
         enc: Tensor | None = None
         key_states: Tensor | None = None
         value_states: Tensor | None = None
-        step, plan = None, None
+        step = None
+        if self.cross or not self.layout.causal:
+            refuse_kv_policy_outside_decoder(routed, "cross-attention" if self.cross else "an encoder's self-attention")
         if self.cross:
             enc = a.get("encoder_hidden_states")
             if enc is None:
@@ -101,17 +107,19 @@ class BertStyleAttentionAdapter(TransformersAdapter):
                 step = open_step(routed, cache, self.layer_idx, B, T, cross=True)
             key_states, value_states = cross_attention_states(cache, self.layer_idx,
                                                               lambda: self._kv(routed.self, enc))
+            y = attend_call(routed, x, mask, self_attention=False, step=step, decoder=True,
+                            key=enc if key_states is None else None, key_states=key_states, value_states=value_states)
         else:
             mask = a.get("attention_mask")
-            if cache is not None:
-                # The request's plan is decided (or read from the cache) before the cache grows.
-                if self.layer_idx is not None:
-                    step = open_step(routed, cache, self.layer_idx, B, T)
-                    plan = decoder_request_plan(routed, step, x, mask)
-                key_states, value_states = cache_every_head(cache, self.layer_idx, *self._kv(routed.self, x), extra,
-                                                            mask, step)
-        y = attend_call(routed, x, mask, self_attention=not self.cross, step=step, plan=plan,
-                        decoder=self.cross or self.layout.causal, key=enc if key_states is None else None,
-                        key_states=key_states, value_states=value_states)  # (B, T, D), output bias on active rows
+            if cache is not None and self.layer_idx is not None:  # a request's call: the base decoder sequence
+                core = routed.self
+                proj = Projections(core.query, core.key, core.value, routed.output.dense)  # exact for LoRA
+                y = decoder_attention(routed, DecoderCall(x, cache, self.layer_idx, mask, extra, proj))
+            else:
+                if cache is not None:  # a cache on a layer without layer_idx: every head appended, no request plan
+                    key_states, value_states = cache_every_head(cache, self.layer_idx, *self._kv(routed.self, x),
+                                                                extra)
+                y = attend_call(routed, x, mask, decoder=self.layout.causal, key_states=key_states,
+                                value_states=value_states)  # (B, T, D), output bias on active rows
         out = routed.output
         return out.LayerNorm(out.dropout(y) + x), None

@@ -1,25 +1,31 @@
-"""Per-request plans with a KV cache for projection-style decoders (Llama, Qwen2/3, Mistral, Gemma).
+"""The decoder sequence every transformers family shares: a decoder self-attention call on a KV cache.
+
+A family (:mod:`.projection` for Llama, Qwen2/3, Mistral, Gemma; :mod:`.gpt2`; :mod:`.t5`'s decoder; :mod:`.bert`
+as a decoder) only translates its arguments into a :class:`DecoderCall` (its projections, rotary, extra per-head
+score terms such as T5's position bias, the layer's own sliding window) and calls :func:`decoder_attention`, which
+reads top-down: open the step (what the cache holds) -> the plan (held, or decided now) -> project, store, attend
+and project out on the compact cache (:func:`held_attention`: the executor ``resolve_executor`` picks, ``kv_cache``,
+then the KV policy, then the cache layer) -> or, where a request's plan cannot be held (a per-token plan, a plan
+decided in training), every head cached and attended with the plan (:func:`every_head_attention`).
 
 At inference with a cache, a sequence plan is decided once, at the request's prefill, and held for its later
-calls (:mod:`condcomp.kv.selection`). The key/value heads the plan keeps are the only ones projected, cached and
-read: the cache holds ``(B, g, S, Dh)`` with ``g`` the batch's largest number of kept KV groups, in the order of
+calls (:mod:`condcomp.kv.selection`). The key/value heads the plan keeps are the only ones cached and read: the
+cache holds ``(B, g, S, Dh)`` with ``g`` the batch's largest number of kept KV groups, in the order of
 :class:`~condcomp.kv.selection.KVSelection`; the groups it does not keep get the layer's KV policy
 (:mod:`condcomp.kv.policy`). Query heads inside a kept group that the plan skips are computed with gate 0 (at
 decode a group's cost is reading its keys and values, shared by its query heads); the output projection reads the
 kept heads' outputs scattered back to their columns, so LoRA and biases behave as in the module. At the full budget
 (every group kept, gates 1) nothing is gathered or scattered: this is dense attention.
-
-A call reads top-down: :func:`request_call` (which mode: the held plan, a plan decided now, or every head cached)
--> :func:`held_attention` (transformers' arguments as :class:`~condcomp.types.AttentionInputs` carrying the
-compact cache) -> the executor ``resolve_executor`` picks (``kv_cache``) -> the KV policy -> the cache layer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from condcomp.dense import split_heads
 from condcomp.executors.auto import resolve_executor
 from condcomp.executors.cached import CompactKV, Projections
 from condcomp.host import LastForward
@@ -29,32 +35,104 @@ from condcomp.kv.window import revertible_tail
 from condcomp.types import AttentionInputs, HeadPlan
 
 from .cache import LayerSlot, RequestStep, cache_layer, compact_write, open_step, placeholder_width
-from .common import decoder_request_plan, mask_parts, sliding_window_bias
+from .common import attend_call, cache_every_head, decoder_request_plan, mask_parts, sliding_window_bias
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
 
 
-def request_call(routed: RoutedAttention, x: Tensor, rotary: tuple[Tensor, Tensor] | None, cache: Any,
-                 layer_idx: int, mask: Any, sliding_window: int | None, extra: dict[str, Any]
-                 ) -> tuple[Tensor | None, RequestStep, HeadPlan]:
-    """A decoder call on a KV cache: ``(y, step, plan)`` with ``y`` computed on the compact cache when the request
-    has (or now gets) a sequence plan at inference; ``y`` None when every key/value head must be cached (a per-token
-    plan, a plan decided in training, a cache of every head): the caller then computes with ``plan``."""
-    B, T = x.shape[:2]
-    step = open_step(routed, cache, layer_idx, B, T)
+@dataclass(frozen=True)
+class DecoderCall:
+    """A decoder self-attention call on a KV cache as a family translates it: all the base sequence reads.
+
+    - ``x``: the queries' input ``(B, T, D)``; ``mask``: transformers' attention mask (or None); ``extra``: the
+      call's other keyword arguments, passed to the cache's ``update`` (``cache_position``, ...).
+    - ``cache``, ``layer_idx``: the request's cache (an ``EncoderDecoderCache`` is read through its self-attention
+      half) and the layer's index in it.
+    - ``projections``: the layer's q/k/v/o as the module runs them (its own forwards: exact for LoRA).
+    - ``rotary``: ``(cos, sin)``, each ``(B, T, Dh)``, or None; ``sliding_window``: the layer's own window or None.
+    - ``score_bias``: a per-head term added to the scores, ``(B|1, H, T, S)`` over the ``S`` keys after the call
+      (T5's relative position bias), or None.
+    """
+
+    x: Tensor
+    cache: Any
+    layer_idx: int
+    mask: Any
+    extra: dict[str, Any]
+    projections: Projections
+    rotary: tuple[Tensor, Tensor] | None = None
+    sliding_window: int | None = None
+    score_bias: Tensor | None = None
+
+    @property
+    def self_cache(self) -> Any:
+        """The cache this layer's keys go to (the self-attention half of an ``EncoderDecoderCache``)."""
+        return getattr(self.cache, "self_attention_cache", self.cache)
+
+    def num_keys(self, past: int) -> int:
+        """Keys after this call's update (a static cache's mask covers its whole length) given ``past`` tokens."""
+        return int(self.mask.shape[-1]) if isinstance(self.mask, Tensor) else past + self.x.shape[1]
+
+
+def decoder_attention(routed: RoutedAttention, call: DecoderCall) -> Tensor:
+    """A decoder self-attention call on a KV cache: ``call.x (B, T, D)`` -> ``(B, T, D)`` (before any residual or
+    norm the family adds), on the request's compact cache when it has (or now gets) a sequence plan at inference."""
+    y, step, plan = request_call(routed, call)
+    return y if y is not None else every_head_attention(routed, call, step, plan)
+
+
+def refuse_kv_policy_outside_decoder(routed: RoutedAttention, what: str) -> None:
+    """Refuse a call of a layer that is not a decoder's self-attention (``what``: cross-attention, an encoder's
+    self-attention) under a KV policy that keeps the groups a plan does not keep: such a layer holds no request's
+    growing cache, so those groups would be skipped, not kept."""
+    policy = kv_policy_of(routed)
+    if policy.needs_cache:
+        raise ValueError(
+            f"{type(routed.base).__name__} ({what}): the KV policy {policy.name!r} says what a decoder request's "
+            "self-attention KV cache keeps of the key/value groups a plan does not keep; this layer holds no such "
+            "cache, so its unkept heads would be skipped instead. Wrap only the decoder's self-attention layers "
+            "(CondCompConfig(target_modules=[...]) or exclude_modules=[...]), or use kv='drop' (the default)")
+
+
+def request_call(routed: RoutedAttention, call: DecoderCall) -> tuple[Tensor | None, RequestStep, HeadPlan]:
+    """``(y, step, plan)`` with ``y`` computed on the compact cache when the request has (or now gets) a sequence
+    plan at inference; ``y`` None when every key/value head must be cached (a per-token plan, a plan decided in
+    training, a cache of every head): :func:`every_head_attention` then computes with ``plan``."""
+    B, T = call.x.shape[:2]
+    step = open_step(routed, call.self_cache, call.layer_idx, B, T)
     held = step.held
     if held is not None and held.selection is not None:  # a later call of a request on its compact cache
-        y = held_attention(routed, held.plan, held.selection, x, rotary, step, mask, sliding_window, extra)
-        return y, step, held.plan
-    plan = decoder_request_plan(routed, step, x, mask)
+        return held_attention(routed, held.plan, held.selection, call, step), step, held.plan
+    plan = decoder_request_plan(routed, step, call.x, call.mask)
     if held is None and plan.granularity == "sequence" and not routed.training:  # a request's first call
-        selection = compact_selection(routed, plan, step, sliding_window)
+        selection = compact_selection(routed, plan, step, call.sliding_window)
         with revertible_tail(step.after_prompt):  # candidates after the prompt (assisted decoding)
-            y = held_attention(routed, plan, selection, x, rotary, step, mask, sliding_window, extra)
+            y = held_attention(routed, plan, selection, call, step)
         step.keep(routed, plan, selection)
         return y, step, plan
     return None, step, plan
+
+
+def every_head_attention(routed: RoutedAttention, call: DecoderCall, step: RequestStep, plan: HeadPlan) -> Tensor:
+    """The call with every key/value head cached (a head this token skips may be chosen by a later one)."""
+    proj, Dh = call.projections, routed.layout.head_dim
+    _, k, v = proj.project(call.x)
+    keys, values = cache_every_head(call.self_cache, call.layer_idx, split_heads(k, Dh, proj.k_norm, call.rotary),
+                                    split_heads(v, Dh), call.extra, call.mask, step)  # (B, Hkv, S, Dh) each
+    return attend_call(routed, call.x, call.mask, step=step, plan=plan, decoder=True, key_states=keys,
+                       value_states=values, rotary=call.rotary,
+                       extra_bias=_score_terms(call, call.x.shape[1], keys.shape[2], None))
+
+
+def _score_terms(call: DecoderCall, T: int, S: int, bias: Tensor | None) -> Tensor | None:
+    """``bias`` (the mask's, or None) plus the layer's own window band (without a mask) and ``score_bias``."""
+    if call.mask is None and call.sliding_window is not None and S > call.sliding_window:
+        band = sliding_window_bias(T, S, int(call.sliding_window), call.x.device, call.x.dtype)  # (1, 1, T, S)
+        bias = band if bias is None else bias + band
+    if call.score_bias is not None:
+        bias = call.score_bias if bias is None else bias + call.score_bias  # (B|1, H, T, S)
+    return bias
 
 
 def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep,
@@ -80,32 +158,29 @@ def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep
     return selection
 
 
-def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, x: Tensor,
-                   rotary: tuple[Tensor, Tensor] | None, step: RequestStep, mask: Any, sliding_window: int | None,
-                   extra: dict[str, Any]) -> Tensor:
-    """One call under a request's plan: ``x (B, T, D)`` -> ``(B, T, D)``. Translates transformers' arguments
-    (mask, cache, projections) into an executor call whose inputs carry the compact cache; the executor is the one
+def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, call: DecoderCall,
+                   step: RequestStep) -> Tensor:
+    """One call under a request's plan: ``call.x (B, T, D)`` -> ``(B, T, D)``. Translates the call (mask, cache,
+    projections, score terms) into an executor call whose inputs carry the compact cache; the executor is the one
     ``resolve_executor`` picks for it (``kv_cache``) and gives the call's usage record."""
-    cache, layer_idx = step.cache, step.layer_idx
+    cache, layer_idx, x, mask = step.cache, step.layer_idx, call.x, call.mask
     L = routed.layout
     B, T, _ = x.shape
     if B == 0:  # an empty batch: nothing to attend, the cache still learns the call's length
         empty = x.new_zeros(B, 0, T, L.head_dim)
         with compact_write():
-            cache.update(empty, empty, layer_idx, kwargs=extra)
+            cache.update(empty, empty, layer_idx, kwargs=call.extra)
         return x.new_zeros(B, T, L.d_model)
-    S = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T  # keys after this call's update
+    S = call.num_keys(step.query_start)  # keys after this call's update
     query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, step.query_start)
-    if mask is None and sliding_window is not None and S > sliding_window:
-        bias = sliding_window_bias(T, S, int(sliding_window), x.device, x.dtype)
-    slot = LayerSlot(cache, layer_idx, extra, sel.policy)
-    proj = Projections(routed.q_proj, routed.k_proj, routed.v_proj, routed.o_proj,  # the modules: exact for LoRA
-                       getattr(routed, "q_norm", None), getattr(routed, "k_norm", None))
+    bias = _score_terms(call, T, S, bias)
+    slot = LayerSlot(cache, layer_idx, call.extra, sel.policy)
     windows = slot.state() if step.held is not None else None
     # no group kept in full: the full-length tensor is a placeholder that counts the tokens
     width = placeholder_width(cache_layer(cache, layer_idx), B, T, step.held is None) if sel.slots == 0 else 1
-    compact = CompactKV(sel, slot.store, S if mask is None else None, windows, slot.keep_windows, proj, width)
-    inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=rotary,
+    compact = CompactKV(sel, slot.store, S if mask is None else None, windows, slot.keep_windows, call.projections,
+                        width)
+    inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if routed.training else 0.0, kv_cache=compact)
     weights = routed.weights()
     run = resolve_executor(routed.executor, weights, inputs, plan)

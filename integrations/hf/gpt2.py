@@ -6,6 +6,10 @@ blocks of its ``c_attn``. ``scaling`` already folds ``scale_attn_weights`` and `
 (1/sqrt(Dh), then / (layer_idx + 1)). ``reorder_and_upcast_attn`` only acts under eager attention, where it computes
 the scores in float32 whatever the model's dtype: refused for models in other dtypes rather than computed differently
 (a float32 model computes the same scores).
+
+Self-attention on a KV cache runs the base decoder sequence (:func:`.decode.decoder_attention`): the compact
+per-request cache and every KV policy. Cross-attention caches every head of the encoder's keys (a KV policy that
+keeps unkept groups is refused there).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
 from condcomp.dense import kv_heads
+from condcomp.executors.cached import Projections
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionWeights, HeadLayout
 
@@ -25,12 +30,11 @@ from .common import (
     TransformersAdapter,
     attend_call,
     bind_arguments,
-    cache_every_head,
     cross_attention_states,
-    decoder_request_plan,
     import_classes,
     parameter_names,
 )
+from .decode import DecoderCall, decoder_attention, refuse_kv_policy_outside_decoder
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -50,6 +54,7 @@ class GPT2AttentionAdapter(TransformersAdapter):
     """``GPT2Attention``: causal self-attention with KV cache, or cross-attention (``is_cross_attention``)."""
 
     module_types = import_classes([("transformers.models.gpt2.modeling_gpt2", "GPT2Attention")])
+    holds_kv_policies = True  # its self-attention's calls on a cache run on the compact cache (.decode)
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
@@ -99,11 +104,12 @@ class GPT2AttentionAdapter(TransformersAdapter):
             raise ValueError(f"{self.module_cls.__name__} is a self-attention module (is_cross_attention=False) "
                              "but was given encoder_hidden_states")
         key_states = value_states = None
-        step = plan = None
+        step = None
         if self.cross:
             if enc is None:
                 raise ValueError(f"{self.module_cls.__name__} is a cross-attention module: encoder_hidden_states "
                                  "is required")
+            refuse_kv_policy_outside_decoder(routed, "cross-attention")
             mask = a.get("encoder_attention_mask")
             if cache is not None:
                 step = open_step(routed, cache, self.layer_idx, B, T, cross=True)
@@ -111,12 +117,11 @@ class GPT2AttentionAdapter(TransformersAdapter):
                                                               lambda: kv_heads(routed.weights(), enc, enc))
         else:
             mask = a.get("attention_mask")
-            if cache is not None:
-                # The request's plan is decided (or read from the cache) before the cache grows.
-                step = open_step(routed, cache, self.layer_idx, B, T)
-                plan = decoder_request_plan(routed, step, x, mask)
-                key_states, value_states = cache_every_head(cache, self.layer_idx, *kv_heads(routed.weights(), x, x),
-                                                            extra, mask, step)
-        y = attend_call(routed, x, mask, self_attention=not self.cross, step=step, plan=plan, decoder=True,
+            if cache is not None:  # a request's call: the base decoder sequence (the compact cache, a KV policy)
+                D = self.layout.d_model
+                proj = Projections.fused(routed.c_attn, routed.c_proj, (D, D, D))  # the modules: exact for LoRA
+                call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj)
+                return routed.resid_dropout(decoder_attention(routed, call)), None
+        y = attend_call(routed, x, mask, self_attention=not self.cross, step=step, decoder=True,
                         key=enc if key_states is None else None, key_states=key_states, value_states=value_states)
         return routed.resid_dropout(y), None

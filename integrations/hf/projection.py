@@ -4,8 +4,8 @@
 
 ``q_proj``/``k_proj``/``v_proj``/``o_proj``, grouped-query heads, optional per-head ``q_norm``/``k_norm`` (Qwen3),
 rotary ``position_embeddings=(cos, sin)``, optional sliding window and KV cache. This adapter only translates
-arguments: with a cache, :func:`.decode.request_call` decides the request's plan and, for a sequence plan at
-inference, projects, caches and reads only the key/value groups it keeps.
+arguments: with a cache, it hands the base decoder sequence (:func:`.decode.decoder_attention`) its projections,
+rotary and sliding window; for a sequence plan at inference only the key/value groups it keeps are cached and read.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from condcomp.adapters import register_adapter
 from condcomp.attention import linear_weights
 from condcomp.dense import split_heads
+from condcomp.executors.cached import Projections
 from condcomp.types import AttentionWeights, HeadLayout
 
 from .common import (
@@ -29,7 +30,7 @@ from .common import (
     parameter_names,
     sliding_window_bias,
 )
-from .decode import request_call
+from .decode import DecoderCall, decoder_attention
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -107,21 +108,21 @@ class ProjectionAttentionAdapter(TransformersAdapter):
             cos, sin = a["position_embeddings"]
             rotary = (cos.expand(B, T, L.head_dim), sin.expand(B, T, L.head_dim))  # (B, T, Dh), views
         mask = a.get("attention_mask")
-        step = plan = None
-        if cache is not None and self.layer_idx is not None:  # a request's call: decode.request_call decides how
-            y, step, plan = request_call(routed, x, rotary, cache, self.layer_idx, mask, self.sliding_window, extra)
-            if y is not None:
-                return y, None
+        if cache is not None and self.layer_idx is not None:  # a request's call: the base decoder sequence
+            proj = Projections(routed.q_proj, routed.k_proj, routed.v_proj, routed.o_proj,  # modules: exact for LoRA
+                               getattr(routed, "q_norm", None), getattr(routed, "k_norm", None))
+            call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj, rotary, self.sliding_window)
+            return decoder_attention(routed, call), None
         key_states = value_states = None
-        if cache is not None:
+        if cache is not None:  # a cache on a layer without layer_idx: every head appended, no request plan
             # The projections' own forward: exact for LoRA layers too.
             k = split_heads(routed.k_proj(x), L.head_dim, getattr(routed, "k_norm", None), rotary)  # (B, Hkv, T, Dh)
             v = split_heads(routed.v_proj(x), L.head_dim)
-            key_states, value_states = cache_every_head(cache, self.layer_idx, k, v, extra, mask, step)
+            key_states, value_states = cache_every_head(cache, self.layer_idx, k, v, extra)
         S = T if key_states is None else key_states.shape[2]
         band = None
         if mask is None and self.sliding_window is not None and S > self.sliding_window:
             band = sliding_window_bias(T, S, int(self.sliding_window), x.device, x.dtype)
-        y = attend_call(routed, x, mask, step=step, plan=plan, decoder=L.causal, key_states=key_states,
-                        value_states=value_states, rotary=rotary, extra_bias=band)
+        y = attend_call(routed, x, mask, decoder=L.causal, key_states=key_states, value_states=value_states,
+                        rotary=rotary, extra_bias=band)
         return y, None

@@ -5,11 +5,15 @@ The first layer of each stack owns ``relative_attention_bias`` and computes the 
 later layer through ``position_bias``. The wrapped module returns what ``T5Attention`` returns,
 ``(output, position_bias, attn_weights)`` with the bias unmasked, so wrapped and unwrapped layers can be mixed.
 The bias reaches the executors as ``attn_bias`` (per head), added to the padding/causal mask. KV cache: decoder
-self-attention appends every head's keys/values, cross-attention computes them once (``is_updated``).
+self-attention runs the base decoder sequence (:func:`.decode.decoder_attention`: the compact per-request cache,
+the bias as its score term) under ``kv='drop'`` or ``'full'``; a policy with a state of its own (``window``,
+``snapkv``) is refused at ``apply_``: its attention would not add the position bias. Cross-attention computes every
+head's keys once (``is_updated``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +21,7 @@ from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
 from condcomp.dense import split_heads
+from condcomp.executors.cached import Projections
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionWeights, HeadLayout
 
@@ -25,12 +30,11 @@ from .common import (
     TransformersAdapter,
     attend_call,
     bind_arguments,
-    cache_every_head,
     cross_attention_states,
-    decoder_request_plan,
     import_classes,
     parameter_names,
 )
+from .decode import DecoderCall, decoder_attention, refuse_kv_policy_outside_decoder
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -41,6 +45,9 @@ class T5AttentionAdapter(TransformersAdapter):
     """``T5Attention``: self- or cross-attention (decided per call by ``key_value_states``, as in T5)."""
 
     module_types = import_classes([("transformers.models.t5.modeling_t5", "T5Attention")])
+    # the decoder self-attention's calls on a cache run on the compact cache (.decode) under the policies that keep
+    # unkept groups nowhere or in the full cache; a policy's own state would not see the position bias
+    holds_kv_policies = ("none", "full")
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
@@ -95,24 +102,28 @@ class T5AttentionAdapter(TransformersAdapter):
         if cross and self.layout.causal:
             raise ValueError(f"{self.module_cls.__name__} is causal self-attention (is_causal=True); condcomp cannot "
                              "run it as cross-attention")
+        if cross or not self.decoder:
+            refuse_kv_policy_outside_decoder(routed, "cross-attention" if cross else "an encoder's self-attention")
         B, T = x.shape[:2]
         past = cache.get_seq_length(self.layer_idx) if cache is not None else 0  # before this call's update
         past = past.clone() if isinstance(past, Tensor) else past
-        step = open_step(routed, cache, self.layer_idx, B, T, cross=cross) if cache is not None else None
-        plan = None
+        position_bias = a.get("position_bias")
+        if not cross and cache is not None:  # a request's call: the base decoder sequence (the compact cache)
+            proj = Projections(routed.q, routed.k, routed.v, routed.o)  # the modules: exact for LoRA
+            call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj)
+            if position_bias is None:
+                position_bias = self._position_bias(routed, T, call.num_keys(int(past)), x, past)
+            call = dataclasses.replace(call, score_bias=position_bias)  # (1, H, T, S), added to the mask's
+            return decoder_attention(routed, call), position_bias, None
+        step = open_step(routed, cache, self.layer_idx, B, T, cross=True) if cache is not None else None
         key_states = value_states = None
         if enc is not None:
             key_states, value_states = cross_attention_states(cache, self.layer_idx, lambda: self._kv(routed, enc),
                                                               extra)
-        elif step is not None:
-            plan = decoder_request_plan(routed, step, x, mask)  # decided (or read from the cache) before it grows
-            key_states, value_states = cache_every_head(cache, self.layer_idx, *self._kv(routed, x), extra, mask,
-                                                        step)
         S = (x if enc is None else enc).shape[1] if key_states is None else key_states.shape[2]
-        position_bias = a.get("position_bias")
         if position_bias is None:
             position_bias = self._position_bias(routed, T, S, x, past)
-        y = attend_call(routed, x, mask, self_attention=not cross, step=step, plan=plan, decoder=self.decoder,
+        y = attend_call(routed, x, mask, self_attention=not cross, step=step, decoder=self.decoder,
                         key=enc if key_states is None else None, key_states=key_states, value_states=value_states,
                         extra_bias=position_bias)  # position bias (B|1, H, T, S) plus the mask's
         return y, position_bias, None

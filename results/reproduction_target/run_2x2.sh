@@ -18,7 +18,8 @@
 #   SEEDS="0 1 2" nohup nice -n 5 bash results/reproduction_target/run_2x2.sh > runs/2x2_a.log 2>&1 &
 #   SEEDS="3 4"   nohup nice -n 5 bash results/reproduction_target/run_2x2.sh > runs/2x2_b.log 2>&1 &
 #
-# Then, per cell: condcomp report results/reproduction_2x2_<cell> --doc docs/results-2x2-<cell>.md
+# Then, per cell: condcomp report results/reproduction_2x2_<cell> --doc docs/results-2x2-<cell>.md; and the
+# within-seed table of README_2x2.md: python results/reproduction_target/within_seed_2x2.py --extract "$OUT" --write
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BASE=${OUT:-runs/study_2x2}

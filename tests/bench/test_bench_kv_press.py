@@ -118,3 +118,40 @@ def test_snapkv_refuses_a_prompt_shorter_than_its_window() -> None:
     bench = kv.Bench(one_layer_llama(), torch.device("cpu"), importance=lambda: None)
     with pytest.raises(ValueError, match="kvpress-snapkv-0.50 needs prompts of 65 tokens or more, got 32"):
         bench.prefill("kvpress-snapkv-0.50", torch.zeros(1, 32, dtype=torch.long))
+
+
+def two_layer_gqa_llama() -> torch.nn.Module:
+    torch.manual_seed(4)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                      max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_eviction_presses_served_by_the_dense_prefill_hold_what_their_own_prefills_hold() -> None:
+    """Every eviction press captured together during one dense prefill (kv_press.captured) against the press
+    applied alone by kvpress's own hook, layer by layer; the dense cache stays whole, and the next tokens read the
+    shared cache as they read the press's own."""
+    from condcomp.bench import kv, kv_press
+
+    names = [n for n, v in kv_press.PRESS_VARIANTS.items() if not v.headwise]
+    assert len(names) == 10 and all(kv.VARIANTS[n].model == "dense" for n in names)  # one group with dense
+    model = two_layer_gqa_llama()
+    bench = kv.Bench(model, torch.device("cpu"), importance=lambda: None)
+    ids = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        plain = model(input_ids=ids, use_cache=True).cache
+        _, dense = bench.prefill("dense", ids, ["dense", *names])
+        for layer, whole in zip(dense.layers, plain.layers):  # the captures left the dense cache whole
+            assert torch.equal(layer.keys, whole.keys) and torch.equal(layer.values, whole.values)
+        shared = {n: bench.cache_for(n, dense) for n in names}
+        for name in names:
+            _, own = bench.prefill(name, ids)  # kvpress's hook compresses the cache during this prefill
+            held = shared[name]
+            assert held.get_seq_length() < 100  # something was evicted
+            for a, b in zip(held.layers, own.layers):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), name
+            got, _ = bench.step(name, ids[:, :3], held)
+            want, _ = bench.step(name, ids[:, :3], own)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -119,3 +119,18 @@ def test_summary_pairs_every_variant_with_dense_and_the_best_press(tmp_path: Pat
     assert family("split-duo-1of3") == "condcomp split" and family("dense") == "dense"
     write(tmp_path, result)
     assert (tmp_path / "summary.md").read_text() == text
+
+
+def test_a_variant_is_tested_against_the_best_press_holding_at_least_its_bytes() -> None:
+    """A press at fewer bytes is no equal-bytes competitor: the split at 0.5 meets the best press at >= 0.5 (3 of
+    10), and the split at 0.25 the best at >= 0.25 (the 0.25 press, 6 of 10, more than the 0.5 one)."""
+    from condcomp.bench.kv_report import statistics_table
+
+    records = [_record("dense", [True] * 10, 2.0, 1.0),
+               _record("kvpress-snapkv-0.50", [True] * 3 + [False] * 7, 2.1, 0.5),
+               _record("kvpress-streaming-0.25", [True] * 6 + [False] * 4, 2.1, 0.25),
+               _record("split-duo-1of3", [True] * 8 + [False] * 2, 2.0, 0.5),
+               _record("split-duo-1of6-w92", [True] * 8 + [False] * 2, 2.0, 0.248)]
+    rows = {line.split(" | ")[1]: line for line in statistics_table(records).splitlines()[2:]}
+    assert "5 / 0 (kvpress-snapkv-0.50), p 0.062" in rows["split-duo-1of3"]  # 2 * 0.5**5
+    assert "2 / 0 (kvpress-streaming-0.25), p 0.500" in rows["split-duo-1of6-w92"]

@@ -1,6 +1,7 @@
 """A KV policy that keeps the groups a plan does not keep is refused at attach time where the adapter cannot hold
-it (GPT-2, the attention-function attachment): those used to cache every head and silently drop the groups
-(red team round 4, items 1-2). ``kv="drop"`` (the default) still attaches."""
+it (T5's decoder for a policy with a state of its own, the attention-function attachment): those used to cache
+every head and silently drop the groups (red team round 4, items 1-2). ``kv="drop"`` (the default) still attaches.
+Layers that hold no request's growing cache (cross-attention, an encoder) refuse such a policy at their first call."""
 
 from __future__ import annotations
 
@@ -13,10 +14,19 @@ import condcomp
 
 t = pytest.importorskip("transformers")
 
+T5_DECODER_SELF = r"re:decoder\.block\.\d+\.layer\.0\.SelfAttention"
 
-def gpt2() -> torch.nn.Module:
+
+def t5() -> torch.nn.Module:
     torch.manual_seed(0)
-    return t.GPT2LMHeadModel(t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32)).eval()
+    return t.T5ForConditionalGeneration(t.T5Config(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                                                   vocab_size=50, decoder_start_token_id=0)).eval()
+
+
+def gpt2_cross() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return t.GPT2LMHeadModel(t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=32,
+                                          add_cross_attention=True)).eval()
 
 
 def llama() -> torch.nn.Module:
@@ -28,20 +38,41 @@ def llama() -> torch.nn.Module:
 
 @pytest.mark.parametrize("options", [
     {"kv": ("window", {"sinks": 1, "window": 4})},
-    {"kv": "full"},
+    {"kv": ("snapkv", {"budget": 4})},
     {"router": ("topk", {"kv_groups": True, "stream_window": 4, "stream_sinks": 1})},
 ])
-def test_gpt2_refuses_a_kv_policy_it_cannot_hold_and_stays_unwrapped(options: dict[str, object]) -> None:
-    model = gpt2()
+def test_t5_refuses_a_kv_policy_with_a_state_of_its_own_and_stays_unwrapped(options: dict[str, object]) -> None:
+    model = t5()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), **options)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"apply_: .*silently drop those groups.*kv='drop'"):
+        cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), target_modules=[T5_DECODER_SELF],
+                                      **options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"apply_: .*T5's decoder: kv='full' only.*silently drop those groups"):
         condcomp.apply_(model, cfg)
     assert condcomp.routed_modules(model) == {}
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5})))  # drop attaches
+    full = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), target_modules=[T5_DECODER_SELF], kv="full")
+    assert len(condcomp.apply_(model, full)) == 2  # full attaches on the decoder's self-attention
+
+
+def test_layers_without_a_request_cache_refuse_a_policy_that_keeps_unkept_groups_at_their_first_call() -> None:
+    cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), kv="full")
+    model = t5()
+    condcomp.apply_(model, cfg)  # encoder, decoder self- and cross-attention
+    ids = torch.randint(1, 50, (1, 4))
+    with pytest.raises(ValueError, match=r"an encoder's self-attention.*'full'.*Wrap only the decoder's self"):
+        model(input_ids=ids, decoder_input_ids=ids)
+    model = gpt2_cross()
+    condcomp.apply_(model, cfg)
+    with pytest.raises(ValueError, match=r"cross-attention.*'full'.*Wrap only the decoder's self"):
+        model(input_ids=ids, encoder_hidden_states=torch.randn(1, 3, 32))
+    torch.manual_seed(0)
+    model = t.BertModel(t.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=37, vocab_size=50)).eval()  # an encoder
+    condcomp.apply_(model, cfg)
+    with pytest.raises(ValueError, match=r"an encoder's self-attention.*'full'"):
+        model(input_ids=ids)
 
 
 def test_the_attention_function_attachment_refuses_a_window_policy() -> None:

@@ -218,8 +218,8 @@ def _paragraph(all_rows: list[dict[str, Any]], settings: dict[str, dict[str, Any
             "than one seed are positive in every seed. ")
     if p["total"]:
         hard, others, rp, ors = p["hardest"], p["others"], p["rho_pull"], p["others_rho_s"]
-        text += ("The task loss's per-example pull on s (`gradients.py`, the table above) is the only per-input "
-                 "signal the budget network is trained by; the other loss terms treat every input alike (the "
+        text += ("The task loss's per-example pull on s (`gradients.py`, its table beside the runs) is the only "
+                 "per-input signal the budget network is trained by; the other loss terms treat every input alike (the "
                  "hinge is 0 inside its interval, a price on heads is the same per example). In "
                  f"{p['hits']} of {p['total']} measured layers the hardest fifth of examples (the standard model's "
                  "loss) pulls s *down* (its mean pull "
@@ -235,7 +235,7 @@ def _paragraph(all_rows: list[dict[str, Any]], settings: dict[str, dict[str, Any
                     f"{min(ors):+.2f} to {max(ors):+.2f}, which the pull does not explain (not measured further). "
                     if ors else ""))
     if full:
-        text += "With the published loss the goal is met by the runs marked yes above. "
+        text += "With the published loss the goal is met by the runs marked yes in the table of runs. "
     else:
         text += ("As published (a budget network on the pooled input, trained by the task loss through the "
                  "soft top-k, plus the hinge and optionally a price), the mechanism did not make a budget that "

@@ -103,13 +103,19 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
     regenerate = f"condcomp report {folder}" + (f" --doc {doc}" if doc is not None else "")
     user_arms = sorted({r["arm"] for r in records if is_user_arm(r["arm"])})
     intro = _intro(folder, regenerate, difficulty_target(records), user_arms)
-    out = intro[:4] + summary_section(stats, datasets) + intro[4:]  # the summary first, then what the arms are
+    out = intro[:4] + summary_section(stats, datasets)  # the summary first, then what the arms are
+    followups = sorted(folder.glob("README_*.md")) if project else []  # hand-written, from their own records
+    if followups:
+        out += ["**Follow-up analyses** of this study, each from its own records: "
+                + ", ".join(f"[{f.name}]({rel(f)})" for f in followups) + ".", ""]
+    out += intro[4:]
     out += questions_section(stats, datasets, NAMES, records)
     out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
     search_file = folder.parent / "budget_search" / "search.json"
     search = json.loads(search_file.read_text()) if search_file.is_file() else None
     if project:
-        out += regime_section(records, datasets, NAMES, search)
+        regime = regime_section(records, datasets, NAMES, search)
+        out += regime if doc is None else _regime_digest(regime, folder, regenerate, rel)
     out += coverage_section(records, datasets, project)
     if project:
         out += paper_section(stats, datasets)
@@ -133,6 +139,19 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
         doc.parent.mkdir(parents=True, exist_ok=True)
         doc.write_text(text)
     return text
+
+
+def _regime_digest(regime: list[str], folder: Path, regenerate: str, rel: Any) -> list[str]:
+    """The budget-goal section on the page: its question, goal and verdict; every run's table (dozens of rows a
+    user rarely needs) goes to ``folder/regime.md`` beside the records, generated with the page."""
+    heading, goal = regime[0], regime[2].split(" Study runs (full length)")[0]
+    full = folder / "regime.md"
+    full.write_text("\n".join([f"# {folder.name}: {heading.lstrip('# ')}", "",
+                               f"Generated with the results page by `{regenerate}`; do not edit by hand.", "",
+                               *regime[2:]]))
+    return [heading, "", goal, "", f"Every run against the goal, per seed and setting, with the short search runs "
+            f"and what trains the budget per input: [{full.name}]({rel(full)}).", "",
+            "### Verdict on the budget goal", "", *regime[-2:]]
 
 
 def user_arms_text(arms: list[str]) -> str:

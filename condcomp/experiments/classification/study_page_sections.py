@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from condcomp.experiments.classification.ablation_stats import is_user_arm
 from condcomp.experiments.classification.study_page_questions import QUESTIONS
 
 DATASETS = ("ag_news", "snli", "dbpedia_14", "imdb", "yelp", "digits")
@@ -44,11 +45,16 @@ def _range(rs: list[dict[str, Any]], key: str, fmt: str, scale: float) -> str:
 
 
 def carbon_note(records: list[dict[str, Any]]) -> list[str]:
-    """One line, once per page, where the records hold no gCO2 (codecarbon missing when they were made)."""
-    if any(r.get("inference_gco2") is not None for r in records) or not records:
+    """One line, once per page, where some or all records hold no gCO2 (codecarbon missing when they were made)."""
+    missing = sum(r.get("inference_gco2") is None for r in records)
+    if not missing:
         return []
-    return ["gCO2 is not measured in these records: it needs the `carbon` extra (codecarbon), installed from the "
-            "repository's root with `pip install -e \".[carbon]\"` before the runs.", ""]
+    how = ("it needs the `carbon` extra (codecarbon), installed from the repository's root with "
+           "`pip install -e \".[carbon]\"` before the runs.")
+    if missing == len(records):
+        return [f"gCO2 is not measured in these records: {how}", ""]
+    return [f"gCO2 is the mean over the runs that measured it; \"-\": none of the arm's runs did ({missing} of "
+            f"{len(records)} runs were made without codecarbon: {how})", ""]
 
 
 def _mean_of(rs: list[dict[str, Any]], key: str) -> float | None:
@@ -174,15 +180,17 @@ def per_dataset_section(records: list[dict[str, Any]], stats: dict[str, Any], da
                         rel: Callable[[Path], str], plots: bool) -> list[str]:
     """Every arm of every dataset: a table, the other paired comparisons and the Pareto plot."""
     out: list[str] = ["## Every arm, per dataset", ""]
+    yours = any(is_user_arm(r["arm"]) for r in records)
     out += ["The Pareto plots put every arm at its realised heads (left) and at its analytic FLOP fraction of the "
-            "whole model (right; MoH's per-token routing saves less compute than its head share suggests): the "
-            "fixed top-k sweep `fixed_<f>` (grey squares, joined; `fixed_1` is the standard model), fixed top-k "
-            "at the matched or per-layer counts (grey, not joined: they mix head counts), BudgetFormer with the "
-            "paper's loss and with a price on heads (blue), MoH (orange), your components `router_<key>` / "
-            "`policy_<key>` (plus-shaped markers), controls (red). Each point is the mean "
-            "over seeds with its 95 % t-interval over seeds; a one-seed point carries the binomial 95 % interval "
-            "of its test accuracy instead (dashed), which leaves out the seed-to-seed spread. Faint dots: the "
-            "single seeds.", ""]
+            "whole model (right; MoH's per-token routing saves less compute than its head share suggests), one "
+            "colour per arm (the legend, outside the axes, names them) and one marker per family: the fixed top-k "
+            "sweep `fixed_<f>` (squares joined by a grey line, the fixed-budget frontier; `fixed_1` is the standard "
+            "model), fixed top-k at the matched or per-layer counts (diamonds, not joined: they mix head counts), "
+            "BudgetFormer with the paper's loss and with a price on heads (circles), MoH (triangles), "
+            + ("your components `router_<key>` / `policy_<key>` (plus signs), " if yours else "")
+            + "controls (crosses). Each point is the mean over seeds with its 95 % t-interval over seeds; a one-seed "
+            "point carries the binomial 95 % interval of its test accuracy instead (dashed), which leaves out the "
+            "seed-to-seed spread. Faint dots: the single seeds.", ""]
     out += ["Mean [95 % t-interval over seeds] (one seed: no interval). Latency in ms (median of one forward; "
             "executor in the last column): the mean over seeds (the range over seeds), on a shared machine whose "
             "load drifts: read the ranges before any ratio. Peak activation memory at batch 64 in MiB; gCO2 of "

@@ -113,3 +113,47 @@ def test_a_page_for_a_users_own_records_carries_none_of_the_projects_notes(tmp_p
     assert page.count("pip install -e \".[carbon]\"") == 1 and "null:" not in page  # the carbon note, once
     assert "condcomp ablate --dataset files --train-file mine.csv" in page  # its own commands
     assert "[-" not in page.split("## Every arm")[1].split("| standard |")[1].split("\n")[0]  # latency: no bound < 0
+
+
+def test_a_gco2_column_with_gaps_says_once_what_its_dashes_mean(tmp_path: Path) -> None:
+    from condcomp.experiments.classification.ablation_stats import statistics
+    from condcomp.experiments.classification.study_page import render_study_page
+
+    folder = tmp_path / "my_study"
+    folder.mkdir()
+    records = [_record(arm, seed, 0.80 + 0.01 * seed, tmp_path / "gone")
+               for arm in ("standard", "budgetformer", "fixed_matched") for seed in (0, 1, 2)]
+    for r in records:
+        if r["arm"] == "fixed_matched" and r["seed"] < 2:  # measured in two runs of one arm only
+            r["inference_gco2"] = 0.02 + 0.01 * r["seed"]
+    (folder / "summary.json").write_text(json.dumps(records))
+    (folder / "statistics.json").write_text(json.dumps(statistics(records)))
+    page = render_study_page(folder, plots=False)
+    assert page.count("pip install -e \".[carbon]\"") == 1
+    assert "7 of 9 runs were made without codecarbon" in page
+    row = next(line for line in page.splitlines() if line.startswith("| fixed_matched |"))
+    assert "| 0.025 |" in row  # the mean over the two runs that measured it: (0.02 + 0.03) / 2
+    row = next(line for line in page.splitlines() if line.startswith("| budgetformer |"))
+    assert row.split(" | ")[-2] == "-"
+
+
+def test_the_projects_page_keeps_the_budget_goals_verdict_and_moves_its_run_tables_beside_the_records(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from condcomp.experiments.classification import study_page
+    from condcomp.experiments.classification.ablation_stats import statistics
+
+    monkeypatch.setattr(study_page, "PROJECT_RESULTS", tmp_path / "results")  # make the folder one of "ours"
+    folder = tmp_path / "results" / "study"
+    folder.mkdir(parents=True)
+    records = [_record(arm, seed, 0.80 + 0.01 * seed, tmp_path / "gone", dataset="ag_news")
+               for arm in ("standard", "budgetformer", "fixed_matched") for seed in (0, 1, 2)]
+    (folder / "summary.json").write_text(json.dumps(records))
+    (folder / "statistics.json").write_text(json.dumps(statistics(records)))
+    page = study_page.render_study_page(folder, doc=tmp_path / "docs" / "results.md", plots=False)
+    full = (folder / "regime.md").read_text()
+    run_row = "| AG News | budgetformer | 0 |"
+    assert run_row in full and run_row not in page  # every run's row beside the records, not on the page
+    assert "[regime.md](../results/study/regime.md)" in page
+    assert page.count("### Verdict on the budget goal") == 1
+    verdict = page.split("### Verdict on the budget goal")[1].split("\n## ")[0].strip()
+    assert verdict and verdict in full  # the page's verdict is the full section's

@@ -92,3 +92,15 @@ def test_an_npz_image_set_runs_with_a_conv_judge_and_wrong_shapes_are_named(tmp_
     np.savez(tmp_path / "bad.npz", train_images=arrays["train_images"])
     with pytest.raises(ValueError, match="missing arrays"):
         study.run_dit_study(tmp_path / "out3", [0], ["dense"], settings, data_file=tmp_path / "bad.npz")
+
+
+def test_the_table_gives_sampling_time_as_a_range_over_seeds_never_an_interval_below_zero() -> None:
+    from condcomp.experiments.dit.plots import markdown_table
+
+    times = [1.0, 9.0, 2.0]  # a loaded machine: a t-interval over these three reaches below 0
+    stat = {"n": 3, "mean": 4.0, "sd": 4.36, "lo": -6.8, "hi": 14.8}
+    summary = {"statistics": {"dense": {m: stat for m in ("frechet", "class_accuracy", "heads", "flop_fraction",
+                                                         "sampling_seconds")}},
+               "records": [{"variant": "dense", "seed": s, "sampling_seconds": t} for s, t in enumerate(times)]}
+    row = next(line for line in markdown_table(summary).splitlines() if line.startswith("| dense |"))
+    assert row.endswith("| 4.0 (1.0-9.0) |")

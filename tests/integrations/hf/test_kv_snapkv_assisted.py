@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from decode_helpers import llama
+from decode_helpers import gpt2, llama
 from torch import nn
 
 import condcomp
@@ -66,3 +66,16 @@ def test_prompt_lookup_drafting_after_a_first_round_without_candidates() -> None
     ids = torch.randperm(40, generator=torch.Generator().manual_seed(9))[:10].unsqueeze(0) + 1  # the first token
     want, got = greedy_pair(model, ids, prompt_lookup_num_tokens=3)  # repeats a prompt token: drafted after it
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kv", [SNAP, ("window", {"sinks": 1, "window": 3})])
+def test_gpt2_assisted_decoding_past_the_window_gives_plain_greedy_decodings_tokens(kv: Any) -> None:
+    """GPT-2 holds KV policies through the same decoder sequence: its first round (an 8-token prompt past a 1 + 3
+    window, three candidates) is taken back as the Llama family's is."""
+    model = gpt2()
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk", kv=kv))
+    model.eval()
+    ids = torch.randint(1, 97, (1, 8), generator=torch.Generator().manual_seed(0))
+    want, got = greedy_pair(model, ids, assistant_model=drafting(gpt2(seed=1)))
+    assert torch.equal(got, want)
+
