@@ -181,7 +181,8 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw, T, Dh)
         v = _slots(v_all, sel.window_index, False).transpose(1, 2)
         keep = cache.keep_windows is not None
-        out, w_dead, state = sel.policy.attend(q, k, v, cache.windows, inputs.mask, layout.scale, keep)
+        joint = {"slot_valid": sel.window_valid} if sel.policy.reads_slot_validity else {}  # opt-in argument
+        out, w_dead, state = sel.policy.attend(q, k, v, cache.windows, inputs.mask, layout.scale, keep, **joint)
         if cache.keep_windows is not None:
             cache.keep_windows(state)
         parts.append((_gated(out, sel.window_gates, w_dead), sel.window_index))
