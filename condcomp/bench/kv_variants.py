@@ -288,10 +288,6 @@ def saved_importance(path: Path, layers: int, groups: int) -> Tensor | None:
 def computed_importance(model: nn.Module, calibration: Tensor, prompt_len: int, batch_size: int = 4) -> Tensor:
     """Michel et al.'s gradient importance per KV group ``(L, G)`` on ``calibration`` rows (continuation loss after
     ``prompt_len`` tokens), as ``condcomp tune-llm`` computes static pruning's ranking."""
-    from condcomp.experiments.llm.evaluation import continuation_nll
-    from condcomp.kv.calibration import group_importance, head_gradients
+    from condcomp.kv.calibration import continuation_importance
 
-    cfg: Any = getattr(model, "config")  # noqa: B009
-    grads = head_gradients(model, list(calibration.split(batch_size)),
-                           lambda m, ids: continuation_nll(m, ids, prompt_len).mean(-1), int(cfg.num_attention_heads))
-    return group_importance(grads, int(cfg.num_key_value_heads))
+    return continuation_importance(model, calibration, prompt_len, batch_size)

@@ -13,6 +13,10 @@ Read it in this order:
    compact slot order the cache stores them (:class:`KVSelection`), the plan held with the cache
    (:class:`HeldPlan`) and its public view (:class:`RequestPlan`).
 5. choose.py: the policy of a wrapped layer: ``CondCompConfig(kv=...)`` or the ``topk`` router's ``stream_window``.
+6. calibration.py: which groups a plan keeps in full, from calibration (``duo_split``, ``static_split``,
+   ``request_split``), and what makes their inputs: duo_attention.py and duo_gates.py (DuoAttention's gates),
+   continuation.py and importance.py (gradient importance on the continuation loss), request_router.py (a trained
+   per-request router).
 
 The executor that computes over it is ``kv_cache`` (:mod:`condcomp.executors.cached`); the transformers cache layer
 that holds it is :mod:`condcomp.integrations.hf.cache`, whose ``cache_bytes`` counts it.
