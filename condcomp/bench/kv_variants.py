@@ -128,10 +128,11 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
         store_windows,
         stored_windows,
     )
+    from condcomp.integrations.hf.internals import layer_initialized, swap_layer_class
 
     target = quantized_cache(kind, config)
     for src, dst in zip(source.layers, target.layers):
-        if not getattr(src, "is_initialized", False):
+        if not layer_initialized(src):
             continue
         keys, values = src.keys, src.values
         held = getattr(src, "condcomp_plan", None)
@@ -141,7 +142,7 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
             keys = values = keys.new_zeros(*keys.shape[:-1], placeholder_width(dst, B, T, prefill=True))
         dst.update(keys, values)
         if is_carrier(src):
-            dst.__class__ = carrier_class(type(dst))
+            swap_layer_class(dst, carrier_class(type(dst)))
             dst.condcomp_plan = src.condcomp_plan
             store_windows(dst, stored_windows(src))  # the streamed groups' windows, quantized as the layer's keys
     return target
