@@ -203,6 +203,7 @@ class CachedRun:
     executor: CachedExecutor
     selection: KVSelection
     name: str = "kv_cache"
+    policy_state: Any = None  # the KV policy's state before the call (how many keys its heads read)
 
     @property
     def strategy(self) -> str:
@@ -229,7 +230,8 @@ class CachedRun:
             per_head = plan.num_heads // sel.modes.shape[1]
             streamed = ((sel.modes == KV_WINDOW) & unkept).repeat_interleave(per_head, dim=1)
             held_full = ((sel.modes == KV_FULL) & unkept).repeat_interleave(per_head, dim=1)
-        window_keys = sel.window.capacity if sel.window is not None else S
+        window_keys = sel.window.capacity if sel.window is not None else (
+            S if sel.policy is None else sel.policy.keys_read(self.policy_state, T, S))
         return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys, held_full)
 
 
@@ -266,7 +268,7 @@ class CachedExecutor:
     def prepare(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
         """Bound to a cached call (:class:`CachedRun`: its strategy and usage record), or itself without a cache."""
         cache = inputs.kv_cache
-        return self if cache is None else CachedRun(self, cache.selection)
+        return self if cache is None else CachedRun(self, cache.selection, policy_state=cache.windows)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         if inputs.kv_cache is not None:

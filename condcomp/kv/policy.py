@@ -43,7 +43,6 @@ class KVPolicy:
     """
 
     stores: ClassVar[str] = "own"
-    needs_static_room: ClassVar[bool] = False  # whether a static (preallocated) cache can hold its state
     # attend gets ``slot_valid=`` (B, gw) bool, which of its slots hold a group of the row (the others are spare
     # slots repeating one, gate 0): a policy that chooses across a row's groups jointly must skip spare slots
     reads_slot_validity: ClassVar[bool] = False
@@ -71,6 +70,11 @@ class KVPolicy:
         A policy with ``reads_slot_validity = True`` is also given the keyword ``slot_valid (B, gw)`` bool (see
         :attr:`~condcomp.kv.selection.KVSelection.window_valid`); others are called without it."""
         raise NotImplementedError(f"KV policy {self.name!r} stores {self.stores!r}: it holds no state to attend")
+
+    def keys_read(self, state: Any, T: int, S: int) -> int:
+        """The most keys one of its heads reads in a call of ``T`` queries over ``S`` keys, given its ``state``
+        before the call (None at prefill): what ``head_usage`` counts its FLOPs over. Default: every key."""
+        return S
 
     def take_rows(self, state: Any, index: Tensor) -> Any:
         """The state of rows ``index`` (int64 or bool over rows), in that order (beam reordering, selecting,

@@ -168,6 +168,10 @@ class SnapKV(KVPolicy):
         chosen = self._choose(scores, budgets, valid.to(k.device))
         return out, dead.unsqueeze(1), kept_state(k, v, pos, chosen | recent[:, None, :], seen)
 
+    def keys_read(self, state: Any, T: int, S: int) -> int:
+        # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own
+        return S if state is None else int(state.keys.shape[2]) + T
+
     def _choose(self, scores: Tensor, budgets: Tensor, slot_valid: Tensor) -> Tensor:
         """``(B, gw, T)`` bool: the scored prompt tokens each group keeps: its own ``budgets (B,)`` best."""
         return best_per_group(scores, budgets)

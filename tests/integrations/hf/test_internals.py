@@ -11,9 +11,8 @@ import pytest
 import torch
 
 t = pytest.importorskip("transformers")
-from transformers import cache_utils  # noqa: E402
-
 from condcomp.integrations.hf import internals  # noqa: E402
+from transformers import cache_utils  # noqa: E402
 
 LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer", "QuantizedLayer",
           "Fp8QuantizedLayer")
