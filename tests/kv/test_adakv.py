@@ -200,3 +200,36 @@ def test_adakv_on_a_llama_keeping_the_whole_prompt_decodes_as_the_unwrapped_mode
     plans = condcomp.request_plans(model, got.past_key_values)
     assert {m for p in plans.values() for row in p.group_modes() for m in row} == {"full", "adakv"}
     assert all(n > 0 for n in cache_bytes(got.past_key_values))
+
+
+def test_adakv_state_follows_the_cache_operations_of_a_llama_cache() -> None:
+    # reorder (beams), row selection, copy, pickle and crop act on the adakv state with the cache: continuing each
+    # equals continuing the original cache on the same rows
+    import copy
+    import pickle
+
+    t = pytest.importorskip("transformers")
+    sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "integrations" / "hf"))
+    from decode_helpers import extend, llama, prompts, step
+
+    model = llama(4)
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
+                                                   router=("topk", {"kv_groups": True}),
+                                                   kv=("adakv", {"budget": 2, "observe": 2, "pool": 3})))
+    model.eval()
+    ids, mask = prompts()
+    cache = t.DynamicCache()
+    tokens, mask = extend(ids, mask, step(model, ids, mask, cache, ids.shape[1]).argmax(-1, keepdim=True))
+    before = copy.deepcopy(cache)
+    want = step(model, tokens, mask, cache, 1)  # (B, V)
+    order = torch.tensor([2, 0, 1])
+    beams = copy.deepcopy(before)
+    beams.reorder_cache(order)
+    torch.testing.assert_close(step(model, tokens[order], mask[order], beams, 1), want[order])
+    picked = pickle.loads(pickle.dumps(before))
+    picked.batch_select_indices(torch.tensor([0, 2]))
+    torch.testing.assert_close(step(model, tokens[[0, 2]], mask[[0, 2]], picked, 1), want[[0, 2]])
+    cache.crop(-1)  # back to the cache before the step
+    torch.testing.assert_close(step(model, tokens, mask, cache, 1), want)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(-3)  # into the compressed prompt
