@@ -216,9 +216,9 @@ def captured(names: list[str], model: nn.Module) -> Iterator[dict[str, dict[int,
             def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any, press: Any = press,
                      layers: dict[int, tuple[Tensor, Tensor]] = held[name]) -> Any:
                 kw = kvpress_kwargs(kwargs, kwargs["hidden_states"].shape[1])
-                layer = kw["past_key_values"].layers[module.layer_idx]
-                layers[module.layer_idx] = press.compress(module, kw["hidden_states"], layer.keys, layer.values,
-                                                          output[1], kw)
+                i = int(getattr(module, "layer_idx"))  # noqa: B009  (nn.Module types attributes as Tensor | Module)
+                layer = kw["past_key_values"].layers[i]
+                layers[i] = press.compress(module, kw["hidden_states"], layer.keys, layer.values, output[1], kw)
                 return output
 
             press.forward_hook = hook  # the press registers its (instance) forward_hook on entering

@@ -85,6 +85,14 @@ VARIANTS: dict[str, KVVariant] = {
     "router-keep2of3": KVVariant("router-2of3", note="condcomp per-request plan, untrained topk router: 2 of 3 "
                                                      "KV groups chosen from the prompt"),
 }
+for _frac in (0.5, 0.25):  # token selection in every KV group, at kvpress's SnapKV / AdaKV press settings
+    VARIANTS[f"snapkv-{_frac:.2f}"] = KVVariant(
+        f"snapkv-{_frac:.2f}", note=f"condcomp kv='snapkv' in every KV group: {_frac:.2f} of each prompt's tokens "
+        "(SnapKV's scores from the last 64 prompt queries, pooled over 5), the evicted tokens freed")
+    VARIANTS[f"adakv-{_frac:.2f}"] = KVVariant(
+        f"adakv-{_frac:.2f}", note=f"condcomp kv='adakv' in every KV group: {_frac:.2f} of each prompt's tokens per "
+        "group on average, shared over a layer's groups by SnapKV's scores (each group at least 0.2 of its share), "
+        "stored padded to the layer's largest group")
 DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
                     "drop-keep2of3+fp8")
 # Variants still to build (listed under the table): none at present.
@@ -140,10 +148,11 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
         store_windows,
         stored_windows,
     )
+    from condcomp.integrations.hf.internals import layer_initialized, swap_layer_class
 
     target = quantized_cache(kind, config)
     for src, dst in zip(source.layers, target.layers):
-        if not getattr(src, "is_initialized", False):
+        if not layer_initialized(src):
             continue
         keys, values = src.keys, src.values
         held = getattr(src, "condcomp_plan", None)
@@ -153,7 +162,7 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
             keys = values = keys.new_zeros(*keys.shape[:-1], placeholder_width(dst, B, T, prefill=True))
         dst.update(keys, values)
         if is_carrier(src):
-            dst.__class__ = carrier_class(type(dst))
+            swap_layer_class(dst, carrier_class(type(dst)))
             dst.condcomp_plan = src.condcomp_plan
             store_windows(dst, stored_windows(src))  # the streamed groups' windows, quantized as the layer's keys
     return target
@@ -260,6 +269,21 @@ def request_split(path: Path) -> Prepare:
     return prepare
 
 
+def token_selection(kv: str, fraction: float) -> Prepare:
+    """Every KV group of every layer held by KV policy ``kv`` (``snapkv``, ``adakv``) keeping ``fraction`` of each
+    prompt's tokens, with kvpress's SnapKV press settings (observation window 64, pool 5): the plan keeps no group
+    in full, so nothing is split and the policy is compared with kvpress's presses at the same fraction."""
+    def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
+        import condcomp
+
+        model = copy.deepcopy(dense)
+        condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.0, "k_min": 0}),
+                                                       router=("topk", {"kv_groups": True}),
+                                                       kv=(kv, {"fraction": fraction, "observe": 64, "pool": 5})))
+        return model.eval()
+    return prepare
+
+
 MODELS: dict[str, Prepare] = {
     "dense": lambda dense, ctx: dense,
     "static-2of3": static_split(2 / 3),
@@ -271,6 +295,7 @@ MODELS: dict[str, Prepare] = {
     "duo-1of6-w92": gate_split(DUO_GATES, 1 / 6, 92),
     "request-1of3-w252": request_split(REQUEST_ROUTERS[0]),
     "request-1of3-w252-seed1": request_split(REQUEST_ROUTERS[1]),
+    **{f"{kv}-{f:.2f}": token_selection(kv, f) for kv in ("snapkv", "adakv") for f in (0.5, 0.25)},
 }
 
 
@@ -285,10 +310,6 @@ def saved_importance(path: Path, layers: int, groups: int) -> Tensor | None:
 def computed_importance(model: nn.Module, calibration: Tensor, prompt_len: int, batch_size: int = 4) -> Tensor:
     """Michel et al.'s gradient importance per KV group ``(L, G)`` on ``calibration`` rows (continuation loss after
     ``prompt_len`` tokens), as ``condcomp tune-llm`` computes static pruning's ranking."""
-    from condcomp.experiments.llm.evaluation import continuation_nll
-    from condcomp.kv.calibration import group_importance, head_gradients
+    from condcomp.kv.calibration import continuation_importance
 
-    cfg: Any = getattr(model, "config")  # noqa: B009
-    grads = head_gradients(model, list(calibration.split(batch_size)),
-                           lambda m, ids: continuation_nll(m, ids, prompt_len).mean(-1), int(cfg.num_attention_heads))
-    return group_importance(grads, int(cfg.num_key_value_heads))
+    return continuation_importance(model, calibration, prompt_len, batch_size)

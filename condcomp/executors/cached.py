@@ -196,7 +196,8 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw, T, Dh)
         v = _slots(v_all, sel.window_index, False).transpose(1, 2)
         keep = cache.keep_windows is not None
-        out, w_dead, state = sel.policy.attend(q, k, v, cache.windows, inputs.mask, layout.scale, keep)
+        joint = {"slot_valid": sel.window_valid} if sel.policy.reads_slot_validity else {}  # opt-in argument
+        out, w_dead, state = sel.policy.attend(q, k, v, cache.windows, inputs.mask, layout.scale, keep, **joint)
         if cache.keep_windows is not None:
             cache.keep_windows(state)
         parts.append((_gated(out, sel.window_gates, w_dead), sel.window_index))
@@ -217,7 +218,7 @@ class CachedRun:
     executor: CachedExecutor
     selection: KVSelection
     name: str = "kv_cache"
-    held_entries: int | None = None  # entries of the KV policy's state before the call (its keys' length), if any
+    policy_state: Any = None  # the KV policy's state before the call (how many keys its heads read)
 
     @property
     def strategy(self) -> str:
@@ -244,9 +245,8 @@ class CachedRun:
             per_head = plan.num_heads // sel.modes.shape[1]
             streamed = ((sel.modes == KV_WINDOW) & unkept).repeat_interleave(per_head, dim=1)
             held_full = ((sel.modes == KV_FULL) & unkept).repeat_interleave(per_head, dim=1)
-        # keys a policy-held group reads at most: a window's capacity, else what its state held plus this call's
-        held = S if self.held_entries is None else min(S, self.held_entries + T)
-        window_keys = sel.window.capacity if sel.window is not None else held
+        window_keys = sel.window.capacity if sel.window is not None else (
+            S if sel.policy is None else sel.policy.keys_read(self.policy_state, T, S))
         return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys, held_full)
 
 
@@ -283,11 +283,7 @@ class CachedExecutor:
     def prepare(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
         """Bound to a cached call (:class:`CachedRun`: its strategy and usage record), or itself without a cache."""
         cache = inputs.kv_cache
-        if cache is None:
-            return self
-        keys = getattr(cache.windows, "keys", None)  # (B, gw, N, Dh) for window and snapkv states
-        held = int(keys.shape[2]) if isinstance(keys, Tensor) and keys.dim() == 4 else None
-        return CachedRun(self, cache.selection, held_entries=held)
+        return self if cache is None else CachedRun(self, cache.selection, policy_state=cache.windows)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         if inputs.kv_cache is not None:

@@ -12,8 +12,11 @@ policy (first ``sinks`` + last ``window`` tokens):
   its own full groups (:func:`load_request_split` reads the file).
 
 Each applies condcomp to the model in place (one ``topk`` router per attention layer, ``kv=("window", ...)``) and
-returns it. The training code lives in ``condcomp.experiments.llm`` (``calibrate-kv``); these names are the stable
-ones to call.
+returns it. What makes their inputs is public here too: DuoAttention gate training (:func:`train_gates` with
+:class:`DuoSettings`, :class:`DuoGates`, :func:`gated`, :func:`save_gates`; :mod:`condcomp.kv.duo_gates`), gradient
+importance (:func:`continuation_importance`; :mod:`condcomp.kv.importance`) and the per-request router
+(:func:`train_router`, :func:`save_router`; :mod:`condcomp.kv.request_router`). ``condcomp calibrate-kv`` runs them
+on SmolLM2 with its calibration text; these names are the stable ones to call.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from torch import Tensor, nn
 
 from condcomp.api import apply_, routed_modules, routing_hosts
 from condcomp.config import CondCompConfig
-from condcomp.experiments.llm.duo_gates import load_gates as _load_gates
-from condcomp.experiments.llm.duo_gates import split_from_scores
-from condcomp.experiments.llm.head_importance import (
+from condcomp.kv.continuation import continuation_nll
+from condcomp.kv.duo_attention import DuoGates, gated
+from condcomp.kv.duo_gates import DuoSettings, load_gates, save_gates, split_from_scores, train_gates
+from condcomp.kv.importance import (
+    continuation_importance,
     group_heads,
     group_importance,
     head_gradients,
@@ -35,12 +40,13 @@ from condcomp.experiments.llm.head_importance import (
     keep_groups,
     warm_start_scores,
 )
-from condcomp.experiments.llm.request_split import RequestSplit
-from condcomp.experiments.llm.request_split import load_router as _load_router
+from condcomp.kv.request_router import RequestSettings, RequestSplit, save_router, train_router
+from condcomp.kv.request_router import load_router as _load_router
 
-__all__ = ["duo_split", "group_heads", "group_importance", "head_gradients", "head_importance", "keep_groups",
-           "load_gates", "load_request_split", "request_split", "split_from_scores", "static_split",
-           "warm_start_scores"]
+__all__ = ["DuoGates", "DuoSettings", "RequestSettings", "RequestSplit", "continuation_importance",
+           "continuation_nll", "duo_split", "gated", "group_heads", "group_importance", "head_gradients",
+           "head_importance", "keep_groups", "load_gates", "load_request_split", "request_split", "save_gates",
+           "save_router", "split_from_scores", "static_split", "train_gates", "train_router", "warm_start_scores"]
 
 
 def _attention_layers(model: nn.Module) -> list[str]:
@@ -57,12 +63,6 @@ def _groups(model: nn.Module) -> tuple[int, int]:
         raise ValueError(f"{type(model).__name__} has no config.num_key_value_heads: the KV splits are for "
                          "transformers decoders with key/value groups (Llama, Qwen2/3, Mistral, Gemma)")
     return int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-
-
-def load_gates(path: str | Path, layers: int, groups: int) -> dict[str, Any]:
-    """A gates file's record (``scores (L, G)`` float64, ``sinks``, ``window``, how it was made), checked against
-    ``layers x groups``; a string path works too."""
-    return _load_gates(Path(path), layers, groups)
 
 
 def _apply_layers(model: nn.Module, kept_counts: list[int], scores: list[list[float]] | None, G: int,

@@ -43,7 +43,9 @@ class KVPolicy:
     """
 
     stores: ClassVar[str] = "own"
-    needs_static_room: ClassVar[bool] = False  # whether a static (preallocated) cache can hold its state
+    # attend gets ``slot_valid=`` (B, gw) bool, which of its slots hold a group of the row (the others are spare
+    # slots repeating one, gate 0): a policy that chooses across a row's groups jointly must skip spare slots
+    reads_slot_validity: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -64,8 +66,15 @@ class KVPolicy:
                keep: bool) -> tuple[Tensor, Tensor, Any]:
         """One call over the policy's groups: ``q (B, gw*r, T, Dh)``, this call's ``k``/``v (B, gw, T, Dh)``
         (after rotary), ``state`` before the call (None at prefill), ``query_mask (B, T)`` real tokens or None.
-        Returns ``(out (B, gw*r, T, Dh), dead (B, 1, T) queries that see no key, new state or None if not keep)``."""
+        Returns ``(out (B, gw*r, T, Dh), dead (B, 1, T) queries that see no key, new state or None if not keep)``.
+        A policy with ``reads_slot_validity = True`` is also given the keyword ``slot_valid (B, gw)`` bool (see
+        :attr:`~condcomp.kv.selection.KVSelection.window_valid`); others are called without it."""
         raise NotImplementedError(f"KV policy {self.name!r} stores {self.stores!r}: it holds no state to attend")
+
+    def keys_read(self, state: Any, T: int, S: int) -> int:
+        """The most keys one of its heads reads in a call of ``T`` queries over ``S`` keys, given its ``state``
+        before the call (None at prefill): what ``head_usage`` counts its FLOPs over. Default: every key."""
+        return S
 
     def take_rows(self, state: Any, index: Tensor) -> Any:
         """The state of rows ``index`` (int64 or bool over rows), in that order (beam reordering, selecting,

@@ -79,6 +79,15 @@ class KVSelection:
         """``gw``: key/value heads cached as a streaming window per row."""
         return 0 if self.window_index is None else int(self.window_index.shape[1])
 
+    @property
+    def window_valid(self) -> Tensor | None:
+        """``(B, gw)`` bool: the ``window_index`` slots that hold a group of the row the policy holds (the spare
+        ones after them repeat the row's first such group at gate 0); None when no row has such a group."""
+        if self.window_index is None or self.window_gates is None:
+            return None
+        B, gw = self.window_index.shape
+        return self.window_gates.view(B, gw, -1).amax(-1) > 0  # held groups' heads are at gate 1, spare slots 0
+
 
 def _slots_of(chosen: Tensor, gates: Tensor, r: int, at_least_one: bool) -> tuple[Tensor, Tensor]:
     """``(index (B, g), slot gates (B, g*r))`` of the groups ``chosen (B, Hkv)``, ascending; spare slots repeat

@@ -3,13 +3,15 @@
 SnapKV (Li et al., 2024): at the prefill, the last ``observe`` prompt tokens (the observation window) score every
 earlier prompt token by the attention they pay it (softmax over the keys each query sees, summed over the window's
 queries and the group's query heads), the scores are smoothed by an average pool of ``pool`` tokens (zero padded),
-and the ``budget`` highest-scored earlier tokens are kept with the window itself. The prefill's own outputs attend to
+and the ``budget`` highest-scored earlier tokens are kept with the window itself (or, with ``fraction``, that share
+of each request's prompt, window included, as kvpress's ``compression_ratio``). The prefill's own outputs attend to
 the whole prompt; later tokens attend to what was kept plus every token after the prompt. Only the groups a plan
 does not keep in full are compressed this way.
 
-Its state holds ``budget + observe`` prompt entries per row (fewer real ones in a shorter prompt: position -1) and
-grows by one entry per later token, as a full group does. Inside a quantized cache (fp8, HQQ, quanto) the state stays
-in full precision (``cache_bytes`` counts it so); a static cache cannot hold it (use the default ``DynamicCache``).
+Its state (:class:`SnapState`, shared with :mod:`condcomp.kv.adakv`) holds each (row, group)'s kept prompt entries,
+padded to the largest such count in the batch (empty entries: position -1), and grows by one entry per later token,
+as a full group does. Inside a quantized cache (fp8, HQQ, quanto) the state stays in full precision (``cache_bytes``
+counts it so); a static cache cannot hold it (use the default ``DynamicCache``).
 """
 
 from __future__ import annotations
@@ -50,49 +52,117 @@ class SnapState:
         return self.keys, self.values, self.positions, self.seen, self.prompt
 
 
+def observation_scores(q: Tensor, k: Tensor, pos: Tensor, observed: Tensor, scored: Tensor, pool: int,
+                       scale: float) -> Tensor:
+    """SnapKV's score of every prompt token: the attention the observation window's queries ``observed (B, T)``
+    pay it (softmax over the keys each query sees, summed over those queries and the group's heads), zero outside
+    ``scored (B, T)``, average-pooled over ``pool`` tokens (zero padded); -1 outside ``scored``. ``q (B, gw*r, T,
+    Dh)``, ``k (B, gw, T, Dh)``, ``pos (B, T)`` (-1: padding). Returns ``(B, gw, T)`` in float32."""
+    B, gw, T, Dh = k.shape
+    r = q.shape[1] // max(gw, 1)
+    logits = torch.einsum("bgrtd,bgsd->bgrts", q.float().view(B, gw, r, T, Dh), k.float()) * scale
+    causal = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)  # (B, T, S)
+    attn = logits.masked_fill(~causal[:, None, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    scores = (attn * observed[:, None, None, :, None]).sum((2, 3))  # (B, gw, S): summed over heads, queries
+    scores = scores * scored[:, None, :]
+    pooled = F.avg_pool1d(scores.reshape(B * gw, 1, T), pool, 1, pool // 2).view(B, gw, T)
+    return pooled.masked_fill(~scored[:, None, :], -1.0)
+
+
+def best_per_group(scores: Tensor, budgets: Tensor) -> Tensor:
+    """``(B, gw, T)`` bool: each (row, group)'s ``budgets (B,)`` highest ``scores (B, gw, T)`` among those >= 0."""
+    ranked = scores.sort(-1, descending=True)
+    within = torch.arange(scores.shape[-1], device=scores.device) < budgets[:, None, None]  # (B, 1, T)
+    return torch.zeros_like(within.expand_as(scores)).scatter(-1, ranked.indices, within & (ranked.values >= 0))
+
+
+def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor) -> SnapState:
+    """The state holding the prompt tokens ``kept (B, gw, T)`` of ``k``/``v (B, gw, T, Dh)``, in position order,
+    padded to the largest count of a (row, group) with empty entries (position -1)."""
+    B, gw, T, Dh = k.shape
+    n = int(kept.sum(-1).max()) if kept.numel() else 0  # one host sync, at prefill
+    token = torch.arange(T, device=k.device)
+    idx = ((~kept).long() * T + token).argsort(-1)[..., :n]  # (B, gw, n): kept tokens first, in sequence order
+    real = kept.gather(-1, idx)  # (B, gw, n)
+    entry_pos = torch.where(real, pos.gather(1, idx.flatten(1)).view(B, gw, n), -1)
+    flat = (torch.arange(B * gw, device=k.device) * T).view(B, gw, 1) + idx  # (B, gw, n)
+    keys = k.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, n, Dh)
+    values = v.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, n, Dh)
+    return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=True)
+
+
+def prompt_budgets(prompt: Tensor, window: Tensor, budget: int | None, fraction: float | None) -> Tensor:
+    """``(B,)`` scored tokens each group keeps besides its ``window (B,)`` recent ones: ``budget``, or the
+    ``fraction`` of each row's ``prompt (B,)`` real tokens less its window (none when the window alone reaches it)."""
+    if fraction is None:
+        return torch.full_like(prompt, 64 if budget is None else budget)
+    return ((prompt.double() * fraction).floor().long() - window).clamp_min(0)
+
+
+def check_options(name: str, policy: Any) -> None:
+    """Refuse bad ``budget`` / ``observe`` / ``pool`` / ``fraction`` options of ``snapkv`` and ``adakv``."""
+    for field, low in (("observe", 1), ("pool", 1)) + ((("budget", 0),) if policy.budget is not None else ()):
+        v = getattr(policy, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name}: {field} must be an int >= {low}, got {v!r}")
+    if policy.pool % 2 == 0:
+        raise ValueError(f"{name}: pool must be odd (a window centred on each token), got {policy.pool}")
+    if policy.fraction is not None:
+        if policy.budget is not None:
+            raise ValueError(f"{name}: give budget (tokens per group) or fraction (of the prompt), not both")
+        if isinstance(policy.fraction, bool) or not isinstance(policy.fraction, (int, float)) or not (
+                0.0 < float(policy.fraction) <= 1.0):
+            raise ValueError(f"{name}: fraction must be a number in (0, 1], got {policy.fraction!r}")
+
+
 @register_kv_policy("snapkv")
 @dataclass(frozen=True)
 class SnapKV(KVPolicy):
-    """Keep ``budget`` prompt tokens chosen by the last ``observe`` prompt queries (scores pooled over ``pool``
-    tokens) plus those ``observe`` tokens; every token after the prompt is kept."""
+    """Keep ``budget`` prompt tokens (64 if neither it nor ``fraction`` is given) chosen by the last ``observe``
+    prompt queries (scores pooled over ``pool`` tokens) plus those ``observe`` tokens; every token after the prompt
+    is kept. ``fraction``: instead of ``budget``, keep that fraction of each request's prompt tokens, the window
+    included (kvpress's ``compression_ratio = 1 - fraction``; the window is kept whole even when it is more)."""
 
-    budget: int = 64
+    budget: int | None = None
     observe: int = 16
     pool: int = 5
+    fraction: float | None = None
     stores: ClassVar[str] = "own"
 
     def __post_init__(self) -> None:
-        for name, low in (("budget", 0), ("observe", 1), ("pool", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"snapkv: {name} must be an int >= {low}, got {v!r}")
-        if self.pool % 2 == 0:
-            raise ValueError(f"snapkv: pool must be odd (a window centred on each token), got {self.pool}")
+        check_options("snapkv", self)
+
+    @property
+    def recent(self) -> int:
+        """The most recent prompt tokens every group keeps whole (the observation window)."""
+        return self.observe
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
-               keep: bool) -> tuple[Tensor, Tensor, Any]:
+               keep: bool, slot_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Any]:
         T = q.shape[2]
         tail = min(first_call_tail(), T - 1) if state is None else 0
         if tail <= 0:
-            return self._attend(q, k, v, state, query_mask, scale, keep, False)
+            return self._attend(q, k, v, state, query_mask, scale, keep, slot_valid, False)
         # a first call that carries tokens after the prompt (assisted decoding's candidates, revertible_tail): the
         # prompt is compressed on its own observation window, then the tail is a later call on it, as when
         # decoded one by one (and a verifier can take it back)
         P = T - tail
         head_mask, tail_mask = (None, None) if query_mask is None else (query_mask[:, :P], query_mask[:, P:])
-        out, dead, prompt = self._attend(q[:, :, :P], k[:, :, :P], v[:, :, :P], None, head_mask, scale, True, False)
-        out2, dead2, new = self._attend(q[:, :, P:], k[:, :, P:], v[:, :, P:], prompt, tail_mask, scale, keep, True)
+        out, dead, prompt = self._attend(q[:, :, :P], k[:, :, :P], v[:, :, :P], None, head_mask, scale, True,
+                                         slot_valid, False)
+        out2, dead2, new = self._attend(q[:, :, P:], k[:, :, P:], v[:, :, P:], prompt, tail_mask, scale, keep,
+                                        slot_valid, True)
         return torch.cat([out, out2], 2), torch.cat([dead, dead2], -1), new
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
-                keep: bool, after_prompt: bool) -> tuple[Tensor, Tensor, Any]:
+                keep: bool, slot_valid: Tensor | None, after_prompt: bool) -> tuple[Tensor, Tensor, Any]:
         B, H, T, _ = q.shape
         gw = k.shape[1]
         if state is not None and T > 1 and not after_prompt and state.prefill_only:
             # a second prompt chunk (generate's prefill_chunk_size): the first chunk was compressed on its own
             # observation window and this one would be kept whole, which is not SnapKV's rule
-            raise ValueError("snapkv: the prompt must be prefilled in one call (a chunked prefill compresses only "
-                             "its first chunk); drop prefill_chunk_size, or pick another KV policy")
+            raise ValueError(f"{self.name}: the prompt must be prefilled in one call (a chunked prefill compresses "
+                             "only its first chunk); drop prefill_chunk_size, or pick another KV policy")
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
         key_pos = pos[:, None, :].expand(B, gw, T)  # (B, gw, T)
         if state is not None:
@@ -108,44 +178,31 @@ class SnapKV(KVPolicy):
         if state is not None:  # after the prompt: every token is kept
             return out, dead.unsqueeze(1), SnapState(k, v, key_pos, seen, state.prompt)
         if query_mask is not None and not bool((query_mask[:, 1:] >= query_mask[:, :-1]).all()):
-            raise ValueError("snapkv: a prompt with right padding (or holes) cannot be compressed: its observation "
-                             "window is its last real tokens; pad prompts on the left (tokenizer padding_side='left')")
-        return out, dead.unsqueeze(1), self._select(q, k, v, pos, seen, scale)
+            raise ValueError(f"{self.name}: a prompt with right padding (or holes) cannot be compressed: its "
+                             "observation window is its last real tokens; pad prompts on the left (tokenizer "
+                             "padding_side='left')")
+        valid = torch.ones(B, gw, dtype=torch.bool, device=k.device) if slot_valid is None else slot_valid
+        observed = (pos >= (seen - self.observe).unsqueeze(-1)) & (pos >= 0)  # (B, T): the window's queries
+        recent = (pos >= (seen - self.recent).unsqueeze(-1)) & (pos >= 0)  # (B, T): kept whole
+        scores = observation_scores(q, k, pos, observed, (pos >= 0) & ~recent, self.pool, scale)  # (B, gw, T)
+        budgets = prompt_budgets(seen, recent.sum(-1), self.budget, self.fraction)  # (B,)
+        chosen = self._choose(scores, budgets, valid.to(k.device))
+        return out, dead.unsqueeze(1), kept_state(k, v, pos, chosen | recent[:, None, :], seen)
+
+    def keys_read(self, state: Any, T: int, S: int) -> int:
+        # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own
+        return S if state is None else int(state.keys.shape[2]) + T
+
+    def _choose(self, scores: Tensor, budgets: Tensor, slot_valid: Tensor) -> Tensor:
+        """``(B, gw, T)`` bool: the scored prompt tokens each group keeps: its own ``budgets (B,)`` best."""
+        return best_per_group(scores, budgets)
 
     def crop(self, state: Any, tokens: int) -> Any:
         seen = state.seen - tokens  # (B,)
         if bool((seen < state.prompt).any()):
-            raise ValueError(f"snapkv: cannot crop {tokens} token(s) into the prompt its groups were compressed from "
-                             "(the evicted prompt tokens cannot come back): start the request again. Assisted "
+            raise ValueError(f"{self.name}: cannot crop {tokens} token(s) into the prompt its groups were compressed "
+                             "from (the evicted prompt tokens cannot come back): start the request again. Assisted "
                              "decoding: generate inside condcomp.plan_from_prompt(model, prompt width), so its first "
                              "call compresses the prompt alone and keeps the candidates after it")
         positions = state.positions.masked_fill(state.positions >= seen[:, None, None], -1)
         return SnapState(state.keys, state.values, positions, seen, state.prompt)  # a verifier's: no more chunks
-
-    def _select(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, prompt: Tensor, scale: float) -> SnapState:
-        """The prompt's kept entries: ``q (B, gw*r, T, Dh)``, ``k``/``v (B, gw, T, Dh)``, ``pos (B, T)``."""
-        B, gw, T, Dh = k.shape
-        r = q.shape[1] // max(gw, 1)
-        observed = (pos >= (prompt - self.observe).unsqueeze(-1)) & (pos >= 0)  # (B, T): the window's queries
-        prefix = (pos >= 0) & ~observed  # (B, T): the tokens scored
-        logits = torch.einsum("bgrtd,bgsd->bgrts", q.float().view(B, gw, r, T, Dh), k.float()) * scale
-        causal = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)  # (B, T, S)
-        attn = logits.masked_fill(~causal[:, None, None], float("-inf")).softmax(-1).nan_to_num(0.0)
-        scores = (attn * observed[:, None, None, :, None]).sum((2, 3))  # (B, gw, S): summed over heads, queries
-        scores = scores * prefix[:, None, :]
-        pooled = F.avg_pool1d(scores.reshape(B * gw, 1, T), self.pool, 1, self.pool // 2).view(B, gw, T)
-        keep = min(self.budget, T)
-        ranked = pooled.masked_fill(~prefix[:, None, :], -1.0).topk(keep, -1)  # (B, gw, keep)
-        chosen_pos = torch.where(ranked.values >= 0, pos.gather(1, ranked.indices.flatten(1)).view(B, gw, keep), -1)
-        window = min(self.observe, T)
-        window_idx = torch.arange(T - window, T, device=k.device).expand(B, window)  # real tokens end each row
-        window_pos = pos[:, T - window:].masked_fill(~observed[:, T - window:], -1)  # (B, window)
-        # one entry list per (row, group): the chosen prefix tokens, then the window, in position order
-        idx = torch.cat([ranked.indices, window_idx[:, None].expand(B, gw, window)], -1)  # (B, gw, n)
-        entry_pos = torch.cat([chosen_pos, window_pos[:, None].expand(B, gw, window)], -1)
-        order = entry_pos.masked_fill(entry_pos < 0, 1 << 48).argsort(-1)
-        idx, entry_pos = idx.gather(-1, order), entry_pos.gather(-1, order)
-        flat = (torch.arange(B * gw, device=k.device) * T).view(B, gw, 1) + idx  # (B, gw, n)
-        keys = k.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, -1, Dh)
-        values = v.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, -1, Dh)
-        return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=True)

@@ -35,6 +35,7 @@ from condcomp.kv.window_quant import WindowCodec
 from condcomp.types import HeadPlan
 
 from .generation_check import check_cache_free_generation
+from .internals import is_paged_cache, layer_initialized, swap_layer_class
 
 _WRITING = threading.local()  # set while a wrapped layer writes a compact cache (others may not)
 
@@ -51,7 +52,7 @@ def compact_write() -> Iterator[None]:
 
 
 def _length(layer: Any) -> int:
-    if not getattr(layer, "is_initialized", False):
+    if not layer_initialized(layer):
         return 0
     counted = layer.__dict__.get("condcomp_tokens")  # a static layer's count kept as an int: no device sync
     return int(layer.get_seq_length()) if counted is None else int(counted)
@@ -147,8 +148,7 @@ def is_carrier(layer: Any) -> bool:
 
 
 def _rebuild_layer(base: Any) -> Any:
-    cls = carrier_class(base)
-    return object.__new__(cls)
+    return object.__new__(carrier_class(base))
 
 
 def _held_policy(layer: Any) -> KVPolicy | None:
@@ -270,7 +270,7 @@ class RequestStep:
         if layer is None:
             raise RuntimeError(f"layer {self.layer_idx}: the KV cache has no layer after its update")
         if not is_carrier(layer):
-            layer.__class__ = carrier_class(layer.__class__)
+            swap_layer_class(layer, carrier_class(layer.__class__))
             if isinstance(layer.get_seq_length(), Tensor):  # static layers count in a tensor: counted here once
                 layer.condcomp_tokens = int(layer.get_seq_length())
         layer.condcomp_plan = HeldPlan(detached(plan), selection, routed.layout.num_kv_heads)
@@ -286,7 +286,7 @@ class RequestStep:
 def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bool = False) -> RequestStep:
     """Read, before the call updates it, what ``cache`` holds for this layer; a held plan is checked against the
     layer's layout and the call's batch (a cache of another model or batch is refused by its data)."""
-    if type(cache).__name__ == "PagedAttentionCache":
+    if is_paged_cache(cache):
         raise ValueError("condcomp does not support transformers' continuous batching (generate_batch, a "
                          "PagedAttentionCache): it packs every request into one row, while a request's plan needs "
                          "a cache row of its own; use generate() with a batch of requests")

@@ -36,6 +36,7 @@ from condcomp.types import AttentionInputs, HeadPlan
 
 from .cache import LayerSlot, RequestStep, cache_layer, compact_write, open_step, placeholder_width
 from .common import attend_call, cache_every_head, decoder_request_plan, mask_parts, sliding_window_bias
+from .internals import is_static_cache, layer_initialized, reallocate_static_layer
 
 if TYPE_CHECKING:
     from condcomp.routed import RoutedAttention
@@ -145,16 +146,16 @@ def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep
         policy = policy.within_model_window(int(sliding_window))
     selection = select_kv(plan, routed.layout, policy)
     layer = cache_layer(step.cache, step.layer_idx)
-    static = hasattr(layer, "max_cache_len") or type(step.cache).__name__.startswith("Static")
+    static = is_static_cache(step.cache, layer)
     if selection.window_index is not None and static:
         raise ValueError(f"the KV policy {policy.name!r} keeps the groups a plan does not keep in a state of its own "
                          "(streamed key/value groups: a trimmed window) beside the cache, which a static cache cannot "
                          "hold: generate with the default DynamicCache")
-    slots = getattr(layer, "num_heads", None) if getattr(layer, "is_initialized", False) else None
+    slots = getattr(layer, "num_heads", None) if layer_initialized(layer) else None
     if isinstance(slots, int) and hasattr(layer, "max_cache_len"):  # static: (B, slots, max_len, Dh) allocated
         if selection.slots <= slots:
             return pad_slots(selection, slots)
-        layer.is_initialized = False  # an empty static layer too small for this plan: allocated again
+        reallocate_static_layer(layer)  # an empty static layer too small for this plan: allocated again
     return selection
 
 

@@ -3,10 +3,6 @@ cache (a plan decided again at every step, or groups a KV policy holds that exis
 
 from __future__ import annotations
 
-import functools
-import inspect
-import sys
-from types import FrameType
 from typing import Any
 
 from torch.nn import Module
@@ -14,28 +10,13 @@ from torch.nn import Module
 from condcomp.kv.choose import kv_policy_of
 from condcomp.types import HeadPlan
 
-
-@functools.cache
-def _generate_code() -> Any:
-    try:
-        from transformers.generation.utils import GenerationMixin
-    except ImportError:
-        return None
-    return inspect.unwrap(GenerationMixin.generate).__code__
+from .internals import generate_on_stack
 
 
 def _inside_generate(routed: Any) -> bool:
     """Whether a ``generate()`` of the model holding ``routed`` is on the call stack (a cache-free forward of this
     model inside another model's ``generate``, e.g. a scoring model in a logits processor, is not its generation)."""
-    code, depth = _generate_code(), 0
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and depth < 200:
-        if frame.f_code is code:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Module) and any(m is routed for m in owner.modules()):
-                return True
-        frame, depth = frame.f_back, depth + 1
-    return False
+    return generate_on_stack(lambda owner: isinstance(owner, Module) and any(m is routed for m in owner.modules()))
 
 
 def check_cache_free_generation(routed: Any, plan: HeadPlan) -> None:

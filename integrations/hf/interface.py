@@ -24,8 +24,6 @@ The mask function registered beside it is transformers' ``sdpa_mask`` (4-D bool 
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 import torch
@@ -42,6 +40,7 @@ from condcomp.types import HeadLayout, HeadPlan
 
 from .bert import BertStyleAttentionAdapter
 from .common import mask_parts, warn_if_attentions_requested
+from .internals import forward_uses_attention_interface
 from .projection import ProjectionAttentionAdapter
 
 ATTN_NAME = "condcomp"
@@ -190,15 +189,7 @@ def _first_int(a: Any, b: Any, names: tuple[str, ...]) -> int | None:
 
 def dispatches_through_interface(module: nn.Module) -> bool:
     """Whether the module's forward calls transformers' attention function registry (``AttentionInterface``)."""
-    return "ALL_ATTENTION_FUNCTIONS" in _forward_source(type(module).forward)
-
-
-@functools.cache
-def _forward_source(forward: Any) -> str:
-    try:
-        return inspect.getsource(inspect.unwrap(forward))
-    except (OSError, TypeError):
-        return ""
+    return forward_uses_attention_interface(type(module))
 
 
 def _interface_targets(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, Any]]:

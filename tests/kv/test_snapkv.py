@@ -183,3 +183,45 @@ def test_snapkv_refuses_a_prompt_prefilled_in_chunks() -> None:
     assert verified.seen.tolist() == [10]
     out, _, after = POLICY.attend(q[:, :, :1], k[:, :, :1], v[:, :, :1], state, None, 0.5, True)  # a decode step
     assert out.shape == (1, 2, 1, 4) and after.seen.tolist() == [7]
+
+
+@pytest.mark.parametrize("kv", ["snapkv", "adakv"])
+def test_head_usage_counts_a_decode_steps_held_heads_over_the_entries_they_read(kv: str) -> None:
+    """At a decode step a snapkv (adakv) group's heads read the kept prompt entries (padded ones computed too) and
+    the new token, not every key: ``flop_frac`` matches FLOPs counted by hand per head (q, scores, values, output
+    per query row; key/value projections per cached group, as for a streamed window) over the dense block's."""
+    pytest.importorskip("transformers")
+    from condcomp.integrations.hf.cache import cache_layer
+
+    from condcomp.flops import routing_flops
+
+    sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "integrations" / "hf"))
+    from decode_helpers import extend, llama, prompts, step
+
+    model = llama(4)
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
+                                                   router=("topk", {"kv_groups": True}),
+                                                   kv=(kv, {"budget": 2, "observe": 2, "pool": 3})))
+    model.eval()
+    ids, mask = prompts()
+    cache = __import__("transformers").DynamicCache()
+    logits = step(model, ids, mask, cache, ids.shape[1])
+    tokens, mask = extend(ids, mask, logits.argmax(-1, keepdim=True))
+    step(model, tokens, mask, cache, 1)
+    cfg = model.config
+    D, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    Dh, r, T, S = D // H, H // Hkv, 1, tokens.shape[1]
+    usage = condcomp.head_usage(model)
+    for i, (name, plan) in enumerate(condcomp.request_plans(model, cache).items()):
+        assert plan.kv_modes is not None
+        full, held = (plan.kv_modes == 2).sum(-1), (plan.kv_modes == 1).sum(-1)  # groups per row
+        n = cache_layer(cache, i).condcomp_windows.keys.shape[2]  # entries after the step: read by the step
+        assert n < S
+        per_row = [T * (int(f) * r * (2 * D * Dh + 4 * S * Dh + 2 * Dh * D)) + int(f) * 2 * S * 2 * D * Dh
+                   + T * (int(w) * r * (2 * D * Dh + 4 * n * Dh + 2 * Dh * D)) + int(w) * 2 * n * 2 * D * Dh
+                   for f, w in zip(full.tolist(), held.tolist())]
+        dense = 2 * T * D * H * Dh + 2 * S * 2 * D * Hkv * Dh + 2 * T * H * Dh * D + 4 * T * S * H * Dh
+        routed = condcomp.api.routed_modules(model)[name]
+        extra = routing_flops(routed.condcomp_policy, T) + routing_flops(routed.condcomp_router, T)
+        assert usage[name].flop_frac == pytest.approx((sum(per_row) + extra * len(per_row)) / (dense * len(per_row)),
+                                                      rel=1e-9)

@@ -1,4 +1,5 @@
-"""Assisted and prompt-lookup decoding with ``kv="snapkv"`` (red team round 5). Oracle: the same wrapped model's
+"""Assisted and prompt-lookup decoding with ``kv="snapkv"`` and ``kv="adakv"`` (its selection is SnapKV's, shared
+across a request's groups) (red team round 5). Oracle: the same wrapped model's
 plain greedy decoding (assisted greedy decoding must give exactly its tokens).
 
 Before: the first call (the prompt and the first candidates) was compressed as if the candidates were prompt, with
@@ -21,12 +22,14 @@ import condcomp
 t = pytest.importorskip("transformers")
 
 SNAP = ("snapkv", {"budget": 2, "observe": 2, "pool": 1})
+ADA = ("adakv", {"budget": 2, "observe": 2, "pool": 1, "floor": 0.5})
+SELECTING = pytest.mark.parametrize("kv", [SNAP, ADA], ids=["snapkv", "adakv"])
 
 
-def snapkv_model(seed: int = 0, kv_heads: int = 8) -> nn.Module:
+def snapkv_model(seed: int = 0, kv_heads: int = 8, kv: Any = SNAP) -> nn.Module:
     model = llama(kv_heads, seed=seed)
     condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
-                                                   router=("topk", {"kv_groups": True}), kv=SNAP))
+                                                   router=("topk", {"kv_groups": True}), kv=kv))
     return model.eval()
 
 
@@ -44,9 +47,10 @@ def greedy_pair(model: nn.Module, ids: torch.Tensor, **assisted: Any) -> tuple[t
         return model.generate(**kw), model.generate(**kw, **assisted)
 
 
+@SELECTING
 @pytest.mark.parametrize("seed", [0, 3])
-def test_an_assistant_whose_candidates_are_all_accepted_gives_plain_greedy_decodings_tokens(seed: int) -> None:
-    model = snapkv_model(seed)
+def test_an_assistant_whose_candidates_are_all_accepted_gives_plain_greedy_decodings_tokens(seed: int, kv: Any) -> None:
+    model = snapkv_model(seed, kv=kv)
     assistant = drafting(copy.deepcopy(model))  # drafts the model's own greedy tokens: every candidate accepted
     ids = torch.randint(1, 97, (1, 10), generator=torch.Generator().manual_seed(seed))
     with condcomp.plan_from_prompt(assistant, ids.shape[1]):
@@ -54,15 +58,17 @@ def test_an_assistant_whose_candidates_are_all_accepted_gives_plain_greedy_decod
     assert torch.equal(got, want)
 
 
-def test_an_assistant_whose_candidates_are_rejected_gives_plain_greedy_decodings_tokens() -> None:
-    model = snapkv_model()
+@SELECTING
+def test_an_assistant_whose_candidates_are_rejected_gives_plain_greedy_decodings_tokens(kv: Any) -> None:
+    model = snapkv_model(kv=kv)
     ids = torch.randint(1, 97, (1, 10), generator=torch.Generator().manual_seed(1))
     want, got = greedy_pair(model, ids, assistant_model=drafting(llama(8, seed=1)))
     assert torch.equal(got, want)
 
 
-def test_prompt_lookup_drafting_after_a_first_round_without_candidates() -> None:
-    model = snapkv_model(kv_heads=4)
+@SELECTING
+def test_prompt_lookup_drafting_after_a_first_round_without_candidates(kv: Any) -> None:
+    model = snapkv_model(kv_heads=4, kv=kv)
     ids = torch.randperm(40, generator=torch.Generator().manual_seed(9))[:10].unsqueeze(0) + 1  # the first token
     want, got = greedy_pair(model, ids, prompt_lookup_num_tokens=3)  # repeats a prompt token: drafted after it
     assert torch.equal(got, want)

@@ -1,0 +1,113 @@
+"""Every place condcomp relies on transformers' internals rather than its public API, one named function each.
+
+condcomp stores a request's plan with its KV cache, recognises the caches it cannot serve, and refuses
+``generate(use_cache=False)`` where the text would change; transformers (checked against
+:data:`TRANSFORMERS_CHECKED`) offers no public hook for these, so each contact is here, says what it relies on and
+why no public hook serves, and ``tests/integrations/hf/test_internals.py`` fails with a message naming the contact
+when a transformers release changes what it relies on. The callers (``cache.py``, ``decode.py``,
+``generation_check.py``, ``interface.py``, ``condcomp.bench.kv_variants``) use only these functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+TRANSFORMERS_CHECKED = "5.25.0"  # the transformers release every contact below was read against
+
+
+def swap_layer_class(layer: Any, cls: type) -> None:
+    """Give the live cache layer object ``layer`` the class ``cls``, a direct subclass of its own class made by
+    ``condcomp.integrations.hf.cache.carrier_class`` (its data stays where it is: same ``__dict__``).
+
+    Relies on: cache layers (``CacheLayerMixin`` subclasses) being plain Python objects without ``__slots__``, so
+    that ``__class__`` may be assigned. No public hook: a ``Cache`` builds its layers itself (``DynamicCache``,
+    ``StaticCache``, ``QuantizedCache`` choose the layer classes in their constructors), and a cache a user brings
+    (quantized, static, offloaded) already holds its layers, so the plan can only ride with the layer object."""
+    if cls.__bases__ != (type(layer),):
+        raise TypeError(f"swap_layer_class: {cls.__name__} must be a direct subclass of the layer's class "
+                        f"{type(layer).__name__} (made by carrier_class), not {cls.__bases__}")
+    layer.__class__ = cls
+
+
+def layer_initialized(layer: Any) -> bool:
+    """Whether a cache layer holds (or, static, has allocated) tensors: its ``is_initialized`` attribute.
+
+    Relies on: ``CacheLayerMixin.is_initialized``, set by ``lazy_initialization`` at the first ``update`` and cleared
+    by ``reset`` of dynamic layers. No public hook: ``get_seq_length()`` of a static layer reads a tensor (a device
+    sync per layer and call) and of an uninitialised layer is 0 for both "empty" and "never allocated"."""
+    return bool(getattr(layer, "is_initialized", False))
+
+
+def reallocate_static_layer(layer: Any) -> None:
+    """Make an allocated but empty static cache layer allocate again at its next ``update``: its
+    ``lazy_initialization`` then sizes ``(B, heads, max_cache_len, Dh)`` from the states given.
+
+    Relies on: ``StaticLayer.update`` calling ``lazy_initialization`` while ``is_initialized`` is False. No public
+    hook: a static layer is allocated once, from its first ``update``'s head count (a cache made with
+    ``early_initialization`` from the model's config holds every head), and has no resize method."""
+    layer.is_initialized = False
+
+
+def is_paged_cache(cache: Any) -> bool:
+    """Whether ``cache`` is transformers' continuous-batching ``PagedAttentionCache`` (every request packed into one
+    row). Relies on the class name: importing it (``transformers.generation.continuous_batching``) costs an import
+    of the whole continuous-batching machinery on every call's first check, and no public attribute marks a paged
+    cache."""
+    return type(cache).__name__ == "PagedAttentionCache"
+
+
+def is_static_cache(cache: Any, layer: Any) -> bool:
+    """Whether a cache is preallocated (``StaticCache``, ``StaticSlidingWindowLayer``, ...): its layer has
+    ``max_cache_len``, or its class name starts with ``Static`` (a cache whose layer does not exist yet). No public
+    hook: ``Cache`` has no "static" flag, and its layers are created lazily."""
+    return hasattr(layer, "max_cache_len") or type(cache).__name__.startswith("Static")
+
+
+@functools.cache
+def _source(forward: Any) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(forward))
+    except (OSError, TypeError):
+        return ""
+
+
+def forward_uses_attention_interface(module_class: type) -> bool:
+    """Whether a transformers attention module's ``forward`` calls the attention function registry
+    (``AttentionInterface``): its source names ``ALL_ATTENTION_FUNCTIONS``.
+
+    Relies on: the modeling files' ``ALL_ATTENTION_FUNCTIONS.get_interface(...)`` call in each attention module's
+    forward (Llama, Qwen2/3, Mistral, Gemma, GPT-2, BERT at the checked release). No public hook: a module does not
+    declare whether it dispatches through the registry; the source is the only statement of it."""
+    return "ALL_ATTENTION_FUNCTIONS" in _source(module_class.forward)  # type: ignore[attr-defined]
+
+
+@functools.cache
+def generate_code() -> Any:
+    """The code object of ``GenerationMixin.generate`` (unwrapped from its decorators), None without transformers."""
+    try:
+        from transformers.generation.utils import GenerationMixin
+    except ImportError:
+        return None
+    return inspect.unwrap(GenerationMixin.generate).__code__
+
+
+def generate_on_stack(is_owner: Callable[[Any], bool], max_depth: int = 200) -> bool:
+    """Whether a ``generate()`` call is on the call stack whose model (its frame's ``self``) satisfies
+    ``is_owner``; frames are read from the caller's caller up (the caller is a check; the stack it asks about is
+    the one it was called from), at most ``max_depth``.
+
+    Relies on: ``GenerationMixin.generate`` running as a Python frame whose code object is that function's (its
+    decorators wrap it, ``inspect.unwrap`` finds it) and whose local ``self`` is the model. No public hook: a
+    forward is not told whether ``generate`` called it (``use_cache=False`` forwards look alike)."""
+    code, depth = generate_code(), 0
+    frame: FrameType | None = sys._getframe(2)  # the caller's caller: the frame the caller's check is about
+    while frame is not None and depth < max_depth:
+        if frame.f_code is code and is_owner(frame.f_locals.get("self")):
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False

@@ -1,0 +1,53 @@
+"""``bench kv``'s token-selection variants (``snapkv-0.50`` ... ``adakv-0.25``): every KV group of every layer is
+held by the policy (nothing split), each keeps the fraction of the prompt kvpress's presses keep at the same
+setting (per group for snapkv, per layer on average for adakv), and the cache's bytes are the compact state by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import condcomp
+from condcomp.bench.kv_variants import MODELS, VARIANTS, ModelContext
+
+t = pytest.importorskip("transformers")
+B, T, G, Dh = 2, 300, 2, 8  # a prompt long enough that 0.25 of it exceeds the window of 64
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = t.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=G, vocab_size=97, max_position_embeddings=512)
+    return t.LlamaForCausalLM(config).eval()
+
+
+def unused() -> torch.Tensor:
+    raise AssertionError("a token-selection variant needs no importance ranking")
+
+
+@pytest.mark.parametrize("kv", ["snapkv", "adakv"])
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_every_group_keeps_the_fraction_and_the_bytes_are_the_state_by_hand(kv: str, fraction: float) -> None:
+    from condcomp.integrations.hf.cache import cache_bytes
+
+    name = f"{kv}-{fraction:.2f}"
+    assert VARIANTS[name].model == name and VARIANTS[name].cache is None
+    model = MODELS[name](llama(), ModelContext(importance=unused))
+    ids = torch.randint(1, 97, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    plans = list(condcomp.request_plans(model, cache).values())
+    assert {m for p in plans for row in p.group_modes() for m in row} == {kv}  # no group kept in full
+    kept = int(T * fraction)  # kvpress: int(q_len * (1 - compression_ratio)), the observation window included
+    for layer, nbytes in zip(cache.layers, cache_bytes(cache)):
+        state = layer.condcomp_windows
+        counts = (state.positions >= 0).sum(-1)  # (B, G): tokens each group keeps
+        if kv == "snapkv":
+            assert counts.tolist() == [[kept] * G] * B
+        else:
+            assert counts.sum(-1).tolist() == [kept * G] * B and bool((counts >= 64).all())  # window 64 each
+        n = state.keys.shape[2]
+        assert n == int(counts.max())
+        placeholder = 2 * B * T * 4  # keys and values (B, 1, T, 1) float32: they count the tokens
+        # keys, values, positions, and one (B,) int64 of tokens seen, which is the prompt length until a later token
+        assert nbytes == 2 * B * G * n * Dh * 4 + B * G * n * 8 + B * 8 + placeholder

@@ -1,0 +1,117 @@
+"""What ``condcomp.integrations.hf.internals`` relies on in transformers, checked against the installed release: each
+test names the contact and says what changed when it fails, so a transformers upgrade that breaks one is found here
+and not as a wrong answer elsewhere."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+t = pytest.importorskip("transformers")
+from condcomp.integrations.hf import internals  # noqa: E402
+from transformers import cache_utils  # noqa: E402
+
+LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer", "StaticLayer", "StaticSlidingWindowLayer", "QuantizedLayer",
+          "Fp8QuantizedLayer")
+CARRIED = {"reset": [], "crop": ["tokens_to_remove"], "reorder_cache": ["beam_idx"],
+           "batch_select_indices": ["indices"], "batch_repeat_interleave": ["repeats"],
+           "update": ["key_states", "value_states"]}
+
+
+def changed(contact: str, what: str) -> str:
+    return (f"transformers {t.__version__} changed what condcomp.integrations.hf.internals.{contact} relies on "
+            f"(checked against {internals.TRANSFORMERS_CHECKED}): {what}. Read the function's docstring and adapt it")
+
+
+def small_llama() -> Any:
+    torch.manual_seed(0)
+    config = t.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=40)
+    return t.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_cache_layers_take_a_subclass_in_place_and_keep_the_carried_methods(name: str) -> None:
+    cls = getattr(cache_utils, name, None)
+    assert cls is not None, changed("swap_layer_class", f"cache_utils.{name} no longer exists")
+    assert "__slots__" not in vars(cls) and hasattr(cls, "__dict__"), changed(
+        "swap_layer_class", f"{name} declares __slots__: its objects' __class__ can no longer be swapped")
+    for method, params in CARRIED.items():
+        fn = getattr(cls, method, None)
+        if fn is None and name.startswith("Static") and method.startswith("batch_"):
+            continue  # static layers never had row selection (transformers refuses it on a static cache)
+        assert callable(fn), changed("swap_layer_class", f"{name}.{method} is gone (the carrier class wraps it)")
+        names = list(inspect.signature(fn).parameters)[1:1 + len(params)]
+        assert names == params, changed("swap_layer_class", f"{name}.{method}'s parameters are now {names}, the "
+                                        f"carrier class calls it with {params}")
+    assert "is_initialized" in inspect.getsource(cls.__init__) or "is_initialized" in inspect.getsource(
+        cache_utils.CacheLayerMixin.__init__), changed("layer_initialized", f"{name} no longer sets is_initialized")
+
+
+def test_swap_layer_class_keeps_the_data_and_refuses_a_class_that_is_not_a_direct_subclass() -> None:
+    layer = cache_utils.DynamicLayer()
+    k = torch.randn(1, 2, 3, 4)
+    layer.update(k, k.clone())
+    assert internals.layer_initialized(layer), changed("layer_initialized", "an updated DynamicLayer is not "
+                                                       "is_initialized")
+    sub = type("Carrier", (cache_utils.DynamicLayer,), {})
+    internals.swap_layer_class(layer, sub)
+    assert type(layer) is sub and torch.equal(layer.keys, k) and int(layer.get_seq_length()) == 3
+    with pytest.raises(TypeError, match="direct subclass"):
+        internals.swap_layer_class(layer, type("Other", (cache_utils.StaticLayer,), {}))
+    layer.reset()
+    assert not internals.layer_initialized(layer) or layer.keys.numel() == 0
+
+
+def test_a_static_layer_flipped_to_uninitialised_allocates_again_at_its_next_update() -> None:
+    layer = cache_utils.StaticLayer(max_cache_len=8)
+    layer.update(torch.zeros(1, 4, 2, 4), torch.zeros(1, 4, 2, 4), cache_kwargs={"cache_position": torch.arange(2)})
+    assert tuple(layer.keys.shape) == (1, 4, 8, 4) and internals.layer_initialized(layer)
+    layer.reset()  # allocated but empty: the case condcomp re-allocates
+    internals.reallocate_static_layer(layer)
+    layer.update(torch.ones(1, 2, 2, 4), torch.ones(1, 2, 2, 4), cache_kwargs={"cache_position": torch.arange(2)})
+    assert tuple(layer.keys.shape) == (1, 2, 8, 4), changed(
+        "reallocate_static_layer", f"a StaticLayer with is_initialized=False kept its {tuple(layer.keys.shape)} "
+        "tensors at its next update instead of allocating them again from the states given")
+
+
+def test_cache_class_names_the_sniffing_relies_on_still_exist() -> None:
+    assert t.StaticCache.__name__.startswith("Static"), changed("is_static_cache", "StaticCache was renamed")
+    assert hasattr(cache_utils.StaticLayer(max_cache_len=4), "max_cache_len"), changed(
+        "is_static_cache", "StaticLayer has no max_cache_len")
+    assert not internals.is_static_cache(t.DynamicCache(), cache_utils.DynamicLayer())
+    from transformers.generation.continuous_batching import cache as paged
+
+    assert hasattr(paged, "PagedAttentionCache"), changed("is_paged_cache", "PagedAttentionCache was renamed/moved")
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "bert"])
+def test_attention_modules_dispatch_through_the_registry_by_name(model: str) -> None:
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    classes = [c for n, c in vars(module).items() if n.endswith(("Attention", "SelfAttention"))
+               and isinstance(c, type) and issubclass(c, torch.nn.Module) and "forward" in vars(c)]
+    assert classes and any(internals.forward_uses_attention_interface(c) for c in classes), changed(
+        "forward_uses_attention_interface", f"no attention module of modeling_{model} names ALL_ATTENTION_FUNCTIONS")
+
+
+def test_generate_runs_as_a_frame_of_its_own_code_with_the_model_as_self() -> None:
+    assert internals.generate_code() is not None, changed("generate_on_stack", "GenerationMixin.generate is gone")
+    model = small_llama()
+    seen: list[bool] = []
+
+    def check() -> bool:  # the caller of generate_on_stack is a check, as in generation_check.py
+        return internals.generate_on_stack(lambda owner: owner is model)
+
+    model.model.layers[0].self_attn.register_forward_hook(lambda *a: seen.append(check()))
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert seen and all(seen), changed("generate_on_stack", "no frame on the stack of a generate() call has "
+                                       "GenerationMixin.generate's code with the model as self")
+    seen.clear()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert seen == [False]
