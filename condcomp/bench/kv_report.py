@@ -81,7 +81,8 @@ def table(records: list[dict[str, Any]]) -> str:
 
 FAMILIES = (("dense", "dense"), ("quantized-", "quantized cache"), ("kvpress-", "kvpress"),
             ("streaming", "window (StreamingLLM)"), ("drop-", "condcomp drop"), ("split-", "condcomp split"),
-            ("router-", "condcomp router"))
+            ("router-", "condcomp router"), ("snapkv-", "condcomp token selection"),
+            ("adakv-", "condcomp token selection"))
 
 
 def family(name: str) -> str:

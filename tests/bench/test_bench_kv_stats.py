@@ -117,6 +117,7 @@ def test_summary_pairs_every_variant_with_dense_and_the_best_press(tmp_path: Pat
     best = next(line for line in text.splitlines() if line.startswith("| 1024 | kvpress-snapkv-0.50 | 0.500 | 4"))
     assert best.split(" | ")[7] == "-" and "within 5 points" in text  # the best press is not tested against itself
     assert family("split-duo-1of3") == "condcomp split" and family("dense") == "dense"
+    assert family("adakv-0.25") == family("snapkv-0.50") == "condcomp token selection"
     write(tmp_path, result)
     assert (tmp_path / "summary.md").read_text() == text
 
