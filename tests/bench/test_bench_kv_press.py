@@ -93,7 +93,8 @@ def test_duo_press_streams_the_lowest_gates_and_reports_its_nominal_bytes(tmp_pa
     config._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(config).eval()
     gates = tmp_path / "gates.json"
-    gates.write_text(json.dumps({"format": FORMAT, "scores": [[0.9, 0.1, 0.5]]}))  # group 0 kept in full
+    # group 0 kept in full
+    gates.write_text(json.dumps({"format": FORMAT, "sinks": 4, "window": 252, "scores": [[0.9, 0.1, 0.5]]}))
     name = "kvpress-duo-gates-1of3"
     monkeypatch.setitem(kv_press.PRESS_VARIANTS, name, kv_press.PressVariant(
         kv_press._duo(gates, 1 / 3), "test", headwise=True, needs=gates))
