@@ -151,38 +151,36 @@ def test_the_check_fails_on_a_number_no_record_holds(recomputed: list[tuple[floa
     assert made_up is not None and not any(_matches(made_up.groups(), v) for v in recomputed)
 
 
-# docs/kv.md's decision table: row label -> (variant, run with 50 passkey cases or None)
-KV_ROWS = {"4-bit quantized cache (HQQ)": ("quantized-hqq4", True), "fp8 quantized cache": ("quantized-fp8", False),
-           "condcomp split: 1 of 3 KV groups in full, the others 4 + 252 tokens": ("split-static-1of3", True),
-           "both: the split inside the 4-bit cache": ("split-static-1of3+hqq4", False),
-           "the split with DuoAttention's gates (`condcomp calibrate-kv`)": ("split-duo-1of3", True)}
-
-
 def _kv_records(folder: str) -> dict[tuple[str, int], dict]:
     m = json.loads((ROOT / "results" / folder / "metrics.json").read_text())
     return {(r["variant"], int(r["prompt_len"])): r for r in m["records"]}
 
 
 def test_the_kv_decision_table_is_the_committed_bench_records() -> None:
-    ten, fifty = _kv_records("kv"), _kv_records("kv_passkey50")
+    """Each row of docs/kv.md's decision table names its variant in backticks; its cells are recomputed from
+    results/kv_facts_1024 with scipy: bytes, keys found with the Wilson interval (percent), the exact McNemar
+    test against dense, and perplexity / dense's (its bootstrap interval is checked with the other intervals)."""
+    records = _kv_records("kv_facts_1024")
+    dense = records[("dense", 1024)]
     text = (ROOT / "docs" / "kv.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| ") and line.split(" | ")[1] in KV_ROWS]
-    assert len(rows) == len(KV_ROWS)
+    table = text[text.index("## The decision"):text.index("## Each option, runnable")]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    assert len(rows) >= 5
     for line in rows:
         cells = [c.strip() for c in line.strip("|").split(" | ")]
-        variant, has_fifty = KV_ROWS[cells[1]]
-        r2, r4 = ten[(variant, 2048)], ten[(variant, 4096)]
-        d2, d4 = ten[("dense", 2048)], ten[("dense", 4096)]
-        assert cells[2] == f"{r2['kv_frac']:.3f} / {r4['kv_frac']:.3f}", variant
-        assert cells[3] == f"{r2['ppl'] / d2['ppl']:.2f} / {r4['ppl'] / d4['ppl']:.2f}", variant
-        if has_fifty:
-            assert cells[4] == str(round(fifty[(variant, 2048)]["passkey_acc"] * 50)), variant
-        else:
-            keys, dense_keys = round(r2["passkey_acc"] * 10), round(d2["passkey_acc"] * 10)
-            assert f"10 cases: {keys}" in cells[4] and f"dense's {dense_keys}" in cells[4], variant
-        decode = r2.get("decode_ratio")
-        assert cells[5] == "not timed" if decode is None else cells[5].startswith(f"{decode:.2f}"), variant
-    assert "(dense 13)" in text and round(fifty[("dense", 2048)]["passkey_acc"] * 50) == 13
+        variant = re.findall(r"`([^`]+)`", cells[1])[-1]
+        r = records[(variant, 1024)]
+        hits, base = r["retrieval_correct"], dense["retrieval_correct"]
+        ci = sps.binomtest(sum(hits), len(hits)).proportion_ci(0.95, method="wilson")
+        assert cells[2] == f"{r['kv_frac']:.3f}", variant
+        assert cells[3] == f"{sum(hits)} [{ci.low * 100:.0f}, {ci.high * 100:.0f}]", variant
+        only_it = sum(a and not b for a, b in zip(hits, base))
+        only_dense = sum(b and not a for a, b in zip(hits, base))
+        p = sps.binomtest(only_it, only_it + only_dense).pvalue if only_it + only_dense else 1.0
+        assert cells[4] == f"{only_it} / {only_dense}, " + (f"p {p:.3f}" if p >= 0.001 else "p < 0.001"), variant
+        assert cells[5].startswith(f"{r['ppl'] / dense['ppl']:.3f} ["), variant
+    ci = sps.binomtest(sum(dense["retrieval_correct"]), 100).proportion_ci(0.95, method="wilson")
+    assert f"Dense finds {sum(dense['retrieval_correct'])} of 100 [{ci.low * 100:.0f}, {ci.high * 100:.0f}]" in text
 
 
 def _bootstraps() -> list[tuple[float, float]]:

@@ -121,6 +121,8 @@ class Bench:
 
     def step(self, variant: str, ids: Tensor, cache: Any) -> tuple[Tensor, Any]:
         """Feed ``ids (B, T)`` on ``cache``: ``(logits (B, T, V), cache)``."""
+        if VARIANTS[variant].stepwise and ids.shape[1] > 1:  # one token per call (KVVariant.stepwise)
+            return torch.cat([self.step(variant, ids[:, i:i + 1], cache)[0] for i in range(ids.shape[1])], 1), cache
         extra = {}
         if (positions := kv_press.true_positions(cache, ids.shape[1])) is not None:  # after a press's eviction
             extra["position_ids"] = positions.to(self.device)

@@ -51,3 +51,32 @@ def test_every_group_keeps_the_fraction_and_the_bytes_are_the_state_by_hand(kv: 
         placeholder = 2 * B * T * 4  # keys and values (B, 1, T, 1) float32: they count the tokens
         # keys, values, positions, and one (B,) int64 of tokens seen, which is the prompt length until a later token
         assert nbytes == 2 * B * G * n * Dh * 4 + B * G * n * 8 + B * 8 + placeholder
+
+
+def test_a_token_selection_variant_reads_a_question_after_its_prefill_one_token_at_a_time() -> None:
+    """snapkv refuses a call of several tokens right after the prefill (it could be a second prompt chunk); the
+    bench feeds the question and the continuations of its stepwise variants one token per call, which is what the
+    model computes when called once per token by hand (the reference)."""
+    import transformers
+
+    from condcomp.bench import kv
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                      max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    bench = kv.Bench(transformers.LlamaForCausalLM(config).eval(), torch.device("cpu"), importance=lambda: None)
+    name = "snapkv-0.50"
+    assert kv.VARIANTS[name].stepwise
+    ids = torch.randint(0, 300, (2, 106), generator=torch.Generator().manual_seed(1))
+    model = bench.model(kv.VARIANTS[name].model)
+    with torch.inference_mode():
+        _, source = bench.prefill(kv.VARIANTS[name].model, ids[:, :100])
+        got, _ = bench.step(name, ids[:, 100:], bench.cache_for(name, source))  # (2, 6, V)
+        cache = bench.cache_for(name, source)
+        with pytest.raises(ValueError, match="prefilled in one call"):
+            model(input_ids=ids[:, 100:], cache=bench.cache_for(name, source), use_cache=True)
+        want = torch.cat([model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits
+                          for i in range(100, 106)], 1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,0 +1,63 @@
+"""Paired retrieval comparisons the KV page quotes, from this folder's records (scipy, not condcomp's code).
+
+Every variant answered the same 100 cases in the same order (`retrieval_correct`), so two variants are compared
+with the exact McNemar test: a two-sided binomial test on the cases only one of them found.
+
+    python results/kv_facts_1024/pairs.py            # prints the table
+    python results/kv_facts_1024/pairs.py --write    # and writes pairs.md beside this script
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from scipy.stats import binomtest
+
+HERE = Path(__file__).resolve().parent
+PAIRS = [  # (a, b, why the pair is asked)
+    ("split-duo-1of3", "kvpress-streaming-0.50", "the DuoAttention split against the best press that frees half"),
+    ("split-duo-1of3", "kvpress-duo-gates-1of3", "the same gates: condcomp frees the streamed groups, kvpress masks"),
+    ("split-duo-1of3", "split-request-1of3", "DuoAttention split against the per-request split (seed 0)"),
+    ("split-duo-1of3", "split-static-1of3", "DuoAttention split against the static importance split"),
+    ("split-request-1of3", "split-static-1of3", "per-request split (seed 0) against the static split"),
+    ("split-request-1of3", "split-request-1of3-seed1", "the per-request split's two training seeds"),
+    ("split-request-1of3", "kvpress-streaming-0.50", "per-request split (seed 0) against the best freeing press"),
+    ("split-duo-1of6-w92", "kvpress-streaming-0.25", "a quarter of the bytes: DuoAttention split against the best press"),
+    ("split-duo-1of3+fp8", "quantized-hqq4", "about an eighth of the bytes against the 4-bit cache (0.16x)"),
+    ("split-duo-1of3+fp8", "quantized-fp8", "the split inside fp8 against the fp8 cache alone"),
+    ("snapkv-0.50", "kvpress-snapkv-0.50", "condcomp's SnapKV policy against kvpress's SnapKV press"),
+    ("adakv-0.50", "kvpress-adakv-snapkv-0.50", "condcomp's AdaKV policy (frees) against kvpress's (masks)"),
+]
+
+
+def load(name: str) -> dict | None:
+    path = HERE / "records" / f"{name}@1024.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def main() -> None:
+    lines = ["| a | b | a found | b found | only a / only b | McNemar p | question |", "|---|---|---|---|---|---|---|"]
+    for a, b, why in PAIRS:
+        ra, rb = load(a), load(b)
+        if ra is None or rb is None:
+            continue
+        ca, cb = ra["retrieval_correct"], rb["retrieval_correct"]
+        if len(ca) != len(cb):
+            raise SystemExit(f"{a} and {b} answered different case lists ({len(ca)} and {len(cb)})")
+        only_a = sum(x and not y for x, y in zip(ca, cb))
+        only_b = sum(y and not x for x, y in zip(ca, cb))
+        p = binomtest(only_a, only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
+        lines.append(f"| {a} ({ra['kv_frac']:.3f}x) | {b} ({rb['kv_frac']:.3f}x) | {sum(ca)} | {sum(cb)} | "
+                     f"{only_a} / {only_b} | {p:.3g} | {why} |")
+    table = "\n".join(lines)
+    print(table)
+    if "--write" in sys.argv:
+        (HERE / "pairs.md").write_text("# Paired retrieval comparisons (exact McNemar, 100 cases at 1024 tokens)\n\n"
+                                       "Made by `python results/kv_facts_1024/pairs.py --write` from `records/`; "
+                                       "bytes (x dense) in brackets.\n\n" + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
