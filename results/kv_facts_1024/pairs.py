@@ -24,7 +24,7 @@ PAIRS = [  # (a, b, why the pair is asked)
     ("split-request-1of3", "split-static-1of3", "per-request split (seed 0) against the static split"),
     ("split-request-1of3", "split-request-1of3-seed1", "the per-request split's two training seeds"),
     ("split-request-1of3", "kvpress-streaming-0.50", "per-request split (seed 0) against the best freeing press"),
-    ("split-duo-1of6-w92", "kvpress-streaming-0.25", "a quarter of the bytes: DuoAttention split against the best press"),
+    ("split-duo-1of6-w92", "kvpress-streaming-0.25", "a quarter of the bytes: the split against the best press"),
     ("split-duo-1of3+fp8", "quantized-hqq4", "about an eighth of the bytes against the 4-bit cache (0.16x)"),
     ("split-duo-1of3+fp8", "quantized-fp8", "the split inside fp8 against the fp8 cache alone"),
     ("snapkv-0.50", "kvpress-snapkv-0.50", "condcomp's SnapKV policy against kvpress's SnapKV press"),
