@@ -173,35 +173,6 @@ def test_adakv_options_and_registration() -> None:
     assert AdaKV().reads_slot_validity and not condcomp.kv.SnapKV().reads_slot_validity
 
 
-def test_adakv_on_a_llama_keeping_the_whole_prompt_decodes_as_the_unwrapped_model() -> None:
-    # whole-group plans + a budget larger than any prompt: every token is kept, every head computed: the dense model
-    t = pytest.importorskip("transformers")
-    from condcomp.integrations.hf.cache import cache_bytes
-
-    def llama() -> torch.nn.Module:
-        torch.manual_seed(0)
-        config = t.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=50)
-        return t.LlamaForCausalLM(config).eval()
-
-    ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
-    model = llama()
-    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
-                                                   router=("topk", {"kv_groups": True}),
-                                                   kv=("adakv", {"budget": 16, "observe": 2, "pool": 3})))
-    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-    got = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-    want = llama().generate(input_ids=ids, attention_mask=mask, **kwargs)
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.logits, want.logits):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    plans = condcomp.request_plans(model, got.past_key_values)
-    assert {m for p in plans.values() for row in p.group_modes() for m in row} == {"full", "adakv"}
-    assert all(n > 0 for n in cache_bytes(got.past_key_values))
-
-
 def test_adakv_state_follows_the_cache_operations_of_a_llama_cache() -> None:
     # reorder (beams), row selection, copy, pickle and crop act on the adakv state with the cache: continuing each
     # equals continuing the original cache on the same rows

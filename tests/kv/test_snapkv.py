@@ -139,7 +139,8 @@ def test_snapkv_rows_crop_and_options() -> None:
         condcomp.CondCompConfig(kv=("snapkv", {"observe": 0}))
 
 
-def test_snapkv_on_a_llama_keeping_the_whole_prompt_decodes_as_the_unwrapped_model() -> None:
+@pytest.mark.parametrize("policy", ["snapkv", "adakv"])
+def test_token_selection_on_a_llama_keeping_the_whole_prompt_decodes_as_the_unwrapped_model(policy: str) -> None:
     # whole-group plans + a budget larger than any prompt: every token is kept, every head computed: the dense model
     t = pytest.importorskip("transformers")
     from condcomp.integrations.hf.cache import cache_bytes
@@ -156,7 +157,7 @@ def test_snapkv_on_a_llama_keeping_the_whole_prompt_decodes_as_the_unwrapped_mod
     model = llama()
     condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
                                                    router=("topk", {"kv_groups": True}),
-                                                   kv=("snapkv", {"budget": 16, "observe": 2, "pool": 3})))
+                                                   kv=(policy, {"budget": 16, "observe": 2, "pool": 3})))
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     got = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     want = llama().generate(input_ids=ids, attention_mask=mask, **kwargs)
@@ -164,7 +165,7 @@ def test_snapkv_on_a_llama_keeping_the_whole_prompt_decodes_as_the_unwrapped_mod
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     plans = condcomp.request_plans(model, got.past_key_values)
-    assert {m for p in plans.values() for row in p.group_modes() for m in row} == {"full", "snapkv"}
+    assert {m for p in plans.values() for row in p.group_modes() for m in row} == {"full", policy}
     assert all(n > 0 for n in cache_bytes(got.past_key_values))
 
 
