@@ -78,8 +78,8 @@ class RequestSplit(nn.Module):
             raise ValueError(f"{heads} query heads do not split into {groups} KV groups")
         self.heads, self.groups, self.keep, self.sinks, self.window = heads, groups, keep, sinks, window
         self.routers = nn.ModuleList(
-            TopKRouter(d_model, heads, kv_groups=True, num_kv_heads=groups, init_scores=list(init),
-                       stream_window=window, stream_sinks=sinks) for init in init_scores)
+            TopKRouter(d_model, heads, kv_groups=True, num_kv_heads=groups, init_scores=list(init))
+            for init in init_scores)  # the window is the split's (routed(), and kv="window" when applied)
 
     def budget(self, rows: int, device: torch.device) -> Budget:
         """``keep`` groups per row, as heads (the router keeps ``ceil(k / r)`` groups of ``r`` heads)."""
