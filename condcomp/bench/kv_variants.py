@@ -75,6 +75,8 @@ VARIANTS: dict[str, KVVariant] = {
     "split-duo-1of3+fp8": KVVariant("duo-1of3-w252", "fp8", note="the DuoAttention split inside an fp8 "
                                     "QuantizedCache"),
     "split-duo-1of3+hqq4": KVVariant("duo-1of3-w252", "hqq4", note="the DuoAttention split inside a 4-bit cache"),
+    "split-duo-1of3-seed1": KVVariant("duo-1of3-w252-seed1", note="the DuoAttention split from the gates of "
+                                      "training seed 1 (results/kv/duo_gates_seed1.json)"),
     "split-duo-1of6-w92": KVVariant("duo-1of6-w92", note="condcomp static split from DuoAttention gates: the "
                                     "highest sixth of all (layer, group) gates in full, the others 4 sink + 92 "
                                     "recent tokens (about a quarter of the bytes at 1024 tokens)"),
@@ -297,6 +299,7 @@ MODELS: dict[str, Prepare] = {
     "window-all-w252": window_split(0, 252),
     "duo-1of3-w252": gate_split(DUO_GATES, 1 / 3, 252),
     "duo-1of6-w92": gate_split(DUO_GATES, 1 / 6, 92),
+    "duo-1of3-w252-seed1": gate_split(Path("results/kv/duo_gates_seed1.json"), 1 / 3, 252),
     "request-1of3-w252": request_split(REQUEST_ROUTERS[0]),
     "request-1of3-w252-seed1": request_split(REQUEST_ROUTERS[1]),
     **{f"{kv}-{f:.2f}": token_selection(kv, f) for kv in ("snapkv", "adakv") for f in (0.5, 0.25)},
