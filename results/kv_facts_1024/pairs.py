@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 PAIRS = [  # (a, b, why the pair is asked)
     ("split-duo-1of3", "kvpress-streaming-0.50", "the DuoAttention split against the best press that frees half"),
     ("split-duo-1of3", "kvpress-duo-gates-1of3", "the same gates: condcomp frees the streamed groups, kvpress masks"),
+    ("split-duo-1of3", "split-duo-1of3-seed1", "the DuoAttention gates' two training seeds"),
     ("split-duo-1of3", "split-request-1of3", "DuoAttention split against the per-request split (seed 0)"),
     ("split-duo-1of3", "split-static-1of3", "DuoAttention split against the static importance split"),
     ("split-request-1of3", "split-static-1of3", "per-request split (seed 0) against the static split"),
