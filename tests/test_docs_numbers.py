@@ -156,20 +156,27 @@ def _kv_records(folder: str) -> dict[tuple[str, int], dict]:
     return {(r["variant"], int(r["prompt_len"])): r for r in m["records"]}
 
 
-def test_the_kv_decision_table_is_the_committed_bench_records() -> None:
-    """Each row of docs/kv.md's decision table names its variant in backticks; its cells are recomputed from
-    results/kv_facts_1024 with scipy: bytes, keys found with the Wilson interval (percent), the exact McNemar
-    test against dense, and perplexity / dense's (its bootstrap interval is checked with the other intervals)."""
-    records = _kv_records("kv_facts_1024")
-    dense = records[("dense", 1024)]
+def _kv_table_rows(section: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in section.splitlines()
+            if line.startswith("| ") and "`" in line]
+
+
+@pytest.mark.parametrize("prompt_len", [1024, 2048])
+def test_the_kv_decision_table_is_the_committed_bench_records(prompt_len: int) -> None:
+    """Each row of docs/kv.md's decision tables (1024 tokens, then "### At 2048 tokens") names its variant in
+    backticks; its cells are recomputed from results/kv_facts_<length> with scipy: bytes, keys found with the Wilson
+    interval (percent), the exact McNemar test against dense, and perplexity / dense's (its bootstrap interval is
+    checked with the other intervals)."""
+    records = _kv_records(f"kv_facts_{prompt_len}")
+    dense = records[("dense", prompt_len)]
     text = (ROOT / "docs" / "kv.md").read_text()
-    table = text[text.index("## The decision"):text.index("## Each option, runnable")]
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    decision = text[text.index("## The decision"):text.index("## Each option, runnable")]
+    short, long = decision.split("### At 2048 tokens")
+    rows = _kv_table_rows(short if prompt_len == 1024 else long)
     assert len(rows) >= 5
-    for line in rows:
-        cells = [c.strip() for c in line.strip("|").split(" | ")]
+    for cells in rows:
         variant = re.findall(r"`([^`]+)`", cells[1])[-1]
-        r = records[(variant, 1024)]
+        r = records[(variant, prompt_len)]
         hits, base = r["retrieval_correct"], dense["retrieval_correct"]
         ci = sps.binomtest(sum(hits), len(hits)).proportion_ci(0.95, method="wilson")
         assert cells[2] == f"{r['kv_frac']:.3f}", variant
@@ -179,8 +186,9 @@ def test_the_kv_decision_table_is_the_committed_bench_records() -> None:
         p = sps.binomtest(only_it, only_it + only_dense).pvalue if only_it + only_dense else 1.0
         assert cells[4] == f"{only_it} / {only_dense}, " + (f"p {p:.3f}" if p >= 0.001 else "p < 0.001"), variant
         assert cells[5].startswith(f"{r['ppl'] / dense['ppl']:.3f} ["), variant
-    ci = sps.binomtest(sum(dense["retrieval_correct"]), 100).proportion_ci(0.95, method="wilson")
-    assert f"Dense finds {sum(dense['retrieval_correct'])} of 100 [{ci.low * 100:.0f}, {ci.high * 100:.0f}]" in text
+    found = sum(dense["retrieval_correct"])
+    ci = sps.binomtest(found, 100).proportion_ci(0.95, method="wilson")
+    assert f"Dense finds {found} of 100 [{ci.low * 100:.0f}, {ci.high * 100:.0f}]" in decision
 
 
 def _bootstraps() -> list[tuple[float, float]]:
