@@ -18,7 +18,6 @@ policy's slots hold a group of that row (:attr:`~condcomp.kv.selection.KVSelecti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -41,7 +40,6 @@ class AdaKV(SnapKV):
 
     window: int | None = None
     floor: float = 0.2
-    reads_slot_validity: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_options("adakv", self)

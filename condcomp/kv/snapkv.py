@@ -128,6 +128,7 @@ class SnapKV(KVPolicy):
     pool: int = 5
     fraction: float | None = None
     stores: ClassVar[str] = "own"
+    reads_slot_validity: ClassVar[bool] = True  # spare slots keep nothing
 
     def __post_init__(self) -> None:
         check_options("snapkv", self)
@@ -186,8 +187,12 @@ class SnapKV(KVPolicy):
         recent = (pos >= (seen - self.recent).unsqueeze(-1)) & (pos >= 0)  # (B, T): kept whole
         scores = observation_scores(q, k, pos, observed, (pos >= 0) & ~recent, self.pool, scale)  # (B, gw, T)
         budgets = prompt_budgets(seen, recent.sum(-1), self.budget, self.fraction)  # (B,)
-        chosen = self._choose(scores, budgets, valid.to(k.device))
-        return out, dead.unsqueeze(1), kept_state(k, v, pos, chosen | recent[:, None, :], seen)
+        valid = valid.to(k.device)
+        chosen = self._choose(scores, budgets, valid)
+        # a spare slot (it repeats a group of a row holding fewer of the policy's groups, at gate 0) keeps nothing,
+        # so the state is padded to what the held groups keep, not to a spare slot's own selection
+        kept = (chosen | recent[:, None, :]) & valid[:, :, None]  # (B, gw, T)
+        return out, dead.unsqueeze(1), kept_state(k, v, pos, kept, seen)
 
     def keys_read(self, state: Any, T: int, S: int) -> int:
         # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own
