@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from condcomp.kv.snapkv import SnapKV, best_per_group, check_options
+from condcomp.kv.snapkv import SnapKV, best_per_group, check_options, whole_share
 from condcomp.registry import register_kv_policy
 
 
@@ -59,7 +59,7 @@ class AdaKV(SnapKV):
         best first, the rest by score over all its groups."""
         B, gw, T = scores.shape
         scores = scores.masked_fill(~slot_valid[:, :, None], -1.0)  # spare slots choose nothing
-        own = best_per_group(scores, (budgets.double() * self.floor).floor().long())  # (B, gw, T): guaranteed
+        own = best_per_group(scores, whole_share(budgets, self.floor))  # (B, gw, T): guaranteed
         joint = torch.where(own, torch.full_like(scores, float("inf")), scores).view(B, gw * T)
         ranked = joint.sort(-1, descending=True)
         total = budgets * slot_valid.sum(-1)  # (B,): the layer's budget of the row

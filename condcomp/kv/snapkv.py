@@ -91,12 +91,19 @@ def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor) 
     return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=True)
 
 
+def whole_share(count: Tensor, share: float) -> Tensor:
+    """``floor(count * share)`` (int64), exact when the product is whole: in float64 0.29 * 100 is
+    28.999999999999996, which a bare floor turns into 28; the relative slack (1e-12, far above float64's 1.1e-16
+    rounding) keeps it 29."""
+    return (count.double() * share * (1 + 1e-12)).floor().long()
+
+
 def prompt_budgets(prompt: Tensor, window: Tensor, budget: int | None, fraction: float | None) -> Tensor:
     """``(B,)`` scored tokens each group keeps besides its ``window (B,)`` recent ones: ``budget``, or the
     ``fraction`` of each row's ``prompt (B,)`` real tokens less its window (none when the window alone reaches it)."""
     if fraction is None:
         return torch.full_like(prompt, 64 if budget is None else budget)
-    return ((prompt.double() * fraction).floor().long() - window).clamp_min(0)
+    return (whole_share(prompt, fraction) - window).clamp_min(0)
 
 
 def check_options(name: str, policy: Any) -> None:

@@ -263,3 +263,22 @@ def test_spare_slots_hold_no_tokens_so_the_state_is_padded_to_the_held_groups_on
         ref = get_executor("reference")(w, AttentionInputs(x=x, mask=mask, key_mask=mask),
                                         condcomp.plan_from_active(heads))
     torch.testing.assert_close(torch.cat(outs, 1)[1, 7:], ref[1, 7:], atol=1e-10, rtol=1e-9)
+
+
+def test_a_fraction_of_the_prompt_is_exact_when_the_product_is_whole() -> None:
+    # red team round 6: 0.29 x 100 is 28.999999999999996 in float64; a bare floor kept 28 tokens per group, not the
+    # 29 that 29/100 of 100 tokens is (integer arithmetic: Fraction)
+    from fractions import Fraction
+
+    from condcomp.kv import AdaKV
+    from condcomp.kv.snapkv import prompt_budgets
+
+    for f in (0.29, 0.57, 0.58, 0.14, 0.5):
+        for n in (50, 100, 1000):
+            want = int(Fraction(str(f)) * n) - 4
+            assert prompt_budgets(torch.tensor([n]), torch.tensor([4]), None, f).tolist() == [want], (f, n)
+    # adakv's floor share: 0.29 of a 100-token budget is 29 of each group's own; group 1 scores higher everywhere,
+    # so it takes the rest of the layer's 200
+    scores = torch.cat([torch.full((1, 1, 300), 0.1), torch.full((1, 1, 300), 0.9)], 1)  # (1, 2, 300)
+    chosen = AdaKV(budget=100, floor=0.29)._choose(scores, torch.tensor([100]), torch.tensor([[True, True]]))
+    assert chosen.sum(-1).tolist() == [[29, 171]]
