@@ -18,12 +18,11 @@ policy's slots hold a group of that row (:attr:`~condcomp.kv.selection.KVSelecti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from condcomp.kv.snapkv import SnapKV, best_per_group, check_options
+from condcomp.kv.snapkv import SnapKV, best_per_group, check_options, whole_share
 from condcomp.registry import register_kv_policy
 
 
@@ -41,7 +40,6 @@ class AdaKV(SnapKV):
 
     window: int | None = None
     floor: float = 0.2
-    reads_slot_validity: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_options("adakv", self)
@@ -61,7 +59,7 @@ class AdaKV(SnapKV):
         best first, the rest by score over all its groups."""
         B, gw, T = scores.shape
         scores = scores.masked_fill(~slot_valid[:, :, None], -1.0)  # spare slots choose nothing
-        own = best_per_group(scores, (budgets.double() * self.floor).floor().long())  # (B, gw, T): guaranteed
+        own = best_per_group(scores, whole_share(budgets, self.floor))  # (B, gw, T): guaranteed
         joint = torch.where(own, torch.full_like(scores, float("inf")), scores).view(B, gw * T)
         ranked = joint.sort(-1, descending=True)
         total = budgets * slot_valid.sum(-1)  # (B,): the layer's budget of the row

@@ -91,12 +91,19 @@ def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor) 
     return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=True)
 
 
+def whole_share(count: Tensor, share: float) -> Tensor:
+    """``floor(count * share)`` (int64), exact when the product is whole: in float64 0.29 * 100 is
+    28.999999999999996, which a bare floor turns into 28; the relative slack (1e-12, far above float64's 1.1e-16
+    rounding) keeps it 29."""
+    return (count.double() * share * (1 + 1e-12)).floor().long()
+
+
 def prompt_budgets(prompt: Tensor, window: Tensor, budget: int | None, fraction: float | None) -> Tensor:
     """``(B,)`` scored tokens each group keeps besides its ``window (B,)`` recent ones: ``budget``, or the
     ``fraction`` of each row's ``prompt (B,)`` real tokens less its window (none when the window alone reaches it)."""
     if fraction is None:
         return torch.full_like(prompt, 64 if budget is None else budget)
-    return ((prompt.double() * fraction).floor().long() - window).clamp_min(0)
+    return (whole_share(prompt, fraction) - window).clamp_min(0)
 
 
 def check_options(name: str, policy: Any) -> None:
@@ -128,6 +135,7 @@ class SnapKV(KVPolicy):
     pool: int = 5
     fraction: float | None = None
     stores: ClassVar[str] = "own"
+    reads_slot_validity: ClassVar[bool] = True  # spare slots keep nothing
 
     def __post_init__(self) -> None:
         check_options("snapkv", self)
@@ -186,8 +194,12 @@ class SnapKV(KVPolicy):
         recent = (pos >= (seen - self.recent).unsqueeze(-1)) & (pos >= 0)  # (B, T): kept whole
         scores = observation_scores(q, k, pos, observed, (pos >= 0) & ~recent, self.pool, scale)  # (B, gw, T)
         budgets = prompt_budgets(seen, recent.sum(-1), self.budget, self.fraction)  # (B,)
-        chosen = self._choose(scores, budgets, valid.to(k.device))
-        return out, dead.unsqueeze(1), kept_state(k, v, pos, chosen | recent[:, None, :], seen)
+        valid = valid.to(k.device)
+        chosen = self._choose(scores, budgets, valid)
+        # a spare slot (it repeats a group of a row holding fewer of the policy's groups, at gate 0) keeps nothing,
+        # so the state is padded to what the held groups keep, not to a spare slot's own selection
+        kept = (chosen | recent[:, None, :]) & valid[:, :, None]  # (B, gw, T)
+        return out, dead.unsqueeze(1), kept_state(k, v, pos, kept, seen)
 
     def keys_read(self, state: Any, T: int, S: int) -> int:
         # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own

@@ -226,3 +226,59 @@ def test_head_usage_counts_a_decode_steps_held_heads_over_the_entries_they_read(
         extra = routing_flops(routed.condcomp_policy, T) + routing_flops(routed.condcomp_router, T)
         assert usage[name].flop_frac == pytest.approx((sum(per_row) + extra * len(per_row)) / (dense * len(per_row)),
                                                       rel=1e-9)
+
+
+@pytest.mark.parametrize("kv", ["snapkv", "adakv"])
+def test_spare_slots_hold_no_tokens_so_the_state_is_padded_to_the_held_groups_only(kv: str) -> None:
+    # red team round 6: row 0 (12 real tokens) keeps every group in full, row 1 (5 real tokens) keeps group 0 and
+    # leaves group 1 to the policy, which keeps all 5 prompt tokens (fraction 1.0). Row 0's slot is spare: it used
+    # to choose 12 tokens of its own, padding the state to 12 entries per slot. Hand count: 5 entries, then 6.
+    from condcomp.kv import AdaKV
+
+    policy = (SnapKV if kv == "snapkv" else AdaKV)(fraction=1.0, observe=2, pool=1)
+    torch.manual_seed(0)
+    layout = make_layout(H=4, Hkv=2, Dh=Dh, D=D, causal=True)
+    w = make_weights(layout, torch.float64)
+    w = AttentionWeights(layout, w.q_weight, w.k_weight, w.v_weight, w.o_weight)
+    x = torch.randn(2, 13, D, dtype=torch.float64)
+    mask = torch.ones(2, 13, dtype=torch.bool)
+    mask[1, :7] = False  # left padding: 5 real prompt tokens
+    active = torch.tensor([[True, True, True, True], [True, False, False, False]])
+    plan = condcomp.plan_from_active(active)
+    sel = select_kv(plan, layout, policy)
+    cache, outs = ListCache(), []
+    ex = get_executor("kv_cache")
+    with torch.no_grad():
+        for lo, hi in [(0, 12), (12, 13)]:
+            compact = CompactKV(sel, cache.store, None, cache.windows, cache.keep)
+            inputs = AttentionInputs(x=x[:, lo:hi], mask=mask[:, lo:hi], key_mask=mask[:, :hi], kv_cache=compact)
+            outs.append(ex(w, inputs, plan))
+            state = cache.windows
+            assert state is not None and [p for p in state.positions[1, 0].tolist() if p >= 0] == list(range(hi - 7))
+            assert tuple(state.keys.shape) == (2, 1, hi - 7, Dh)  # row 0's spare slot holds nothing
+            assert (state.positions[0] == -1).all() or hi == 13 and state.positions[0].ge(0).sum() == 1
+        # every prompt token kept: row 1's group 1 attends like a full group at gate 1 (head 1 of its kept group 0
+        # stays skipped): the reference executor on those heads, no cache
+        heads = torch.tensor([[True, True, True, True], [True, False, True, True]])
+        ref = get_executor("reference")(w, AttentionInputs(x=x, mask=mask, key_mask=mask),
+                                        condcomp.plan_from_active(heads))
+    torch.testing.assert_close(torch.cat(outs, 1)[1, 7:], ref[1, 7:], atol=1e-10, rtol=1e-9)
+
+
+def test_a_fraction_of_the_prompt_is_exact_when_the_product_is_whole() -> None:
+    # red team round 6: 0.29 x 100 is 28.999999999999996 in float64; a bare floor kept 28 tokens per group, not the
+    # 29 that 29/100 of 100 tokens is (integer arithmetic: Fraction)
+    from fractions import Fraction
+
+    from condcomp.kv import AdaKV
+    from condcomp.kv.snapkv import prompt_budgets
+
+    for f in (0.29, 0.57, 0.58, 0.14, 0.5):
+        for n in (50, 100, 1000):
+            want = int(Fraction(str(f)) * n) - 4
+            assert prompt_budgets(torch.tensor([n]), torch.tensor([4]), None, f).tolist() == [want], (f, n)
+    # adakv's floor share: 0.29 of a 100-token budget is 29 of each group's own; group 1 scores higher everywhere,
+    # so it takes the rest of the layer's 200
+    scores = torch.cat([torch.full((1, 1, 300), 0.1), torch.full((1, 1, 300), 0.9)], 1)  # (1, 2, 300)
+    chosen = AdaKV(budget=100, floor=0.29)._choose(scores, torch.tensor([100]), torch.tensor([[True, True]]))
+    assert chosen.sum(-1).tolist() == [[29, 171]]
