@@ -324,7 +324,9 @@ def plan_from_prompt(model: nn.Module, prompt_len: int) -> Iterator[nn.Module]:
 
     Use it to train or evaluate a causal LM under per-request plans without letting the plan see the
     continuation: put the loss on positions ``>= prompt_len``. Per-token plans (MoH) are unaffected: each token
-    is routed from itself. With left padding, ``prompt_len`` counts the padding (the padded prompt width).
+    is routed from itself. With left padding, ``prompt_len`` counts the padding (the padded prompt width). With a
+    KV cache a held plan is decided at the request's first call, from at most ``prompt_len`` of its positions: a
+    chunked prefill (``generate(prefill_chunk_size=...)``) decides it from its first chunk only.
 
     >>> import condcomp
     >>> model = nn.Sequential(condcomp.HeadAttention(16, 4, causal=True))
