@@ -14,10 +14,10 @@ pytest.importorskip("kvpress", exc_type=ImportError)
 transformers = pytest.importorskip("transformers")
 
 
-def one_layer_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=300,
+def one_layer_llama(layers: int = 1, heads: int = 2, kv_heads: int = 1, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=300,
                                       max_position_embeddings=256)
     config._attn_implementation = "sdpa"
     return transformers.LlamaForCausalLM(config).eval()
@@ -121,15 +121,6 @@ def test_snapkv_refuses_a_prompt_shorter_than_its_window() -> None:
         bench.prefill("kvpress-snapkv-0.50", torch.zeros(1, 32, dtype=torch.long))
 
 
-def two_layer_gqa_llama() -> torch.nn.Module:
-    torch.manual_seed(4)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                      max_position_embeddings=256)
-    config._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def test_eviction_presses_served_by_the_dense_prefill_hold_what_their_own_prefills_hold() -> None:
     """Every eviction press captured together during one dense prefill (kv_press.captured) against the press
     applied alone by kvpress's own hook, layer by layer; the dense cache stays whole, and the next tokens read the
@@ -138,7 +129,7 @@ def test_eviction_presses_served_by_the_dense_prefill_hold_what_their_own_prefil
 
     names = [n for n, v in kv_press.PRESS_VARIANTS.items() if not v.headwise]
     assert len(names) == 10 and all(kv.VARIANTS[n].model == "dense" for n in names)  # one group with dense
-    model = two_layer_gqa_llama()
+    model = one_layer_llama(layers=2, heads=4, kv_heads=2, seed=4)
     bench = kv.Bench(model, torch.device("cpu"), importance=lambda: None)
     ids = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
