@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from core_helpers import make_layout, make_weights, random_active, rotary_tables
+from list_cache import ListCache
 from torch import Tensor
 
 import condcomp
@@ -20,23 +21,6 @@ from condcomp.kv.selection import KV_FULL, KV_NONE, KV_WINDOW, StreamWindow, sel
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 B, P, STEPS, D, H, Dh = 4, 6, 5, 16, 4, 4
-
-
-class ListCache:
-    """A cache of one layer: ``store`` appends along the sequence, as transformers' dynamic layer does."""
-
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.windows = None
-
-    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], 2)
-        self.v = v if self.v is None else torch.cat([self.v, v], 2)
-        return self.k, self.v
-
-    def keep(self, windows: object) -> None:
-        self.windows = windows
 
 
 def padding() -> Tensor:

@@ -22,23 +22,9 @@ from condcomp.types import AttentionInputs, AttentionWeights
 sys_path = __import__("sys").path
 sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
 from core_helpers import make_layout, make_weights, random_active  # noqa: E402
+from list_cache import ListCache  # noqa: E402
 
 B, P, STEPS, D, H, Dh = 3, 14, 3, 16, 4, 4
-
-
-class ListCache:
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.windows: object = None
-
-    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], 2)
-        self.v = v if self.v is None else torch.cat([self.v, v], 2)
-        return self.k, self.v
-
-    def keep(self, windows: object) -> None:
-        self.windows = windows
 
 
 def padding() -> Tensor:
