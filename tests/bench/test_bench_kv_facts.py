@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,6 +71,15 @@ def test_facts_refuse_a_context_too_short() -> None:
         facts_cases(stream(), byte_encode, 900, n=1, seed=0, n_facts=1, question_form="qa")
 
 
+def gqa_llama(transformers: Any, seed: int) -> torch.nn.Module:
+    """A random 2-layer Llama with 6 query heads over 3 KV groups and a 300-token vocabulary (byte ids)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=3, vocab_size=300,
+                                      max_position_embeddings=1024)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 def test_the_question_after_the_context_reads_the_prefilled_cache() -> None:
     """The dense variant's answer (context prefilled into the cache, question and answer fed through it) equals a
     greedy decode of context + question by the plain model without any cache: the float64 reference."""
@@ -77,11 +87,7 @@ def test_the_question_after_the_context_reads_the_prefilled_cache() -> None:
     from condcomp.bench import kv
     from condcomp.bench.kv_presets import PRESETS, ByteTokenizer
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=3, vocab_size=300,
-                                      max_position_embeddings=1024)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = gqa_llama(transformers, seed=0)
     bench = kv.Bench(model, torch.device("cpu"), importance=lambda: None)
     cases = facts_cases(stream(), byte_encode, 400, n=2, seed=0, question_form="qa")
     preset = replace(PRESETS["quick"], batch=2, answer_tokens=3)
@@ -203,11 +209,7 @@ def test_completion_question_is_fed_through_the_cache_after_the_context(monkeypa
     from condcomp.bench import kv
     from condcomp.bench.kv_presets import PRESETS, ByteTokenizer
 
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=3, vocab_size=300,
-                                      max_position_embeddings=1024)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = gqa_llama(transformers, seed=1)
     bench = kv.Bench(model, torch.device("cpu"), importance=lambda: None)
     cases = facts_cases(stream(), byte_encode, 400, n=2, seed=0, n_facts=1, question_form="completion")
     fed: list[tuple[list[list[int]], int]] = []
