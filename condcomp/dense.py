@@ -54,8 +54,10 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal
     if group > 1 and T == 1 and not is_causal and dropout_p == 0.0 and (mask is None or mask.shape[1] == 1):
         # One query per head (decoding): a group's query heads become rows of one attention over their shared
         # keys, a plain SDPA call with no copy (0.6x the time of enable_gqa on CPU, B=8 S=2048).
-        out = F.scaled_dot_product_attention(q.view(B, H // group, group, Dh), k, v, attn_mask=mask, scale=scale)
-        return out.view(B, H, 1, Dh)
+        # reshape, not view: CUDA's fused kernels return (B, g, Hkv, Dh)-strided outputs (seen on an H200), and a
+        # query projected through a transpose need not be contiguous either; both are copied only when needed
+        out = F.scaled_dot_product_attention(q.reshape(B, H // group, group, Dh), k, v, attn_mask=mask, scale=scale)
+        return out.reshape(B, H, 1, Dh)
     if group > 1 and not _SDPA_GQA:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     extra = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
