@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from condcomp.kv.position_bias import RelativeBias, biased_mask
 from condcomp.masks import streaming_allowed
 
 _SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent token when trimming
@@ -220,9 +221,11 @@ def band_applies(query_mask: Tensor | None, T: int, window: StreamWindow) -> boo
     return bool((real[:, 1:] >= real[:, :-1]).all())  # once real, real to the end
 
 
-def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: StreamWindow, attend: Attend) -> Tensor:
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: StreamWindow, attend: Attend,
+                     bias: RelativeBias | None = None) -> Tensor:
     """The streaming rule's attention at a prefill, one block of ``window.recent`` queries at a time: each block
-    reads its request's sink tokens and the keys of its own and the previous block, not all ``T`` keys.
+    reads its request's sink tokens and the keys of its own and the previous block, not all ``T`` keys. ``bias``:
+    a relative position bias of ``q``'s heads (T5), added at each query's and key's true positions.
 
     ``q (B, Hq, T, Dh)``, ``k``/``v (B, Hkv, T, Dh)``, ``pos (B, T)`` real-token positions (``-1`` padding, which
     must come first in a row: :func:`band_applies`). Equals ``attend`` over all keys with the mask
@@ -249,5 +252,7 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: Strea
         dead = ~allowed.any(-1, keepdim=True)
         keys = torch.cat([sink_k, k[:, :, lo:end]], 2)
         values = torch.cat([sink_v, v[:, :, lo:end]], 2)
-        outs.append(attend(q[:, :, start:end], keys, values, (allowed | dead).unsqueeze(1)))
+        scores = None if bias is None else bias.at(qp, torch.cat([sink_pos, kp], -1))  # (B, Hq, b, s + band)
+        outs.append(attend(q[:, :, start:end], keys, values,
+                           biased_mask((allowed | dead).unsqueeze(1), scores, q.dtype)))
     return torch.cat(outs, 2)
