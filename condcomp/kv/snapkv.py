@@ -26,7 +26,7 @@ from torch import Tensor
 from condcomp.dense import grouped_sdpa
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
-from condcomp.kv.window import first_call_tail, query_positions
+from condcomp.kv.window import first_call_completes_prompt, first_call_tail, query_positions
 from condcomp.registry import register_kv_policy
 
 
@@ -34,8 +34,9 @@ from condcomp.registry import register_kv_policy
 class SnapState:
     """``keys``/``values (B, gw, N, Dh)``, ``positions (B, gw, N)`` (each group keeps its own tokens; -1 = empty),
     ``seen (B,)`` real tokens so far, ``prompt (B,)`` the real prompt tokens the selection was made from;
-    ``prefill_only``: nothing happened since the prefill, so a call of several tokens is another prompt chunk
-    (refused); a crop (a verifier's) ends it."""
+    ``prefill_only``: nothing happened since the prefill, which may not hold the whole prompt, so a call of several
+    tokens may be another prompt chunk (refused); a crop (a verifier's) ends it, and a prefill inside
+    ``condcomp.plan_from_prompt`` of the prompt's width never sets it (the caller said the prompt is complete)."""
 
     keys: Tensor
     values: Tensor
@@ -80,9 +81,11 @@ def best_per_group(scores: Tensor, budgets: Tensor) -> Tensor:
     return torch.zeros_like(within.expand_as(scores)).scatter(-1, ranked.indices, within & (ranked.values >= 0))
 
 
-def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor) -> SnapState:
+def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor, prefill_only: bool = True
+               ) -> SnapState:
     """The state holding the prompt tokens ``kept (B, gw, T)`` of ``k``/``v (B, gw, T, Dh)``, in position order,
-    padded to the largest count of a (row, group) with empty entries (position -1)."""
+    padded to the largest count of a (row, group) with empty entries (position -1); ``prefill_only``: the prompt may
+    go on in the next call (see :class:`SnapState`)."""
     B, gw, T, Dh = k.shape
     n = int(kept.sum(-1).max()) if kept.numel() else 0  # one host sync, at prefill
     token = torch.arange(T, device=k.device)
@@ -92,7 +95,7 @@ def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor) 
     flat = (torch.arange(B * gw, device=k.device) * T).view(B, gw, 1) + idx  # (B, gw, n)
     keys = k.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, n, Dh)
     values = v.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, n, Dh)
-    return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=True)
+    return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=prefill_only)
 
 
 def whole_share(count: Tensor, share: float) -> Tensor:
@@ -179,7 +182,10 @@ class SnapKV(KVPolicy):
             # a second prompt chunk (generate's prefill_chunk_size): the first chunk was compressed on its own
             # observation window and this one would be kept whole, which is not SnapKV's rule
             raise ValueError(f"{self.name}: the prompt must be prefilled in one call (a chunked prefill compresses "
-                             "only its first chunk); drop prefill_chunk_size, or pick another KV policy")
+                             "only its first chunk), and this call of several tokens right after the prefill may be "
+                             "a second chunk; drop prefill_chunk_size, or pick another KV policy. If the prompt was "
+                             "complete (this call is a question or a new turn), prefill it inside "
+                             "condcomp.plan_from_prompt(model, prompt width)")
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
         key_pos = pos[:, None, :].expand(B, gw, T)  # (B, gw, T)
         if state is not None:
@@ -209,7 +215,8 @@ class SnapKV(KVPolicy):
         # a spare slot (it repeats a group of a row holding fewer of the policy's groups, at gate 0) keeps nothing,
         # so the state is padded to what the held groups keep, not to a spare slot's own selection
         kept = (chosen | recent[:, None, :]) & valid[:, :, None]  # (B, gw, T)
-        return out, dead.unsqueeze(1), kept_state(k, v, pos, kept, seen)
+        # the prompt may go on in the next call unless the caller said this call holds all of it (plan_from_prompt)
+        return out, dead.unsqueeze(1), kept_state(k, v, pos, kept, seen, not first_call_completes_prompt())
 
     def keys_read(self, state: Any, T: int, S: int) -> int:
         # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own

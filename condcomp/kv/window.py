@@ -24,25 +24,36 @@ _SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent toke
 _MAX_TOKENS = 1 << 40  # sinks and windows beyond any context (and below _SINK_RANK)
 # tokens at the end of a request's first call that a verifier may take back (set by the attachment, see below)
 _FIRST_CALL_TAIL: contextvars.ContextVar[int] = contextvars.ContextVar("condcomp_first_call_tail", default=0)
+# whether a request's first call holds its whole prompt (set by the attachment under plan_from_prompt, see below)
+_PROMPT_COMPLETE: contextvars.ContextVar[bool] = contextvars.ContextVar("condcomp_prompt_complete", default=False)
 
 
 @contextlib.contextmanager
-def revertible_tail(tokens: int) -> Iterator[None]:
+def revertible_tail(tokens: int, prompt_complete: bool = False) -> Iterator[None]:
     """Inside the block, a request's first call (its prefill) keeps its last ``tokens`` tokens in the streamed
     groups' windows beyond what the window holds, until the next call, as a later call of several tokens does: they
     are candidates a verifier may take back (assisted decoding's first call is the prompt and its first candidates,
     and ``crop`` then rejects some). The attachment sets it to the tokens after the prompt under
-    :func:`condcomp.plan_from_prompt`; 0 (the default) trims a prefill to the window."""
+    :func:`condcomp.plan_from_prompt`; 0 (the default) trims a prefill to the window. ``prompt_complete``: the
+    call holds the whole prompt (``plan_from_prompt``'s width), so a later call of several tokens is a question or
+    a new turn, not a second prompt chunk (:func:`first_call_completes_prompt`)."""
     token = _FIRST_CALL_TAIL.set(max(int(tokens), 0))
+    complete = _PROMPT_COMPLETE.set(bool(prompt_complete))
     try:
         yield
     finally:
+        _PROMPT_COMPLETE.reset(complete)
         _FIRST_CALL_TAIL.reset(token)
 
 
 def first_call_tail() -> int:
     """The tokens a prefill keeps beyond the window now (:func:`revertible_tail`)."""
     return _FIRST_CALL_TAIL.get()
+
+
+def first_call_completes_prompt() -> bool:
+    """Whether the prefill now holds the request's whole prompt (:func:`revertible_tail`)."""
+    return _PROMPT_COMPLETE.get()
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,9 @@ def request_call(routed: RoutedAttention, call: DecoderCall) -> tuple[Tensor | N
     plan = decoder_request_plan(routed, step, call.x, call.mask)
     if held is None and plan.granularity == "sequence" and not routed.training:  # a request's first call
         selection = compact_selection(routed, plan, step, call.sliding_window)
-        with revertible_tail(step.after_prompt):  # candidates after the prompt (assisted decoding)
+        prompt_len = getattr(routed, "prompt_len", None)  # plan_from_prompt: the caller says where the prompt ends
+        # candidates after the prompt (assisted decoding); a call holding the whole prompt ends it
+        with revertible_tail(step.after_prompt, prompt_len is not None and call.x.shape[1] >= prompt_len):
             y = held_attention(routed, plan, selection, call, step)
         step.keep(routed, plan, selection)
         return y, step, plan
