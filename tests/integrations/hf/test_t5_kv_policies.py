@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from decode_helpers import TOL, P, extend, prompts
-from family_oracles import T5_DECODER_SELF, new_cache
+from family_oracles import T5_DECODER_SELF, new_cache, t5
 from t5_rule import t5_rule_logits
 from test_decoder_families_kv import NEW, encoder_inputs, rows_differ, wrapped
 from torch import Tensor, nn
@@ -104,12 +104,29 @@ def test_rows_reordered_and_repeated_as_beams_then_crop_equal_the_rule(name: str
     want = oracle(model, kv, cache, rows, tokens, mask)
     for i, got in enumerate(logits):
         torch.testing.assert_close(got.double(), want[:, -2 + i], **TOL, msg=f"{name} after reorder, step {i}")
-    if name == "window":  # a window of 3 evicted what a crop would need; crop is tested on the token selections
-        return
-    cache.crop(-1)  # forget the last token (not a prompt one), feed another in its place
-    tokens, mask = extend(tokens[:, :-1], mask[:, :-1], torch.tensor([[11], [12], [13]]))
+    if name != "window":  # a window of 3 evicted what a crop would need: test_a_window_crop_equals_the_rule
+        crop_and_feed_again(model, kv, cache, rows, tokens, mask)
+
+
+def crop_and_feed_again(model: nn.Module, kv: Any, cache: Any, rows: Tensor, tokens: Tensor, mask: Tensor) -> None:
+    """Forget the last token (not a prompt one), feed another in its place: the rule's logits."""
+    cache.crop(-1)
+    tokens, mask = extend(tokens[:, :-1], mask[:, :-1], torch.tensor([[11], [12], [13]])[:tokens.shape[0]])
     got = forward(model, rows, tokens, mask, cache, 1)[:, -1]
     torch.testing.assert_close(got.double(), oracle(model, kv, cache, rows, tokens, mask)[:, -1], **TOL)
+
+
+def test_a_window_crop_equals_the_rule() -> None:
+    kv = ("window", {"sinks": 1, "window": 12})  # nothing evicted within the test's tokens, so crop may go back
+    model = wrapped("t5", kv)
+    tokens, mask = t5_prompt(True)
+    rows = torch.arange(3)
+    cache = new_cache("t5")
+    for new in (P, 1, 1):
+        nxt = forward(model, rows, tokens, mask, cache, new)[:, -1].argmax(-1, keepdim=True)
+        tokens, mask = extend(tokens, mask, nxt)
+    forward(model, rows, tokens, mask, cache, 1)
+    crop_and_feed_again(model, kv, cache, rows, tokens, mask)
 
 
 def test_greedy_generate_equals_decoding_by_hand() -> None:
@@ -121,8 +138,7 @@ def test_greedy_generate_equals_decoding_by_hand() -> None:
     logits = forward(model, rows, tokens, mask, cache, P)[:, -1]
     by_hand = tokens
     for _ in range(NEW):
-        by_hand, mask_now = extend(by_hand, mask, logits.argmax(-1, keepdim=True))
-        mask = mask_now
+        by_hand, mask = extend(by_hand, mask, logits.argmax(-1, keepdim=True))
         logits = forward(model, rows, by_hand, mask, cache, 1)[:, -1]
     start, start_mask = t5_prompt(True)
     got = model.generate(**encoder_inputs(), decoder_input_ids=start, decoder_attention_mask=start_mask,
@@ -137,13 +153,26 @@ def test_a_policy_that_cannot_add_the_position_bias_is_refused_on_t5() -> None:
     sys.path.insert(0, str(Path(__file__).parents[2] / "kv"))
     import sinks_only_policy  # noqa: F401  (registers "sinks_only", which does not read a position bias)
 
-    model = wrapped("t5")  # builds a fresh model; wrap another for the refusal
-    del model
-    from family_oracles import t5
-
     fresh = t5(seed=1)
     cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk", kv=("sinks_only", {}),
                                   target_modules=[T5_DECODER_SELF])
     with pytest.raises(ValueError, match=r"apply_: .*T5's decoder: a policy with a state of its own must add"):
         condcomp.apply_(fresh, cfg)
     assert condcomp.routed_modules(fresh) == {}
+
+
+@pytest.mark.parametrize("name", ["window", "snapkv"])
+def test_padding_between_real_tokens_is_refused_under_the_position_bias(name: str) -> None:
+    # T5 measures a key's distance in cache indices, the policies in real tokens: they differ across a hole
+    model = wrapped("t5", POLICIES[name])
+    tokens, mask = t5_prompt(False)
+    right = mask.clone()
+    right[0, -2:] = 0  # right padding: later tokens would sit after a hole
+    with pytest.raises(ValueError, match="relative position bias.*padding_side='left'"):
+        forward(model, torch.arange(3), tokens, right, new_cache("t5"), P)
+    cache = new_cache("t5")
+    forward(model, torch.arange(3), tokens, mask, cache, P)
+    tokens, mask = extend(tokens, mask, torch.tensor([[5], [6], [7]]))
+    mask[1, -1] = 0  # a padded token after the first call
+    with pytest.raises(ValueError, match="relative position bias"):
+        forward(model, torch.arange(3), tokens, mask, cache, 1)
