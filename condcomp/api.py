@@ -326,7 +326,9 @@ def plan_from_prompt(model: nn.Module, prompt_len: int) -> Iterator[nn.Module]:
     continuation: put the loss on positions ``>= prompt_len``. Per-token plans (MoH) are unaffected: each token
     is routed from itself. With left padding, ``prompt_len`` counts the padding (the padded prompt width). With a
     KV cache a held plan is decided at the request's first call, from at most ``prompt_len`` of its positions: a
-    chunked prefill (``generate(prefill_chunk_size=...)``) decides it from its first chunk only.
+    chunked prefill (``generate(prefill_chunk_size=...)``) decides it from its first chunk only. A first call of the
+    whole width holds the whole prompt, so under ``kv='snapkv'`` / ``'adakv'`` a call of several tokens (a question,
+    a new turn) may follow it; without this block such a call right after the prefill is refused (a second chunk?).
 
     >>> import condcomp
     >>> model = nn.Sequential(condcomp.HeadAttention(16, 4, causal=True))

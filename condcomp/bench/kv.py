@@ -68,6 +68,7 @@ from condcomp.bench.kv_variants import (
 from condcomp.cli_args import integer, output_folder
 from condcomp.experiments.llm.importance_file import importance_file
 from condcomp.experiments.progress import progress_bar
+from condcomp.kv.continuation import prompt_plans
 
 kv_press.register(VARIANTS, MODELS, KVVariant)  # kvpress's presses beside condcomp's variants (optional extra)
 
@@ -112,7 +113,8 @@ class Bench:
         """``(last logits (B, V), dynamic cache)`` of the model ``key`` on ``ids``; a head-wise kvpress variant's
         press masks during it, and the eviction presses of ``group`` capture their caches from it."""
         model = self.model(key)
-        with kv_press.prefill_context(key, model, ids.shape[1], group or []) as self.pressed:
+        with kv_press.prefill_context(key, model, ids.shape[1], group or []) as self.pressed, prompt_plans(
+                model, ids.shape[1]):  # the whole prompt: what follows may come in one call (snapkv, adakv)
             out = model(input_ids=ids.to(self.device), use_cache=True, logits_to_keep=1)
         if key in kv_press.PRESS_VARIANTS:
             kv_press.mark_seen(out.cache, ids.shape[1])  # the cache may hold fewer tokens than it has seen
@@ -121,8 +123,6 @@ class Bench:
 
     def step(self, variant: str, ids: Tensor, cache: Any) -> tuple[Tensor, Any]:
         """Feed ``ids (B, T)`` on ``cache``: ``(logits (B, T, V), cache)``."""
-        if VARIANTS[variant].stepwise and ids.shape[1] > 1:  # one token per call (KVVariant.stepwise)
-            return torch.cat([self.step(variant, ids[:, i:i + 1], cache)[0] for i in range(ids.shape[1])], 1), cache
         extra = {}
         if (positions := kv_press.true_positions(cache, ids.shape[1])) is not None:  # after a press's eviction
             extra["position_ids"] = positions.to(self.device)

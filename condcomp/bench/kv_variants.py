@@ -31,15 +31,11 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class KVVariant:
-    """``model``: a :data:`MODELS` key; ``cache``: a :data:`CACHES` key, None for the model's own dynamic cache;
-    ``stepwise``: tokens after the prefill are fed one per call (a token-selecting KV policy refuses a call of
-    several tokens right after the prefill, which could be a second prompt chunk; one by one is the same causal
-    computation)."""
+    """``model``: a :data:`MODELS` key; ``cache``: a :data:`CACHES` key, None for the model's own dynamic cache."""
 
     model: str
     cache: str | None = None
     note: str = ""
-    stepwise: bool = False
 
 
 # Quantized caches: (transformers backend, its options, the packages it needs beyond transformers).
@@ -94,11 +90,11 @@ VARIANTS: dict[str, KVVariant] = {
 for _frac in (0.5, 0.25):  # token selection in every KV group, at kvpress's SnapKV / AdaKV press settings
     VARIANTS[f"snapkv-{_frac:.2f}"] = KVVariant(
         f"snapkv-{_frac:.2f}", note=f"condcomp kv='snapkv' in every KV group: {_frac:.2f} of each prompt's tokens "
-        "(SnapKV's scores from the last 64 prompt queries, pooled over 5), the evicted tokens freed", stepwise=True)
+        "(SnapKV's scores from the last 64 prompt queries, pooled over 5), the evicted tokens freed")
     VARIANTS[f"adakv-{_frac:.2f}"] = KVVariant(
         f"adakv-{_frac:.2f}", note=f"condcomp kv='adakv' in every KV group: {_frac:.2f} of each prompt's tokens per "
         "group on average, shared over a layer's groups by SnapKV's scores (each group at least 0.2 of its share), "
-        "stored padded to the layer's largest group", stepwise=True)
+        "stored padded to the layer's largest group")
 DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
                     "drop-keep2of3+fp8")
 # Variants still to build (listed under the table): none at present.

@@ -27,6 +27,7 @@ from condcomp.dense import grouped_sdpa, project_kv
 from condcomp.executors.base import keep_gates_in_graph
 from condcomp.host import LastForward
 from condcomp.kv.policy import KV_FULL, KV_WINDOW
+from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection, select_kv
 from condcomp.masks import AttentionMask, build_attention_mask, dead_rows
 from condcomp.plans import kv_groups_used
@@ -86,6 +87,8 @@ class CompactKV:
     - ``projections``: how to project (None: the canonical weights).
     - ``placeholder_width``: when no group is kept in full, the full-length tensor holds a placeholder of this width
       that only counts the tokens (a quantized cache layer that quantizes in groups of ``n`` values needs ``n``).
+    - ``position_bias``: a relative position bias the model adds to its scores (T5), which the KV policy's groups
+      add at their kept keys' true positions (the full slots get it in ``attn_bias``); None without one.
     """
 
     selection: KVSelection
@@ -95,6 +98,7 @@ class CompactKV:
     keep_windows: Callable[[Any], None] | None = None
     projections: Projections | None = None
     placeholder_width: int = 1
+    position_bias: RelativeBias | None = None  # the model's relative position bias of every query head (T5)
 
 
 def _heads_of_slots(index: Tensor, r: int) -> Tensor:
@@ -196,7 +200,13 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw, T, Dh)
         v = _slots(v_all, sel.window_index, False).transpose(1, 2)
         keep = cache.keep_windows is not None
-        joint = {"slot_valid": sel.window_valid} if sel.policy.reads_slot_validity else {}  # opt-in argument
+        joint: dict[str, Any] = {"slot_valid": sel.window_valid} if sel.policy.reads_slot_validity else {}
+        if cache.position_bias is not None:  # opt-in arguments, as slot_valid
+            if not sel.policy.reads_position_bias:
+                raise ValueError(f"the KV policy {sel.policy.name!r} cannot add this model's relative position bias "
+                                 "to its groups' scores (reads_position_bias): use kv='window', 'snapkv', 'adakv', "
+                                 "'full' or 'drop' here")
+            joint["position_bias"] = cache.position_bias.for_heads(_heads_of_slots(sel.window_index, r))
         out, w_dead, state = sel.policy.attend(q, k, v, cache.windows, inputs.mask, layout.scale, keep, **joint)
         if cache.keep_windows is not None:
             cache.keep_windows(state)

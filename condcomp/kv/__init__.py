@@ -3,7 +3,8 @@
 Read it in this order:
 
 1. policy.py: the KV policy, the fourth role: what a group the request's plan does not keep holds (``drop``,
-   ``full``, or a state of the policy's own) and everything about that state (attend, rows, crop, bytes).
+   ``full``, or a state of the policy's own) and everything about that state (attend, rows, crop, bytes);
+   position_bias.py: a model's relative position bias (T5's) that a policy adds at its kept keys' true distances.
 2. window.py: the ``window`` policy's storage, a trimmed per-layer cache of sinks + recent tokens, and its
    block-banded prefill; window_quant.py: the same window stored quantized inside a quantized cache.
 3. window_policy.py: the ``window`` policy itself (StreamingLLM / DuoAttention's streaming heads); snapkv.py:
@@ -29,6 +30,7 @@ True
 from condcomp.kv.adakv import AdaKV
 from condcomp.kv.choose import build_kv_policy, kv_policy_of
 from condcomp.kv.policy import KV_FULL, KV_MODE_NAMES, KV_NONE, KV_WINDOW, DropKV, FullKV, KVPolicy
+from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import HeldPlan, KVSelection, RequestPlan, as_kv_policy, decision_mask, pad_slots, select_kv
 from condcomp.kv.snapkv import SnapKV, SnapState
 from condcomp.kv.window import StreamWindow, WindowCache
@@ -36,6 +38,6 @@ from condcomp.kv.window_policy import WindowKV
 from condcomp.kv.window_quant import QuantizedWindowCache, WindowCodec
 
 __all__ = ["AdaKV", "KV_FULL", "KV_MODE_NAMES", "KV_NONE", "KV_WINDOW", "DropKV", "FullKV", "HeldPlan", "KVPolicy",
-           "KVSelection", "QuantizedWindowCache", "RequestPlan", "SnapKV", "SnapState", "StreamWindow", "WindowCache",
-           "WindowCodec", "WindowKV", "as_kv_policy", "build_kv_policy", "decision_mask", "kv_policy_of", "pad_slots",
-           "select_kv"]
+           "KVSelection", "QuantizedWindowCache", "RelativeBias", "RequestPlan", "SnapKV", "SnapState", "StreamWindow",
+           "WindowCache", "WindowCodec", "WindowKV", "as_kv_policy", "build_kv_policy", "decision_mask", "kv_policy_of",
+           "pad_slots", "select_kv"]

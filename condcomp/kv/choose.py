@@ -26,7 +26,8 @@ def check_kv_support(config: Any, modules: list[tuple[str, Any]], attachment: st
     """Refuse, before anything is wrapped, a config whose KV policy keeps the groups a plan does not keep (``full``,
     ``window``, the router's ``stream_window``, a policy of one's own) on modules whose adapter cannot hold it:
     ``modules`` are ``(name, adapter class or None)``; adapters that can set ``holds_kv_policies = True``, or to
-    the ``KVPolicy.stores`` kinds they hold (``("none", "full")``: not a state of the policy's own)."""
+    the ``KVPolicy.stores`` kinds they hold (``("none", "full")``: not a state of the policy's own); one that sets
+    ``adds_position_bias`` (T5) holds a policy's own state only if the policy reads it (``reads_position_bias``)."""
     stream = config.router[1].get("stream_window") is not None
     policy = build_kv_policy(config.kv)
     if not (stream or policy.needs_cache):
@@ -43,6 +44,9 @@ def check_kv_support(config: Any, modules: list[tuple[str, Any]], attachment: st
 
     def holds(adapter: Any) -> bool:
         kinds = getattr(adapter, "holds_kv_policies", False)
+        if stores == "own" and getattr(adapter, "adds_position_bias", False) and not stream and not getattr(
+                policy, "reads_position_bias", False):  # T5: the policy's own groups must add the position bias
+            return False
         return kinds is True or (isinstance(kinds, tuple) and stores in kinds)
 
     unable = [name for name, adapter in modules if not holds(adapter)]
@@ -52,9 +56,10 @@ def check_kv_support(config: Any, modules: list[tuple[str, Any]], attachment: st
         raise ValueError(
             f"{attachment}: {what} keeps key/value groups a plan does not keep in a compact KV cache, which only the "
             "module swap of the Llama-family decoders (LlamaAttention, Qwen2/3, Mistral, Gemma), GPT-2 and BERT as "
-            "a decoder holds (T5's decoder: kv='full' only, its position bias would not reach a policy's own "
-            f"state); {unable[:3]}{' ...' if len(unable) > 3 else ''}{where} would cache every head and silently "
-            "drop those groups instead. Use kv='drop' (the default) here, or condcomp.apply_ on such a decoder")
+            "a decoder holds (T5's decoder: a policy with a state of its own must add the position bias, "
+            f"reads_position_bias); {unable[:3]}{' ...' if len(unable) > 3 else ''}{where} would cache every head "
+            "and silently drop those groups instead. Use kv='drop' (the default) here, or condcomp.apply_ on such "
+            "a decoder")
 
 
 def kv_policy_of(routed: Any) -> KVPolicy:

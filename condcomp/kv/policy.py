@@ -46,6 +46,10 @@ class KVPolicy:
     # attend gets ``slot_valid=`` (B, gw) bool, which of its slots hold a group of the row (the others are spare
     # slots repeating one, gate 0): a policy that chooses across a row's groups jointly must skip spare slots
     reads_slot_validity: ClassVar[bool] = False
+    # attend gets ``position_bias=`` (a :class:`~condcomp.kv.position_bias.RelativeBias` narrowed to its slots'
+    # heads) on a model that adds a relative position bias to its scores (T5's decoder); a policy that cannot add it
+    # is refused on such a model
+    reads_position_bias: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -68,7 +72,10 @@ class KVPolicy:
         (after rotary), ``state`` before the call (None at prefill), ``query_mask (B, T)`` real tokens or None.
         Returns ``(out (B, gw*r, T, Dh), dead (B, 1, T) queries that see no key, new state or None if not keep)``.
         A policy with ``reads_slot_validity = True`` is also given the keyword ``slot_valid (B, gw)`` bool (see
-        :attr:`~condcomp.kv.selection.KVSelection.window_valid`); others are called without it."""
+        :attr:`~condcomp.kv.selection.KVSelection.window_valid`); others are called without it. One with
+        ``reads_position_bias = True`` is given ``position_bias`` (a
+        :class:`~condcomp.kv.position_bias.RelativeBias` of its ``gw*r`` query heads, or None): it adds the bias of
+        each query's and kept key's true positions to their score."""
         raise NotImplementedError(f"KV policy {self.name!r} stores {self.stores!r}: it holds no state to attend")
 
     def keys_read(self, state: Any, T: int, S: int) -> int:

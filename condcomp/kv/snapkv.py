@@ -25,7 +25,8 @@ from torch import Tensor
 
 from condcomp.dense import grouped_sdpa
 from condcomp.kv.policy import KVPolicy
-from condcomp.kv.window import first_call_tail, query_positions
+from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
+from condcomp.kv.window import first_call_completes_prompt, first_call_tail, query_positions
 from condcomp.registry import register_kv_policy
 
 
@@ -33,8 +34,9 @@ from condcomp.registry import register_kv_policy
 class SnapState:
     """``keys``/``values (B, gw, N, Dh)``, ``positions (B, gw, N)`` (each group keeps its own tokens; -1 = empty),
     ``seen (B,)`` real tokens so far, ``prompt (B,)`` the real prompt tokens the selection was made from;
-    ``prefill_only``: nothing happened since the prefill, so a call of several tokens is another prompt chunk
-    (refused); a crop (a verifier's) ends it."""
+    ``prefill_only``: nothing happened since the prefill, which may not hold the whole prompt, so a call of several
+    tokens may be another prompt chunk (refused); a crop (a verifier's) ends it, and a prefill inside
+    ``condcomp.plan_from_prompt`` of the prompt's width never sets it (the caller said the prompt is complete)."""
 
     keys: Tensor
     values: Tensor
@@ -53,14 +55,17 @@ class SnapState:
 
 
 def observation_scores(q: Tensor, k: Tensor, pos: Tensor, observed: Tensor, scored: Tensor, pool: int,
-                       scale: float) -> Tensor:
+                       scale: float, bias: Tensor | None = None) -> Tensor:
     """SnapKV's score of every prompt token: the attention the observation window's queries ``observed (B, T)``
     pay it (softmax over the keys each query sees, summed over those queries and the group's heads), zero outside
     ``scored (B, T)``, average-pooled over ``pool`` tokens (zero padded); -1 outside ``scored``. ``q (B, gw*r, T,
-    Dh)``, ``k (B, gw, T, Dh)``, ``pos (B, T)`` (-1: padding). Returns ``(B, gw, T)`` in float32."""
+    Dh)``, ``k (B, gw, T, Dh)``, ``pos (B, T)`` (-1: padding), ``bias (B, gw*r, T, T)`` the model's position bias
+    on the scores (T5) or None. Returns ``(B, gw, T)`` in float32."""
     B, gw, T, Dh = k.shape
     r = q.shape[1] // max(gw, 1)
     logits = torch.einsum("bgrtd,bgsd->bgrts", q.float().view(B, gw, r, T, Dh), k.float()) * scale
+    if bias is not None:  # the attention the model really pays: its scores with the position bias
+        logits = logits + bias.float().view(B, gw, r, T, T)
     causal = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)  # (B, T, S)
     attn = logits.masked_fill(~causal[:, None, None], float("-inf")).softmax(-1).nan_to_num(0.0)
     scores = (attn * observed[:, None, None, :, None]).sum((2, 3))  # (B, gw, S): summed over heads, queries
@@ -76,9 +81,11 @@ def best_per_group(scores: Tensor, budgets: Tensor) -> Tensor:
     return torch.zeros_like(within.expand_as(scores)).scatter(-1, ranked.indices, within & (ranked.values >= 0))
 
 
-def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor) -> SnapState:
+def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor, prefill_only: bool = True
+               ) -> SnapState:
     """The state holding the prompt tokens ``kept (B, gw, T)`` of ``k``/``v (B, gw, T, Dh)``, in position order,
-    padded to the largest count of a (row, group) with empty entries (position -1)."""
+    padded to the largest count of a (row, group) with empty entries (position -1); ``prefill_only``: the prompt may
+    go on in the next call (see :class:`SnapState`)."""
     B, gw, T, Dh = k.shape
     n = int(kept.sum(-1).max()) if kept.numel() else 0  # one host sync, at prefill
     token = torch.arange(T, device=k.device)
@@ -88,7 +95,7 @@ def kept_state(k: Tensor, v: Tensor, pos: Tensor, kept: Tensor, prompt: Tensor) 
     flat = (torch.arange(B * gw, device=k.device) * T).view(B, gw, 1) + idx  # (B, gw, n)
     keys = k.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, n, Dh)
     values = v.reshape(B * gw * T, Dh).index_select(0, flat.reshape(-1)).view(B, gw, n, Dh)
-    return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=True)
+    return SnapState(keys, values, entry_pos, prompt, prompt, prefill_only=prefill_only)
 
 
 def whole_share(count: Tensor, share: float) -> Tensor:
@@ -136,6 +143,7 @@ class SnapKV(KVPolicy):
     fraction: float | None = None
     stores: ClassVar[str] = "own"
     reads_slot_validity: ClassVar[bool] = True  # spare slots keep nothing
+    reads_position_bias: ClassVar[bool] = True  # T5: scores and attention with each kept key's true-position bias
 
     def __post_init__(self) -> None:
         check_options("snapkv", self)
@@ -146,31 +154,38 @@ class SnapKV(KVPolicy):
         return self.observe
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
-               keep: bool, slot_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Any]:
+               keep: bool, slot_valid: Tensor | None = None, position_bias: RelativeBias | None = None
+               ) -> tuple[Tensor, Tensor, Any]:
         T = q.shape[2]
+        if position_bias is not None:
+            check_contiguous(self.name, query_mask, state is None)
         tail = min(first_call_tail(), T - 1) if state is None else 0
         if tail <= 0:
-            return self._attend(q, k, v, state, query_mask, scale, keep, slot_valid, False)
+            return self._attend(q, k, v, state, query_mask, scale, keep, slot_valid, False, position_bias)
         # a first call that carries tokens after the prompt (assisted decoding's candidates, revertible_tail): the
         # prompt is compressed on its own observation window, then the tail is a later call on it, as when
         # decoded one by one (and a verifier can take it back)
         P = T - tail
         head_mask, tail_mask = (None, None) if query_mask is None else (query_mask[:, :P], query_mask[:, P:])
         out, dead, prompt = self._attend(q[:, :, :P], k[:, :, :P], v[:, :, :P], None, head_mask, scale, True,
-                                         slot_valid, False)
+                                         slot_valid, False, position_bias)
         out2, dead2, new = self._attend(q[:, :, P:], k[:, :, P:], v[:, :, P:], prompt, tail_mask, scale, keep,
-                                        slot_valid, True)
+                                        slot_valid, True, position_bias)
         return torch.cat([out, out2], 2), torch.cat([dead, dead2], -1), new
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
-                keep: bool, slot_valid: Tensor | None, after_prompt: bool) -> tuple[Tensor, Tensor, Any]:
+                keep: bool, slot_valid: Tensor | None, after_prompt: bool,
+                position_bias: RelativeBias | None) -> tuple[Tensor, Tensor, Any]:
         B, H, T, _ = q.shape
         gw = k.shape[1]
         if state is not None and T > 1 and not after_prompt and state.prefill_only:
             # a second prompt chunk (generate's prefill_chunk_size): the first chunk was compressed on its own
             # observation window and this one would be kept whole, which is not SnapKV's rule
             raise ValueError(f"{self.name}: the prompt must be prefilled in one call (a chunked prefill compresses "
-                             "only its first chunk); drop prefill_chunk_size, or pick another KV policy")
+                             "only its first chunk), and this call of several tokens right after the prefill may be "
+                             "a second chunk; drop prefill_chunk_size, or pick another KV policy. If the prompt was "
+                             "complete (this call is a question or a new turn), prefill it inside "
+                             "condcomp.plan_from_prompt(model, prompt width)")
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
         key_pos = pos[:, None, :].expand(B, gw, T)  # (B, gw, T)
         if state is not None:
@@ -179,7 +194,8 @@ class SnapKV(KVPolicy):
         allowed = (key_pos[:, :, None, :] >= 0) & (key_pos[:, :, None, :] <= pos[:, None, :, None])  # (B, gw, T, N)
         dead = ~allowed.any(-1).any(1)  # (B, T): padding queries (a real one sees itself in every group)
         mask = (allowed | dead[:, None, :, None]).repeat_interleave(H // max(gw, 1), dim=1)  # (B, H, T, N)
-        out = grouped_sdpa(q, k, v, mask, False, scale)
+        bias = None if position_bias is None else position_bias.at(pos, key_pos)  # (B, H, T, N)
+        out = grouped_sdpa(q, k, v, biased_mask(mask, bias, q.dtype), False, scale)
         if not keep:
             return out, dead.unsqueeze(1), None
         seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
@@ -192,14 +208,15 @@ class SnapKV(KVPolicy):
         valid = torch.ones(B, gw, dtype=torch.bool, device=k.device) if slot_valid is None else slot_valid
         observed = (pos >= (seen - self.observe).unsqueeze(-1)) & (pos >= 0)  # (B, T): the window's queries
         recent = (pos >= (seen - self.recent).unsqueeze(-1)) & (pos >= 0)  # (B, T): kept whole
-        scores = observation_scores(q, k, pos, observed, (pos >= 0) & ~recent, self.pool, scale)  # (B, gw, T)
+        scores = observation_scores(q, k, pos, observed, (pos >= 0) & ~recent, self.pool, scale, bias)  # (B, gw, T)
         budgets = prompt_budgets(seen, recent.sum(-1), self.budget, self.fraction)  # (B,)
         valid = valid.to(k.device)
         chosen = self._choose(scores, budgets, valid)
         # a spare slot (it repeats a group of a row holding fewer of the policy's groups, at gate 0) keeps nothing,
         # so the state is padded to what the held groups keep, not to a spare slot's own selection
         kept = (chosen | recent[:, None, :]) & valid[:, :, None]  # (B, gw, T)
-        return out, dead.unsqueeze(1), kept_state(k, v, pos, kept, seen)
+        # the prompt may go on in the next call unless the caller said this call holds all of it (plan_from_prompt)
+        return out, dead.unsqueeze(1), kept_state(k, v, pos, kept, seen, not first_call_completes_prompt())
 
     def keys_read(self, state: Any, T: int, S: int) -> int:
         # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own

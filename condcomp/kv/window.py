@@ -17,31 +17,43 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from condcomp.kv.position_bias import RelativeBias, biased_mask
 from condcomp.masks import streaming_allowed
 
 _SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent token when trimming
 _MAX_TOKENS = 1 << 40  # sinks and windows beyond any context (and below _SINK_RANK)
 # tokens at the end of a request's first call that a verifier may take back (set by the attachment, see below)
 _FIRST_CALL_TAIL: contextvars.ContextVar[int] = contextvars.ContextVar("condcomp_first_call_tail", default=0)
+# whether a request's first call holds its whole prompt (set by the attachment under plan_from_prompt, see below)
+_PROMPT_COMPLETE: contextvars.ContextVar[bool] = contextvars.ContextVar("condcomp_prompt_complete", default=False)
 
 
 @contextlib.contextmanager
-def revertible_tail(tokens: int) -> Iterator[None]:
+def revertible_tail(tokens: int, prompt_complete: bool = False) -> Iterator[None]:
     """Inside the block, a request's first call (its prefill) keeps its last ``tokens`` tokens in the streamed
     groups' windows beyond what the window holds, until the next call, as a later call of several tokens does: they
     are candidates a verifier may take back (assisted decoding's first call is the prompt and its first candidates,
     and ``crop`` then rejects some). The attachment sets it to the tokens after the prompt under
-    :func:`condcomp.plan_from_prompt`; 0 (the default) trims a prefill to the window."""
+    :func:`condcomp.plan_from_prompt`; 0 (the default) trims a prefill to the window. ``prompt_complete``: the
+    call holds the whole prompt (``plan_from_prompt``'s width), so a later call of several tokens is a question or
+    a new turn, not a second prompt chunk (:func:`first_call_completes_prompt`)."""
     token = _FIRST_CALL_TAIL.set(max(int(tokens), 0))
+    complete = _PROMPT_COMPLETE.set(bool(prompt_complete))
     try:
         yield
     finally:
+        _PROMPT_COMPLETE.reset(complete)
         _FIRST_CALL_TAIL.reset(token)
 
 
 def first_call_tail() -> int:
     """The tokens a prefill keeps beyond the window now (:func:`revertible_tail`)."""
     return _FIRST_CALL_TAIL.get()
+
+
+def first_call_completes_prompt() -> bool:
+    """Whether the prefill now holds the request's whole prompt (:func:`revertible_tail`)."""
+    return _PROMPT_COMPLETE.get()
 
 
 @dataclass(frozen=True)
@@ -220,9 +232,11 @@ def band_applies(query_mask: Tensor | None, T: int, window: StreamWindow) -> boo
     return bool((real[:, 1:] >= real[:, :-1]).all())  # once real, real to the end
 
 
-def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: StreamWindow, attend: Attend) -> Tensor:
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: StreamWindow, attend: Attend,
+                     bias: RelativeBias | None = None) -> Tensor:
     """The streaming rule's attention at a prefill, one block of ``window.recent`` queries at a time: each block
-    reads its request's sink tokens and the keys of its own and the previous block, not all ``T`` keys.
+    reads its request's sink tokens and the keys of its own and the previous block, not all ``T`` keys. ``bias``:
+    a relative position bias of ``q``'s heads (T5), added at each query's and key's true positions.
 
     ``q (B, Hq, T, Dh)``, ``k``/``v (B, Hkv, T, Dh)``, ``pos (B, T)`` real-token positions (``-1`` padding, which
     must come first in a row: :func:`band_applies`). Equals ``attend`` over all keys with the mask
@@ -249,5 +263,7 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: Strea
         dead = ~allowed.any(-1, keepdim=True)
         keys = torch.cat([sink_k, k[:, :, lo:end]], 2)
         values = torch.cat([sink_v, v[:, :, lo:end]], 2)
-        outs.append(attend(q[:, :, start:end], keys, values, (allowed | dead).unsqueeze(1)))
+        scores = None if bias is None else bias.at(qp, torch.cat([sink_pos, kp], -1))  # (B, Hq, b, s + band)
+        outs.append(attend(q[:, :, start:end], keys, values,
+                           biased_mask((allowed | dead).unsqueeze(1), scores, q.dtype)))
     return torch.cat(outs, 2)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from condcomp.dense import grouped_sdpa
 from condcomp.kv.policy import KVPolicy
+from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
 from condcomp.kv.window import (
     StreamWindow,
     WindowCache,
@@ -47,6 +48,7 @@ class WindowKV(KVPolicy):
     window: int = 64
     model_window: int | None = None
     stores: ClassVar[str] = "own"
+    reads_position_bias: ClassVar[bool] = True  # T5: each kept key's bias at its true position
 
     def __post_init__(self) -> None:
         StreamWindow(self.sinks, self.window, self.model_window)  # validates the three
@@ -61,19 +63,23 @@ class WindowKV(KVPolicy):
         return dataclasses.replace(self, model_window=int(narrower))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
-               keep: bool) -> tuple[Tensor, Tensor, Any]:
+               keep: bool, position_bias: RelativeBias | None = None) -> tuple[Tensor, Tensor, Any]:
         window = self.window_spec
         B, _, T, _ = q.shape
+        if position_bias is not None:
+            check_contiguous(self.name, query_mask, state is None)
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
         keys, values, key_pos = extend(state, k, v, pos)
         if state is None and band_applies(query_mask, T, window):  # a long prefill: block by block
             dead = pos < 0  # (B, T): padding queries
             out = banded_attention(q, keys, values, pos, window,
-                                   lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale))
+                                   lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale), position_bias)
         else:
             allowed = window.allowed(pos, key_pos)  # (B, T, N)
             dead = ~allowed.any(-1)  # (B, T): padding queries
-            out = grouped_sdpa(q, keys, values, (allowed | dead.unsqueeze(-1)).unsqueeze(1), False, scale)
+            scores = None if position_bias is None else position_bias.at(pos, key_pos)  # (B, gw*r, T, N)
+            mask = biased_mask((allowed | dead.unsqueeze(-1)).unsqueeze(1), scores, q.dtype)
+            out = grouped_sdpa(q, keys, values, mask, False, scale)
         new = None
         if keep:
             seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)

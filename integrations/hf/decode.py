@@ -30,6 +30,7 @@ from condcomp.executors.auto import resolve_executor
 from condcomp.executors.cached import CompactKV, Projections
 from condcomp.host import LastForward
 from condcomp.kv.choose import kv_policy_of
+from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection, pad_slots, select_kv
 from condcomp.kv.window import revertible_tail
 from condcomp.types import AttentionInputs, HeadPlan
@@ -53,7 +54,9 @@ class DecoderCall:
     - ``projections``: the layer's q/k/v/o as the module runs them (its own forwards: exact for LoRA).
     - ``rotary``: ``(cos, sin)``, each ``(B, T, Dh)``, or None; ``sliding_window``: the layer's own window or None.
     - ``score_bias``: a per-head term added to the scores, ``(B|1, H, T, S)`` over the ``S`` keys after the call
-      (T5's relative position bias), or None.
+      (T5's relative position bias), or None; ``relative_bias``: the same bias as a function of the distance from
+      query to key (:class:`~condcomp.kv.position_bias.RelativeBias`), which a KV policy's groups add at their kept
+      keys' true positions, or None.
     """
 
     x: Tensor
@@ -65,6 +68,7 @@ class DecoderCall:
     rotary: tuple[Tensor, Tensor] | None = None
     sliding_window: int | None = None
     score_bias: Tensor | None = None
+    relative_bias: RelativeBias | None = None
 
     @property
     def self_cache(self) -> Any:
@@ -108,7 +112,9 @@ def request_call(routed: RoutedAttention, call: DecoderCall) -> tuple[Tensor | N
     plan = decoder_request_plan(routed, step, call.x, call.mask)
     if held is None and plan.granularity == "sequence" and not routed.training:  # a request's first call
         selection = compact_selection(routed, plan, step, call.sliding_window)
-        with revertible_tail(step.after_prompt):  # candidates after the prompt (assisted decoding)
+        prompt_len = getattr(routed, "prompt_len", None)  # plan_from_prompt: the caller says where the prompt ends
+        # candidates after the prompt (assisted decoding); a call holding the whole prompt ends it
+        with revertible_tail(step.after_prompt, prompt_len is not None and call.x.shape[1] >= prompt_len):
             y = held_attention(routed, plan, selection, call, step)
         step.keep(routed, plan, selection)
         return y, step, plan
@@ -180,7 +186,7 @@ def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, ca
     # no group kept in full: the full-length tensor is a placeholder that counts the tokens
     width = placeholder_width(cache_layer(cache, layer_idx), B, T, step.held is None) if sel.slots == 0 else 1
     compact = CompactKV(sel, slot.store, S if mask is None else None, windows, slot.keep_windows, call.projections,
-                        width)
+                        width, call.relative_bias)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if routed.training else 0.0, kv_cache=compact)
     weights = routed.weights()

@@ -6,9 +6,10 @@ later layer through ``position_bias``. The wrapped module returns what ``T5Atten
 ``(output, position_bias, attn_weights)`` with the bias unmasked, so wrapped and unwrapped layers can be mixed.
 The bias reaches the executors as ``attn_bias`` (per head), added to the padding/causal mask. KV cache: decoder
 self-attention runs the base decoder sequence (:func:`.decode.decoder_attention`: the compact per-request cache,
-the bias as its score term) under ``kv='drop'`` or ``'full'``; a policy with a state of its own (``window``,
-``snapkv``) is refused at ``apply_``: its attention would not add the position bias. Cross-attention computes every
-head's keys once (``is_updated``).
+the bias as its score term) under every KV policy: a policy with a state of its own (``window``, ``snapkv``,
+``adakv``) adds to each kept key the bias of its true distance from the query
+(:class:`~condcomp.kv.position_bias.RelativeBias`); one that cannot (``reads_position_bias`` unset) is refused at
+``apply_``. Cross-attention computes every head's keys once (``is_updated``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from condcomp.adapters import register_adapter
 from condcomp.dense import split_heads
 from condcomp.executors.cached import Projections
+from condcomp.kv.position_bias import RelativeBias
 from condcomp.projections import linear_parts
 from condcomp.types import AttentionWeights, HeadLayout
 
@@ -45,9 +47,10 @@ class T5AttentionAdapter(TransformersAdapter):
     """``T5Attention``: self- or cross-attention (decided per call by ``key_value_states``, as in T5)."""
 
     module_types = import_classes([("transformers.models.t5.modeling_t5", "T5Attention")])
-    # the decoder self-attention's calls on a cache run on the compact cache (.decode) under the policies that keep
-    # unkept groups nowhere or in the full cache; a policy's own state would not see the position bias
-    holds_kv_policies = ("none", "full")
+    # the decoder self-attention's calls on a cache run on the compact cache (.decode); a KV policy's own state
+    # gets the position bias as a RelativeBias, so only policies that read it are accepted (condcomp.kv.choose)
+    holds_kv_policies = True
+    adds_position_bias = True
 
     @classmethod
     def structure_problem(cls, module: nn.Module) -> str | None:
@@ -113,7 +116,9 @@ class T5AttentionAdapter(TransformersAdapter):
             call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj)
             if position_bias is None:
                 position_bias = self._position_bias(routed, T, call.num_keys(int(past)), x, past)
-            call = dataclasses.replace(call, score_bias=position_bias)  # (1, H, T, S), added to the mask's
+            relative = RelativeBias.from_scores(position_bias, int(past) + T - 1)  # its last query's distances
+            call = dataclasses.replace(call, score_bias=position_bias,  # (1, H, T, S), added to the mask's
+                                       relative_bias=relative)
             return decoder_attention(routed, call), position_bias, None
         step = open_step(routed, cache, self.layer_idx, B, T, cross=True) if cache is not None else None
         key_states = value_states = None

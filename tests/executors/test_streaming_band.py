@@ -52,3 +52,33 @@ def test_band_applies_to_long_left_padded_prefills_only() -> None:
     right = torch.ones(2, 12, dtype=torch.bool)
     right[0, -2:] = False  # right padding: real positions are not a band of indices
     assert not band_applies(right, 12, w)
+
+
+def test_banded_prefill_adds_a_relative_position_bias_at_true_distances() -> None:
+    # T5: each query and key get the bias of their real-token distance, table[h, min(p - j, D - 1)], in every block
+    from condcomp.kv.position_bias import RelativeBias
+
+    g = torch.Generator().manual_seed(5)
+    B, H, T, Dh, D = 2, 2, 21, 8, 6
+    q, k, v = (torch.randn(B, H, T, Dh, generator=g) for _ in range(3))
+    real = torch.ones(B, T, dtype=torch.bool)
+    real[1, :4] = False  # left padding
+    pos = (real.long().cumsum(-1) - 1).masked_fill(~real, -1)
+    table = torch.randn(1, H, D, generator=g) * 3
+    w = StreamWindow(2, 4)
+    bias = RelativeBias(table).for_heads(torch.arange(H).expand(B, H))
+    got = banded_attention(q, k, v, pos, w, lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, 1.0), bias)
+    want = torch.zeros(B, H, T, Dh, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                p = int(pos[b, i])
+                if p < 0:
+                    continue
+                keys = [j for j in range(T) if 0 <= int(pos[b, j]) <= p
+                        and (int(pos[b, j]) < w.sinks or p - int(pos[b, j]) < w.window)]
+                s = k[b, h, keys].double() @ q[b, h, i].double()
+                s = s + torch.tensor([float(table[0, h, min(p - int(pos[b, j]), D - 1)]) for j in keys]).double()
+                want[b, h, i] = torch.softmax(s, 0) @ v[b, h, keys].double()
+    got = got.masked_fill(~real[:, None, :, None], 0.0)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

@@ -268,3 +268,32 @@ def test_a_fraction_of_the_prompt_is_exact_when_the_product_is_whole() -> None:
     scores = torch.cat([torch.full((1, 1, 300), 0.1), torch.full((1, 1, 300), 0.9)], 1)  # (1, 2, 300)
     chosen = AdaKV(budget=100, floor=0.29)._choose(scores, torch.tensor([100]), torch.tensor([[True, True]]))
     assert chosen.sum(-1).tolist() == [[29, 171]]
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "adakv"])
+def test_a_prompt_said_complete_takes_a_call_of_several_tokens_and_a_chunk_is_still_refused(policy: str) -> None:
+    # inside plan_from_prompt(model, width) a first call of the whole width holds the whole prompt: a question after
+    # it may come in one call, equal to feeding it one token per call; a first call shorter than the width is a
+    # chunk, and a call of several tokens after it is refused as before
+    t = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = t.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=50)
+    model = t.LlamaForCausalLM(config).eval()
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}),
+                                                   router=("topk", {"kv_groups": True}),
+                                                   kv=(policy, {"budget": 2, "observe": 2, "pool": 3})))
+    ids = torch.randint(1, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def prefill(width: int) -> object:
+        with condcomp.plan_from_prompt(model, width):
+            return model(input_ids=ids[:, :9], use_cache=True).past_key_values
+
+    with torch.no_grad():
+        got = model(input_ids=ids[:, 9:], past_key_values=prefill(9), use_cache=True).logits  # (2, 3, V)
+        cache = prefill(9)
+        want = torch.cat([model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits
+                          for i in range(9, 12)], 1)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="prefilled in one call"):
+            model(input_ids=ids[:, 9:], past_key_values=prefill(12), use_cache=True)
