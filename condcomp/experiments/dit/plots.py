@@ -100,7 +100,7 @@ def plot_quality_vs_heads(summary: dict[str, Any], path: Path) -> bool:
     plt = pyplot() if stats else None
     if plt is None:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
     for ax, metric, label in ((axes[0], "frechet", "Fréchet distance (lower is better)"),
                               (axes[1], "class_accuracy", "class accuracy of samples")):
         for v, st in stats.items():
@@ -109,8 +109,12 @@ def plot_quality_vs_heads(summary: dict[str, Any], path: Path) -> bool:
             ax.errorbar([h["mean"]], [m["mean"]], yerr=err, fmt="o", capsize=3, label=LABELS.get(v, v))
         ax.set_xlabel("heads used (fraction)")
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=7)
-    return save_figure(plt, fig, path)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.82, 1))  # the legend's column right of the panels, outside the data
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
 
 
 def _fmt(st: dict[str, Any], digits: int = 3) -> str:
