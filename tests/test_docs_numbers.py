@@ -300,3 +300,4 @@ def test_no_page_quotes_a_test_suite_count() -> None:
     quoted = {p.relative_to(ROOT).as_posix(): m.group(0) for p in PAGES for m in TEST_OUTCOME.finditer(p.read_text())}
     assert not quoted, f"pages quote test-suite counts no record holds: {quoted}"
     assert TEST_OUTCOME.search("it ended `1753 passed, 46 skipped`")  # the pattern still finds such a sentence
+
