@@ -14,6 +14,7 @@ Two checks, each recomputing from the records with scipy (not with condcomp's st
 - the 2x2's page (results/reproduction_target/README_2x2.md) quotes only intervals recomputed from its cells'
   summaries, and its within-seed table is what ``within_seed_2x2.py`` computes from the committed per-example
   correctness, which reproduces every run's recorded accuracy.
+- no page quotes a test suite's counts (``N passed``): no committed record holds them.
 
 What this cannot cover: a single number in running prose (a count, a ratio) has no shape that says which record
 it comes from; those are checked by review.
@@ -288,3 +289,15 @@ def test_the_tuning_table_is_its_record() -> None:
     assert (f"The test (seed 0) measured full {seed0['full']:.3f}, BudgetFormer {seed0['budgetformer']:.3f}, s in "
             f"[{seed0['s_min']:.2f}, {seed0['s_max']:.2f}], {seed0['head_sets']} distinct head sets"
             in " ".join(text.split()))
+
+
+TEST_OUTCOME = re.compile(r"\b\d+ (passed|failed|skipped|deselected)\b")
+
+
+def test_no_page_quotes_a_test_suite_count() -> None:
+    """A suite's counts change with every test added and no committed record holds them: pages say how to run the
+    tests, not how many there were."""
+    quoted = {p.relative_to(ROOT).as_posix(): m.group(0) for p in PAGES for m in TEST_OUTCOME.finditer(p.read_text())}
+    assert not quoted, f"pages quote test-suite counts no record holds: {quoted}"
+    assert TEST_OUTCOME.search("it ended `1753 passed, 46 skipped`")  # the pattern still finds such a sentence
+

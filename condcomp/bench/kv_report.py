@@ -196,7 +196,10 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     dense = {r["prompt_len"]: r for r in records if r["variant"] == "dense"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     families = list(dict.fromkeys(family(r["variant"]) for r in records))
-    color = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    # tab10 without its grey (index 7), which the prompt-length and nominal-bytes keys use; tab20 past nine
+    palette = [plt.get_cmap("tab10")(i) for i in range(10) if i != 7] if len(families) <= 9 else \
+        [plt.get_cmap("tab20")(i) for i in range(20) if i not in (14, 15)]
+    color = {f: palette[i % len(palette)] for i, f in enumerate(families)}
     markers = dict(zip(sorted(dense), "os^Dv"))
     for r in records:
         ys = (accuracy(r), r["ppl"] / dense[r["prompt_len"]]["ppl"])
@@ -209,13 +212,14 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     axes[0].set(xlabel="KV bytes held / dense (measured)", ylabel="retrieval accuracy", ylim=(-0.05, 1.05))
     axes[1].set(xlabel="KV bytes held / dense (measured)", ylabel="continuation perplexity / dense")
     handles = [plt.Line2D([], [], ls="", marker="o", color=color[f], label=f) for f in families]
-    handles += [plt.Line2D([], [], ls="", marker=m, color="grey", label=f"prompt {P}") for P, m in markers.items()]
+    handles += [plt.Line2D([], [], ls="", marker=m, color="grey", label=f"marker: prompt {P} tokens")
+                for P, m in markers.items()]
     handles.append(plt.Line2D([], [], ls=":", marker="o", mfc="none", color="grey",
-                              label="nominal bytes (masked)"))
+                              label="hollow: nominal bytes (masked, not freed)"))
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.81, 0.5), fontsize=8, frameon=False)
     fig.suptitle("Quality per KV byte")
     fig.tight_layout(rect=(0, 0, 0.8, 1))  # the legend's column right of the panels, outside the data
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the figure grows to hold the legend's longest label
     plt.close(fig)
     return True
 

@@ -26,13 +26,35 @@ is refused with the reason. Importing this package imports transformers (``impor
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Any
 
+import transformers
+
+OLDEST_TRANSFORMERS = (5, 24)
+
+
+def require_transformers(version: str, oldest: tuple[int, int] = OLDEST_TRANSFORMERS) -> None:
+    """Refuse a transformers older than ``oldest`` (or a 6.x): before 5.24 a decoder's attention receives its KV
+    cache as ``past_key_values``, which the adapters do not read, so generation would run without the cache."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ImportError(f"condcomp.integrations.hf: cannot read the transformers version {version!r}; "
+                          "install transformers>=5.24,<6 (pip install -e '.[hf]')")
+    major_minor = (int(found.group(1)), int(found.group(2)))
+    if major_minor < oldest or major_minor[0] >= 6:
+        raise ImportError(f"condcomp.integrations.hf needs transformers>={oldest[0]}.{oldest[1]},<6 (its attention "
+                          f"layers take the KV cache as `cache`), found {version}: pip install -e '.[hf]' from the "
+                          "repository's root, or pip install 'transformers>=5.24,<6'")
+
+
+require_transformers(transformers.__version__)
+
 # The families' adapters register themselves on import.
-from . import clip, distilbert, gpt2, t5  # noqa: F401
-from .bert import BertStyleAttentionAdapter
-from .common import TransformersAdapter
-from .projection import ProjectionAttentionAdapter
+from . import clip, distilbert, gpt2, t5  # noqa: E402, F401
+from .bert import BertStyleAttentionAdapter  # noqa: E402
+from .common import TransformersAdapter  # noqa: E402
+from .projection import ProjectionAttentionAdapter  # noqa: E402
 
 __all__ = ["BertStyleAttentionAdapter", "ProjectionAttentionAdapter", "register_transformers_attention",
            "supported_transformers_classes"]

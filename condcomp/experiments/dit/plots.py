@@ -23,25 +23,48 @@ def load_summary(out: Path) -> dict[str, Any]:
     return json.loads(path.read_text())  # type: ignore[no-any-return]
 
 
-def plot_samples(out: Path, variants: list[str], path: Path, seed: int = 0, per_class: int = 8) -> bool:
-    """One panel per variant: ``per_class`` samples of each class (rows = classes), from ``seedS/V/samples.pt``."""
-    found = [(v, out / f"seed{seed}" / v / "samples.pt") for v in variants]
-    found = [(v, p) for v, p in found if p.is_file()]
-    plt = pyplot() if found else None
+def sample_tiles(grid: torch.Tensor, gap: int = 1) -> torch.Tensor:
+    """``grid (10, k, S, S)`` (class, sample, pixel rows, pixel columns) in [-1, 1] -> one image
+    ``(10 * (S + gap) - gap, k * (S + gap) - gap)``, rows = classes, NaN in the ``gap`` between digits (drawn in a
+    colour of its own, so that neighbouring digits do not run together)."""
+    C, k, S = grid.shape[0], grid.shape[1], grid.shape[-1]
+    step = S + gap
+    tiles = torch.full((C * step - gap, k * step - gap), float("nan"))
+    for c in range(C):
+        for j in range(k):
+            tiles[c * step:c * step + S, j * step:j * step + S] = grid[c, j]
+    return tiles
+
+
+def draw_sample_grids(panels: list[tuple[str, torch.Tensor]], path: Path, columns: int = 3) -> bool:
+    """One panel per ``(variant, grid (10, k, S, S))``, ``columns`` panels a row, every pixel square (the digits at
+    their own aspect) and the panels large enough that a page's width shows each digit at about 30 pixels."""
+    plt = pyplot() if panels else None
     if plt is None:
         return False
-    # each panel at the grid's own aspect (10 classes tall, per_class samples wide), large enough to read a digit
-    fig, axes = plt.subplots(1, len(found), figsize=(3.2 * len(found), 3.2 * 10 / per_class + 0.6), squeeze=False)
-    for ax, (v, p) in zip(axes[0], found):
-        imgs = torch.load(p, weights_only=True).float().clamp(-1, 1)  # (10 * n, 1, S, S), class-major
-        n = imgs.shape[0] // 10
-        grid = imgs.reshape(10, n, *imgs.shape[-2:])[:, :per_class]  # (10, k, S, S)
-        S = grid.shape[-1]
-        tiles = grid.permute(0, 2, 1, 3).reshape(10 * S, grid.shape[1] * S)  # rows = classes
-        ax.imshow(tiles.numpy(), cmap="gray_r", vmin=-1, vmax=1, aspect="equal", interpolation="nearest")
-        ax.set_title(LABELS.get(v, v), fontsize=8)
+    rows = -(-len(panels) // columns)
+    k = panels[0][1].shape[1]
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, rows * (3.4 * 10 / k + 0.4)), squeeze=False)
+    cmap = plt.get_cmap("gray_r").with_extremes(bad="#c6dbef")  # the gaps between digits: pale blue
+    for ax in axes.flat:
         ax.axis("off")
+    for ax, (v, grid) in zip(axes.flat, panels):
+        ax.imshow(sample_tiles(grid.float().clamp(-1, 1)).numpy(), cmap=cmap, vmin=-1, vmax=1, aspect="equal",
+                  interpolation="nearest")
+        ax.set_title(LABELS.get(v, v), fontsize=10)
     return save_figure(plt, fig, path)
+
+
+def plot_samples(out: Path, variants: list[str], path: Path, seed: int = 0, per_class: int = 8) -> bool:
+    """One panel per variant: ``per_class`` samples of each class (rows = classes), from ``seedS/V/samples.pt``."""
+    panels = []
+    for v in variants:
+        p = out / f"seed{seed}" / v / "samples.pt"
+        if p.is_file():
+            imgs = torch.load(p, weights_only=True).float()  # (10 * n, 1, S, S), class-major
+            n = imgs.shape[0] // 10
+            panels.append((v, imgs.reshape(10, n, *imgs.shape[-2:])[:, :per_class]))  # (10, k, S, S)
+    return draw_sample_grids(panels, path)
 
 
 def plot_heads_vs_noise(summary: dict[str, Any], path: Path) -> bool:
@@ -77,7 +100,7 @@ def plot_quality_vs_heads(summary: dict[str, Any], path: Path) -> bool:
     plt = pyplot() if stats else None
     if plt is None:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
     for ax, metric, label in ((axes[0], "frechet", "Fréchet distance (lower is better)"),
                               (axes[1], "class_accuracy", "class accuracy of samples")):
         for v, st in stats.items():
@@ -86,8 +109,12 @@ def plot_quality_vs_heads(summary: dict[str, Any], path: Path) -> bool:
             ax.errorbar([h["mean"]], [m["mean"]], yerr=err, fmt="o", capsize=3, label=LABELS.get(v, v))
         ax.set_xlabel("heads used (fraction)")
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=7)
-    return save_figure(plt, fig, path)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.82, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.82, 1))  # the legend's column right of the panels, outside the data
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
 
 
 def _fmt(st: dict[str, Any], digits: int = 3) -> str:

@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("sklearn", reason="the DiT study trains on scikit-learn's digits (extra 'vision')")
 
+import torch  # noqa: E402
+
 from condcomp.experiments.dit import classifier, study  # noqa: E402
 from condcomp.experiments.dit.train import DiTRunSettings  # noqa: E402
 
@@ -104,3 +106,35 @@ def test_the_table_gives_sampling_time_as_a_range_over_seeds_never_an_interval_b
                "records": [{"variant": "dense", "seed": s, "sampling_seconds": t} for s, t in enumerate(times)]}
     row = next(line for line in markdown_table(summary).splitlines() if line.startswith("| dense |"))
     assert row.endswith("| 4.0 (1.0-9.0) |")
+
+
+def test_sample_tiles_put_each_digit_at_its_class_row_and_sample_column_with_gaps_between() -> None:
+    from condcomp.experiments.dit.plots import sample_tiles
+
+    grid = torch.rand(10, 3, 4, 4) * 2 - 1  # (class, sample, S, S)
+    tiles = sample_tiles(grid, gap=1)
+    assert tiles.shape == (10 * 5 - 1, 3 * 5 - 1)
+    for c in range(10):
+        for j in range(3):  # digit (c, j) at rows 5c..5c+3, columns 5j..5j+3, untouched
+            assert torch.equal(tiles[5 * c:5 * c + 4, 5 * j:5 * j + 4], grid[c, j])
+    keep = torch.tensor([r % 5 == 4 for r in range(tiles.shape[0])])[:, None] | \
+        torch.tensor([q % 5 == 4 for q in range(tiles.shape[1])])[None, :]
+    assert bool(tiles[keep].isnan().all()) and not bool(tiles[~keep].isnan().any())
+
+
+def test_the_sample_figure_draws_square_pixels(tmp_path: Path) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from condcomp.experiments.dit.plots import draw_sample_grids
+
+    seen = []
+    real_imshow = plt.Axes.imshow
+
+    def imshow(ax: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("aspect"))
+        return real_imshow(ax, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt.Axes, "imshow", imshow)
+        assert draw_sample_grids([("dense", torch.zeros(10, 8, 8, 8)), ("fixed", torch.zeros(10, 8, 8, 8))],
+                                 tmp_path / "s.png")
+    assert seen == ["equal", "equal"] and (tmp_path / "s.png").stat().st_size > 0
