@@ -11,7 +11,7 @@ from core_helpers import leaf_plan, make_layout, make_weights, moh_active, seq_a
 
 import condcomp
 from condcomp.executors.auto import explain, get_executor, resolve_executor
-from condcomp.executors.gathered import CPU, GatheredExecutor, gather_sizes
+from condcomp.executors.gathered import CPU, GatheredExecutor, gather_sizes, tuning_for
 from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs
@@ -58,6 +58,17 @@ def test_auto_runs_dense_when_the_call_is_too_small_to_pay(granularity: str) -> 
     assert skipped[4] < bound <= skipped[1024]
     assert picked == {4: "masked", 1024: "gathered"}
     assert CPU.prefers_dense(0.25, granularity, size=None) is False  # no size given: the share alone decides
+
+
+@pytest.mark.parametrize("granularity", ["sequence", "token"])
+def test_auto_on_cuda_runs_dense_at_the_sizes_an_h200_measured_gathered_slower(granularity: str) -> None:
+    # results/bench/gpu_check/h200: gathered slower than dense at every budget for B*T*D = 8*2048*2048 and below
+    cuda, largest = tuning_for(torch.device("cuda")), 8 * 2048 * 2048
+    for share in (0.125, 0.25, 0.5, 0.75):
+        assert cuda.prefers_dense(share, granularity, size=largest)
+    assert not CPU.prefers_dense(0.125, granularity, size=largest)  # the CPU measured the opposite
+    assert not cuda.prefers_dense(0.125, granularity, size=100 * largest)  # beyond what was measured: the estimate
+    assert not cuda.measured
 
 
 def test_a_third_party_executor_competes_on_cost_and_explain_says_why(restore_registries: None) -> None:
