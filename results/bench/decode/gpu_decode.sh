@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The decode benchmark on one CUDA GPU (prepared, not yet run on a GPU).
+# The decode benchmark on one CUDA GPU. Run once as results/bench/device/gpu_jobs.py does it (prompts 512 2048 4096,
+# batches 1 8 32, 3 repetitions): results/bench/decode/smollm2_h200_cuda.
 # SmolLM2-135M and the tiny random Llama in float32, the same cells as the CPU table (prompt 256 and 2048, batch 1
 # and 8) plus batch 32, 5 repetitions; about 2-4 minutes on one H100/H200 including the 30 s GGUF load.
 #
