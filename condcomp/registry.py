@@ -39,6 +39,11 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def entries(self) -> tuple[tuple[str, Any], ...]:
+        """Every ``(name, registered object)``: what a cache derived from the registry is keyed on (a name
+        registered again, ``override=True``, changes it)."""
+        return tuple(self._entries.items())
+
     def get(self, name: str) -> Any:
         key = name.lower()
         if key not in self._entries:

@@ -160,7 +160,35 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
     >>> resolve_executor("auto", w, AttentionInputs(x=torch.randn(1, 3, 8)), full).name
     'masked'
     """
+    if name == "auto" and pool is None and inputs.kv_cache is not None and not logger.isEnabledFor(logging.DEBUG):
+        # auto on a compact cache: only executors that read one can run; when kv_cache is the only registered one,
+        # asking it directly gives auto's run without estimating (and explaining) every executor (each decode step
+        # of each layer). A call it refuses goes the long way, for auto's own error message.
+        executor = _sole_cache_reader()
+        if executor is not None and rejection(executor, weights, inputs, plan) is None:
+            return executor.prepare(weights, inputs, plan)
     return choose(name, weights, inputs, plan, pool).run
+
+
+# (the registry's entries, what _sole_cache_reader answered for them): derived again when the registry changes
+_SOLE_READER: list[Any] = [None]
+
+
+def _sole_cache_reader() -> Any:
+    """condcomp's ``kv_cache`` executor when it is the only registered executor that reads a compact KV cache, else
+    None (another such executor, or ``kv_cache`` registered again, would compete on its own estimate)."""
+    entries = EXECUTORS.entries()
+    known = _SOLE_READER[0]
+    if known is not None and known[0] == entries:
+        return known[1]
+    from condcomp.executors.cached import CachedExecutor  # its estimate on a cached call: cost 0, run = prepare
+
+    readers = [n for n, _ in entries
+               if getattr(getattr(get_executor(n), "capabilities", None), "reads_kv_cache", False)]
+    executor = get_executor(CACHE_EXECUTOR) if readers == [CACHE_EXECUTOR] else None
+    answer = executor if type(executor) is CachedExecutor else None
+    _SOLE_READER[0] = (entries, answer)
+    return answer
 
 
 def explain(weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, executor: str = "auto",

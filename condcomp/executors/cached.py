@@ -187,7 +187,9 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         am = build_attention_mask(AttentionInputs(x=x, mask=inputs.mask, key_mask=inputs.key_mask,
                                                   attn_bias=inputs.attn_bias, key_states=k, value_states=v),
                                   layout.causal, q.dtype)
-        mask, slot_dead = _slot_mask(am, _heads_of_slots(sel.kv_index, r))
+        # the slots' query heads are gathered only for a per-head mask (none at a decode step: no index built)
+        per_head = any(t is not None and t.shape[1] > 1 for t in (am.mask, am.dead))
+        mask, slot_dead = _slot_mask(am, _heads_of_slots(sel.kv_index, r)) if per_head else (am.mask, am.dead)
         out = grouped_sdpa(q, k, v, mask, am.is_causal, layout.scale, inputs.dropout_p)  # (B, g*r, T, Dh)
         gated = out if sel.unit_gates and slot_dead is None else _gated(out, sel.slot_gates, slot_dead)
         parts.append((gated, sel.kv_index))

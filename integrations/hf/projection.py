@@ -45,6 +45,15 @@ PROJECTION_CLASSES = [("transformers.models.vit.modeling_vit", "ViTAttention"),
                  ("transformers.models.gemma.modeling_gemma", "GemmaAttention")]  # head_dim may differ from D/H
 
 
+def _child(owner: nn.Module, name: str) -> Any:
+    """``owner``'s per-head norm ``name`` (Qwen3's ``q_norm``/``k_norm``: child modules, which the wrapper holds as
+    its own) or None. Read from the module table, not with ``getattr(owner, name, None)``: where there is none
+    (Llama; every decode step of every layer) that passes through the wrapper's fallback to the original module
+    and raises twice before answering None."""
+    found = owner._modules.get(name)
+    return found if found is not None else owner.__dict__.get(name)
+
+
 @register_adapter
 class ProjectionAttentionAdapter(TransformersAdapter):
     """``ViTAttention``, ``LlamaAttention``, ``Qwen2Attention``, ``Qwen3Attention``, ``MistralAttention``, ...:
@@ -91,7 +100,7 @@ class ProjectionAttentionAdapter(TransformersAdapter):
 
     def weights(self, owner: Any) -> AttentionWeights:
         w = linear_weights(owner, self.layout)
-        q_norm, k_norm = getattr(owner, "q_norm", None), getattr(owner, "k_norm", None)
+        q_norm, k_norm = _child(owner, "q_norm"), _child(owner, "k_norm")
         return w if q_norm is None and k_norm is None else dataclasses.replace(w, q_norm=q_norm, k_norm=k_norm)
 
     def forward(self, routed: RoutedAttention, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
@@ -110,13 +119,13 @@ class ProjectionAttentionAdapter(TransformersAdapter):
         mask = a.get("attention_mask")
         if cache is not None and self.layer_idx is not None:  # a request's call: the base decoder sequence
             proj = Projections(routed.q_proj, routed.k_proj, routed.v_proj, routed.o_proj,  # modules: exact for LoRA
-                               getattr(routed, "q_norm", None), getattr(routed, "k_norm", None))
+                               _child(routed, "q_norm"), _child(routed, "k_norm"))
             call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj, rotary, self.sliding_window)
             return decoder_attention(routed, call), None
         key_states = value_states = None
         if cache is not None:  # a cache on a layer without layer_idx: every head appended, no request plan
             # The projections' own forward: exact for LoRA layers too.
-            k = split_heads(routed.k_proj(x), L.head_dim, getattr(routed, "k_norm", None), rotary)  # (B, Hkv, T, Dh)
+            k = split_heads(routed.k_proj(x), L.head_dim, _child(routed, "k_norm"), rotary)  # (B, Hkv, T, Dh)
             v = split_heads(routed.v_proj(x), L.head_dim)
             key_states, value_states = cache_every_head(cache, self.layer_idx, k, v, extra)
         S = T if key_states is None else key_states.shape[2]

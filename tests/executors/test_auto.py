@@ -131,3 +131,38 @@ def test_auto_skips_executors_that_reject_and_lists_reasons(restore_registries: 
 
     with pytest.raises(RuntimeError, match="never runs anything"):
         resolve_executor("never", w, AttentionInputs(x=x), plan)
+
+
+def test_auto_on_a_compact_cache_runs_the_cheapest_cache_reader(restore_registries: None) -> None:
+    """A call on a compact KV cache: auto runs kv_cache (what explain says), a registered cheaper executor that
+    reads a compact cache runs instead, and a per-token plan, which no cache reader runs, fails with auto's
+    message naming every executor."""
+    from list_cache import ListCache
+
+    from condcomp.executors.cached import CompactKV
+    from condcomp.kv.selection import select_kv
+
+    layout = make_layout(H=4, Hkv=2, Dh=4, D=16, causal=True)
+    w = make_weights(layout, torch.float32)
+    seq = condcomp.plan_from_active(torch.ones(2, 4, dtype=torch.bool))
+    inputs = AttentionInputs(x=torch.randn(2, 3, 16), kv_cache=CompactKV(select_kv(seq, layout), ListCache().store))
+    assert resolve_executor("auto", w, inputs, seq).name == "kv_cache" == explain(w, inputs, seq).executor
+    token = condcomp.plan_from_active(torch.ones(2, 3, 4, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="no executor can run this call(.|\n)*kv_cache: cannot run: a per-token"):
+        resolve_executor("auto", w, inputs, token)
+
+    @register_executor("cheap_cache")
+    class CheapCache:
+        name = "cheap_cache"
+        capabilities = Capabilities(reads_kv_cache=True)
+
+        def supports(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            return None
+
+        def estimate(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            return Estimate(-1.0, note="made up")
+
+        def __call__(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            raise AssertionError
+
+    assert resolve_executor("auto", w, inputs, seq).name == "cheap_cache" == explain(w, inputs, seq).executor
