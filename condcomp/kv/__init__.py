@@ -12,8 +12,11 @@ Read it in this order:
 4. selection.py: per request and layer, which groups the plan keeps in full and which its policy holds, in the
    compact slot order the cache stores them (:class:`KVSelection`), the plan held with the cache
    (:class:`HeldPlan`) and its public view (:class:`RequestPlan`).
-5. choose.py: the policy of a wrapped layer: ``CondCompConfig(kv=...)`` or the ``topk`` router's ``stream_window``.
-6. calibration.py: which groups a plan keeps in full, from calibration (``duo_split``, ``static_split``,
+5. layer.py: one layer of a request's cache (:class:`~condcomp.kv.layer.CompactLayer`): the plan and the KV
+   policy's state beside the kept groups' keys, the row operations on both, and how the ``kv_cache`` executor
+   writes it (``store``, ``policy_state``, ``keep_policy_state``).
+6. choose.py: the policy of a wrapped layer: ``CondCompConfig(kv=...)`` or the ``topk`` router's ``stream_window``.
+7. calibration.py: which groups a plan keeps in full, from calibration (``duo_split``, ``static_split``,
    ``request_split``), and what makes their inputs: duo_attention.py and duo_gates.py (DuoAttention's gates),
    continuation.py and importance.py (gradient importance on the continuation loss), request_router.py (a trained
    per-request router).

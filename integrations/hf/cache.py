@@ -29,13 +29,12 @@ from condcomp.kv.selection import HeldPlan, KVSelection, decision_mask
 from condcomp.types import HeadPlan
 
 from .generation_check import check_cache_free_generation
-from .internals import is_paged_cache
+from .internals import build_missing_layers, is_paged_cache
 from .kv_layer import (
     PlanCarrier,
     PlanLayer,
     adopt_layer,
     compact_write,
-    held_policy,
     is_carrier,
     layer_length,
     layer_tensors,
@@ -60,21 +59,15 @@ def placeholder_width(layer: Any, rows: int, tokens: int, prefill: bool) -> int:
 
 def stored_windows(layer: Any, policy: KVPolicy | None = None) -> Any:
     """The state of the KV policy's groups a cache layer holds, as the executor reads it (a window dequantized if
-    stored so); ``policy``: the policy that stored it (default: the layer's held plan's)."""
-    windows = getattr(layer, "condcomp_windows", None)
-    policy = policy if policy is not None else held_policy(layer)
-    return windows if windows is None or policy is None else policy.loaded(windows)
+    stored so); ``policy``: the policy that stored it (default: the layer's held plan's). A layer that is not
+    condcomp's holds none."""
+    return layer.policy_state(policy) if is_carrier(layer) else None
 
 
 def store_windows(layer: Any, windows: Any, policy: KVPolicy | None = None) -> None:
-    """Keep the state ``windows`` of ``policy`` (default: the layer's held plan's) in a carrier ``layer``, as the
-    policy stores it in this layer: a window quantized when the layer is a quantized one (:func:`window_codec`), so
-    a quantized cache holds the windows as compactly as its own keys."""
-    policy = policy if policy is not None else held_policy(layer)
-    if windows is None or policy is None:
-        layer.condcomp_windows = windows
-        return
-    layer.condcomp_windows = policy.stored(windows, window_codec(layer), layer.__dict__.get("condcomp_windows"))
+    """Keep the state ``windows`` of ``policy`` (default: the layer's held plan's) in condcomp's cache ``layer``,
+    as the policy stores it there (:meth:`~condcomp.kv.layer.CompactLayer.keep_policy_state`)."""
+    layer.keep_policy_state(windows, policy)
 
 
 def cache_layer(cache: Any, layer_idx: int, cross: bool = False) -> Any:
@@ -93,9 +86,24 @@ def plan_layer(cache: Any, layer_idx: int, cross: bool = False) -> PlanLayer:
     time (:func:`condcomp.kv.adopt` does every layer at once); it must exist (a lazy cache builds it at its first
     ``update``)."""
     if cache_layer(cache, layer_idx, cross) is None:
-        raise RuntimeError(f"layer {layer_idx}: the KV cache has no layer after its update")
+        raise RuntimeError(f"layer {layer_idx}: the KV cache has no layer {layer_idx} (it has "
+                           f"{len(getattr(cache, 'layers', []))}): it was built for another model")
     half = getattr(cache, "cross_attention_cache" if cross else "self_attention_cache", cache)
     return adopt_layer(half.layers, layer_idx)
+
+
+def compact_layer(cache: Any, layer_idx: int) -> PlanLayer:
+    """Layer ``layer_idx`` of ``cache`` as condcomp's cache layer before a compact call writes it: built now by a
+    lazily growing cache (as its ``update`` would), and wrapped in place the first time."""
+    build_missing_layers(cache, layer_idx)
+    return plan_layer(cache, layer_idx)
+
+
+def offloaded_store(cache: Any, layer_idx: int, cache_kwargs: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The kept groups appended through an offloading cache's own ``update`` (it prefetches the layer before and
+    offloads it after); any other cache is written through condcomp's layer directly."""
+    with compact_write():
+        return cache.update(k, v, layer_idx, kwargs=cache_kwargs)  # type: ignore[no-any-return]
 
 
 def held_record(cache: Any, layer_idx: int, cross: bool = False) -> HeldPlan | None:
@@ -104,31 +112,6 @@ def held_record(cache: Any, layer_idx: int, cross: bool = False) -> HeldPlan | N
     if layer is None or layer_length(layer) == 0:
         return None
     return getattr(layer, "condcomp_plan", None)
-
-
-@dataclass(frozen=True)
-class LayerSlot:
-    """One layer of a transformers cache as the ``kv_cache`` executor writes it
-    (:class:`~condcomp.executors.cached.CompactKV`'s ``store`` and ``keep_windows``): the kept groups' keys and
-    values through the layer's own ``update``, the KV policy's state beside them."""
-
-    cache: Any
-    layer_idx: int
-    extra: Any  # the call's cache kwargs, passed on to update
-    policy: KVPolicy | None
-
-    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append the kept groups' ``(B, g, T, Dh)``; their whole history ``(B, g, S, Dh)``."""
-        with compact_write():
-            return self.cache.update(k, v, self.layer_idx, kwargs=self.extra)  # type: ignore[no-any-return]
-
-    def state(self) -> Any:
-        """The KV policy's state held before this call, as the executor reads it."""
-        return stored_windows(cache_layer(self.cache, self.layer_idx), self.policy)
-
-    def keep_windows(self, state: Any) -> None:
-        # looked up again: at a prefill the layer exists only once store() has run
-        store_windows(plan_layer(self.cache, self.layer_idx), state, self.policy)
 
 
 @dataclass(frozen=True)
@@ -268,6 +251,6 @@ def cache_bytes(cache: Any) -> list[int]:
     return out
 
 
-__all__ = ["LayerSlot", "PlanCarrier", "RequestStep", "cache_bytes", "cache_layer", "compact_write", "held_record",
-           "is_carrier", "open_step", "placeholder_width", "plan_layer", "request_plan", "store_windows",
-           "stored_windows", "window_codec"]
+__all__ = ["PlanCarrier", "RequestStep", "cache_bytes", "cache_layer", "compact_layer", "compact_write", "held_record",
+           "is_carrier", "offloaded_store", "open_step", "placeholder_width", "plan_layer", "request_plan",
+           "store_windows", "stored_windows", "window_codec"]

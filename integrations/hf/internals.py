@@ -39,6 +39,18 @@ def new_layer_factory(cache: Any, wrap: Callable[[Any], Any]) -> None:
         cache.layer_class_to_replicate = wrap(factory)
 
 
+def build_missing_layers(cache: Any, layer_idx: int) -> None:
+    """Build the layers up to ``layer_idx`` a lazily growing cache has not built yet, as its ``update`` would
+    (``layer_class_to_replicate()`` appended); a cache built with its layers is left as it is.
+
+    Relies on: the same ``Cache.update`` code as :func:`new_layer_factory`. No public hook: a cache builds a
+    layer only inside ``update``, while condcomp's layer must exist before the call writes it (the ``kv_cache``
+    executor writes the kept groups through it)."""
+    factory = getattr(cache, "layer_class_to_replicate", None)
+    while factory is not None and len(cache.layers) <= layer_idx:
+        cache.layers.append(factory())
+
+
 def layer_initialized(layer: Any) -> bool:
     """Whether a cache layer holds (or, static, has allocated) tensors: its ``is_initialized`` attribute.
 

@@ -19,36 +19,19 @@ replaced by wrappers); a wrapped model does so itself at a request's first cache
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 from transformers import cache_utils
 from transformers.cache_utils import CacheLayerMixin
 
-from condcomp.kv.policy import KVPolicy
-from condcomp.kv.selection import HeldPlan
+from condcomp.kv.layer import CompactLayer, compact_write, held_policy
 from condcomp.kv.window_quant import WindowCodec
 
 from .internals import is_paged_cache, layer_initialized, new_layer_factory
 
-_WRITING = threading.local()  # set while a wrapped layer writes a compact cache (others may not)
 _OWN = ("inner", "condcomp_")  # attribute names a PlanLayer keeps itself; every other one is the wrapped layer's
-
-
-@contextlib.contextmanager
-def compact_write() -> Iterator[None]:
-    """Inside the block, writes of kept groups into a compact cache layer are the wrapped model's own."""
-    before = getattr(_WRITING, "on", False)
-    _WRITING.on = True
-    try:
-        yield
-    finally:
-        _WRITING.on = before
 
 
 def layer_length(layer: Any) -> int:
@@ -59,19 +42,10 @@ def layer_length(layer: Any) -> int:
     return int(layer.get_seq_length()) if counted is None else int(counted)
 
 
-def held_policy(layer: Any) -> KVPolicy | None:
-    """The KV policy whose state ``layer`` holds (the held plan's), or None."""
-    held = layer.__dict__.get("condcomp_plan")
-    return None if held is None or held.selection is None else held.selection.policy
-
-
-class PlanLayer(CacheLayerMixin):
+class PlanLayer(CompactLayer, CacheLayerMixin):
     """A transformers cache layer of condcomp's: the wrapped layer ``inner`` stores the keys and values; the plan
-    and the KV policy's state ride beside them through every cache operation (see the module docstring)."""
-
-    condcomp_plan: HeldPlan | None = None
-    condcomp_windows: Any = None
-    condcomp_tokens: int  # static layers only: tokens held, counted on the host
+    and the KV policy's state ride beside them through every cache operation (the operations of
+    :class:`~condcomp.kv.layer.CompactLayer`; see the module docstring)."""
 
     def __init__(self, inner: Any) -> None:  # CacheLayerMixin.__init__ is not run: its fields are inner's
         if isinstance(inner, PlanLayer) or not isinstance(inner, CacheLayerMixin):
@@ -135,63 +109,12 @@ class PlanLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         self.inner.prefetch()
 
-    # ---- the operations that act on the plan and the policy's state too ----------------------------------------
-    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
-        held = self.condcomp_plan
-        compact = held is not None and held.selection is not None and not held.selection.identity
-        if compact and not getattr(_WRITING, "on", False) and layer_length(self):
-            assert held is not None and held.selection is not None
-            raise ValueError(
-                f"this KV cache layer holds only the {held.selection.slots} key/value group(s) per row that a condcomp "
-                f"plan kept (of {held.num_kv_heads}); a call writing {key_states.shape[1]} key/value heads (the model "
-                "under condcomp.disabled, or another model) cannot continue it: the skipped groups' keys were never "
-                "computed. Continue the request with the wrapped model, or start a fresh cache for the dense model")
-        out = self.inner.update(key_states, value_states, *args, **kwargs)
-        if "condcomp_tokens" in self.__dict__:
-            self.condcomp_tokens = self.condcomp_tokens + int(key_states.shape[-2])
-        return out
+    # ---- what CompactLayer asks of the library's layer -----------------------------------------------------------
+    def held_tokens(self) -> int:
+        return layer_length(self)
 
-    def reset(self) -> None:
-        self.inner.reset()
-        self.condcomp_plan = None
-        self.condcomp_windows = None
-        if "condcomp_tokens" in self.__dict__:
-            self.condcomp_tokens = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        windows, policy = self.condcomp_windows, held_policy(self)
-        if windows is not None and policy is not None:
-            windows = policy.crop(windows, abs(tokens_to_remove))  # refused before anything changes
-        self.inner.crop(tokens_to_remove)
-        self.condcomp_windows = windows
-        if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
-            self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
-        if layer_length(self) == 0:  # nothing left: the next call is a new request
-            self.condcomp_plan = None
-            self.condcomp_windows = None
-
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        self.inner.reorder_cache(beam_idx)
-        self.take_rows(beam_idx)
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self.inner.batch_select_indices(indices)
-        self.take_rows(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.inner.batch_repeat_interleave(repeats)
-        if self.condcomp_plan is not None:
-            rows = self.condcomp_plan.rows
-            self.take_rows(torch.arange(rows, device=self.condcomp_plan.plan.gates.device).repeat_interleave(repeats))
-
-    def take_rows(self, index: Tensor) -> None:
-        """Keep the plan's and the policy state's rows ``index`` (the wrapped layer's rows are taken by its own
-        operation)."""
-        policy = held_policy(self)
-        if self.condcomp_plan is not None:
-            self.condcomp_plan = self.condcomp_plan.take_rows(index)
-        if self.condcomp_windows is not None and policy is not None:
-            self.condcomp_windows = policy.take_rows(self.condcomp_windows, index)
+    def state_codec(self) -> WindowCodec | None:
+        return window_codec(self)
 
 
 PlanCarrier = PlanLayer  # the name of the class-swapped carrier before 0.3: kept for code that checks isinstance
