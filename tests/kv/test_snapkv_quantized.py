@@ -105,6 +105,13 @@ def test_token_state_in_a_quantized_cache_follows_the_quantizers_rule(kind: str,
             assert nbytes - cache_bytes(type("One", (), {"layers": [layer]}))[0] == state
         finally:
             layer.condcomp_windows = s
+    for layer, s in zip(cache.layers, states):  # a verifier's rollback (the quantized layers cannot crop their own
+        # keys in transformers): the last two tokens' entries emptied, every code kept as it was
+        c = layer.condcomp_plan.selection.policy.crop(s, 2)
+        assert isinstance(c, QuantizedSnapState) and torch.equal(c.keys.codes.view(torch.uint8),
+                                                                 s.keys.codes.view(torch.uint8))
+        assert torch.equal(c.seen, s.seen - 2) and torch.equal(c.positions, s.positions.masked_fill(
+            s.positions >= (s.seen - 2)[:, None, None], -1))
     monkeypatch.setattr(kv_layer, "window_codec", lambda layer: None)  # the same plan, the state unquantized
     want, _ = decode(RuleRounding(kind))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
