@@ -73,6 +73,7 @@ INTEGRATIONS: tuple[tuple[str, str], ...] = (
     ("condcomp.integrations.hf", "supported_transformers_classes"),
     ("condcomp.integrations.hf.interface", "apply_interface_"),
     ("condcomp.integrations.hf.interface", "remove_interface_"),
+    ("condcomp.kv", "adopt"),
 )
 
 

@@ -143,16 +143,14 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
     """
     if kind is None:
         return copy.deepcopy(source)
-    from condcomp.integrations.hf.cache import (
-        carrier_class,
-        is_carrier,
-        placeholder_width,
-        store_windows,
-        stored_windows,
-    )
-    from condcomp.integrations.hf.internals import layer_initialized, swap_layer_class
+    from condcomp.integrations.hf.cache import placeholder_width, store_windows, stored_windows
+    from condcomp.integrations.hf.internals import layer_initialized
+    from condcomp.kv import adopt
 
     target = quantized_cache(kind, config)
+    planned = any(getattr(src, "condcomp_plan", None) is not None for src in source.layers)
+    if planned:
+        adopt(target)  # condcomp's cache layers, wrapping the quantized ones: they hold the plan
     for src, dst in zip(source.layers, target.layers):
         if not layer_initialized(src):
             continue
@@ -163,9 +161,8 @@ def cache_from_prefill(source: Any, kind: str | None, config: Any) -> Any:
             B, _, T, _ = keys.shape
             keys = values = keys.new_zeros(*keys.shape[:-1], placeholder_width(dst, B, T, prefill=True))
         dst.update(keys, values)
-        if is_carrier(src):
-            swap_layer_class(dst, carrier_class(type(dst)))
-            dst.condcomp_plan = src.condcomp_plan
+        if held is not None:
+            dst.condcomp_plan = held
             store_windows(dst, stored_windows(src))  # the streamed groups' windows, quantized as the layer's keys
     return target
 

@@ -4,8 +4,9 @@ A decoder request's sequence plan is decided at its prefill and held in its KV c
 under such a plan the way a compact cache stores it: only the key/value groups the plan keeps are projected, cached
 and read (``(B, g, S, Dh)``, :class:`~condcomp.kv.selection.KVSelection`); groups the layer's KV policy holds
 (a streaming window, :mod:`condcomp.kv`) are attended by that policy over its state; the rest are never computed.
-A model adapter translates its arguments into :class:`CompactKV` (how to write the cache, what it holds) and calls
-the executor with it.
+A model adapter translates its arguments into :class:`CompactKV` (how to write the cache, what it holds: a wrapped
+transformers model passes its compact cache layer's methods, :class:`condcomp.kv.layer.CompactLayer`) and calls the
+executor with it.
 
 Called without a cache (``executor="kv_cache"`` on any sequence-plan call) it computes the same kept-groups
 attention from the call's own keys and values: that is how it is compared with the reference executor, on the same
@@ -80,10 +81,10 @@ class CompactKV:
 
     - ``selection``: the held plan's slots (full groups, streamed groups).
     - ``store(k, v)``: appends the full slots' new keys/values ``(B, g, T, Dh)`` and returns their whole history
-      ``(B, g, S, Dh)`` (a transformers cache layer's ``update``).
+      ``(B, g, S, Dh)`` (a wrapped model passes its cache layer's :meth:`~condcomp.kv.layer.CompactLayer.store`).
     - ``visible``: keys the queries may see (a static cache's empty slots after them are dropped); None = all.
     - ``windows``: the state of the KV policy's groups before the call (None at prefill: a streaming window for
-      ``window``); ``keep_windows`` stores the new one.
+      ``window``); ``keep_windows`` stores the new one (the layer's ``keep_policy_state``).
     - ``projections``: how to project (None: the canonical weights).
     - ``placeholder_width``: when no group is kept in full, the full-length tensor holds a placeholder of this width
       that only counts the tokens (a quantized cache layer that quantizes in groups of ``n`` values needs ``n``).

@@ -13,19 +13,25 @@ Read it in this order:
 4. selection.py: per request and layer, which groups the plan keeps in full and which its policy holds, in the
    compact slot order the cache stores them (:class:`KVSelection`), the plan held with the cache
    (:class:`HeldPlan`) and its public view (:class:`RequestPlan`).
-5. choose.py: the policy of a wrapped layer: ``CondCompConfig(kv=...)`` or the ``topk`` router's ``stream_window``.
-6. calibration.py: which groups a plan keeps in full, from calibration (``duo_split``, ``static_split``,
+5. layer.py: one layer of a request's cache (:class:`~condcomp.kv.layer.CompactLayer`): the plan and the KV
+   policy's state beside the kept groups' keys, the row operations on both, and how the ``kv_cache`` executor
+   writes it (``store``, ``policy_state``, ``keep_policy_state``).
+6. choose.py: the policy of a wrapped layer: ``CondCompConfig(kv=...)`` or the ``topk`` router's ``stream_window``.
+7. calibration.py: which groups a plan keeps in full, from calibration (``duo_split``, ``static_split``,
    ``request_split``), and what makes their inputs: duo_attention.py and duo_gates.py (DuoAttention's gates),
    continuation.py and importance.py (gradient importance on the continuation loss), request_router.py (a trained
    per-request router).
 
 The executor that computes over it is ``kv_cache`` (:mod:`condcomp.executors.cached`); the transformers cache layer
-that holds it is :mod:`condcomp.integrations.hf.cache`, whose ``cache_bytes`` counts it.
+that holds it is condcomp's own (:mod:`condcomp.integrations.hf.kv_layer`, installed on a user's cache by
+:func:`adopt`), and :mod:`condcomp.integrations.hf.cache`'s ``cache_bytes`` counts it.
 
 >>> import condcomp
 >>> {'drop', 'full', 'window', 'snapkv', 'adakv'} <= set(condcomp.list_kv_policies())
 True
 """
+
+from typing import Any
 
 from condcomp.kv.adakv import AdaKV
 from condcomp.kv.choose import build_kv_policy, kv_policy_of
@@ -37,7 +43,30 @@ from condcomp.kv.window import StreamWindow, WindowCache
 from condcomp.kv.window_policy import WindowKV
 from condcomp.kv.window_quant import QuantizedWindowCache, WindowCodec
 
+
+def adopt(cache: Any) -> Any:
+    """Install condcomp's cache layer on a transformers KV cache a user builds, and return the cache.
+
+    Each layer of ``cache`` (``DynamicCache``, ``QuantizedCache`` for fp8/HQQ/quanto, ``StaticCache``, both halves of
+    an ``EncoderDecoderCache``) is wrapped by condcomp's layer, which holds a request's plan and its KV policy's
+    state beside the keys the wrapped layer keeps storing and quantizing; every cache operation (``reset``,
+    ``crop``, ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``, ``copy.deepcopy``,
+    ``pickle``) then acts on both. A wrapped model adopts a cache itself at a request's first cached call, so
+    ``generate()`` needs no call; adopt a cache explicitly to hold condcomp's layers before it is filled. Calling
+    it twice changes nothing. Refused with the reason: a ``PagedAttentionCache`` (continuous batching) and layers
+    that are not attention cache layers. Needs transformers.
+
+    >>> import transformers, condcomp  # doctest: +SKIP
+    >>> cache = condcomp.kv.adopt(transformers.QuantizedCache("fp8", model.config))  # doctest: +SKIP
+    >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)  # doctest: +SKIP
+    """
+    from condcomp.integrations.hf.kv_layer import adopt as adopt_cache
+
+    return adopt_cache(cache)
+
+
 __all__ = ["AdaKV", "KV_FULL", "KV_MODE_NAMES", "KV_NONE", "KV_WINDOW", "DropKV", "FullKV", "HeldPlan", "KVPolicy",
            "KVSelection", "QuantizedWindowCache", "RelativeBias", "RequestPlan", "SnapKV", "SnapState", "StreamWindow",
-           "WindowCache", "WindowCodec", "WindowKV", "as_kv_policy", "build_kv_policy", "decision_mask", "kv_policy_of",
+           "WindowCache", "WindowCodec", "WindowKV", "adopt", "as_kv_policy", "build_kv_policy", "decision_mask",
+           "kv_policy_of",
            "pad_slots", "select_kv"]

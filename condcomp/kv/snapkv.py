@@ -10,12 +10,13 @@ does not keep in full are compressed this way.
 
 Its state (:class:`SnapState`, shared with :mod:`condcomp.kv.adakv`) holds each (row, group)'s kept prompt entries,
 padded to the largest such count in the batch (empty entries: position -1), and grows by one entry per later token,
-as a full group does. Inside a quantized cache (fp8, HQQ, quanto) the state stays in full precision (``cache_bytes``
-counts it so); a static cache cannot hold it (use the default ``DynamicCache``).
+as a full group does. Inside a quantized cache (fp8, HQQ, quanto) the state's keys and values are stored by the
+layer's own rule (:mod:`condcomp.kv.snap_quant`); a static cache cannot hold it (use the default ``DynamicCache``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +27,9 @@ from torch import Tensor
 from condcomp.dense import grouped_sdpa
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
+from condcomp.kv.snap_quant import QuantizedSnapState
 from condcomp.kv.window import first_call_completes_prompt, first_call_tail, query_positions
+from condcomp.kv.window_quant import WindowCodec
 from condcomp.registry import register_kv_policy
 
 
@@ -234,4 +237,13 @@ class SnapKV(KVPolicy):
                              "decoding: generate inside condcomp.plan_from_prompt(model, prompt width), so its first "
                              "call compresses the prompt alone and keeps the candidates after it")
         positions = state.positions.masked_fill(state.positions >= seen[:, None, None], -1)
-        return SnapState(state.keys, state.values, positions, seen, state.prompt)  # a verifier's: no more chunks
+        # a verifier's: no more chunks (a quantized state keeps its codes)
+        return dataclasses.replace(state, positions=positions, seen=seen, prefill_only=False)
+
+    def stored(self, state: Any, codec: Any, before: Any) -> Any:
+        if not isinstance(codec, WindowCodec) or not isinstance(state, SnapState):
+            return state
+        return QuantizedSnapState.store(state, codec, before if isinstance(before, QuantizedSnapState) else None)
+
+    def loaded(self, stored: Any) -> Any:
+        return stored.dequantized(SnapState) if isinstance(stored, QuantizedSnapState) else stored

@@ -1,9 +1,9 @@
 """A request's plan lives in its KV cache: stored with each cache layer, so cache operations act on it too.
 
 At inference a decoder's sequence plan belongs to a request: decided at the request's first call on an empty cache
-(its prefill) and kept while the cache holds tokens. The plan is stored *with the cached tensors*: the cache layer
-object (a transformers ``CacheLayerMixin``) that the wrapped layer fills becomes a :class:`PlanCarrier` of its own
-class (``isinstance`` checks and every method still answer as before) holding a
+(its prefill) and kept while the cache holds tokens. The plan is stored *with the cached tensors*: the cache's layer
+object becomes condcomp's own cache layer (:class:`~.kv_layer.PlanLayer`, a transformers ``CacheLayerMixin`` wrapping
+the layer the cache built, which keeps storing and quantizing the keys) holding a
 :class:`~condcomp.kv.selection.HeldPlan` with one row per cache row. transformers' cache operations then act on the
 plan as on the keys and values:
 
@@ -17,159 +17,29 @@ plan as on the keys and values:
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from condcomp.host import detached
 from condcomp.kv.choose import check_token_plan
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.selection import HeldPlan, KVSelection, decision_mask
-from condcomp.kv.window_quant import WindowCodec
 from condcomp.types import HeadPlan
 
 from .generation_check import check_cache_free_generation
-from .internals import is_paged_cache, layer_initialized, swap_layer_class
-
-_WRITING = threading.local()  # set while a wrapped layer writes a compact cache (others may not)
-
-
-@contextlib.contextmanager
-def compact_write() -> Iterator[None]:
-    """Inside the block, writes of kept groups into a compact cache layer are the wrapped model's own."""
-    before = getattr(_WRITING, "on", False)
-    _WRITING.on = True
-    try:
-        yield
-    finally:
-        _WRITING.on = before
-
-
-def _length(layer: Any) -> int:
-    if not layer_initialized(layer):
-        return 0
-    counted = layer.__dict__.get("condcomp_tokens")  # a static layer's count kept as an int: no device sync
-    return int(layer.get_seq_length()) if counted is None else int(counted)
-
-
-class PlanCarrier:
-    """The methods a carrier class adds in front of a transformers cache layer class (see :func:`carrier_class`):
-    ``condcomp_plan`` rides with the layer's tensors through the layer's own operations."""
-
-    condcomp_plan: HeldPlan | None = None
-    # the state of the groups the plan's KV policy holds (a streaming window: trimmed keys/values), as the policy
-    # stores it in this layer (quantized in a quantized layer, see window_codec)
-    condcomp_windows: Any = None
-    condcomp_tokens: int  # static layers only: tokens held, counted on the host
-    _condcomp_base: Any = object
-
-    def reset(self) -> None:
-        self._condcomp_base.reset(self)
-        self.condcomp_plan = None
-        self.condcomp_windows = None
-        if "condcomp_tokens" in self.__dict__:
-            self.condcomp_tokens = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        windows, policy = self.condcomp_windows, _held_policy(self)
-        if windows is not None and policy is not None:
-            windows = policy.crop(windows, abs(tokens_to_remove))  # refused before anything changes
-        self._condcomp_base.crop(self, tokens_to_remove)
-        self.condcomp_windows = windows
-        if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
-            self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
-        if _length(self) == 0:  # nothing left: the next call is a new request
-            self.condcomp_plan = None
-            self.condcomp_windows = None
-
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        self._condcomp_base.reorder_cache(self, beam_idx)
-        self._take_rows(beam_idx)
-
-    def _take_rows(self, index: Tensor) -> None:
-        policy = _held_policy(self)
-        if self.condcomp_plan is not None:
-            self.condcomp_plan = self.condcomp_plan.take_rows(index)
-        if self.condcomp_windows is not None and policy is not None:
-            self.condcomp_windows = policy.take_rows(self.condcomp_windows, index)
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._condcomp_base.batch_select_indices(self, indices)
-        self._take_rows(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._condcomp_base.batch_repeat_interleave(self, repeats)
-        if self.condcomp_plan is not None:
-            rows = self.condcomp_plan.rows
-            self._take_rows(torch.arange(rows, device=self.condcomp_plan.plan.gates.device).repeat_interleave(repeats))
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
-        held = self.condcomp_plan
-        compact = held is not None and held.selection is not None and not held.selection.identity
-        if compact and not getattr(_WRITING, "on", False) and _length(self):
-            assert held is not None and held.selection is not None
-            raise ValueError(
-                f"this KV cache layer holds only the {held.selection.slots} key/value group(s) per row that a condcomp "
-                f"plan kept (of {held.num_kv_heads}); a call writing {key_states.shape[1]} key/value heads (the model "
-                "under condcomp.disabled, or another model) cannot continue it: the skipped groups' keys were never "
-                "computed. Continue the request with the wrapped model, or start a fresh cache for the dense model")
-        out = self._condcomp_base.update(self, key_states, value_states, *args, **kwargs)
-        if "condcomp_tokens" in self.__dict__:
-            self.condcomp_tokens += int(key_states.shape[-2])
-        return out
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # The carrier class is made at run time: pickle rebuilds it from the transformers class it extends.
-        return _rebuild_layer, (self._condcomp_base,), dict(self.__dict__)
-
-
-_CARRIED = ("reset", "crop", "reorder_cache", "_take_rows", "batch_select_indices", "batch_repeat_interleave",
-            "update", "__reduce_ex__")
-
-
-@functools.cache
-def carrier_class(base: Any) -> Any:
-    """``base`` (a transformers cache layer class) with :class:`PlanCarrier`'s methods: a direct subclass of
-    ``base`` (so a layer's class can be swapped in place), one per base."""
-    methods = {name: PlanCarrier.__dict__[name] for name in _CARRIED}
-    return type(base.__name__, (base,), {**methods, "__module__": __name__, "__qualname__": base.__qualname__,
-                                         "_condcomp_base": base, "condcomp_plan": None, "condcomp_windows": None,
-                                         "_layer_type": None})
-
-
-def is_carrier(layer: Any) -> bool:
-    return "_condcomp_base" in type(layer).__dict__  # whether a cache layer carries condcomp plans
-
-
-def _rebuild_layer(base: Any) -> Any:
-    return object.__new__(carrier_class(base))
-
-
-def _held_policy(layer: Any) -> KVPolicy | None:
-    """The KV policy whose state ``layer`` holds (the held plan's), or None."""
-    held = layer.__dict__.get("condcomp_plan")
-    return None if held is None or held.selection is None else held.selection.policy
-
-
-def window_codec(layer: Any) -> WindowCodec | None:
-    """How a quantized transformers cache layer stores the streamed groups' windows it holds, as it stores its own
-    keys: fp8 for an ``Fp8QuantizedLayer``, the layer's ``nbits`` and ``q_group_size`` for a ``QuantizedLayer``
-    (HQQ, quanto); None (full precision) for any other layer."""
-    from transformers import cache_utils
-
-    fp8: Any = getattr(cache_utils, "Fp8QuantizedLayer", ())  # () where this transformers has no such layer
-    grouped: Any = getattr(cache_utils, "QuantizedLayer", ())
-    if isinstance(layer, fp8):
-        return WindowCodec("fp8")
-    if isinstance(layer, grouped):
-        return WindowCodec("int", nbits=int(layer.nbits), group=int(layer.q_group_size))
-    return None
+from .internals import build_missing_layers, is_paged_cache
+from .kv_layer import (
+    PlanCarrier,
+    PlanLayer,
+    adopt_layer,
+    compact_write,
+    is_carrier,
+    layer_length,
+    layer_tensors,
+    window_codec,
+)
 
 
 def placeholder_width(layer: Any, rows: int, tokens: int, prefill: bool) -> int:
@@ -180,30 +50,24 @@ def placeholder_width(layer: Any, rows: int, tokens: int, prefill: bool) -> int:
     if layer is None:
         return 1
     if not prefill:
-        return int(layer.__dict__.get("condcomp_placeholder", 1))
+        return int(getattr(layer, "condcomp_placeholder", 1))
     group = int(getattr(layer, "q_group_size", 1) or 1)
     width = 1 if (rows * tokens) % group == 0 else group
-    layer.__dict__["condcomp_placeholder"] = width
+    layer.condcomp_placeholder = width  # on the layer that holds the plan (a raw layer's is read through a wrapper)
     return width
 
 
 def stored_windows(layer: Any, policy: KVPolicy | None = None) -> Any:
     """The state of the KV policy's groups a cache layer holds, as the executor reads it (a window dequantized if
-    stored so); ``policy``: the policy that stored it (default: the layer's held plan's)."""
-    windows = getattr(layer, "condcomp_windows", None)
-    policy = policy if policy is not None else _held_policy(layer)
-    return windows if windows is None or policy is None else policy.loaded(windows)
+    stored so); ``policy``: the policy that stored it (default: the layer's held plan's). A layer that is not
+    condcomp's holds none."""
+    return layer.policy_state(policy) if is_carrier(layer) else None
 
 
 def store_windows(layer: Any, windows: Any, policy: KVPolicy | None = None) -> None:
-    """Keep the state ``windows`` of ``policy`` (default: the layer's held plan's) in a carrier ``layer``, as the
-    policy stores it in this layer: a window quantized when the layer is a quantized one (:func:`window_codec`), so
-    a quantized cache holds the windows as compactly as its own keys."""
-    policy = policy if policy is not None else _held_policy(layer)
-    if windows is None or policy is None:
-        layer.condcomp_windows = windows
-        return
-    layer.condcomp_windows = policy.stored(windows, window_codec(layer), layer.__dict__.get("condcomp_windows"))
+    """Keep the state ``windows`` of ``policy`` (default: the layer's held plan's) in condcomp's cache ``layer``,
+    as the policy stores it there (:meth:`~condcomp.kv.layer.CompactLayer.keep_policy_state`)."""
+    layer.keep_policy_state(windows, policy)
 
 
 def cache_layer(cache: Any, layer_idx: int, cross: bool = False) -> Any:
@@ -217,37 +81,37 @@ def cache_layer(cache: Any, layer_idx: int, cross: bool = False) -> Any:
     return layers[layer_idx]
 
 
+def plan_layer(cache: Any, layer_idx: int, cross: bool = False) -> PlanLayer:
+    """Layer ``layer_idx`` of ``cache`` as condcomp's cache layer, the cache's own layer wrapped in place the first
+    time (:func:`condcomp.kv.adopt` does every layer at once); it must exist (a lazy cache builds it at its first
+    ``update``)."""
+    if cache_layer(cache, layer_idx, cross) is None:
+        raise RuntimeError(f"layer {layer_idx}: the KV cache has no layer {layer_idx} (it has "
+                           f"{len(getattr(cache, 'layers', []))}): it was built for another model")
+    half = getattr(cache, "cross_attention_cache" if cross else "self_attention_cache", cache)
+    return adopt_layer(half.layers, layer_idx)
+
+
+def compact_layer(cache: Any, layer_idx: int) -> PlanLayer:
+    """Layer ``layer_idx`` of ``cache`` as condcomp's cache layer before a compact call writes it: built now by a
+    lazily growing cache (as its ``update`` would), and wrapped in place the first time."""
+    build_missing_layers(cache, layer_idx)
+    return plan_layer(cache, layer_idx)
+
+
+def offloaded_store(cache: Any, layer_idx: int, cache_kwargs: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The kept groups appended through an offloading cache's own ``update`` (it prefetches the layer before and
+    offloads it after); any other cache is written through condcomp's layer directly."""
+    with compact_write():
+        return cache.update(k, v, layer_idx, kwargs=cache_kwargs)  # type: ignore[no-any-return]
+
+
 def held_record(cache: Any, layer_idx: int, cross: bool = False) -> HeldPlan | None:
     """The plan stored with layer ``layer_idx`` of ``cache``, or None."""
     layer = cache_layer(cache, layer_idx, cross) if cache is not None else None
-    if layer is None or _length(layer) == 0:
+    if layer is None or layer_length(layer) == 0:
         return None
     return getattr(layer, "condcomp_plan", None)
-
-
-@dataclass(frozen=True)
-class LayerSlot:
-    """One layer of a transformers cache as the ``kv_cache`` executor writes it
-    (:class:`~condcomp.executors.cached.CompactKV`'s ``store`` and ``keep_windows``): the kept groups' keys and
-    values through the layer's own ``update``, the KV policy's state beside them."""
-
-    cache: Any
-    layer_idx: int
-    extra: Any  # the call's cache kwargs, passed on to update
-    policy: KVPolicy | None
-
-    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append the kept groups' ``(B, g, T, Dh)``; their whole history ``(B, g, S, Dh)``."""
-        with compact_write():
-            return self.cache.update(k, v, self.layer_idx, kwargs=self.extra)  # type: ignore[no-any-return]
-
-    def state(self) -> Any:
-        """The KV policy's state held before this call, as the executor reads it."""
-        return stored_windows(cache_layer(self.cache, self.layer_idx), self.policy)
-
-    def keep_windows(self, state: Any) -> None:
-        # looked up again: at a prefill the layer exists only once store() has run
-        store_windows(cache_layer(self.cache, self.layer_idx), state, self.policy)
 
 
 @dataclass(frozen=True)
@@ -266,13 +130,9 @@ class RequestStep:
         """Store a plan decided now with the cache layer (after the call's update created it)."""
         if self.held is not None or plan.granularity != "sequence":
             return
-        layer = cache_layer(self.cache, self.layer_idx, self.cross)
-        if layer is None:
-            raise RuntimeError(f"layer {self.layer_idx}: the KV cache has no layer after its update")
-        if not is_carrier(layer):
-            swap_layer_class(layer, carrier_class(layer.__class__))
-            if isinstance(layer.get_seq_length(), Tensor):  # static layers count in a tensor: counted here once
-                layer.condcomp_tokens = int(layer.get_seq_length())
+        layer = plan_layer(self.cache, self.layer_idx, self.cross)
+        if "condcomp_tokens" not in layer.__dict__ and isinstance(layer.get_seq_length(), Tensor):
+            layer.condcomp_tokens = int(layer.get_seq_length())  # static layers count in a tensor: counted here once
         layer.condcomp_plan = HeldPlan(detached(plan), selection, routed.layout.num_kv_heads)
 
     def no_plan_error(self) -> ValueError:
@@ -291,7 +151,7 @@ def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bo
                          "PagedAttentionCache): it packs every request into one row, while a request's plan needs "
                          "a cache row of its own; use generate() with a batch of requests")
     layer = cache_layer(cache, layer_idx, cross)
-    past = _length(layer) if layer is not None else 0
+    past = layer_length(layer) if layer is not None else 0
     query_start = past
     if past and not cross and hasattr(layer, "get_mask_sizes"):
         query_start = past - int(layer.get_mask_sizes(T)[1])  # sliding layers: the mask starts at an offset
@@ -386,15 +246,11 @@ def cache_bytes(cache: Any) -> list[int]:
     out = []
     for layer in layers:
         seen: set[int] = set()
-        policy = _held_policy(layer)
-        total = 0
-        for k, v in vars(layer).items():
-            if k == "condcomp_plan":
-                continue
-            if k == "condcomp_windows" and v is not None:  # the KV policy counts its own state
-                if policy is None:
-                    raise ValueError("cache_bytes: a cache layer holds a KV policy's state but no plan saying whose")
-                v = policy.tensors(v)
-            total += _tensor_bytes(v, seen)
+        total = sum(_tensor_bytes(v, seen) for v in layer_tensors(layer))
         out.append(total)
     return out
+
+
+__all__ = ["PlanCarrier", "RequestStep", "cache_bytes", "cache_layer", "compact_layer", "compact_write", "held_record",
+           "is_carrier", "offloaded_store", "open_step", "placeholder_width", "plan_layer", "request_plan",
+           "store_windows", "stored_windows", "window_codec"]

@@ -20,6 +20,7 @@ kept heads' outputs scattered back to their columns, so LoRA and biases behave a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ from condcomp.kv.selection import KVSelection, pad_slots, select_kv
 from condcomp.kv.window import revertible_tail
 from condcomp.types import AttentionInputs, HeadPlan
 
-from .cache import LayerSlot, RequestStep, cache_layer, compact_write, open_step, placeholder_width
+from .cache import RequestStep, cache_layer, compact_layer, offloaded_store, open_step, placeholder_width
 from .common import attend_call, cache_every_head, decoder_request_plan, mask_parts, sliding_window_bias
 from .internals import is_static_cache, layer_initialized, reallocate_static_layer
 
@@ -173,20 +174,23 @@ def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, ca
     cache, layer_idx, x, mask = step.cache, step.layer_idx, call.x, call.mask
     L = routed.layout
     B, T, _ = x.shape
+    layer = compact_layer(cache, layer_idx)  # condcomp's cache layer: the executor writes the kept groups through it
+    store = functools.partial(layer.store, cache_kwargs=call.extra)
+    if getattr(cache, "offloading", False):  # transformers prefetches and offloads the layer around its update
+        store = functools.partial(offloaded_store, cache, layer_idx, call.extra)
     if B == 0:  # an empty batch: nothing to attend, the cache still learns the call's length
         empty = x.new_zeros(B, 0, T, L.head_dim)
-        with compact_write():
-            cache.update(empty, empty, layer_idx, kwargs=call.extra)
+        store(empty, empty)
         return x.new_zeros(B, T, L.d_model)
     S = call.num_keys(step.query_start)  # keys after this call's update
     query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, step.query_start)
     bias = _score_terms(call, T, S, bias)
-    slot = LayerSlot(cache, layer_idx, call.extra, sel.policy)
-    windows = slot.state() if step.held is not None else None
+    windows = layer.policy_state(sel.policy) if step.held is not None else None
     # no group kept in full: the full-length tensor is a placeholder that counts the tokens
-    width = placeholder_width(cache_layer(cache, layer_idx), B, T, step.held is None) if sel.slots == 0 else 1
-    compact = CompactKV(sel, slot.store, S if mask is None else None, windows, slot.keep_windows, call.projections,
-                        width, call.relative_bias)
+    width = placeholder_width(layer, B, T, step.held is None) if sel.slots == 0 else 1
+    compact = CompactKV(sel, store, S if mask is None else None, windows,
+                        functools.partial(layer.keep_policy_state, policy=sel.policy), call.projections, width,
+                        call.relative_bias)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if routed.training else 0.0, kv_cache=compact)
     weights = routed.weights()

@@ -4,8 +4,9 @@ condcomp stores a request's plan with its KV cache, recognises the caches it can
 ``generate(use_cache=False)`` where the text would change; transformers (checked against
 :data:`TRANSFORMERS_CHECKED`) offers no public hook for these, so each contact is here, says what it relies on and
 why no public hook serves, and ``tests/integrations/hf/test_internals.py`` fails with a message naming the contact
-when a transformers release changes what it relies on. The callers (``cache.py``, ``decode.py``,
-``generation_check.py``, ``interface.py``, ``condcomp.bench.kv_variants``) use only these functions.
+when a transformers release changes what it relies on. The callers (``cache.py``, ``kv_layer.py``, ``decode.py``,
+``generation_check.py``, ``interface.py``) use only these names. condcomp's cache layer (``kv_layer.PlanLayer``)
+subclasses transformers' public ``CacheLayerMixin`` and wraps the layer a cache built: no class is swapped.
 """
 
 from __future__ import annotations
@@ -20,18 +21,34 @@ from typing import Any
 TRANSFORMERS_CHECKED = "5.25.0"  # the transformers release every contact below was read against
 
 
-def swap_layer_class(layer: Any, cls: type) -> None:
-    """Give the live cache layer object ``layer`` the class ``cls``, a direct subclass of its own class made by
-    ``condcomp.integrations.hf.cache.carrier_class`` (its data stays where it is: same ``__dict__``).
+# Class-level flags of transformers' cache layers that the Cache reads from each layer object (``Cache.is_sliding``,
+# ``is_compileable``, ``is_croppable``, ``is_initialized``'s ``supports_early_init``): condcomp's wrapping layer
+# (``kv_layer.PlanLayer``) answers each with its wrapped layer's value; every other attribute it reads through.
+DELEGATED_LAYER_FLAGS = ("is_compileable", "is_croppable", "supports_early_init", "is_sliding")
 
-    Relies on: cache layers (``CacheLayerMixin`` subclasses) being plain Python objects without ``__slots__``, so
-    that ``__class__`` may be assigned. No public hook: a ``Cache`` builds its layers itself (``DynamicCache``,
-    ``StaticCache``, ``QuantizedCache`` choose the layer classes in their constructors), and a cache a user brings
-    (quantized, static, offloaded) already holds its layers, so the plan can only ride with the layer object."""
-    if cls.__bases__ != (type(layer),):
-        raise TypeError(f"swap_layer_class: {cls.__name__} must be a direct subclass of the layer's class "
-                        f"{type(layer).__name__} (made by carrier_class), not {cls.__bases__}")
-    layer.__class__ = cls
+
+def new_layer_factory(cache: Any, wrap: Callable[[Any], Any]) -> None:
+    """Make a lazily growing cache (``DynamicCache()`` without a config) build its new layers with ``wrap(factory)``
+    instead of its ``layer_class_to_replicate`` ``factory``; a cache built with its layers is left as it is.
+
+    Relies on: ``Cache.update`` appending ``self.layer_class_to_replicate()`` (called with no argument) for a layer
+    index it has no layer for yet. No public hook: a ``Cache`` builds its layers itself, and ``adopt`` must reach
+    the layers a user's empty cache has not built yet."""
+    factory = getattr(cache, "layer_class_to_replicate", None)
+    if factory is not None:
+        cache.layer_class_to_replicate = wrap(factory)
+
+
+def build_missing_layers(cache: Any, layer_idx: int) -> None:
+    """Build the layers up to ``layer_idx`` a lazily growing cache has not built yet, as its ``update`` would
+    (``layer_class_to_replicate()`` appended); a cache built with its layers is left as it is.
+
+    Relies on: the same ``Cache.update`` code as :func:`new_layer_factory`. No public hook: a cache builds a
+    layer only inside ``update``, while condcomp's layer must exist before the call writes it (the ``kv_cache``
+    executor writes the kept groups through it)."""
+    factory = getattr(cache, "layer_class_to_replicate", None)
+    while factory is not None and len(cache.layers) <= layer_idx:
+        cache.layers.append(factory())
 
 
 def layer_initialized(layer: Any) -> bool:

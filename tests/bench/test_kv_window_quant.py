@@ -105,6 +105,7 @@ class ReferenceWindows:
 def test_split_inside_a_quantized_cache_reads_its_windows_quantized(kind: str, kv_heads: int, fraction: float,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from condcomp.integrations.hf import cache as hf_cache
+    from condcomp.integrations.hf import kv_layer
 
     from condcomp.bench.kv_variants import ModelContext, missing_packages, quantized_cache, window_split
     from condcomp.kv.window_quant import QuantizedWindowCache
@@ -137,7 +138,7 @@ def test_split_inside_a_quantized_cache_reads_its_windows_quantized(kind: str, k
     assert all(hf_cache.cache_bytes(composed)[i] - _full_bytes(composed.layers[i]) ==
                2 * code_bytes + side + B * N * 8 + B * 8 for i in range(2))  # + positions, seen (int64)
     ref = ReferenceWindows(kind)
-    monkeypatch.setattr(hf_cache, "window_codec", lambda layer: None)  # the same plan, windows held unquantized
+    monkeypatch.setattr(kv_layer, "window_codec", lambda layer: None)  # the same plan, windows held unquantized
     want, _ = decode(quantized_cache(kind, model.config), ref.round)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     unrounded, _ = decode(quantized_cache(kind, model.config), lambda c: None)

@@ -40,13 +40,13 @@ def decode(model: torch.nn.Module, cache: Any, ids: torch.Tensor) -> tuple[torch
 def test_every_group_streamed_in_an_hqq4_cache_at_any_prompt_length(monkeypatch: pytest.MonkeyPatch) -> None:
     if missing_packages("quantized-hqq4"):
         pytest.skip("hqq4 needs the kvquant extra")
-    from condcomp.integrations.hf import cache as hf_cache
+    from condcomp.integrations.hf import kv_layer
 
     model = streaming_llama()
     ids = torch.randint(0, 300, (2, P + STEPS), generator=torch.Generator().manual_seed(1))
     got, cache = decode(model, quantized_cache("hqq4", model.config), ids)
     assert all(isinstance(layer.condcomp_windows, QuantizedWindowCache) for layer in cache.layers)
-    monkeypatch.setattr(hf_cache, "window_codec", lambda layer: WindowCodec("int", nbits=4, group=64))
+    monkeypatch.setattr(kv_layer, "window_codec", lambda layer: WindowCodec("int", nbits=4, group=64))
     want, dynamic = decode(model, t.DynamicCache(), ids)
     assert all(layer.keys.shape[-1] == 1 for layer in dynamic.layers)  # a dynamic layer's placeholder: width 1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -34,36 +34,50 @@ def small_llama() -> Any:
 
 
 @pytest.mark.parametrize("name", LAYERS)
-def test_cache_layers_take_a_subclass_in_place_and_keep_the_carried_methods(name: str) -> None:
+def test_cache_layers_have_the_methods_condcomps_layer_hands_them(name: str) -> None:
     cls = getattr(cache_utils, name, None)
-    assert cls is not None, changed("swap_layer_class", f"cache_utils.{name} no longer exists")
-    assert "__slots__" not in vars(cls) and hasattr(cls, "__dict__"), changed(
-        "swap_layer_class", f"{name} declares __slots__: its objects' __class__ can no longer be swapped")
+    assert cls is not None, changed("DELEGATED_LAYER_FLAGS", f"cache_utils.{name} no longer exists")
     for method, params in CARRIED.items():
         fn = getattr(cls, method, None)
         if fn is None and name.startswith("Static") and method.startswith("batch_"):
             continue  # static layers never had row selection (transformers refuses it on a static cache)
-        assert callable(fn), changed("swap_layer_class", f"{name}.{method} is gone (the carrier class wraps it)")
+        assert callable(fn), changed("DELEGATED_LAYER_FLAGS", f"{name}.{method} is gone (PlanLayer hands it on)")
         names = list(inspect.signature(fn).parameters)[1:1 + len(params)]
-        assert names == params, changed("swap_layer_class", f"{name}.{method}'s parameters are now {names}, the "
-                                        f"carrier class calls it with {params}")
+        assert names == params, changed("DELEGATED_LAYER_FLAGS", f"{name}.{method}'s parameters are now {names}, "
+                                        f"PlanLayer calls it with {params}")
     assert "is_initialized" in inspect.getsource(cls.__init__) or "is_initialized" in inspect.getsource(
         cache_utils.CacheLayerMixin.__init__), changed("layer_initialized", f"{name} no longer sets is_initialized")
 
 
-def test_swap_layer_class_keeps_the_data_and_refuses_a_class_that_is_not_a_direct_subclass() -> None:
-    layer = cache_utils.DynamicLayer()
-    k = torch.randn(1, 2, 3, 4)
-    layer.update(k, k.clone())
-    assert internals.layer_initialized(layer), changed("layer_initialized", "an updated DynamicLayer is not "
-                                                       "is_initialized")
-    sub = type("Carrier", (cache_utils.DynamicLayer,), {})
-    internals.swap_layer_class(layer, sub)
-    assert type(layer) is sub and torch.equal(layer.keys, k) and int(layer.get_seq_length()) == 3
-    with pytest.raises(TypeError, match="direct subclass"):
-        internals.swap_layer_class(layer, type("Other", (cache_utils.StaticLayer,), {}))
-    layer.reset()
-    assert not internals.layer_initialized(layer) or layer.keys.numel() == 0
+def test_every_class_level_attribute_of_the_layer_base_is_answered_by_the_wrapped_layer() -> None:
+    """A name the base class defines is found on condcomp's wrapping layer itself (not read through): each must be
+    a method the wrapper hands on or a flag it delegates, or the Cache would read the base's default."""
+    from condcomp.integrations.hf.kv_layer import PlanLayer
+
+    base = {n for n in vars(cache_utils.CacheLayerMixin) if not n.startswith("_")}
+    own = {n for n in base if getattr(PlanLayer, n) is not getattr(cache_utils.CacheLayerMixin, n)}
+    assert base <= own, changed("DELEGATED_LAYER_FLAGS", f"CacheLayerMixin now defines {sorted(base - own)}, which "
+                                "condcomp's PlanLayer neither hands on nor delegates")
+    flags = {n for c in map(lambda n: getattr(cache_utils, n), LAYERS) for n, v in vars(c).items()
+             if not n.startswith("_") and isinstance(v, bool)}
+    assert flags <= set(internals.DELEGATED_LAYER_FLAGS), changed(
+        "DELEGATED_LAYER_FLAGS", f"cache layer classes now set the class flags {sorted(flags)}")
+    assert all(isinstance(vars(PlanLayer)[n], property) for n in internals.DELEGATED_LAYER_FLAGS)
+
+
+def test_a_lazily_growing_cache_builds_its_new_layers_with_the_factory_given() -> None:
+    assert "self.layer_class_to_replicate()" in inspect.getsource(cache_utils.Cache.update), changed(
+        "new_layer_factory", "Cache.update no longer builds a missing layer by calling layer_class_to_replicate()")
+    cache = t.DynamicCache()
+    built: list[Any] = []
+
+    def wrap(factory: Any) -> Any:
+        return lambda: built.append(factory()) or built[-1]
+
+    internals.new_layer_factory(cache, wrap)
+    cache.update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 1)
+    assert len(built) == 2 and cache.layers == built, changed(
+        "new_layer_factory", "DynamicCache() no longer builds its layers lazily from layer_class_to_replicate")
 
 
 def test_a_static_layer_flipped_to_uninitialised_allocates_again_at_its_next_update() -> None:

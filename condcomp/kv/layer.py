@@ -1,0 +1,149 @@
+"""A compact KV cache layer: what one layer of a request's cache holds beside the keys, and how it is written.
+
+:class:`CompactLayer` is the part of condcomp's cache layer that knows nothing of the library whose cache it
+lives in: the request's plan (:class:`~condcomp.kv.selection.HeldPlan`, one row per cache row), the state of the
+groups the plan's KV policy holds, and every row operation on both (reset, crop, reorder/select rows, repeat rows).
+The keys of the kept groups are stored by the layer it wraps (``inner``: transformers' ``DynamicLayer``, a
+quantized layer, ...), which it hands them to through its own :meth:`update`.
+
+The ``kv_cache`` executor writes a request's compact cache through it: :meth:`store` appends the kept groups'
+keys and values, :meth:`policy_state` / :meth:`keep_policy_state` read and keep the KV policy's state, stored as
+the policy stores it in this layer (:meth:`state_codec`: quantized inside a quantized layer). The transformers
+class is ``condcomp.integrations.hf.kv_layer.PlanLayer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from condcomp.kv.policy import KVPolicy
+from condcomp.kv.selection import HeldPlan
+
+_WRITING = threading.local()  # set while a wrapped layer writes a compact cache (others may not)
+
+
+@contextlib.contextmanager
+def compact_write() -> Iterator[None]:
+    """Inside the block, writes of kept groups into a compact cache layer are the wrapped model's own."""
+    before = getattr(_WRITING, "on", False)
+    _WRITING.on = True
+    try:
+        yield
+    finally:
+        _WRITING.on = before
+
+
+def held_policy(layer: Any) -> KVPolicy | None:
+    """The KV policy whose state ``layer`` holds (the held plan's), or None."""
+    held = layer.__dict__.get("condcomp_plan")
+    return None if held is None or held.selection is None else held.selection.policy
+
+
+class CompactLayer:
+    """The plan, the KV policy's state and their row operations of one cache layer; the keys are ``inner``'s.
+
+    A subclass (the library's cache layer class) provides :meth:`held_tokens` and :meth:`state_codec` and holds the
+    wrapped layer as ``inner`` (with ``update``, ``reset``, ``crop``, ``reorder_cache``, ``batch_select_indices``,
+    ``batch_repeat_interleave``)."""
+
+    condcomp_plan: HeldPlan | None = None
+    # the state of the groups the plan's KV policy holds (a streaming window: trimmed keys/values), as the policy
+    # stores it in this layer (quantized in a quantized layer, see state_codec)
+    condcomp_windows: Any = None
+    condcomp_tokens: int  # static layers only: tokens held, counted on the host
+    inner: Any
+
+    def held_tokens(self) -> int:
+        """Tokens the layer holds (0 when empty)."""
+        raise NotImplementedError
+
+    def state_codec(self) -> Any:
+        """How the KV policy's state is stored in this layer (a ``WindowCodec``), or None: full precision."""
+        return None
+
+    # ---- how the kv_cache executor writes it --------------------------------------------------------------------
+    def store(self, k: Tensor, v: Tensor, cache_kwargs: Any = None) -> tuple[Tensor, Tensor]:
+        """Append the kept groups' ``(B, g, T, Dh)``; their whole history ``(B, g, S, Dh)``. ``cache_kwargs``: the
+        call's cache arguments, which the wrapped layer reads (``cache_position``, ...)."""
+        with compact_write():
+            return self.update(k, v, kwargs=cache_kwargs)  # type: ignore[no-any-return]  # as Cache.update passes it
+
+    def policy_state(self, policy: KVPolicy | None = None) -> Any:
+        """The KV policy's state held before this call, as the executor reads it (a window dequantized if stored
+        so); ``policy``: the policy that stored it (default: the held plan's)."""
+        state = self.condcomp_windows
+        policy = policy if policy is not None else held_policy(self)
+        return state if state is None or policy is None else policy.loaded(state)
+
+    def keep_policy_state(self, state: Any, policy: KVPolicy | None = None) -> None:
+        """Keep ``state`` of ``policy`` (default: the held plan's) as the policy stores it in this layer: a window
+        quantized when the layer quantizes its keys, so it is held as compactly as they are."""
+        policy = policy if policy is not None else held_policy(self)
+        if state is None or policy is None:
+            self.condcomp_windows = state
+            return
+        self.condcomp_windows = policy.stored(state, self.state_codec(), self.__dict__.get("condcomp_windows"))
+
+    # ---- the cache operations, on the plan and the policy's state too -------------------------------------------
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        held = self.condcomp_plan
+        compact = held is not None and held.selection is not None and not held.selection.identity
+        if compact and not getattr(_WRITING, "on", False) and self.held_tokens():
+            assert held is not None and held.selection is not None
+            raise ValueError(
+                f"this KV cache layer holds only the {held.selection.slots} key/value group(s) per row that a condcomp "
+                f"plan kept (of {held.num_kv_heads}); a call writing {key_states.shape[1]} key/value heads (the model "
+                "under condcomp.disabled, or another model) cannot continue it: the skipped groups' keys were never "
+                "computed. Continue the request with the wrapped model, or start a fresh cache for the dense model")
+        out = self.inner.update(key_states, value_states, *args, **kwargs)
+        if "condcomp_tokens" in self.__dict__:
+            self.condcomp_tokens = self.condcomp_tokens + int(key_states.shape[-2])
+        return out
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.condcomp_plan = None
+        self.condcomp_windows = None
+        if "condcomp_tokens" in self.__dict__:
+            self.condcomp_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        windows, policy = self.condcomp_windows, held_policy(self)
+        if windows is not None and policy is not None:
+            windows = policy.crop(windows, abs(tokens_to_remove))  # refused before anything changes
+        self.inner.crop(tokens_to_remove)
+        self.condcomp_windows = windows
+        if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
+            self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
+        if self.held_tokens() == 0:  # nothing left: the next call is a new request
+            self.condcomp_plan = None
+            self.condcomp_windows = None
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.inner.reorder_cache(beam_idx)
+        self.take_rows(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self.inner.batch_select_indices(indices)
+        self.take_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.inner.batch_repeat_interleave(repeats)
+        if self.condcomp_plan is not None:
+            rows = self.condcomp_plan.rows
+            self.take_rows(torch.arange(rows, device=self.condcomp_plan.plan.gates.device).repeat_interleave(repeats))
+
+    def take_rows(self, index: Tensor) -> None:
+        """Keep the plan's and the policy state's rows ``index`` (the wrapped layer's rows are taken by its own
+        operation)."""
+        policy = held_policy(self)
+        if self.condcomp_plan is not None:
+            self.condcomp_plan = self.condcomp_plan.take_rows(index)
+        if self.condcomp_windows is not None and policy is not None:
+            self.condcomp_windows = policy.take_rows(self.condcomp_windows, index)
