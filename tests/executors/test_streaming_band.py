@@ -10,9 +10,11 @@ from condcomp.kv.window import StreamWindow, band_applies, banded_attention
 
 
 def rule_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                   window: StreamWindow) -> torch.Tensor:
+                   window: StreamWindow, scale: float | None = None,
+                   bias_table: torch.Tensor | None = None) -> torch.Tensor:
     """Per row, head and query: softmax over the keys the rule allows (0 <= j <= p and (j < sinks or p - j <
-    window)), float64; padding queries 0."""
+    window)), float64; padding queries 0. ``bias_table (H, D)``: a score bias by distance ``p - j`` (capped at
+    ``D - 1``), T5's kind."""
     B, H, T, Dh = q.shape
     r = H // k.shape[1]
     out = torch.zeros(B, H, T, Dh, dtype=torch.float64)
@@ -24,7 +26,10 @@ def rule_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch
                     continue
                 keys = [j for j in range(T) if 0 <= int(pos[b, j]) <= p
                         and (int(pos[b, j]) < window.sinks or p - int(pos[b, j]) < window.window)]
-                s = (k[b, h // r, keys].double() @ q[b, h, i].double()) / Dh ** 0.5
+                s = (k[b, h // r, keys].double() @ q[b, h, i].double()) * (Dh ** -0.5 if scale is None else scale)
+                if bias_table is not None:
+                    cap = bias_table.shape[-1] - 1
+                    s = s + bias_table[h, [min(p - int(pos[b, j]), cap) for j in keys]].double()
                 out[b, h, i] = torch.softmax(s, 0) @ v[b, h // r, keys].double()
     return out
 
@@ -68,17 +73,6 @@ def test_banded_prefill_adds_a_relative_position_bias_at_true_distances() -> Non
     w = StreamWindow(2, 4)
     bias = RelativeBias(table).for_heads(torch.arange(H).expand(B, H))
     got = banded_attention(q, k, v, pos, w, lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, 1.0), bias)
-    want = torch.zeros(B, H, T, Dh, dtype=torch.float64)
-    for b in range(B):
-        for h in range(H):
-            for i in range(T):
-                p = int(pos[b, i])
-                if p < 0:
-                    continue
-                keys = [j for j in range(T) if 0 <= int(pos[b, j]) <= p
-                        and (int(pos[b, j]) < w.sinks or p - int(pos[b, j]) < w.window)]
-                s = k[b, h, keys].double() @ q[b, h, i].double()
-                s = s + torch.tensor([float(table[0, h, min(p - int(pos[b, j]), D - 1)]) for j in keys]).double()
-                want[b, h, i] = torch.softmax(s, 0) @ v[b, h, keys].double()
+    want = rule_attention(q, k, v, pos, w, scale=1.0, bias_table=table[0])
     got = got.masked_fill(~real[:, None, :, None], 0.0)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
