@@ -32,6 +32,14 @@ def records(folder: Path, code: str) -> dict[tuple[int, int, str], dict[str, Any
     return out
 
 
+def write(folder: Path, rows: list[dict[str, Any]], lines: list[str]) -> int:
+    table = "\n".join(lines)
+    print(table)
+    (folder / "pairs.json").write_text(json.dumps(rows, indent=1))
+    (folder / "pairs.md").write_text(table + "\n")
+    return 0
+
+
 def attention_pairs(folder: Path) -> int:
     def load(code: str) -> dict[tuple[Any, ...], dict[str, Any]]:
         m = json.loads((folder / code / "metrics.json").read_text())
@@ -51,11 +59,7 @@ def attention_pairs(folder: Path) -> int:
         ratios = sorted(r["after_over_before"] for r in rows if r["variant"] == variant)
         lines.append(f"\n{variant}: after / before, median {statistics.median(ratios):.3f}, "
                      f"range {ratios[0]:.2f}-{ratios[-1]:.2f} over {len(ratios)} cells")
-    table = "\n".join(lines)
-    print(table)
-    (folder / "pairs.json").write_text(json.dumps(rows, indent=1))
-    (folder / "pairs.md").write_text(table + "\n")
-    return 0
+    return write(folder, rows, lines)
 
 
 def main(folder: Path) -> int:
@@ -82,11 +86,7 @@ def main(folder: Path) -> int:
                      f"{r['after_decode_ratio']:.2f} | {r['before_ms_per_token']:.1f} | "
                      f"{r['after_ms_per_token']:.1f} | {r['after_over_before']:.2f} | {r['kv_ratio']:.2f} | "
                      f"{r['tokens_equal_dense_after']} |")
-    table = "\n".join(lines)
-    print(table)
-    (folder / "pairs.json").write_text(json.dumps(rows, indent=1))
-    (folder / "pairs.md").write_text(table + "\n")
-    return 0
+    return write(folder, rows, lines)
 
 
 if __name__ == "__main__":
