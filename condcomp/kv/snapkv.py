@@ -188,7 +188,8 @@ class SnapKV(KVPolicy):
                              "only its first chunk), and this call of several tokens right after the prefill may be "
                              "a second chunk; drop prefill_chunk_size, or pick another KV policy. If the prompt was "
                              "complete (this call is a question or a new turn), prefill it inside "
-                             "condcomp.plan_from_prompt(model, prompt width)")
+                             "condcomp.plan_from_prompt(model, width) with width at most the prefill's own (the "
+                             "padded prompt width; a wider one says the prompt goes on, as a chunked prefill's does)")
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
         key_pos = pos[:, None, :].expand(B, gw, T)  # (B, gw, T)
         if state is not None:

@@ -29,9 +29,14 @@ import importlib
 import re
 from typing import Any
 
-import transformers
-
 OLDEST_TRANSFORMERS = (5, 24)
+
+try:
+    import transformers
+except ImportError as missing:  # pragma: no cover - exercised in a subprocess by test_transformers_version
+    _PIN = f"transformers>={OLDEST_TRANSFORMERS[0]}.{OLDEST_TRANSFORMERS[1]},<6"
+    raise ImportError(f"condcomp.integrations.hf needs {_PIN}, which is not installed: pip install -e '.[hf]' from "
+                      f"the repository's root, or pip install '{_PIN}'") from missing
 
 
 def require_transformers(version: str, oldest: tuple[int, int] = OLDEST_TRANSFORMERS) -> None:

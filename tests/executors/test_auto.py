@@ -166,3 +166,28 @@ def test_auto_on_a_compact_cache_runs_the_cheapest_cache_reader(restore_registri
             raise AssertionError
 
     assert resolve_executor("auto", w, inputs, seq).name == "cheap_cache" == explain(w, inputs, seq).executor
+
+
+def test_explain_says_which_bound_and_device_made_auto_run_dense() -> None:
+    """The CUDA tuning on CPU tensors (no GPU needed): a call that skips 98,304 units of work runs gathered under the
+    CPU tuning (60,000) and dense under CUDA's (64,000,000); explain names the bound, its value, the device, and
+    whether the size or the kept share decided."""
+    from condcomp.executors.gathered import CUDA
+
+    w = make_weights(make_layout(H=8, Dh=8, D=64), torch.float32)
+    x = torch.randn(4, 512, 64)
+    plan, _ = leaf_plan(seq_active([2, 2, 2, 2], 8))  # keeps 0.25: skips 0.75 * 131,072 = 98,304
+    on_cpu = explain(w, AttentionInputs(x=x), plan, pool=[GatheredExecutor(tuning=CPU), get_executor("masked")])
+    assert on_cpu.executor == "gathered"
+    choice = explain(w, AttentionInputs(x=x), plan, pool=[GatheredExecutor(tuning=CUDA), get_executor("masked")])
+    assert choice.executor == "masked"
+    said = dict(choice.verdicts)["gathered"]
+    assert "B*T*D = 131,072" in said and "min_skipped_work_sequence = 64,000,000" in said and "cuda" in said, said
+    assert "partly or not measured" in said
+    half = explain(w, AttentionInputs(x=x[:2]), leaf_plan(seq_active([2, 2], 8))[0],
+                   pool=[GatheredExecutor(tuning=CPU), get_executor("masked")])  # B*T*D above 60,000, skipped below
+    said = dict(half.verdicts)["gathered"]
+    assert half.executor == "masked" and "skips 49,152" in said and "= 60,000 of the cpu tuning (measured)" in said
+    full, _ = leaf_plan(seq_active([7, 7, 7, 7], 8))  # keeps 7/8 of the work: the share decides, not the size
+    big = explain(w, AttentionInputs(x=x), full, pool=[GatheredExecutor(tuning=CPU), get_executor("masked")])
+    assert "at least tuning.dense_work_sequence = 0.8" in dict(big.verdicts)["gathered"]

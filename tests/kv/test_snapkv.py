@@ -297,3 +297,6 @@ def test_a_prompt_said_complete_takes_a_call_of_several_tokens_and_a_chunk_is_st
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         with pytest.raises(ValueError, match="prefilled in one call"):
             model(input_ids=ids[:, 9:], past_key_values=prefill(12), use_cache=True)
+        # the refusal says what to change inside the block too: a width wider than the prefill is read as a chunk
+        with pytest.raises(ValueError, match=r"width at most the prefill's own"):
+            model(input_ids=ids[:, 9:], past_key_values=prefill(10), use_cache=True)

@@ -115,14 +115,15 @@ class GatheredExecutor:
         what it skips does not pay for packing)."""
         tuning, gran, size = self.tuning_of(inputs.x), plan.granularity, inputs.x.numel()
         if tuning.prefers_dense(0.0, gran, size):  # decided without the host read
-            return Estimate(DENSE_IS_FASTER, note=f"B*T*D = {size:,} is too small to pay for packing "
-                                                  f"(tuning.min_skipped_work_{gran})")
+            return Estimate(DENSE_IS_FASTER, note=f"B*T*D = {size:,}: {_too_little_skipped(tuning, gran)}")
         prepared = self.prepare(weights, inputs, plan)
         share = prepared.call.sizes.work_fraction
         if tuning.prefers_dense(share, gran, size):
+            dense_share = tuning.dense_work_token if gran == "token" else tuning.dense_work_sequence
+            why = (f"at least tuning.dense_work_{gran} = {dense_share}" if share >= dense_share else
+                   f"skips {(1.0 - share) * size:,.0f}: {_too_little_skipped(tuning, gran)}")
             return Estimate(DENSE_IS_FASTER, prepared, prepared.strategy,
-                            note=f"keeps {share:.2f} of the dense work (tuning.dense_work_{gran}, "
-                                 f"tuning.min_skipped_work_{gran})")
+                            note=f"keeps {share:.2f} of the dense work, {why}")
         return Estimate(share, prepared, prepared.strategy, note=f"keeps {share:.2f} of the dense work")
 
     def run(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
@@ -132,3 +133,11 @@ class GatheredExecutor:
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         return self.run(weights, inputs, plan)
+
+
+def _too_little_skipped(tuning: GatheredTuning, granularity: str) -> str:
+    """Why a call's skipped work is too small on this tuning's device (``explain`` prints it)."""
+    bound = tuning.min_skipped_work_token if granularity == "token" else tuning.min_skipped_work_sequence
+    origin = "measured" if tuning.measured else "partly or not measured: condcomp.executors.gathered.tuning says how"
+    return (f"below tuning.min_skipped_work_{granularity} = {bound:,} of the {tuning.device} tuning ({origin}), "
+            "where dense attention is faster")

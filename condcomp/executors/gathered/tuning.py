@@ -1,12 +1,12 @@
 """The gathered executor's tuning: every threshold that picks a strategy, as one frozen object per device.
 
-The CPU values were measured on a 2-core x86 CPU with MKL (``condcomp bench attention`` and ``condcomp bench scatter``;
-docs/performance.md has the tables). The CUDA values are the CPU values except that ``auto`` runs dense attention
-below a much larger skipped work: on one H200 (``results/bench/gpu_check/h200``, bfloat16) the gathered executor was
-1.9-9.6x slower than dense at every budget, up to B*T*D = 33.5 million (29 million skipped). Larger calls were not
-measured there, so the threshold sits at about twice that and ``measured`` stays False. A :class:`GatheredExecutor`
-holds one (``tuning=``) or picks the one of the call's device; tests pass their own instead of rewriting module
-globals.
+The CPU values were measured on a 2-core x86 CPU with MKL (``condcomp bench attention`` and ``condcomp bench
+scatter``; docs/performance.md has the tables). The CUDA values are the CPU values except that ``auto`` runs dense
+attention below a much larger skipped work: on one H200 (``results/bench/gpu_check/h200``, bfloat16) the gathered
+executor was 1.9-9.6x slower than dense at every budget, up to B*T*D = 33.5 million (29 million skipped). Larger
+calls were not measured there, so the threshold sits at about twice that and ``measured`` stays False. A
+:class:`GatheredExecutor` holds one (``tuning=``) or picks the one of the call's device; tests pass their own instead
+of rewriting module globals.
 """
 
 from __future__ import annotations

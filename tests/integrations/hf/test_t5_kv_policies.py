@@ -176,3 +176,33 @@ def test_padding_between_real_tokens_is_refused_under_the_position_bias(name: st
     mask[1, -1] = 0  # a padded token after the first call
     with pytest.raises(ValueError, match="relative position bias"):
         forward(model, torch.arange(3), tokens, mask, cache, 1)
+
+
+@pytest.mark.parametrize("mode", [{"do_sample": False}, {"do_sample": False, "num_beams": 3}, {"do_sample": True}])
+def test_policies_that_keep_everything_generate_what_the_full_cache_does_past_t5s_max_distance(mode: dict) -> None:
+    # a window/budget larger than the request: the policies keep every token in their own state and add the bias
+    # from RelativeBias; kv='full' reads the same tokens from the cache with T5's dense bias. 3 heads of 8, 4 buckets
+    # saturating at distance 3, 20 generated tokens: most distances lie beyond relative_attention_max_distance
+    def model(kv: Any) -> nn.Module:
+        torch.manual_seed(0)
+        config = t.T5Config(d_model=24, d_kv=8, d_ff=37, num_layers=2, num_heads=3, vocab_size=97,
+                            decoder_start_token_id=0, relative_attention_num_buckets=4,
+                            relative_attention_max_distance=3)
+        config._attn_implementation = "sdpa"
+        m = t.T5ForConditionalGeneration(config).eval()
+        condcomp.apply_(m, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.67}), router="topk", kv=kv,
+                                                   target_modules=[T5_DECODER_SELF]))
+        return m.eval()
+
+    def generate(m: nn.Module) -> tuple[Tensor, Tensor]:
+        torch.manual_seed(5)
+        out = m.generate(**encoder_inputs(), max_new_tokens=20, min_new_tokens=20, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True, **mode)
+        return out.sequences, torch.stack(out.scores).nan_to_num(0.0, 0.0, 0.0)
+
+    want_tokens, want_scores = generate(model("full"))
+    for kv in [("window", {"sinks": 1, "window": 64}), ("snapkv", {"budget": 64, "observe": 2, "pool": 1}),
+               ("adakv", {"budget": 64, "observe": 2, "pool": 3})]:
+        tokens, scores = generate(model(kv))
+        assert torch.equal(tokens, want_tokens), kv
+        torch.testing.assert_close(scores, want_scores, **TOL, msg=str(kv))
