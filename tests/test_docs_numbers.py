@@ -94,19 +94,27 @@ def _dit_intervals() -> list[tuple[float, float, float]]:
 
 
 def _two_by_two_intervals() -> list[tuple[float, float, float]]:
-    """The 2x2's seed-level intervals: BudgetFormer - fixed_per_layer per cell, and each factor's effect on that
-    gap (the mean over the other factor's levels of on minus off), paired by seed."""
-    gap: dict[str, dict[int, float]] = {}
+    """The 2x2's seed-level intervals, paired by seed: per cell BudgetFormer - fixed_per_layer, budgetformer_mode_k -
+    fixed_matched and budgetformer - budgetformer_mode_k; and on the first of these gaps each factor's effect (the
+    mean over the other factor's levels of on minus off) and their interaction (the target's effect with the
+    schedule minus without)."""
+    pairs = (("budgetformer", "fixed_per_layer"), ("budgetformer_mode_k", "fixed_matched"),
+             ("budgetformer", "budgetformer_mode_k"))
+    gaps: dict[tuple[str, str], dict[str, dict[int, float]]] = {pair: {} for pair in pairs}
     for cell in TWO_BY_TWO:
         runs = {(r["arm"], r["seed"]): r["accuracy"]
                 for r in json.loads((ROOT / "results" / f"reproduction_2x2_{cell}" / "summary.json").read_text())}
-        gap[cell] = {s: 100 * (acc - runs[("fixed_per_layer", s)])
-                     for (arm, s), acc in runs.items() if arm == "budgetformer" and ("fixed_per_layer", s) in runs}
+        for first, second in pairs:
+            gaps[(first, second)][cell] = {s: 100 * (acc - runs[(second, s)]) for (arm, s), acc in runs.items()
+                                           if arm == first and (second, s) in runs}
+    out = [_t_interval(list(g.values())) for pair in pairs for g in gaps[pair].values()]
+    gap = gaps[pairs[0]]
     seeds = sorted(set.intersection(*(set(g) for g in gap.values())))
     ts, td, ns, nd = (gap[c] for c in TWO_BY_TWO)
     target = [(ts[s] + td[s] - ns[s] - nd[s]) / 2 for s in seeds]
     schedule = [(ts[s] + ns[s] - td[s] - nd[s]) / 2 for s in seeds]
-    out = [_t_interval(list(g.values())) for g in gap.values()] + [_t_interval(target), _t_interval(schedule)]
+    interaction = [(ts[s] - td[s]) - (ns[s] - nd[s]) for s in seeds]
+    out += [_t_interval(target), _t_interval(schedule), _t_interval(interaction)]
     return [ci for ci in out if ci]
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 2x2 that separates the difficulty target from BudgetFormer's router schedule (seeds 0-2 run: README_2x2.md).
+# The 2x2 that separates the difficulty target from BudgetFormer's router schedule (5 seeds run: README_2x2.md).
 #
 # The target study's +0.91 over fixed top-k at the same per-layer counts is confounded: its BudgetFormer arm alone
 # trained with the exploration schedule (temperature 4 -> 1, noise 1.0 -> 0.2, mask temperature 1.0) while the

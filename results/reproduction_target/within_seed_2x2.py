@@ -1,6 +1,6 @@
 """Within-seed (test-example) evidence for the 2x2, computed with numpy/scipy only (not condcomp's statistics).
 
-The seed-level intervals in README_2x2.md rest on three seeds. This adds what the test examples say, per cell and
+The seed-level intervals in README_2x2.md rest on a few seeds (five). This adds what the test examples say, per cell and
 seed, for BudgetFormer - fixed_per_layer (both arms score the same 7,600 AG News test examples in the same order):
 
 - exact McNemar: scipy.stats.binomtest on the discordant pairs (BudgetFormer right and fixed wrong vs the reverse);
@@ -8,7 +8,10 @@ seed, for BudgetFormer - fixed_per_layer (both arms score the same 7,600 AG News
 - pooled over the seeds of a cell: McNemar on the summed discordant pairs, and a bootstrap over seeds and
   examples (resample the seeds, then the examples within each);
 - the target's and the schedule's effect on the gap (the 2x2 contrasts README_2x2.md gives at the seed level), per
-  example: ((gap in the two cells with the factor on) - (gap in the two with it off)) / 2, bootstrapped the same way.
+  example: ((gap in the two cells with the factor on) - (gap in the two with it off)) / 2, and their interaction
+  (the target's effect with the schedule minus its effect without), bootstrapped the same way;
+- budgetformer_mode_k - fixed_matched and budgetformer - budgetformer_mode_k per cell, pooled over its seeds (McNemar
+  and the seeds-and-examples bootstrap).
 
 The per-example correctness is committed in ``correct_2x2.json`` (bit-packed, hex), extracted from the runs'
 ``examples.json`` by ``--extract RUNS`` (RUNS: the folder holding ``<cell>/ag_news/seed<N>/<arm>/``, the 2x2's
@@ -129,21 +132,37 @@ def table() -> str:
         rows.append(f"| {target} | {schedule} | pooled ({len(seeds)}) | {pts(mean)} | {b_sum} / {c_sum} | {pval(p)} | "
                     f"[{pts(lo)}, {pts(hi)}] (seeds and examples) |")
     seeds = sorted(set.intersection(*(set(g) for g in gaps.values())))
-    effects = {"target": (("target_schedule", "target_default"), ("notarget_schedule", "notarget_default")),
-               "router schedule": (("target_schedule", "notarget_schedule"), ("target_default", "notarget_default"))}
-    lines = ["", "The two factors' effects on that gap (per example: the gap with the factor on minus the gap with it "
-             "off, averaged over the other factor's two levels):", "",
+    # each contrast: (cells counted +, cells counted -, divisor), on the per-example gap
+    effects = {"target": (("target_schedule", "target_default"), ("notarget_schedule", "notarget_default"), 2),
+               "router schedule": (("target_schedule", "notarget_schedule"), ("target_default", "notarget_default"), 2),
+               "interaction": (("target_schedule", "notarget_default"), ("target_default", "notarget_schedule"), 1)}
+    lines = ["", "The factors' effects on that gap (per example: the gap with the factor on minus the gap with it "
+             "off, averaged over the other factor's two levels; the interaction: the target's effect with the "
+             "exploration schedule minus its effect with topk's defaults):", "",
              "| factor | seed | effect on the gap | bootstrap over examples |", "|---|---|---|---|"]
-    for name, (on, off) in effects.items():
+    for name, (on, off, divisor) in effects.items():
         per_seed = []
         for s in seeds:
-            e = (gaps[on[0]][s] + gaps[on[1]][s] - gaps[off[0]][s] - gaps[off[1]][s]) / 2
+            e = (gaps[on[0]][s] + gaps[on[1]][s] - gaps[off[0]][s] - gaps[off[1]][s]) / divisor
             per_seed.append(e)
             lo, hi = bootstrap_examples(e, rng)
             lines.append(f"| {name} | {s} | {pts(e.mean())} | [{pts(lo)}, {pts(hi)}] |")
         lo, hi = bootstrap_seeds_examples(per_seed, rng)
         lines.append(f"| {name} | pooled ({len(seeds)}) | {pts(np.mean([e.mean() for e in per_seed]))} | "
                      f"[{pts(lo)}, {pts(hi)}] (seeds and examples) |")
+    pooled = {("budgetformer_mode_k", "fixed_matched"): "each run at fixed per-layer counts; the counts can differ "
+              "between the two, see the heads above",
+              ("budgetformer", "budgetformer_mode_k"): "a count per input vs each layer's most common count"}
+    for (first, second), what in pooled.items():
+        lines += ["", f"{first} - {second} ({what}), pooled over the seeds of each cell:", "",
+                  f"| target | router schedule | seeds | {first} - {second} | discordant ({first} only / {second} "
+                  "only) | McNemar exact p | bootstrap over seeds and examples |", "|---|---|---|---|---|---|---|"]
+        for cell, (target, schedule) in CELLS.items():
+            ds = [data[cell][s][first].astype(int) - data[cell][s][second].astype(int) for s in sorted(data[cell])]
+            b, c = sum(int(np.sum(d == 1)) for d in ds), sum(int(np.sum(d == -1)) for d in ds)
+            lo, hi = bootstrap_seeds_examples(ds, rng)
+            lines.append(f"| {target} | {schedule} | {len(ds)} | {pts(np.mean([d.mean() for d in ds]))} | {b} / {c} | "
+                         f"{pval(binomtest(b, b + c, 0.5).pvalue)} | [{pts(lo)}, {pts(hi)}] |")
     head = (f"Within seeds, on the {n:,} test examples (`within_seed_2x2.py`, numpy/scipy; bootstrap "
             f"{RESAMPLES:,} resamples, seed 0):")
     return "\n".join([head, "", *rows, *lines])

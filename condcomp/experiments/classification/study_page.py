@@ -92,6 +92,21 @@ def _load(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return records, stats
 
 
+FOLLOWUP_SUMMARY = ("<!-- summary for the study page: begin -->", "<!-- summary for the study page: end -->")
+
+
+def followup_summary(followup: Path) -> str:
+    """The text a follow-up marks for the study's page (between FOLLOWUP_SUMMARY's markers), or "" without them:
+    the follow-up changes what the study's answer means, so the page says so where the answer is."""
+    text = followup.read_text()
+    begin, end = FOLLOWUP_SUMMARY
+    if begin not in text:
+        return ""
+    if end not in text.split(begin, 1)[1]:
+        raise ValueError(f"{followup}: {begin} has no {end} after it; close the summary or remove the marker")
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
 def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True) -> str:
     """The results page (markdown) of the study in ``folder``; plots into ``folder/plots``; ``doc``: write it."""
     records, stats = _load(folder)
@@ -108,6 +123,7 @@ def render_study_page(folder: Path, doc: Path | None = None, plots: bool = True)
     if followups:
         out += ["**Follow-up analyses** of this study, each from its own records: "
                 + ", ".join(f"[{f.name}]({rel(f)})" for f in followups) + ".", ""]
+        out += [text for f in followups for text in (followup_summary(f), "") if text]
     out += intro[4:]
     out += questions_section(stats, datasets, NAMES, records)
     out += adaptivity_section(records, datasets, NAMES, plot_dir, rel, plots)
