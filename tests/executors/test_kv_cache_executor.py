@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from core_helpers import make_layout, make_weights, random_active, rotary_tables
-from list_cache import ListCache
+from list_cache import ListCache, prefill_then_steps
 from torch import Tensor
 
 import condcomp
@@ -52,16 +52,8 @@ def reference_bias(mask: Tensor, modes: Tensor, r: int, window: StreamWindow | N
 def cached_run(w: AttentionWeights, x: Tensor, mask: Tensor, plan: HeadPlan, rotary: tuple[Tensor, Tensor],
                window: StreamWindow | None) -> tuple[Tensor, ListCache]:
     """Prefill the prompt, then one call per token; outputs ``(B, S, D)`` and the cache."""
-    ex = get_executor("kv_cache")
-    sel = select_kv(plan, w.layout, window)
-    cache = ListCache()
-    outs = []
-    for lo, hi in [(0, P)] + [(P + i, P + i + 1) for i in range(STEPS)]:
-        compact = CompactKV(sel, cache.store, None, cache.windows, cache.keep)
-        inputs = AttentionInputs(x=x[:, lo:hi], mask=mask[:, lo:hi], key_mask=mask[:, :hi],
-                                 rotary=(rotary[0][:, lo:hi], rotary[1][:, lo:hi]))
-        outs.append(ex(w, inputs, plan, cache=compact))
-    return torch.cat(outs, 1), cache
+    return prefill_then_steps(w, x[:, :P + STEPS], mask[:, :P + STEPS], plan, select_kv(plan, w.layout, window), P,
+                              rotary)
 
 
 @pytest.mark.parametrize("Hkv", [4, 2, 1])

@@ -15,14 +15,13 @@ from torch import Tensor
 
 import condcomp
 from condcomp.executors.auto import get_executor
-from condcomp.executors.cached import CompactKV
 from condcomp.kv import AdaKV, select_kv
 from condcomp.types import AttentionInputs, AttentionWeights
 
 sys_path = __import__("sys").path
 sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
 from core_helpers import make_layout, make_weights, random_active  # noqa: E402
-from list_cache import ListCache  # noqa: E402
+from list_cache import prefill_then_steps  # noqa: E402
 
 B, P, STEPS, D, H, Dh = 3, 14, 3, 16, 4, 4
 
@@ -101,14 +100,8 @@ def test_adakv_prefill_and_decode_equal_the_rule_from_scratch(policy: AdaKV, Hkv
     active = random_active((B, H), torch.tensor(ks))
     plan = condcomp.plan_from_active(active)
     sel = select_kv(plan, layout, policy)
-    cache, outs = ListCache(), []
-    ex = get_executor("kv_cache")
+    y, cache = prefill_then_steps(w, x, mask, plan, sel, P)
     with torch.no_grad():
-        for lo, hi in [(0, P)] + [(P + i, P + i + 1) for i in range(STEPS)]:
-            compact = CompactKV(sel, cache.store, None, cache.windows, cache.keep)
-            inputs = AttentionInputs(x=x[:, lo:hi], mask=mask[:, lo:hi], key_mask=mask[:, :hi], kv_cache=compact)
-            outs.append(ex(w, inputs, plan))
-        y = torch.cat(outs, 1)
         held = ~active.view(B, Hkv, -1).any(-1)  # (B, Hkv): the groups the plan does not keep
         kept = [kept_by_rule(policy, w, x, mask, b, held[b].nonzero().flatten().tolist()) for b in range(B)]
         heads = active | held.repeat_interleave(H // Hkv, 1)

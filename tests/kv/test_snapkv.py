@@ -20,7 +20,7 @@ from condcomp.types import AttentionInputs, AttentionWeights
 sys_path = __import__("sys").path
 sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
 from core_helpers import make_layout, make_weights, random_active  # noqa: E402
-from list_cache import ListCache  # noqa: E402
+from list_cache import ListCache, prefill_then_steps  # noqa: E402
 
 B, P, STEPS, D, H, Dh = 3, 12, 4, 16, 4, 4
 POLICY = SnapKV(budget=3, observe=2, pool=3)
@@ -87,14 +87,8 @@ def test_snapkv_prefill_and_decode_equal_the_rule_from_scratch(Hkv: int, ks: lis
     active = random_active((B, H), torch.tensor(ks))
     plan = condcomp.plan_from_active(active)
     sel = select_kv(plan, layout, POLICY)
-    cache, outs = ListCache(), []
-    ex = get_executor("kv_cache")
+    y, cache = prefill_then_steps(w, x, mask, plan, sel, P)
     with torch.no_grad():
-        for lo, hi in [(0, P)] + [(P + i, P + i + 1) for i in range(STEPS)]:
-            compact = CompactKV(sel, cache.store, None, cache.windows, cache.keep)
-            inputs = AttentionInputs(x=x[:, lo:hi], mask=mask[:, lo:hi], key_mask=mask[:, :hi], kv_cache=compact)
-            outs.append(ex(w, inputs, plan))
-        y = torch.cat(outs, 1)
         snap = ~active.view(B, Hkv, -1).any(-1)  # (B, Hkv): the groups the plan does not keep
         heads = active | snap.repeat_interleave(H // Hkv, 1)
         ref = get_executor("reference")(w, AttentionInputs(x=x, mask=mask, attn_bias=rule_bias(w, x, mask, snap)),
