@@ -6,8 +6,6 @@ and ``get_peft_model``); half budget equal to PEFT's merged model wrapped the sa
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -17,15 +15,9 @@ import condcomp
 pytest.importorskip("transformers", reason="transformers is not installed (pip install condcomp[hf])")
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install condcomp[peft])")
 from arch_models import build  # noqa: E402
+from gpt2_lora import lora_pair  # noqa: E402
 
 TOL = dict(atol=1e-10, rtol=1e-9)  # float64
-
-
-def _lora(model: nn.Module) -> nn.Module:
-    # init_lora_weights=False: B is random too, so the adapters change the output from the start
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True,
-                          init_lora_weights=False, lora_dropout=0.0)
-    return peft.get_peft_model(model, cfg)
 
 
 def _pair(order: str, cfg: condcomp.CondCompConfig) -> tuple[nn.Module, nn.Module]:
@@ -35,17 +27,7 @@ def _pair(order: str, cfg: condcomp.CondCompConfig) -> tuple[nn.Module, nn.Modul
     for d in base.modules():  # before wrapping (the adapter reads attn_dropout's p once): the gradient test trains,
         if isinstance(d, nn.Dropout):  # and two dropout draws would differ
             d.p = 0.0
-    ref = _lora(copy.deepcopy(base))
-    if order == "lora_first":
-        model = _lora(copy.deepcopy(base))
-        model.load_state_dict(ref.state_dict())
-        condcomp.apply_(model, cfg)
-    else:
-        model = copy.deepcopy(base)
-        condcomp.apply_(model, cfg)
-        model = _lora(model)
-        model.load_state_dict(ref.state_dict(), strict=False)  # the wrapped model adds its routing state
-    return ref, model
+    return lora_pair(base, order, cfg)
 
 
 IDS = torch.randint(2, 100, (2, 6), generator=torch.Generator().manual_seed(3))

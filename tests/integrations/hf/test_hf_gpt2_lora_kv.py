@@ -15,7 +15,7 @@ import pytest
 import torch
 from decode_helpers import GREEDY, TOL, P, prompts
 from family_oracles import gpt2, window_rule_logits
-from torch import nn
+from gpt2_lora import lora_pair
 
 import condcomp
 
@@ -27,27 +27,10 @@ CFG = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk"
                               kv=("window", {"sinks": SINKS, "window": WINDOW}))
 
 
-def lora(model: nn.Module) -> nn.Module:
-    # init_lora_weights=False: B is random too, so the adapters change the output from the start
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True,
-                          init_lora_weights=False, lora_dropout=0.0)
-    return peft.get_peft_model(model, cfg)
-
-
 @pytest.mark.parametrize("order", ["lora_first", "condcomp_first"])
 def test_generate_with_lora_on_c_attn_under_a_window_policy_equals_the_rule_on_the_merged_model(order: str) -> None:
     torch.manual_seed(0)
-    base = gpt2()
-    ref = lora(copy.deepcopy(base))  # the PEFT model: its adapter weights are the test's
-    if order == "lora_first":
-        model = lora(copy.deepcopy(base))
-        model.load_state_dict(ref.state_dict())
-        condcomp.apply_(model, CFG)
-    else:
-        model = copy.deepcopy(base)
-        condcomp.apply_(model, CFG)
-        model = lora(model)
-        model.load_state_dict(ref.state_dict(), strict=False)  # the wrapped model adds its routing state
+    ref, model = lora_pair(gpt2(), order, CFG)
     model.eval()
     assert any("lora_A" in n and "c_attn" in n for n, _ in model.named_parameters())
     ids, mask = prompts()
