@@ -7,8 +7,6 @@ different plans (so different held-group counts and spare slots), prefill then d
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import Tensor
@@ -20,6 +18,7 @@ from condcomp.types import AttentionInputs, AttentionWeights
 
 sys_path = __import__("sys").path
 sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+import snapkv_rule  # noqa: E402
 from core_helpers import make_layout, make_weights, random_active  # noqa: E402
 from list_cache import prefill_then_steps  # noqa: E402
 
@@ -35,23 +34,7 @@ def padding() -> Tensor:
 
 def pooled_scores(policy: AdaKV, w: AttentionWeights, x: Tensor, real: list[int], g: int) -> dict[int, float]:
     """SnapKV's pooled score of each scored prompt token (before the recent window) of one row's group ``g``."""
-    L = w.layout
-    r = L.group_size
-    obs, scored = real[-policy.observe:], real[:len(real) - policy.recent]
-    k = x @ w.k_weight[g * Dh:(g + 1) * Dh].T  # (S, Dh)
-    score = {j: 0.0 for j in scored}
-    for h in range(g * r, (g + 1) * r):
-        q = x @ w.q_weight[h * Dh:(h + 1) * Dh].T
-        for i in obs:
-            seen = [j for j in real if j <= i]
-            logits = [float(q[i] @ k[j]) * L.scale for j in seen]
-            top = max(logits)
-            z = sum(math.exp(v - top) for v in logits)
-            for j, v in zip(seen, logits):
-                if j in score:
-                    score[j] += math.exp(v - top) / z
-    half = policy.pool // 2
-    return {j: sum(score.get(j + d, 0.0) for d in range(-half, half + 1)) / policy.pool for j in scored}
+    return snapkv_rule.pooled_scores(w, x, real, g, policy.observe, real[:len(real) - policy.recent], policy.pool)
 
 
 def kept_by_rule(policy: AdaKV, w: AttentionWeights, x: Tensor, mask: Tensor, b: int,

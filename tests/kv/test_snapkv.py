@@ -5,8 +5,6 @@ every later step. MHA and GQA, left padding, rows with different plans, prefill 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import Tensor
@@ -19,6 +17,7 @@ from condcomp.types import AttentionInputs, AttentionWeights
 
 sys_path = __import__("sys").path
 sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+import snapkv_rule  # noqa: E402
 from core_helpers import make_layout, make_weights, random_active  # noqa: E402
 from list_cache import ListCache, prefill_then_steps  # noqa: E402
 
@@ -35,24 +34,9 @@ def padding() -> Tensor:
 
 def kept_by_rule(w: AttentionWeights, x: Tensor, mask: Tensor, b: int, g: int) -> set[int]:
     """The sequence indices of the prompt tokens row ``b``'s group ``g`` keeps, from scratch in float64."""
-    L = w.layout
-    r = L.group_size
     real = [i for i in range(P) if mask[b, i]]
     obs, prefix = real[-POLICY.observe:], real[:-POLICY.observe]
-    k = x[b] @ w.k_weight[g * Dh:(g + 1) * Dh].T  # (S, Dh)
-    score = {j: 0.0 for j in prefix}
-    for h in range(g * r, (g + 1) * r):
-        q = x[b] @ w.q_weight[h * Dh:(h + 1) * Dh].T
-        for i in obs:
-            seen = [j for j in real if j <= i]
-            logits = [float(q[i] @ k[j]) * L.scale for j in seen]
-            top = max(logits)
-            z = sum(math.exp(v - top) for v in logits)
-            for j, v in zip(seen, logits):
-                if j in score:
-                    score[j] += math.exp(v - top) / z
-    half = POLICY.pool // 2
-    pooled = {j: sum(score.get(j + d, 0.0) for d in range(-half, half + 1)) / POLICY.pool for j in prefix}
+    pooled = snapkv_rule.pooled_scores(w, x[b], real, g, POLICY.observe, prefix, POLICY.pool)
     best = sorted(prefix, key=lambda j: -pooled[j])[:POLICY.budget]
     return set(best) | set(obs)
 
