@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import condcomp
-from condcomp.flops import routing_flops
 from condcomp.kv import KV_FULL, KV_WINDOW
 
 t = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parents[1] / "integrations" / "hf"))
 from decode_helpers import llama  # noqa: E402
+from flops_by_hand import flop_frac_by_hand  # noqa: E402
 
 BUDGET, OBSERVE, P = 3, 2, 20
 
@@ -34,9 +34,6 @@ def test_snapkv_groups_count_over_the_entries_they_read_at_a_decode_step(kv_head
     with torch.no_grad():
         first = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         model(input_ids=first, past_key_values=cache, use_cache=True)
-    c = model.config
-    D, H, Hkv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
-    Dh, r = D // H, H // Hkv
     T, S = 1, P + 1
     n = BUDGET + OBSERVE + T  # the kept prompt entries and the step's own token
     usage = condcomp.head_usage(model)
@@ -44,11 +41,6 @@ def test_snapkv_groups_count_over_the_entries_they_read_at_a_decode_step(kv_head
         assert plan.kv_modes is not None
         full, held = (plan.kv_modes == KV_FULL).sum(-1), (plan.kv_modes == KV_WINDOW).sum(-1)
         assert bool(held.any())
-        per_row = [T * (int(f) * r * (2 * D * Dh + 4 * S * Dh + 2 * Dh * D)) + int(f) * 2 * S * 2 * D * Dh
-                   + T * (int(w) * r * (2 * D * Dh + 4 * n * Dh + 2 * Dh * D)) + int(w) * 2 * n * 2 * D * Dh
-                   for f, w in zip(full.tolist(), held.tolist())]
-        dense = 2 * T * D * H * Dh + 2 * S * 2 * D * Hkv * Dh + 2 * T * H * Dh * D + 4 * T * S * H * Dh
         routed = condcomp.api.routed_modules(model)[name]
-        extra = routing_flops(routed.condcomp_policy, T) + routing_flops(routed.condcomp_router, T)
-        want = (sum(per_row) + extra * len(per_row)) / (dense * len(per_row))
+        want = flop_frac_by_hand(model.config, routed, full, held, T, S, n)
         assert usage[name].flop_frac == pytest.approx(want, rel=1e-9)

@@ -19,6 +19,7 @@ sys_path = __import__("sys").path
 sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
 import snapkv_rule  # noqa: E402
 from core_helpers import make_layout, make_weights, random_active  # noqa: E402
+from flops_by_hand import flop_frac_by_hand  # noqa: E402
 from list_cache import ListCache, prefill_then_steps  # noqa: E402
 
 B, P, STEPS, D, H, Dh = 3, 12, 4, 16, 4, 4
@@ -158,7 +159,6 @@ def test_head_usage_counts_a_decode_steps_held_heads_over_the_entries_they_read(
     pytest.importorskip("transformers")
     from condcomp.integrations.hf.cache import cache_layer
 
-    from condcomp.flops import routing_flops
 
     sys_path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "integrations" / "hf"))
     from decode_helpers import extend, llama, prompts, step
@@ -173,23 +173,16 @@ def test_head_usage_counts_a_decode_steps_held_heads_over_the_entries_they_read(
     logits = step(model, ids, mask, cache, ids.shape[1])
     tokens, mask = extend(ids, mask, logits.argmax(-1, keepdim=True))
     step(model, tokens, mask, cache, 1)
-    cfg = model.config
-    D, H, Hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    Dh, r, T, S = D // H, H // Hkv, 1, tokens.shape[1]
+    T, S = 1, tokens.shape[1]
     usage = condcomp.head_usage(model)
     for i, (name, plan) in enumerate(condcomp.request_plans(model, cache).items()):
         assert plan.kv_modes is not None
         full, held = (plan.kv_modes == 2).sum(-1), (plan.kv_modes == 1).sum(-1)  # groups per row
         n = cache_layer(cache, i).condcomp_windows.keys.shape[2]  # entries after the step: read by the step
         assert n < S
-        per_row = [T * (int(f) * r * (2 * D * Dh + 4 * S * Dh + 2 * Dh * D)) + int(f) * 2 * S * 2 * D * Dh
-                   + T * (int(w) * r * (2 * D * Dh + 4 * n * Dh + 2 * Dh * D)) + int(w) * 2 * n * 2 * D * Dh
-                   for f, w in zip(full.tolist(), held.tolist())]
-        dense = 2 * T * D * H * Dh + 2 * S * 2 * D * Hkv * Dh + 2 * T * H * Dh * D + 4 * T * S * H * Dh
         routed = condcomp.api.routed_modules(model)[name]
-        extra = routing_flops(routed.condcomp_policy, T) + routing_flops(routed.condcomp_router, T)
-        assert usage[name].flop_frac == pytest.approx((sum(per_row) + extra * len(per_row)) / (dense * len(per_row)),
-                                                      rel=1e-9)
+        want = flop_frac_by_hand(model.config, routed, full, held, T, S, n)
+        assert usage[name].flop_frac == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize("kv", ["snapkv", "adakv"])
