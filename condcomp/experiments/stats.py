@@ -8,9 +8,10 @@ linear correlation. The seed-level test and the power need scipy (``pip install 
 - :func:`min_detectable_difference`: the true mean difference that test detects with 80 % power at the
   observed seed-to-seed sd; :func:`seeds_needed` for a target difference.
 - :func:`paired_bootstrap`: on the *same* test examples; with ``resample_seeds=False`` only the test examples
-  are resampled (the within-seed, test-sample part of the uncertainty); by default each replicate also draws
-  the seeds with replacement (which cannot leave the range of the per-seed values: with 3 seeds it
-  understates the seed-to-seed part; use :func:`paired_t` for that).
+  are resampled (the within-seed, test-sample part of the uncertainty); by default it is the two-stage
+  bootstrap: each replicate draws the seeds with replacement, then the examples independently within each drawn
+  seed (the seed draw cannot leave the range of the per-seed values: with 3 seeds it understates the
+  seed-to-seed part; use :func:`paired_t` for that).
 - :func:`mcnemar`: the exact McNemar test of one seed (two-sided binomial on the discordant pairs).
 - :func:`verdict`: "better" / "worse" when the bootstrap interval excludes 0, else "no difference at this power".
 """
@@ -127,12 +128,15 @@ def paired_bootstrap(a: Sequence[Sequence[bool]], b: Sequence[Sequence[bool]], r
     chunk = max(1, 2_000_000 // max(1, n * S))
     while len(stats) < reps:
         m = min(chunk, reps - len(stats))
-        seeds = torch.randint(S, (m, S), generator=g)  # (m, S): seeds drawn with replacement
-        if not resample_seeds:
-            seeds = torch.arange(S).expand(m, S)  # every seed once: test examples resampled only
-        idx = torch.randint(n, (m, n), generator=g)  # (m, n): examples drawn with replacement
-        per_seed = diffs[:, idx].mean(-1)  # (S, m): every seed's mean difference on each resample
-        stats += per_seed.gather(0, seeds.T).mean(0).tolist()
+        if not resample_seeds:  # every seed once, on one resample of the test examples they share
+            idx = torch.randint(n, (m, n), generator=g)  # (m, n): examples drawn with replacement
+            stats += diffs[:, idx].mean(-1).mean(0).tolist()  # (S, m) -> (m,)
+            continue
+        # the two-stage bootstrap: the seeds drawn with replacement, then the examples independently within each
+        # drawn seed (a seed drawn twice gets two independent example resamples)
+        seeds = torch.randint(S, (m, S, 1), generator=g)  # (m, S, 1)
+        idx = torch.randint(n, (m, S, n), generator=g)  # (m, S, n)
+        stats += diffs[seeds, idx].mean(-1).mean(-1).tolist()  # (m, S, n) -> (m,)
     stats.sort()
     lo, hi = stats[int(0.025 * reps)], stats[min(reps - 1, int(0.975 * reps))]
     below = sum(1 for v in stats if v <= 0) / reps

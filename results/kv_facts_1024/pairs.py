@@ -23,6 +23,7 @@ PAIRS = [  # (a, b, why the pair is asked)
     ("split-duo-1of3", "split-request-1of3", "DuoAttention split against the per-request split (seed 0)"),
     ("split-duo-1of3", "split-static-1of3", "DuoAttention split against the static importance split"),
     ("split-request-1of3", "split-static-1of3", "per-request split (seed 0) against the static split"),
+    ("split-request-1of3-seed1", "split-static-1of3", "per-request split (seed 1) against the static split"),
     ("split-request-1of3", "split-request-1of3-seed1", "the per-request split's two training seeds"),
     ("split-request-1of3", "kvpress-streaming-0.50", "per-request split (seed 0) against the best freeing press"),
     ("split-duo-1of6-w92", "kvpress-streaming-0.25", "a quarter of the bytes: the split against the best press"),

@@ -5,11 +5,12 @@ seed, for BudgetFormer - fixed_per_layer (both arms score the same 7,600 AG News
 
 - exact McNemar: scipy.stats.binomtest on the discordant pairs (BudgetFormer right and fixed wrong vs the reverse);
 - a paired bootstrap over the test examples of the accuracy difference (10,000 resamples, 95 % percentile);
-- pooled over the seeds of a cell: McNemar on the summed discordant pairs, and a bootstrap over seeds and
-  examples (resample the seeds, then the examples within each);
+- pooled over the seeds of a cell: McNemar on the summed discordant pairs, and the two-stage bootstrap over seeds
+  and examples (resample the seeds, then the examples independently within each drawn seed);
 - the target's and the schedule's effect on the gap (the 2x2 contrasts README_2x2.md gives at the seed level), per
   example: ((gap in the two cells with the factor on) - (gap in the two with it off)) / 2, and their interaction
-  (the target's effect with the schedule minus its effect without), bootstrapped the same way;
+  (the target's effect with the schedule minus its effect without), bootstrapped the same way, with a one-sample t
+  test over the examples (per seed, and over every seed's examples pooled);
 - budgetformer_mode_k - fixed_matched and budgetformer - budgetformer_mode_k per cell, pooled over its seeds (McNemar
   and the seeds-and-examples bootstrap).
 
@@ -28,7 +29,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import binomtest
+from scipy.stats import binomtest, ttest_1samp
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent
@@ -87,14 +88,15 @@ def bootstrap_examples(d: np.ndarray, rng: np.random.Generator) -> tuple[float, 
 
 
 def bootstrap_seeds_examples(ds: list[np.ndarray], rng: np.random.Generator) -> tuple[float, float]:
-    """Resample the seeds, then the examples within each; the mean over the drawn seeds."""
-    per_seed = []
-    for d in ds:
+    """The two-stage bootstrap: resample the seeds, then, independently for every drawn seed (a seed drawn twice
+    gets two independent resamples), the examples within it; the mean over the drawn seeds."""
+    pick = rng.integers(0, len(ds), size=(RESAMPLES, len(ds)))  # (RESAMPLES, seeds): seeds drawn with replacement
+    drawn = np.empty(pick.shape)  # (RESAMPLES, seeds): each drawn seed's mean over its own example resample
+    for i, d in enumerate(ds):
+        where = pick == i
         values, counts = np.unique(d, return_counts=True)
-        per_seed.append(rng.multinomial(len(d), counts / len(d), size=RESAMPLES) @ values / len(d))
-    per_seed_means = np.stack(per_seed, axis=1)  # (RESAMPLES, seeds)
-    pick = rng.integers(0, len(ds), size=(RESAMPLES, len(ds)))
-    means = np.take_along_axis(per_seed_means, pick, axis=1).mean(axis=1)
+        drawn[where] = rng.multinomial(len(d), counts / len(d), size=int(where.sum())) @ values / len(d)
+    means = drawn.mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
@@ -139,17 +141,20 @@ def table() -> str:
     lines = ["", "The factors' effects on that gap (per example: the gap with the factor on minus the gap with it "
              "off, averaged over the other factor's two levels; the interaction: the target's effect with the "
              "exploration schedule minus its effect with topk's defaults):", "",
-             "| factor | seed | effect on the gap | bootstrap over examples |", "|---|---|---|---|"]
+             "| factor | seed | effect on the gap | bootstrap over examples | one-sample t p over the examples |",
+             "|---|---|---|---|---|"]
     for name, (on, off, divisor) in effects.items():
         per_seed = []
         for s in seeds:
             e = (gaps[on[0]][s] + gaps[on[1]][s] - gaps[off[0]][s] - gaps[off[1]][s]) / divisor
             per_seed.append(e)
             lo, hi = bootstrap_examples(e, rng)
-            lines.append(f"| {name} | {s} | {pts(e.mean())} | [{pts(lo)}, {pts(hi)}] |")
+            lines.append(f"| {name} | {s} | {pts(e.mean())} | [{pts(lo)}, {pts(hi)}] | "
+                         f"{pval(ttest_1samp(e, 0.0).pvalue)} |")
         lo, hi = bootstrap_seeds_examples(per_seed, rng)
+        pooled_p = ttest_1samp(np.concatenate(per_seed), 0.0).pvalue  # every seed's examples as one sample
         lines.append(f"| {name} | pooled ({len(seeds)}) | {pts(np.mean([e.mean() for e in per_seed]))} | "
-                     f"[{pts(lo)}, {pts(hi)}] (seeds and examples) |")
+                     f"[{pts(lo)}, {pts(hi)}] (seeds and examples) | {pval(pooled_p)} (pooled examples) |")
     pooled = {("budgetformer_mode_k", "fixed_matched"): "each run at fixed per-layer counts; the counts can differ "
               "between the two, see the heads above",
               ("budgetformer", "budgetformer_mode_k"): "a count per input vs each layer's most common count"}

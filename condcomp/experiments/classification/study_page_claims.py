@@ -8,7 +8,8 @@
 - otherwise **no difference detected**, with the size of the differences the 95 % interval does *not* exclude.
 
 A seed-level interval that excludes 0 while the test examples do not (a 3-seed sd smaller than each seed's own
-sampling error) is reported as "not established", never as a difference.
+sampling error) is reported as "not established", never as a difference; so are test examples that exclude 0 while
+the seed-level interval does not (never "matches", even where the TOST holds: the page then states both).
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ class ClaimRule:
                 return f"not established: the {seed} excludes 0, but no within-seed evidence is kept to confirm it"
             return f"not established: the {seed} excludes 0, the test examples do not ({inside})"
         eq = self.equivalent(t)
+        tost = "" if eq is None else (f"; within +-{self.unit * self.margin:.2f} {self.what} by TOST "
+                                      f"({100 * (1 - 2 * self.alpha):g} % interval [{self._pts(eq[0])}, "
+                                      f"{self._pts(eq[1])}])")
+        if within and within[0]:
+            word = "better" if within[0] > 0 else "worse"
+            return (f"not established: the test examples exclude 0 ({inside}: {word}), the {seed} does not"
+                    f"{tost}")
         if eq is not None:
             return (f"matches within +-{self.unit * self.margin:.2f} {self.what} (TOST {100 * self.alpha:g} %, "
                     f"{100 * (1 - 2 * self.alpha):g} % interval [{self._pts(eq[0])}, {self._pts(eq[1])}])")
@@ -103,6 +111,8 @@ class ClaimRule:
         w = self.words(comp)
         if w.startswith("detected"):
             return w.split(" (")[0].replace(":", ",")
+        if w.startswith("not established: the test examples"):
+            return "within seeds only, not established"
         if w.startswith("not established"):
             return "seed level only, not established"
         if w.startswith("matches"):

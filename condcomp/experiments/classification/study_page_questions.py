@@ -69,8 +69,9 @@ def questions_section(stats: dict[str, Any], datasets: list[str], names: dict[st
            "Each row: arm a - arm b in accuracy points, mean over the seeds both arms have. The interval is the "
            "seed-level paired Student t (df = seeds - 1): the seed carries the training noise. Beside it, the "
            "within-seed part: a 95 % bootstrap over the test examples with every seed kept"
-           + (" (\"(s+e)\": seeds resampled too, kept from an earlier statistics.json whose run folders are gone)"
-              if kept else "")
+           + (" (\"(s+e)\": seeds resampled too, kept from an earlier statistics.json whose run folders are gone; "
+              "that computation reused one example resample for a seed drawn twice, so these intervals are wider, "
+              "in expectation, than the two-stage bootstrap's)" if kept else "")
            + " (\"-\": the per-example predictions are not kept; the verdict then uses the exact McNemar test "
            "pooled over seeds where its counts are kept). MDD: the smallest true difference the seed-level test "
            "detects with 80 % power at the observed seed-to-seed spread; then the seeds a 1-point MDD would "

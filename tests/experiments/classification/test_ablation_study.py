@@ -256,3 +256,21 @@ def test_fixed_arms_can_train_with_budgetformers_router_schedule(tmp_path: Path)
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     assert routers and all(r.mask_temperature == 1.0 for r in routers)
     assert float(routers[0].temperature(0.0)) == pytest.approx(4.0)
+
+
+def test_a_seed_drawn_twice_gets_two_independent_example_resamples() -> None:
+    """The two-stage bootstrap: with every seed holding the same differences, each replicate's mean is the mean of
+    S independent example resamples, so its spread is one seed's over sqrt(S) (the normal approximation, by hand);
+    reusing one resample for a seed drawn twice would leave it near one seed's."""
+    rng = random.Random(3)
+    n, seeds = 2000, 4
+    a = [rng.random() < 0.8 for _ in range(n)]
+    b = [x if rng.random() < 0.85 else not x for x in a]
+    d = [int(x) - int(y) for x, y in zip(a, b)]
+    mean = sum(d) / n
+    se_one = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1) / n)
+    got = S.paired_bootstrap([a] * seeds, [b] * seeds, reps=2000)
+    assert got["resampled"] == "seeds and examples" and got["diff"] == pytest.approx(mean)
+    assert (got["hi"] - got["lo"]) == pytest.approx(2 * 1.96 * se_one / math.sqrt(seeds), rel=0.15)
+    one = S.paired_bootstrap([a], [b], reps=2000)
+    assert (one["hi"] - one["lo"]) == pytest.approx(2 * 1.96 * se_one, rel=0.15)

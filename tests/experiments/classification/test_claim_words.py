@@ -157,3 +157,21 @@ def test_the_projects_page_keeps_the_budget_goals_verdict_and_moves_its_run_tabl
     assert page.count("### Verdict on the budget goal") == 1
     verdict = page.split("### Verdict on the budget goal")[1].split("\n## ")[0].strip()
     assert verdict and verdict in full  # the page's verdict is the full section's
+
+
+def test_test_examples_that_exclude_0_without_the_seeds_are_not_a_match() -> None:
+    """The target study's learned vs random routing on AG News (its committed per-seed differences and example
+    bootstrap): the seed-level t interval (5 seeds) holds 0 and lies inside +-1 point by TOST, while the test
+    examples exclude 0: "not established", never "matches"."""
+    rule = ClaimRule()
+    c = _comp([0.005921, 0.0025, 0.005131, -0.001185, 0.007236], boot=(0.00165789, 0.00618421))
+    lo, hi = c["seed_t"]["lo"], c["seed_t"]["hi"]
+    assert lo < 0 < hi  # scipy's 95 % t interval holds 0
+    assert rule.equivalent(c["seed_t"]) is not None  # and the TOST at +-1 point holds
+    words = rule.words(c)
+    assert words.startswith("not established: the test examples exclude 0") and "matches" not in words
+    assert "[+0.17, +0.62]" in words and f"[{100 * lo:+.2f}, {100 * hi:+.2f}]" in words and "by TOST" in words
+    assert rule.label(c) == "within seeds only, not established"
+    # the same seeds with examples that hold 0 too: the TOST then speaks
+    assert rule.words(_comp([0.005921, 0.0025, 0.005131, -0.001185, 0.007236], boot=(-0.001, 0.006))).startswith(
+        "matches")
