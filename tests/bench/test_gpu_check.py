@@ -1,0 +1,116 @@
+"""``condcomp bench gpu-check``: run once on a lent GPU with no chance to debug it there, so everything but the GPU
+is exercised here: the cells and their priority, the whole run on CPU (``--device cpu --quick``) with the fields its
+records must hold, and the time budget stopping a run cleanly. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import condcomp.bench.gpu_check as gpu_check
+from condcomp.bench.gpu_cells import COMPILED, cells
+from condcomp.cli import main as condcomp_main
+from condcomp.executors.gathered import STRATEGIES
+
+QUICK = ["bench", "gpu-check", "--device", "cpu", "--quick", "--reps", "1"]
+BIG, SMALL = (8, 2048, 2048, 32), (64, 512, 768, 12)
+
+
+def test_cells_cover_the_issue_grid_with_the_target_rows_first() -> None:
+    every = cells(quick=False, compile_cells="targets")
+    grid = {(c.shape, c.granularity, c.s, c.dtype) for c in every}
+    assert len(every) == len(grid) == 2 * 2 * 4 * 2
+    assert grid == {(sh, g, s, d) for sh in (BIG, SMALL) for g in ("sequence", "token")
+                    for s in (0.125, 0.25, 0.5, 1.0) for d in ("bfloat16", "float32")}
+    # issue 47's targets, in its table's order (its two B=8 s=0.25 rows are one cell: both passes are timed)
+    assert [(c.shape, c.granularity, c.s, c.dtype) for c in every[:4]] == [
+        (BIG, "sequence", 0.25, "bfloat16"), (BIG, "sequence", 1.0, "bfloat16"),
+        (SMALL, "sequence", 0.25, "bfloat16"), (BIG, "token", 0.5, "bfloat16")]
+    dtypes = [c.dtype for c in every]
+    assert dtypes == sorted(dtypes)  # every bfloat16 cell before any float32 one
+    assert [c.compile for c in every] == [True] * 4 + [False] * 28
+    assert not any(c.compile for c in cells(compile_cells="off"))
+    assert all(c.compile for c in cells(compile_cells="all"))
+
+
+def test_cuda_asked_for_on_a_machine_without_it_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert condcomp_main(["bench", "gpu-check", "--out", str(tmp_path)]) == 2
+    assert "--device cpu" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def _strategies(granularity: str) -> set[str]:
+    return {s.name for s in STRATEGIES[granularity]}
+
+
+@pytest.mark.slow
+def test_quick_cpu_run_writes_checks_timings_and_table(tmp_path: Path) -> None:
+    assert condcomp_main([*QUICK, "--compile", "targets", "--compile-backend", "eager", "--out", str(tmp_path)]) == 0
+
+    checks = json.loads((tmp_path / "checks.json").read_text())
+    assert {"command", "commit", "device", "torch"} <= set(checks) and checks["all_ok"] is True
+    assert "--device cpu" in checks["command"] and checks["commit"]
+    for case in gpu_check.CASES:  # every strategy of the table either compared with the reference or said why not
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            rows = [r for r in checks["checks"] if r["case"] == case and r["dtype"] == dtype]
+            ran = {r["strategy"] for r in rows if r["ok"] is not None}
+            skipped = {r["strategy"] for r in rows if r["ok"] is None}
+            assert ran and all(r["not_run"] for r in rows if r["ok"] is None)
+            assert ran | skipped == _strategies("token" if case.startswith("token") else "sequence")
+            assert all(sum(r["strategy"] == s for r in rows) == len(gpu_check.TENSORS) for s in ran)
+
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert {"command", "commit", "device", "torch", "budget_s", "cells_total", "cells_done", "complete",
+            "stopped", "cells", "records"} <= set(metrics)
+    assert metrics["complete"] is True and metrics["stopped"] is None and metrics["cells_done"] == 8
+    records = metrics["records"]
+    assert {(r["granularity"], r["dtype"], r["pass"]) for r in records} == {
+        (g, d, p) for g in ("sequence", "token") for d in ("bfloat16", "float32") for p in ("fwd", "fwd+bwd")}
+    for cell in metrics["cells"]:
+        mine = [r for r in records if (r["granularity"], r["s"], r["dtype"]) ==
+                (cell["granularity"], cell["s"], cell["dtype"])]
+        variants = {r["variant"] for r in mine}
+        assert {"dense", "floor", "masked", "router", "gathered"} <= variants
+        timed = {v[len("gathered["):-1] for v in variants if v.startswith("gathered[")}
+        assert timed and timed | set(cell["rejected"]) == _strategies(cell["granularity"])
+        assert not timed & set(cell["rejected"]) and all(cell["rejected"].values())
+        assert (COMPILED in variants) != (COMPILED in cell["not_run"])  # timed, or why not
+        assert cell["compile"] or "--compile" in cell["not_run"][COMPILED]
+        assert cell["auto_strategy"] in timed
+        tol = gpu_check.TOL[getattr(torch, cell["dtype"])]
+        for r in mine:
+            assert len(r["ms_reps"]) == 1 and r["ms"] > 0 and r["k"] == max(1, round(r["s"] * 8))
+            assert r["paired_to_dense"] == 1.0 if r["variant"] == "dense" else r["paired_to_dense"] > 0
+            if r["variant"].startswith("gathered"):  # the same plan through the masked executor
+                assert r["rel_err_vs_masked"] <= tol, r
+    text = (tmp_path / "table.md").read_text()
+    assert "## Targets" in text and "not measured in this run" in text and metrics["commit"] in text
+    assert sum(line.startswith("| B=2 T=16 D=64 H=8 |") for line in text.splitlines()) == 8 * 2  # cell x pass
+
+
+@pytest.mark.slow
+def test_the_budget_stops_the_run_cleanly_and_keeps_what_was_timed(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cell 1 asks to compile but the budget has no room for a compiled cell: it runs uncompiled, saying why. Cell 3
+    would not fit: the run stops before it, exit status 0, the two finished cells written."""
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    three = cells(quick=True, compile_cells="targets")[:3]
+    assert three[0].compile
+    monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: three)
+
+    def estimate(cell: Any, done: list, quick: bool) -> float:
+        return 1e9 if cell.compile or cell.label == three[2].label else 0.0
+
+    monkeypatch.setattr(gpu_check, "_estimate", estimate)
+    assert condcomp_main([*QUICK, "--compile", "targets", "--out", str(tmp_path)]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["cells_done"] == 2 and metrics["cells_total"] == 3 and metrics["complete"] is False
+    assert "--budget-s 480" in metrics["stopped"] and three[2].label in metrics["stopped"]
+    assert metrics["cells"][0]["not_run"][COMPILED].startswith("the budget")
+    assert {r["s"] for r in metrics["records"]} == {three[0].s, three[1].s}
+    assert "stopped: --budget-s" in (tmp_path / "table.md").read_text()
