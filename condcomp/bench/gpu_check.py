@@ -193,8 +193,14 @@ def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[
                                  f"({cell.label}), which needs about {needed:.0f} s")
             print(f"stopping: {header['stopped']}", flush=True)
             break
-        cell_records, summary = time_cell(cell, dev, reps, warmup, args.compile_backend if cell.compile else None,
-                                          gen)
+        t0 = time.monotonic()
+        try:
+            cell_records, summary = time_cell(cell, dev, reps, warmup,
+                                              args.compile_backend if cell.compile else None, gen)
+        except Exception as e:  # out of memory, a variant failing mid-timing: recorded, and the next cell runs
+            cell_records, summary = [], failed_cell(cell, e, time.monotonic() - t0)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         if not cell.compile:
             summary["not_run"][COMPILED] = why
         done.append((cell, summary["seconds"]))
@@ -205,8 +211,19 @@ def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[
     write(out, header, records, summaries, time.monotonic() - start)
 
 
+def failed_cell(cell: Cell, error: Exception, seconds: float) -> dict[str, Any]:
+    """The summary of a cell that raised: nothing of it was timed; ``not_run["cell"]`` holds the error."""
+    B, T, D, H = cell.shape
+    return {"cell": cell.label, "shape": {"B": B, "T": T, "D": D, "H": H}, "granularity": cell.granularity,
+            "s": cell.s, "dtype": cell.dtype, "target_cell": cell.target, "compile": cell.compile,
+            "auto_strategy": None, "rejected": {}, "seconds": round(seconds, 2),
+            "not_run": {"cell": f"{type(error).__name__}: {str(error).strip()[:300]}"}}
+
+
 def progress(i: int, total: int, elapsed: float, cell: Cell, records: list[dict[str, Any]],
              summary: dict[str, Any]) -> str:
+    if not records:
+        return f"[{i + 1}/{total} {elapsed:.0f}s] {cell.label}: FAILED {summary['not_run']['cell']}"
     fwd = {r["variant"]: r for r in records if r["pass"] == "fwd"}
     parts = [f"dense {fwd['dense']['ms']:.3f} ms"] if "dense" in fwd else []
     parts += [f"{v} {r['paired_to_floor']:.2f}xf" for v, r in fwd.items() if v.startswith("gathered")]
@@ -217,7 +234,8 @@ def progress(i: int, total: int, elapsed: float, cell: Cell, records: list[dict[
 def write(out: Path, header: dict[str, Any], records: list[dict[str, Any]], summaries: list[dict[str, Any]],
           elapsed: float) -> None:
     meta = {**header, "elapsed_s": round(elapsed, 1), "cells_done": len(summaries),
-            "complete": len(summaries) == header["cells_total"]}
+            "cells_failed": sum("cell" in c["not_run"] for c in summaries)}
+    meta["complete"] = meta["cells_done"] == header["cells_total"] and not meta["cells_failed"]
     (out / "metrics.json").write_text(json.dumps({**meta, "cells": summaries, "records": records}, indent=1))
     (out / "table.md").write_text(table(meta, records, summaries) + "\n")
 

@@ -68,6 +68,7 @@ def test_quick_cpu_run_writes_checks_timings_and_table(tmp_path: Path) -> None:
     assert {"command", "commit", "device", "torch", "budget_s", "cells_total", "cells_done", "complete",
             "stopped", "cells", "records"} <= set(metrics)
     assert metrics["complete"] is True and metrics["stopped"] is None and metrics["cells_done"] == 8
+    assert metrics["cells_failed"] == 0
     records = metrics["records"]
     assert {(r["granularity"], r["dtype"], r["pass"]) for r in records} == {
         (g, d, p) for g in ("sequence", "token") for d in ("bfloat16", "float32") for p in ("fwd", "fwd+bwd")}
@@ -114,3 +115,23 @@ def test_the_budget_stops_the_run_cleanly_and_keeps_what_was_timed(tmp_path: Pat
     assert metrics["cells"][0]["not_run"][COMPILED].startswith("the budget")
     assert {r["s"] for r in metrics["records"]} == {three[0].s, three[1].s}
     assert "stopped: --budget-s" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_cell_that_raises_is_recorded_and_the_next_one_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    two = cells(quick=True, compile_cells="off")[:2]
+    monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: two)
+    real = gpu_check.time_cell
+
+    def time_cell(cell: Any, *args: Any) -> Any:
+        if cell == two[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(cell, *args)
+
+    monkeypatch.setattr(gpu_check, "time_cell", time_cell)
+    assert condcomp_main([*QUICK, "--out", str(tmp_path)]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["cells_done"] == 2 and metrics["cells_failed"] == 1 and metrics["complete"] is False
+    assert "out of memory (simulated)" in metrics["cells"][0]["not_run"]["cell"]
+    assert {r["s"] for r in metrics["records"]} == {two[1].s}
