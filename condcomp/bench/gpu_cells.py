@@ -168,15 +168,18 @@ def _rel_err(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-6))
 
 
-def probe(fns: dict[str, Callable[[], Tensor]], leaves: list[Tensor]) -> tuple[dict[str, str], dict[str, float]]:
+def probe(fns: dict[str, Callable[[], Tensor]], leaves: list[Tensor]) -> tuple[dict[str, str], dict[str, float],
+                                                                              dict[str, float]]:
     """Run every variant once per pass (compiling what compiles) before timing. Returns the variants that failed
-    with the error (they are dropped from ``fns``) and each executor's largest error relative to ``masked`` on the
-    same plan (a wrong answer at the timed shape shows here)."""
+    with the error (they are dropped from ``fns``), each executor's largest error relative to ``masked`` on the
+    same plan (a wrong answer at the timed shape shows here) and the seconds each variant's first calls took."""
     failed: dict[str, str] = {}
     errors: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     with torch.no_grad():
         ref = fns["masked"]().clone()
     for name in list(fns):
+        t0 = time.monotonic()
         try:
             with torch.no_grad():
                 y = fns[name]()
@@ -189,7 +192,8 @@ def probe(fns: dict[str, Callable[[], Tensor]], leaves: list[Tensor]) -> tuple[d
             del fns[name]
         for t in leaves:
             t.grad = None
-    return failed, errors
+        seconds[name] = time.monotonic() - t0
+    return failed, errors, seconds
 
 
 def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_backend: str | None,
@@ -208,7 +212,7 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
     router = make_router(cell.granularity, D, H, n, draw_ks(B, n, H, gen).to(device), device)
     fns, plan, facts = variants(dense, floor, x, router, compile_backend)
     leaves = [x, plan.gates, *dense.parameters(), *floor.parameters()]
-    failed, errors = probe(fns, leaves)
+    failed, errors, first_calls = probe(fns, leaves)
     timed = time_group(fns, PASSES, reps, warmup, device, leaves)
     records = []
     for (variant, pas), (reps_ms, _) in timed.items():
@@ -226,5 +230,5 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
     summary = {"cell": cell.label, "shape": {"B": B, "T": T, "D": D, "H": H}, "granularity": cell.granularity,
                "s": cell.s, "k": n, "dtype": cell.dtype, "target_cell": cell.target, "compile": cell.compile,
                "auto_strategy": facts["auto_strategy"], "rejected": facts["rejected"], "not_run": failed,
-               "seconds": round(time.monotonic() - t0, 2)}
+               "seconds": round(time.monotonic() - t0, 2), "compile_s": round(first_calls.get(COMPILED, 0.0), 2)}
     return records, summary

@@ -153,16 +153,18 @@ def run_header(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
             "budget_s": args.budget_s, "threads": torch.get_num_threads()}
 
 
-def _estimate(cell: Cell, done: list[tuple[Cell, float]], quick: bool) -> float:
-    """Seconds a cell is expected to take: the longest finished cell like it (same shape, dtype and compile), else
-    twice the longest of its shape, else a first guess."""
-    alike = [t for c, t in done if (c.shape, c.dtype, c.compile) == (cell.shape, cell.dtype, cell.compile)]
-    if alike:
-        return max(alike)
-    same_shape = [t for c, t in done if c.shape == cell.shape]
-    if same_shape:
-        return 2 * max(same_shape) + (60.0 if cell.compile and not quick else 0.0)
-    return 5.0 if quick else (120.0 if cell.compile else 30.0)
+def _estimate(cell: Cell, done: list[tuple[Cell, float, float]], quick: bool) -> float:
+    """Seconds a cell is expected to take, from the finished cells (``done``: cell, seconds, of which compiling):
+    the longest timing of its shape and dtype (else twice that of its shape, else a first guess), plus, for a
+    compiled cell, the longest compile of its shape (else of any shape, else a first guess)."""
+    timing = [t - c for d, t, c in done if (d.shape, d.dtype) == (cell.shape, cell.dtype)]
+    timing = timing or [2 * (t - c) for d, t, c in done if d.shape == cell.shape]
+    guess = max(timing) if timing else (5.0 if quick else 30.0)
+    if cell.compile:
+        compiles = [c for d, _, c in done if d.compile and d.shape == cell.shape]
+        compiles = compiles or [c for d, _, c in done if d.compile]
+        guess += max(compiles) if compiles else (0.0 if quick else 90.0)
+    return guess
 
 
 def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[str, Any], out: Path) -> None:
@@ -175,10 +177,10 @@ def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[
         compile_note = "" if dev.type == "cuda" else "CPU: pass --compile targets or all to compile on CPU"
     todo = cells(args.quick, compile_cells)
     header["cells_total"], header["stopped"] = len(todo), None
-    reps, warmup = args.reps or (2 if args.quick else 15), 1 if args.quick else 3
+    reps, warmup = args.reps or (2 if args.quick else 11), 1 if args.quick else 3
     records: list[dict[str, Any]] = []
     summaries: list[dict[str, Any]] = []
-    done: list[tuple[Cell, float]] = []
+    done: list[tuple[Cell, float, float]] = []
     gen = torch.Generator().manual_seed(0)
     for i, cell in enumerate(todo):
         left = args.budget_s - MARGIN_S - (time.monotonic() - start)
@@ -203,7 +205,7 @@ def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[
                 torch.cuda.empty_cache()
         if not cell.compile:
             summary["not_run"][COMPILED] = why
-        done.append((cell, summary["seconds"]))
+        done.append((cell, summary["seconds"], summary.get("compile_s", 0.0)))
         records += cell_records
         summaries.append(summary)
         print(progress(i, len(todo), time.monotonic() - start, cell, cell_records, summary), flush=True)
@@ -251,7 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"wall-clock seconds for the whole run (default {DEFAULT_BUDGET_S:g}): no cell is started "
                         "that would not finish in time; what was timed is written")
     parser.add_argument("--reps", type=integer(at_least=1), default=None,
-                        help="timed repetitions per variant and pass (default 15; 2 with --quick)")
+                        help="timed repetitions per variant and pass (default 11; 2 with --quick)")
     parser.add_argument("--compile", choices=("auto", "targets", "all", "off"), default="auto",
                         help="cells that also time the gathered executor under torch.compile(mode='reduce-overhead', "
                         "fullgraph=True): auto (the target cells on CUDA, none on CPU), targets, all or off")

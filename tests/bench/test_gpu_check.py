@@ -37,6 +37,18 @@ def test_cells_cover_the_issue_grid_with_the_target_rows_first() -> None:
     assert all(c.compile for c in cells(compile_cells="all"))
 
 
+def test_a_cells_time_is_estimated_from_finished_cells_with_compiling_apart() -> None:
+    first, *rest = cells(quick=False, compile_cells="targets")
+    big_bf16 = next(c for c in rest if c.shape == BIG and c.dtype == "bfloat16" and not c.compile)
+    big_fp32 = next(c for c in rest if c.shape == BIG and c.dtype == "float32")
+    small_compiled = next(c for c in rest if c.shape == SMALL and c.compile)
+    done = [(first, 100.0, 90.0)]  # 10 s of timing, 90 s of compiling
+    assert gpu_check._estimate(big_bf16, done, quick=False) == 10.0
+    assert gpu_check._estimate(big_fp32, done, quick=False) == 20.0  # no float32 cell yet: twice the shape's
+    assert gpu_check._estimate(small_compiled, done, quick=False) == 30.0 + 90.0  # first guess + a compile
+    assert gpu_check._estimate(first, [], quick=False) == 30.0 + 90.0
+
+
 def test_cuda_asked_for_on_a_machine_without_it_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
