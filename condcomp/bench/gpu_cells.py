@@ -219,7 +219,8 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
         records.append({
             "shape": {"B": B, "T": T, "D": D, "H": H}, "granularity": cell.granularity, "s": cell.s, "k": n,
             "dtype": cell.dtype, "variant": variant, "pass": pas, "target_cell": cell.target,
-            "strategy": (facts["auto_strategy"] if variant in ("gathered", COMPILED) else
+            # the compiled path's strategy is the executor's choice under torch.compile: not read here
+            "strategy": (facts["auto_strategy"] if variant == "gathered" else
                          variant[len("gathered["):-1] if variant.startswith("gathered[") else None),
             "ms": round(statistics.median(reps_ms), 4), "ms_reps": [round(t, 4) for t in reps_ms],
             "paired_to_dense": round(paired_ratio(reps_ms, timed[("dense", pas)][0]), 4),

@@ -13,7 +13,8 @@ against the reference executor, then dense / the k-head floor / masked / gathere
 
 ``--budget-s`` bounds the whole run: a cell that would not finish in the time left is not started, and the records
 (rewritten after every cell) say where the run stopped. Writes ``checks.json``, ``metrics.json`` and ``table.md`` into
-``--out``, each with the command, commit and device. Exits 1 if a check fails.
+``--out``, each with the command, commit and device. Exits 1 if a check fails or a timed gathered variant's output
+differs from the masked executor's on the same plan by more than the checks' tolerance.
 """
 
 from __future__ import annotations
@@ -167,9 +168,10 @@ def _estimate(cell: Cell, done: list[tuple[Cell, float, float]], quick: bool) ->
     return guess
 
 
-def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[str, Any], out: Path) -> None:
+def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[str, Any],
+        out: Path) -> dict[str, Any]:
     """Time the cells in priority order until they are done or the budget is near, rewriting the records after
-    every cell."""
+    every cell; returns the run's summary fields (``write``)."""
     compile_cells = args.compile
     compile_note = ""
     if compile_cells == "auto":
@@ -210,7 +212,7 @@ def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[
         summaries.append(summary)
         print(progress(i, len(todo), time.monotonic() - start, cell, cell_records, summary), flush=True)
         write(out, header, records, summaries, time.monotonic() - start)
-    write(out, header, records, summaries, time.monotonic() - start)
+    return write(out, header, records, summaries, time.monotonic() - start)
 
 
 def failed_cell(cell: Cell, error: Exception, seconds: float) -> dict[str, Any]:
@@ -233,13 +235,23 @@ def progress(i: int, total: int, elapsed: float, cell: Cell, records: list[dict[
             f"(auto: {summary['auto_strategy']}; {summary['seconds']:.1f} s)")
 
 
+def wrong_answers(records: list[dict[str, Any]]) -> list[str]:
+    """Timed gathered variants whose output differed from ``masked``'s on the same plan by more than the checks'
+    output tolerance (a wrong answer at a timed shape the checks do not cover)."""
+    return [f"{r['shape']} {r['granularity']} s={r['s']} {r['dtype']} {r['variant']}: {r['rel_err_vs_masked']:.2e}"
+            for r in records if r["pass"] == "fwd" and r.get("rel_err_vs_masked") is not None
+            and r["rel_err_vs_masked"] > TOL[getattr(torch, r["dtype"])]]
+
+
 def write(out: Path, header: dict[str, Any], records: list[dict[str, Any]], summaries: list[dict[str, Any]],
-          elapsed: float) -> None:
+          elapsed: float) -> dict[str, Any]:
+    """Rewrite ``metrics.json`` and ``table.md`` with everything timed so far; returns the run's summary fields."""
     meta = {**header, "elapsed_s": round(elapsed, 1), "cells_done": len(summaries),
-            "cells_failed": sum("cell" in c["not_run"] for c in summaries)}
+            "cells_failed": sum("cell" in c["not_run"] for c in summaries), "wrong_answers": wrong_answers(records)}
     meta["complete"] = meta["cells_done"] == header["cells_total"] and not meta["cells_failed"]
     (out / "metrics.json").write_text(json.dumps({**meta, "cells": summaries, "records": records}, indent=1))
     (out / "table.md").write_text(table(meta, records, summaries) + "\n")
+    return meta
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -280,9 +292,9 @@ def main(args: argparse.Namespace | None = None) -> int:
     results = checks(dev, args.quick)
     all_ok = all(r["ok"] is not False for r in results)
     (out / "checks.json").write_text(json.dumps({**header, "all_ok": all_ok, "checks": results}, indent=1))
-    run(args, dev, start, header, out)
+    meta = run(args, dev, start, header, out)
     print((out / "table.md").read_text())
-    return 0 if all_ok else 1
+    return 0 if all_ok and not meta["wrong_answers"] else 1
 
 
 def add_bench_commands(bench_subparsers: Any) -> None:

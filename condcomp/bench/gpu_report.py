@@ -84,6 +84,9 @@ def table(header: dict[str, Any], records: list[dict[str, Any]], summaries: list
                              for g in _gathered_variants(v))
         lines.append(f"| B={B} T={T} D={D} H={H} | {gran} | {dtype} | {pas} | {s} | {d['k']} | {d['ms']:.3f} "
                      f"| {f['ms']:.3f} | {f['paired_to_dense']:.2f} | {router} | {masked} | {gathered} |")
+    if header.get("wrong_answers"):
+        lines += ["", "## Wrong answers (gathered vs masked on the same plan, over the checks' tolerance)", "",
+                  *(f"- {w}" for w in header["wrong_answers"])]
     not_run = [(s["cell"], name, why) for s in summaries
                for name, why in {**s["not_run"], **{f"gathered[{k}]": "; ".join(r) for k, r in s["rejected"].items()}
                                  }.items()]

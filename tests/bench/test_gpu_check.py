@@ -147,3 +147,25 @@ def test_a_cell_that_raises_is_recorded_and_the_next_one_runs(tmp_path: Path, mo
     assert metrics["cells_done"] == 2 and metrics["cells_failed"] == 1 and metrics["complete"] is False
     assert "out of memory (simulated)" in metrics["cells"][0]["not_run"]["cell"]
     assert {r["s"] for r in metrics["records"]} == {two[1].s}
+
+
+@pytest.mark.slow
+def test_a_timed_strategy_with_a_wrong_answer_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timings compare every gathered variant with the masked executor on the same plan: a strategy whose output
+    is off by half is named in the record and the run exits 1."""
+    import condcomp.bench.gpu_cells as gpu_cells
+
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    one = cells(quick=True, compile_cells="off")[:1]
+    monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: one)
+
+    class HalfWrong(gpu_cells.GatheredExecutor):
+        def __call__(self, *args: Any) -> torch.Tensor:
+            y = super().__call__(*args)
+            return y * 1.5 if self.strategy is not None else y
+
+    monkeypatch.setattr(gpu_cells, "GatheredExecutor", HalfWrong)
+    assert condcomp_main([*QUICK, "--out", str(tmp_path)]) == 1
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["wrong_answers"] and all("gathered[" in w for w in metrics["wrong_answers"])
+    assert "## Wrong answers" in (tmp_path / "table.md").read_text()
