@@ -39,24 +39,27 @@ export CONDCOMP_COMMIT
     torch.cuda.is_available() and torch.cuda.get_device_name())"
   "$PY" -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1; } > "$OUT/machine.txt" 2>&1
 
-# install condcomp from this tree into $W/site (no network)
-if [ "${INSTALL:-pip}" = pip ] && "$PY" -m pip install --no-deps --no-index --no-build-isolation --target "$W/site" \
-    "$ROOT" > "$OUT/install.log" 2>&1; then
-  echo "installed with pip --target" >> "$OUT/install.log"
-else
+# install condcomp from this tree into $W/site (no network); where pip fails or its result does not import, copy
+assemble() {
   rm -rf "$W/site" && mkdir -p "$W/site"
   cp -r "$ROOT/condcomp" "$W/site/condcomp"
   for d in routers policies integrations; do cp -r "$ROOT/$d" "$W/site/condcomp/$d"; done
-  echo "assembled by copying condcomp/ with routers/ policies/ integrations/ inside (pip not used or failed)" \
-    >> "$OUT/install.log"
-fi
+  echo "assembled by copying condcomp/ with routers/ policies/ integrations/ inside" >> "$OUT/install.log"
+}
+imports() { (cd "$W/run" && "$PY" -c "import condcomp.bench.gpu_check as m; print('condcomp from', m.__file__)") \
+  >> "$OUT/install.log" 2>&1; }
 export PYTHONPATH=$W/site${PYTHONPATH:+:$PYTHONPATH}
+if [ "${INSTALL:-pip}" = pip ] && "$PY" -m pip install --no-deps --no-index --no-build-isolation --target "$W/site" \
+    "$ROOT" > "$OUT/install.log" 2>&1 && imports; then
+  echo "installed with pip --target" >> "$OUT/install.log"
+else
+  assemble
+  imports || { echo "condcomp does not import; see $OUT/install.log"; tail -20 "$OUT/install.log"; exit 3; }
+fi
 cd "$W/run"  # an empty working directory: the installed package is imported, not the checkout's folder
-"$PY" -c "import condcomp; print('condcomp from', condcomp.__file__)" >> "$OUT/install.log" 2>&1 || {
-  echo "condcomp does not import; see $OUT/install.log"; cat "$OUT/install.log"; exit 3; }
 
 # 1. gpu-check: the checks, then the cells in priority order within its own budget
-gc_budget=$(( $(left) - 40 < GPU_CHECK_S ? $(left) - 40 : GPU_CHECK_S ))
+gc_budget=$(( $(left) - 40 < GPU_CHECK_S ? $(left) - 40 : GPU_CHECK_S )); [ "$gc_budget" -lt 30 ] && gc_budget=30
 timeout $(( gc_budget + 30 )) "$PY" -m condcomp.bench.gpu_check --device "$DEVICE" --budget-s "$gc_budget" \
   --out "$OUT/gpu_check" $QUICK_FLAG ${GPU_CHECK_ARGS:-} > "$OUT/gpu_check.log" 2>&1
 echo "gpu-check exit $? at $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_check.log"
