@@ -68,7 +68,8 @@ def table(header: dict[str, Any], records: list[dict[str, Any]], summaries: list
              f"    {header['command']}", "",
              f"Commit {header['commit']}, torch {header['torch']}, started {header['started_utc']}; "
              f"{len(summaries)} of {header.get('cells_total', '?')} cells timed"
-             + (f", stopped: {header['stopped']}" if header.get("stopped") else "") + ".", "",
+             + (f"; stopped: {header['stopped']}" if header.get("stopped") else "")
+             + (f"; not started: {', '.join(header['not_started'])}" if header.get("not_started") else "") + ".", "",
              "## Targets (issue 47; the router excluded)", "", *target_lines(records, summaries), "",
              "## Every cell", "",
              "Milliseconds are medians; `xd` / `xf`: paired ratios to dense and to the floor (a dense block of only k "

@@ -107,27 +107,29 @@ def test_quick_cpu_run_writes_checks_timings_and_table(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_budget_stops_the_run_cleanly_and_keeps_what_was_timed(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Cell 1 asks to compile but the budget has no room for a compiled cell: it runs uncompiled, saying why. Cell 3
-    would not fit: the run stops before it, exit status 0, the two finished cells written."""
+def test_the_budget_skips_what_does_not_fit_and_keeps_what_was_timed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cells 1 and 3 ask to compile but the budget has no room for a compiled cell: they run uncompiled, saying why.
+    Cell 2 would not fit: it is not started, the run goes on to cell 3, exits 0, and the records name cell 2."""
     monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
     three = cells(quick=True, compile_cells="targets")[:3]
-    assert three[0].compile
+    assert [c.compile for c in three] == [True, False, True]
     monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: three)
 
     def estimate(cell: Any, done: list, quick: bool) -> float:
-        return 1e9 if cell.compile or cell.label == three[2].label else 0.0
+        return 1e9 if cell.compile or cell.label == three[1].label else 0.0
 
     monkeypatch.setattr(gpu_check, "_estimate", estimate)
     assert condcomp_main([*QUICK, "--compile", "targets", "--out", str(tmp_path)]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["cells_done"] == 2 and metrics["cells_total"] == 3 and metrics["complete"] is False
-    assert "--budget-s 480" in metrics["stopped"] and three[2].label in metrics["stopped"]
-    assert metrics["cells"][0]["not_run"][COMPILED].startswith("the budget")
-    assert {r["s"] for r in metrics["records"]} == {three[0].s, three[1].s}
-    assert "stopped: --budget-s" in (tmp_path / "table.md").read_text()
-
+    assert "--budget-s 480" in metrics["stopped"] and metrics["not_started"] == [three[1].label]
+    assert [c["cell"] for c in metrics["cells"]] == [three[0].label, three[2].label]
+    assert all(c["not_run"][COMPILED].startswith("the budget") for c in metrics["cells"])
+    assert {(r["granularity"], r["s"]) for r in metrics["records"]} == {
+        (three[0].granularity, three[0].s), (three[2].granularity, three[2].s)}
+    text = (tmp_path / "table.md").read_text()
+    assert "stopped: --budget-s" in text and f"not started: {three[1].label}" in text
 
 @pytest.mark.slow
 def test_a_cell_that_raises_is_recorded_and_the_next_one_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
