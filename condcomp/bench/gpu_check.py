@@ -141,7 +141,7 @@ def _version(package: str) -> str | None:
 def command_line(args: argparse.Namespace) -> str:
     """The command that repeats this run."""
     return (f"condcomp bench gpu-check --device {args.device} --out {args.out} --budget-s {args.budget_s:g} "
-            f"--compile {args.compile} --compile-backend {args.compile_backend}"
+            f"--compile {args.compile} --compile-backend {args.compile_backend} --profile {args.profile}"
             + (f" --reps {args.reps}" if args.reps else "") + (" --quick" if args.quick else ""))
 
 
@@ -201,15 +201,17 @@ def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[
             continue
         t0 = time.monotonic()
         try:
-            cell_records, summary = time_cell(cell, dev, reps, warmup,
-                                              args.compile_backend if cell.compile else None, gen)
+            profile = args.profile == "all" or (args.profile == "targets" and cell.target)
+            cell_records, summary = time_cell(cell, dev, reps, warmup, args.compile_backend if cell.compile else None,
+                                              gen, out / "profiles" if profile else None)
         except Exception as e:  # out of memory, a variant failing mid-timing: recorded, and the next cell runs
             cell_records, summary = [], failed_cell(cell, e, time.monotonic() - t0)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         if not cell.compile:
             summary["not_run"][COMPILED] = why
-        done.append((cell, summary["seconds"], summary.get("compile_s", 0.0)))
+        profiled = summary.get("profile", {}).get("seconds", 0.0)  # a cost of this cell, not of its shape
+        done.append((cell, summary["seconds"] - profiled, summary.get("compile_s", 0.0)))
         records += cell_records
         summaries.append(summary)
         print(progress(i, len(todo), time.monotonic() - start, cell, cell_records, summary), flush=True)
@@ -271,6 +273,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=("auto", "targets", "all", "off"), default="auto",
                         help="cells that also time the gathered executor under torch.compile(mode='reduce-overhead', "
                         "fullgraph=True): auto (the target cells on CUDA, none on CPU), targets, all or off")
+    parser.add_argument("--profile", choices=("targets", "all", "off"), default="targets",
+                        help="cells whose dense and gathered calls are also run under torch.profiler (host vs device "
+                        "time, the top operators, in profiles/): the target cells (default), all or none")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend for those cells (default inductor; eager: a quick capture check)")
 

@@ -85,6 +85,16 @@ def table(header: dict[str, Any], records: list[dict[str, Any]], summaries: list
                              for g in _gathered_variants(v))
         lines.append(f"| B={B} T={T} D={D} H={H} | {gran} | {dtype} | {pas} | {s} | {d['k']} | {d['ms']:.3f} "
                      f"| {f['ms']:.3f} | {f['paired_to_dense']:.2f} | {router} | {masked} | {gathered} |")
+    profiled = [s for s in summaries if s.get("profile")]
+    if profiled:
+        lines += ["", "## Profiles (torch.profiler, per call; host: operators' CPU time, device: GPU busy time)", "",
+                  "| cell | variant and pass | wall ms (profiled) | host ms | device ms | operators |",
+                  "|---|---|---|---|---|---|"]
+        for s in profiled:
+            for name, c in s["profile"]["calls"].items():
+                dev = "-" if c["device_ms"] is None else f"{c['device_ms']:.3f}"
+                lines.append(f"| {s['cell']} | {name} | {c['wall_ms']:.3f} | {c['host_ms']:.3f} | {dev} "
+                             f"| [{s['profile']['file']}]({s['profile']['file']}) |")
     if header.get("wrong_answers"):
         lines += ["", "## Wrong answers (gathered vs masked on the same plan, over the checks' tolerance)", "",
                   *(f"- {w}" for w in header["wrong_answers"])]

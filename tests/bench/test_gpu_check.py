@@ -62,7 +62,8 @@ def _strategies(granularity: str) -> set[str]:
 
 @pytest.mark.slow
 def test_quick_cpu_run_writes_checks_timings_and_table(tmp_path: Path) -> None:
-    assert condcomp_main([*QUICK, "--compile", "targets", "--compile-backend", "eager", "--out", str(tmp_path)]) == 0
+    assert condcomp_main([*QUICK, "--compile", "targets", "--compile-backend", "eager", "--profile", "all",
+                          "--out", str(tmp_path)]) == 0
 
     checks = json.loads((tmp_path / "checks.json").read_text())
     assert {"command", "commit", "device", "torch"} <= set(checks) and checks["all_ok"] is True
@@ -95,6 +96,11 @@ def test_quick_cpu_run_writes_checks_timings_and_table(tmp_path: Path) -> None:
         assert (COMPILED in variants) != (COMPILED in cell["not_run"])  # timed, or why not
         assert cell["compile"] or "--compile" in cell["not_run"][COMPILED]
         assert cell["auto_strategy"] in timed
+        profiled = cell["profile"]["calls"]  # dense and every gathered variant that ran, both passes
+        assert set(profiled) == {f"{v} {p}" for v in variants if v == "dense" or v.startswith("gathered")
+                                 for p in ("fwd", "fwd+bwd")}
+        assert all(c["host_ms"] > 0 and c["device_ms"] is None for c in profiled.values())
+        assert "aten::" in (tmp_path / cell["profile"]["file"]).read_text()
         tol = gpu_check.TOL[getattr(torch, cell["dtype"])]
         for r in mine:
             assert len(r["ms_reps"]) == 1 and r["ms"] > 0 and r["k"] == max(1, round(r["s"] * 8))
