@@ -177,3 +177,28 @@ def test_a_timed_strategy_with_a_wrong_answer_fails_the_run(tmp_path: Path, monk
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["wrong_answers"] and all("gathered[" in w for w in metrics["wrong_answers"])
     assert "## Wrong answers" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_compiled_path_failing_while_timed_leaves_the_cell_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled variant passes its first calls, then raises (as a CUDA-graph replay can): the cell is timed
+    without it and says why."""
+    import condcomp.bench.gpu_cells as gpu_cells
+
+    def compiled(w: Any, x: torch.Tensor, plan: Any, backend: str) -> Any:
+        calls = []
+
+        def step() -> torch.Tensor:
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("replay failed (simulated)")
+            return x * 1.0
+
+        return step
+
+    monkeypatch.setattr(gpu_cells, "_compiled", compiled)
+    cell = cells(quick=True, compile_cells="targets")[0]
+    records, summary = gpu_cells.time_cell(cell, torch.device("cpu"), 1, 0, "eager", torch.Generator().manual_seed(0))
+    assert "replay failed (simulated)" in summary["not_run"][COMPILED]
+    assert {r["variant"] for r in records} >= {"dense", "floor", "masked", "router", "gathered"}
+    assert COMPILED not in {r["variant"] for r in records}
