@@ -6,7 +6,8 @@ A cell times, forward and forward+backward, with the variants interleaved repeti
 
 - ``dense``: the unwrapped block, all H heads; ``floor``: a dense block built with only k = round(s * H) heads;
 - ``masked``: the masked executor on the cell's plan (all heads, then gates);
-- ``gathered``: the gathered executor as ``auto`` builds it (its dispatch table chooses the strategy, recorded);
+- ``gathered``: ``GatheredExecutor()``, as ``executor="gathered"`` runs it (its dispatch table chooses the strategy,
+  recorded);
 - ``gathered[NAME]``: each strategy of the dispatch table that can run the call (``GatheredExecutor(strategy=NAME)``;
   the others are recorded with their reasons);
 - ``gathered+compile``: the gathered executor under ``torch.compile(mode="reduce-overhead", fullgraph=True)``
