@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One prepared call on a lent GPU machine (one H100 or H200; torch with CUDA and triton installed, no network):
+# `condcomp bench gpu-check`, then, with the time left, `condcomp bench compile --device cuda` where that flag exists.
+# Everything it writes goes under $OUT (what the device tool brings back). results/bench/device/README.md gives the
+# exact call; a dry run on CPU:
+#
+#   OUT=/tmp/gpu_out DEVICE=cpu QUICK=1 PYTHON=.venv/bin/python bash results/bench/device/run_gpu.sh
+#
+# Settings (environment): BUDGET (seconds for the whole script, default 530: the call's timeout_s less a margin),
+# GPU_CHECK_S (gpu-check's --budget-s, default 450), DEVICE (cuda), QUICK=1 (tiny shapes), PYTHON (python3),
+# GPU_CHECK_ARGS (more gpu-check flags, e.g. "--compile off"), INSTALL=copy (skip pip, see below).
+#
+# Install: condcomp maps the top-level folders routers/, policies/ and integrations/ into the package (pyproject's
+# package-dir), so the checkout itself is not importable with PYTHONPATH alone. `pip install --no-deps --no-index
+# --no-build-isolation --target` builds it with the machine's setuptools; where that fails, the package is assembled
+# the same way by copying. gpu-check needs nothing beyond torch (no transformers, no numpy, no data, no wheels).
+set -u
+cd "$(dirname "$0")/../../.."
+ROOT=$(pwd)
+OUT=${OUT:?set OUT to the folder to write into (the device tool sets it)}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+BUDGET=${BUDGET:-530}
+GPU_CHECK_S=${GPU_CHECK_S:-450}
+QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick || true)
+case "$PY" in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # it runs from another folder
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+W=$(mktemp -d)
+start=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - start) )); }
+mkdir -p "$OUT" "$W/site" "$W/run"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+CONDCOMP_COMMIT=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo "unknown (no .git in the copied tree)")
+[ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] && CONDCOMP_COMMIT="$CONDCOMP_COMMIT+dirty"
+export CONDCOMP_COMMIT
+
+{ date -u; nvidia-smi 2>&1 | head -15; echo "nproc $(nproc)"; echo "commit $CONDCOMP_COMMIT"
+  "$PY" -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+    torch.cuda.is_available() and torch.cuda.get_device_name())"
+  "$PY" -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1; } > "$OUT/machine.txt" 2>&1
+
+# install condcomp from this tree into $W/site (no network); where pip fails or its result does not import, copy
+assemble() {
+  rm -rf "$W/site" && mkdir -p "$W/site"
+  cp -r "$ROOT/condcomp" "$W/site/condcomp"
+  for d in routers policies integrations; do cp -r "$ROOT/$d" "$W/site/condcomp/$d"; done
+  echo "assembled by copying condcomp/ with routers/ policies/ integrations/ inside" >> "$OUT/install.log"
+}
+imports() { (cd "$W/run" && "$PY" -c "import condcomp.bench.gpu_check as m; print('condcomp from', m.__file__)") \
+  >> "$OUT/install.log" 2>&1; }
+export PYTHONPATH=$W/site${PYTHONPATH:+:$PYTHONPATH}
+if [ "${INSTALL:-pip}" = pip ] && "$PY" -m pip install --no-deps --no-index --no-build-isolation --target "$W/site" \
+    "$ROOT" > "$OUT/install.log" 2>&1 && imports; then
+  echo "installed with pip --target" >> "$OUT/install.log"
+else
+  assemble
+  imports || { echo "condcomp does not import; see $OUT/install.log"; tail -20 "$OUT/install.log"; exit 3; }
+fi
+cd "$W/run"  # an empty working directory: the installed package is imported, not the checkout's folder
+
+# 1. gpu-check: the checks, then the cells in priority order within its own budget
+gc_budget=$(( $(left) - 40 < GPU_CHECK_S ? $(left) - 40 : GPU_CHECK_S )); [ "$gc_budget" -lt 30 ] && gc_budget=30
+timeout $(( gc_budget + 30 )) "$PY" -m condcomp.bench.gpu_check --device "$DEVICE" --budget-s "$gc_budget" \
+  --out "$OUT/gpu_check" $QUICK_FLAG ${GPU_CHECK_ARGS:-} > "$OUT/gpu_check.log" 2>&1
+echo "gpu-check exit $? at $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_check.log"
+
+# 2. bench compile on the device, if this checkout's command has --device and time is left
+if ! "$PY" -m condcomp.cli bench compile --help 2>/dev/null | grep -q -- "--device"; then
+  echo "skipped: this checkout's condcomp bench compile has no --device flag" > "$OUT/compile.log"
+elif [ "$(left)" -lt 60 ]; then
+  echo "skipped: $(left) s left of BUDGET=$BUDGET" > "$OUT/compile.log"
+else
+  timeout $(( $(left) - 10 )) "$PY" -m condcomp.cli bench compile --device "$DEVICE" --out "$OUT/compile" \
+    $QUICK_FLAG > "$OUT/compile.log" 2>&1
+  echo "bench compile exit $? at $(( $(date +%s) - start )) s" | tee -a "$OUT/compile.log"
+fi
+tail -40 "$OUT/gpu_check/table.md" 2>/dev/null
+echo "all done at $(( $(date +%s) - start )) s"
+rm -rf "$W"

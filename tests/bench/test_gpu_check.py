@@ -1,0 +1,204 @@
+"""``condcomp bench gpu-check``: run once on a lent GPU with no chance to debug it there, so everything but the GPU
+is exercised here: the cells and their priority, the whole run on CPU (``--device cpu --quick``) with the fields its
+records must hold, and the time budget stopping a run cleanly. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import condcomp.bench.gpu_check as gpu_check
+from condcomp.bench.gpu_cells import COMPILED, cells
+from condcomp.cli import main as condcomp_main
+from condcomp.executors.gathered import STRATEGIES
+
+QUICK = ["bench", "gpu-check", "--device", "cpu", "--quick", "--reps", "1"]
+BIG, SMALL = (8, 2048, 2048, 32), (64, 512, 768, 12)
+
+
+def test_cells_cover_the_issue_grid_with_the_target_rows_first() -> None:
+    every = cells(quick=False, compile_cells="targets")
+    grid = {(c.shape, c.granularity, c.s, c.dtype) for c in every}
+    assert len(every) == len(grid) == 2 * 2 * 4 * 2
+    assert grid == {(sh, g, s, d) for sh in (BIG, SMALL) for g in ("sequence", "token")
+                    for s in (0.125, 0.25, 0.5, 1.0) for d in ("bfloat16", "float32")}
+    # issue 47's targets, in its table's order (its two B=8 s=0.25 rows are one cell: both passes are timed)
+    assert [(c.shape, c.granularity, c.s, c.dtype) for c in every[:4]] == [
+        (BIG, "sequence", 0.25, "bfloat16"), (BIG, "sequence", 1.0, "bfloat16"),
+        (SMALL, "sequence", 0.25, "bfloat16"), (BIG, "token", 0.5, "bfloat16")]
+    dtypes = [c.dtype for c in every]
+    assert dtypes == sorted(dtypes)  # every bfloat16 cell before any float32 one
+    assert [c.compile for c in every] == [True] * 4 + [False] * 28
+    assert not any(c.compile for c in cells(compile_cells="off"))
+    assert all(c.compile for c in cells(compile_cells="all"))
+
+
+def test_a_cells_time_is_estimated_from_finished_cells_with_compiling_apart() -> None:
+    first, *rest = cells(quick=False, compile_cells="targets")
+    big_bf16 = next(c for c in rest if c.shape == BIG and c.dtype == "bfloat16" and not c.compile)
+    big_fp32 = next(c for c in rest if c.shape == BIG and c.dtype == "float32")
+    small_compiled = next(c for c in rest if c.shape == SMALL and c.compile)
+    done = [(first, 100.0, 90.0)]  # 10 s of timing, 90 s of compiling
+    assert gpu_check._estimate(big_bf16, done, quick=False) == 10.0
+    assert gpu_check._estimate(big_fp32, done, quick=False) == 20.0  # no float32 cell yet: twice the shape's
+    assert gpu_check._estimate(small_compiled, done, quick=False) == 30.0 + 90.0  # first guess + a compile
+    assert gpu_check._estimate(first, [], quick=False) == 30.0 + 90.0
+
+
+def test_cuda_asked_for_on_a_machine_without_it_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert condcomp_main(["bench", "gpu-check", "--out", str(tmp_path)]) == 2
+    assert "--device cpu" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def _strategies(granularity: str) -> set[str]:
+    return {s.name for s in STRATEGIES[granularity]}
+
+
+@pytest.mark.slow
+def test_quick_cpu_run_writes_checks_timings_and_table(tmp_path: Path) -> None:
+    assert condcomp_main([*QUICK, "--compile", "targets", "--compile-backend", "eager", "--profile", "all",
+                          "--out", str(tmp_path)]) == 0
+
+    checks = json.loads((tmp_path / "checks.json").read_text())
+    assert {"command", "commit", "device", "torch"} <= set(checks) and checks["all_ok"] is True
+    assert "--device cpu" in checks["command"] and checks["commit"]
+    for case in gpu_check.CASES:  # every strategy of the table either compared with the reference or said why not
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            rows = [r for r in checks["checks"] if r["case"] == case and r["dtype"] == dtype]
+            ran = {r["strategy"] for r in rows if r["ok"] is not None}
+            skipped = {r["strategy"] for r in rows if r["ok"] is None}
+            assert ran and all(r["not_run"] for r in rows if r["ok"] is None)
+            assert ran | skipped == _strategies("token" if case.startswith("token") else "sequence")
+            assert all(sum(r["strategy"] == s for r in rows) == len(gpu_check.TENSORS) for s in ran)
+
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert {"command", "commit", "device", "torch", "budget_s", "cells_total", "cells_done", "complete",
+            "stopped", "cells", "records"} <= set(metrics)
+    assert metrics["complete"] is True and metrics["stopped"] is None and metrics["cells_done"] == 8
+    assert metrics["cells_failed"] == 0
+    records = metrics["records"]
+    assert {(r["granularity"], r["dtype"], r["pass"]) for r in records} == {
+        (g, d, p) for g in ("sequence", "token") for d in ("bfloat16", "float32") for p in ("fwd", "fwd+bwd")}
+    for cell in metrics["cells"]:
+        mine = [r for r in records if (r["granularity"], r["s"], r["dtype"]) ==
+                (cell["granularity"], cell["s"], cell["dtype"])]
+        variants = {r["variant"] for r in mine}
+        assert {"dense", "floor", "masked", "router", "gathered"} <= variants
+        timed = {v[len("gathered["):-1] for v in variants if v.startswith("gathered[")}
+        assert timed and timed | set(cell["rejected"]) == _strategies(cell["granularity"])
+        assert not timed & set(cell["rejected"]) and all(cell["rejected"].values())
+        assert (COMPILED in variants) != (COMPILED in cell["not_run"])  # timed, or why not
+        assert cell["compile"] or "--compile" in cell["not_run"][COMPILED]
+        assert cell["auto_strategy"] in timed
+        profiled = cell["profile"]["calls"]  # dense and every gathered variant that ran, both passes
+        assert set(profiled) == {f"{v} {p}" for v in variants if v == "dense" or v.startswith("gathered")
+                                 for p in ("fwd", "fwd+bwd")}
+        assert all(c["host_ms"] > 0 and c["device_ms"] is None for c in profiled.values())
+        assert "aten::" in (tmp_path / cell["profile"]["file"]).read_text()
+        tol = gpu_check.TOL[getattr(torch, cell["dtype"])]
+        for r in mine:
+            assert len(r["ms_reps"]) == 1 and r["ms"] > 0 and r["k"] == max(1, round(r["s"] * 8))
+            assert r["paired_to_dense"] == 1.0 if r["variant"] == "dense" else r["paired_to_dense"] > 0
+            if r["variant"].startswith("gathered"):  # the same plan through the masked executor
+                assert r["rel_err_vs_masked"] <= tol, r
+    text = (tmp_path / "table.md").read_text()
+    assert "## Targets" in text and "not measured in this run" in text and metrics["commit"] in text
+    assert sum(line.startswith("| B=2 T=16 D=64 H=8 |") for line in text.splitlines()) == 8 * 2  # cell x pass
+
+
+@pytest.mark.slow
+def test_the_budget_skips_what_does_not_fit_and_keeps_what_was_timed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cells 1 and 3 ask to compile but the budget has no room for a compiled cell: they run uncompiled, saying why.
+    Cell 2 would not fit: it is not started, the run goes on to cell 3, exits 0, and the records name cell 2."""
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    three = cells(quick=True, compile_cells="targets")[:3]
+    assert [c.compile for c in three] == [True, False, True]
+    monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: three)
+
+    def estimate(cell: Any, done: list, quick: bool) -> float:
+        return 1e9 if cell.compile or cell.label == three[1].label else 0.0
+
+    monkeypatch.setattr(gpu_check, "_estimate", estimate)
+    assert condcomp_main([*QUICK, "--compile", "targets", "--out", str(tmp_path)]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["cells_done"] == 2 and metrics["cells_total"] == 3 and metrics["complete"] is False
+    assert "--budget-s 480" in metrics["stopped"] and metrics["not_started"] == [three[1].label]
+    assert [c["cell"] for c in metrics["cells"]] == [three[0].label, three[2].label]
+    assert all(c["not_run"][COMPILED].startswith("the budget") for c in metrics["cells"])
+    assert {(r["granularity"], r["s"]) for r in metrics["records"]} == {
+        (three[0].granularity, three[0].s), (three[2].granularity, three[2].s)}
+    text = (tmp_path / "table.md").read_text()
+    assert "stopped: --budget-s" in text and f"not started: {three[1].label}" in text
+
+@pytest.mark.slow
+def test_a_cell_that_raises_is_recorded_and_the_next_one_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    two = cells(quick=True, compile_cells="off")[:2]
+    monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: two)
+    real = gpu_check.time_cell
+
+    def time_cell(cell: Any, *args: Any) -> Any:
+        if cell == two[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(cell, *args)
+
+    monkeypatch.setattr(gpu_check, "time_cell", time_cell)
+    assert condcomp_main([*QUICK, "--out", str(tmp_path)]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["cells_done"] == 2 and metrics["cells_failed"] == 1 and metrics["complete"] is False
+    assert "out of memory (simulated)" in metrics["cells"][0]["not_run"]["cell"]
+    assert {r["s"] for r in metrics["records"]} == {two[1].s}
+
+
+@pytest.mark.slow
+def test_a_timed_strategy_with_a_wrong_answer_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timings compare every gathered variant with the masked executor on the same plan: a strategy whose output
+    is off by half is named in the record and the run exits 1."""
+    import condcomp.bench.gpu_cells as gpu_cells
+
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    one = cells(quick=True, compile_cells="off")[:1]
+    monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: one)
+
+    class HalfWrong(gpu_cells.GatheredExecutor):
+        def __call__(self, *args: Any) -> torch.Tensor:
+            y = super().__call__(*args)
+            return y * 1.5 if self.strategy is not None else y
+
+    monkeypatch.setattr(gpu_cells, "GatheredExecutor", HalfWrong)
+    assert condcomp_main([*QUICK, "--out", str(tmp_path)]) == 1
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["wrong_answers"] and all("gathered[" in w for w in metrics["wrong_answers"])
+    assert "## Wrong answers" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_compiled_path_failing_while_timed_leaves_the_cell_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled variant passes its first calls, then raises (as a CUDA-graph replay can): the cell is timed
+    without it and says why."""
+    import condcomp.bench.gpu_cells as gpu_cells
+
+    def compiled(w: Any, x: torch.Tensor, plan: Any, backend: str) -> Any:
+        calls = []
+
+        def step() -> torch.Tensor:
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("replay failed (simulated)")
+            return x * 1.0
+
+        return step
+
+    monkeypatch.setattr(gpu_cells, "_compiled", compiled)
+    cell = cells(quick=True, compile_cells="targets")[0]
+    records, summary = gpu_cells.time_cell(cell, torch.device("cpu"), 1, 0, "eager", torch.Generator().manual_seed(0))
+    assert "replay failed (simulated)" in summary["not_run"][COMPILED]
+    assert {r["variant"] for r in records} >= {"dense", "floor", "masked", "router", "gathered"}
+    assert COMPILED not in {r["variant"] for r in records}
