@@ -194,9 +194,10 @@ def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sche
             settings: TuneSettings) -> dict[str, Any]:
     """The tuning state: read back from ``checkpoint`` (weights, optimiser, schedule, every random generator) when
     it exists, else a fresh one with the seeded generator."""
-    from condcomp.resume import ResumeFile, check_settings, restore_rng
+    from condcomp.resume import restore_rng
 
-    saved = ResumeFile(checkpoint, settings.tuning_key()).read()
+    resume = _resume_file(checkpoint, model, settings)
+    saved = resume.read()
     if saved is None:
         torch.manual_seed(settings.seed)
         return {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
@@ -204,10 +205,10 @@ def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sche
     if was != now:  # said apart from the other settings: resuming would mix two objectives in one run
         raise ValueError(f"{checkpoint} was tuned with the {was} objective, this run asks for {now}: resuming would "
                          f"mix the two; use another --out (or --objective {was}), or delete it to start over")
-    check_settings(checkpoint, saved["settings"], settings.tuning_key())  # other settings: refused, each named
+    resume.check(saved)  # another model, other settings: refused, each difference named
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    if set(saved["trainable"]) != names:
-        raise ValueError(f"{checkpoint} holds other trainable parameters than this variant's")
+    resume.check_tensors("the trainable parameters", saved.get("trainable"),
+                         {n: p for n, p in model.named_parameters() if n in names})
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in names:
@@ -245,11 +246,16 @@ def _order(n: int, settings: TuneSettings) -> Tensor:
     return torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need]
 
 
-def _save(path: Path, model: nn.Module, opt: Any, sched: Any, state: dict[str, Any], settings: TuneSettings) -> None:
-    from condcomp.resume import ResumeFile
+def _resume_file(path: Path, model: nn.Module, settings: TuneSettings) -> Any:
+    """The checkpoint of tuning ``model`` (its name, config and shapes recorded) with ``settings``."""
+    from condcomp.resume import ResumeFile, model_identity
 
+    return ResumeFile(path, settings.tuning_key(), owner={"command": "tune-llm", **model_identity(model)})
+
+
+def _save(path: Path, model: nn.Module, opt: Any, sched: Any, state: dict[str, Any], settings: TuneSettings) -> None:
     # written aside and renamed: a run stopped while saving keeps the previous checkpoint
-    ResumeFile(path, settings.tuning_key()).save({"trainable": trainable_state(model), "optimizer": opt.state_dict(),
+    _resume_file(path, model, settings).save({"trainable": trainable_state(model), "optimizer": opt.state_dict(),
                                                   "scheduler": sched.state_dict(), **state})
 
 

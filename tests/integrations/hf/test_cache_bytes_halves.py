@@ -8,6 +8,8 @@ tokens x head width x 8 bytes, keys and values, decoder tokens for self-attentio
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from arch_models import batch, build
@@ -15,17 +17,17 @@ from arch_models import batch, build
 t = pytest.importorskip("transformers")
 
 
-def _t5_cache() -> object:
+def _t5_cache() -> Any:
     model = build("t5")
     with torch.no_grad():
         out = model(**batch("t5"), use_cache=True)
     return out.past_key_values
 
 
-def _by_hand(cache: object) -> list[int]:
+def _by_hand(cache: Any) -> list[int]:
     """Each layer: the distinct storages of its self- and cross-attention keys and values, in bytes."""
     counts = []
-    halves = [cache.self_attention_cache, cache.cross_attention_cache]  # type: ignore[attr-defined]
+    halves = [cache.self_attention_cache, cache.cross_attention_cache]
     for i in range(len(halves[0].layers)):
         seen: dict[int, int] = {}
         for half in halves:
@@ -37,8 +39,9 @@ def _by_hand(cache: object) -> list[int]:
 
 
 def test_an_encoder_decoder_cache_counts_both_halves() -> None:
-    from condcomp.bench.kv_variants import cache_bytes as total_bytes
     from condcomp.integrations.hf.cache import cache_bytes
+
+    from condcomp.bench.kv_variants import cache_bytes as total_bytes
 
     cache = _t5_cache()
     assert type(cache).__name__ == "EncoderDecoderCache"
