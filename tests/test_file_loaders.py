@@ -128,6 +128,22 @@ def _read_hf_config(path: Path) -> Any:
     return saved_config(path.parent)
 
 
+def _dataset_gz(path: Path) -> None:
+    import gzip
+
+    path.write_bytes(gzip.compress(b'{"text": "un caf\xc3\xa9", "label": 1}\n' * 50))
+
+
+def _read_dataset(path: Path) -> Any:
+    from condcomp.experiments.data import iter_rows
+
+    rows = list(iter_rows(path))
+    bad = [row for _, row in rows if isinstance(row, Exception)]
+    if bad:  # a bad JSON line is yielded as its error, raised by the caller (experiments/data.py)
+        raise bad[0]
+    return rows
+
+
 LOADERS: dict[str, tuple[str, Callable[[Path], None], Callable[[Path], Any]]] = {
     # name: (file name, writer, reader)
     "gates": ("gates.json", _gates, _read_gates),
@@ -139,10 +155,12 @@ LOADERS: dict[str, tuple[str, Callable[[Path], None], Callable[[Path], Any]]] = 
     "jsonl": ("docs.jsonl", _jsonl, _read_text),
     "checkpoint": ("manifest.json", _checkpoint_manifest, _read_checkpoint),
     "hf_config": ("config.json", _hf_config, _read_hf_config),
+    "dataset": ("train.jsonl", _jsonl, _read_dataset),
+    "dataset_gz": ("train.jsonl.gz", _dataset_gz, _read_dataset),
 }
 JSON = ("gates", "duo_split", "importance", "checkpoint", "hf_config")
 TORCH = ("router", "resume")
-TEXT = ("text", "jsonl")
+TEXT = ("text", "jsonl", "dataset")
 
 
 # ---- the damage ---------------------------------------------------------------------------------------------------
@@ -201,6 +219,8 @@ DAMAGE: dict[str, dict[str, Damage]] = {
               "JSON instead": _write(b'{"format": "x"}'), "a list": lambda p: torch.save([1, 2], p),
               "a tensor": lambda p: torch.save(torch.ones(3), p)},
     "text": {"binary": COMMON["binary"], "latin-1": COMMON["latin-1"], "cut inside a character": _cut_in_a_character},
+    "gz": {"truncated 1/2": _truncate(0.5), "truncated 9/10": _truncate(0.9), "binary": COMMON["binary"],
+           "latin-1": COMMON["latin-1"]},
 }
 FIELDS: dict[str, dict[str, Damage]] = {  # what only a loader that reads that field can be given
     "gates": {
@@ -230,6 +250,7 @@ FIELDS: dict[str, dict[str, Damage]] = {  # what only a loader that reads that f
     "resume": {"no format": _torch_field("format", KeyError), "format null": _torch_field("format", None)},
     "jsonl": {"not JSON lines": _write(b"text: one\n"), "a list per line": _write(b"[1]\n"),
               "text a number": _write(b'{"text": 3}\n')},
+    "dataset": {"not JSON lines": _write(b"text: one\n")},
     "checkpoint": {"files a list": _json_field("files", []), "tensors null": _json_field("tensors", None),
                    "version a string": _json_field("version", "1")},
     "hf_config": {"policy a number": _json_field("policy", 3)},
@@ -239,9 +260,9 @@ FIELDS: dict[str, dict[str, Damage]] = {  # what only a loader that reads that f
 def _cases() -> list[Any]:
     out = []
     for loader in LOADERS:
-        kind = "json" if loader in JSON else "torch" if loader in TORCH else "text"
+        kind = "json" if loader in JSON else "torch" if loader in TORCH else "gz" if loader == "dataset_gz" else "text"
         damages = {**DAMAGE[kind], **FIELDS.get(loader, {}), **FIELDS.get("gates" if loader == "duo_split" else "", {})}
-        if loader == "jsonl":
+        if loader in ("jsonl", "dataset"):
             damages.pop("cut inside a character")
             damages["cut inside a character"] = lambda p: (_jsonl(p), _cut_in_a_character(p))  # type: ignore
         out += [pytest.param(loader, name, damage, id=f"{loader}-{name}") for name, damage in damages.items()]
