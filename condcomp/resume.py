@@ -171,7 +171,11 @@ class ResumeFile:
     def check(self, state: Mapping[str, Any]) -> None:
         """Refuse ``state`` (as :meth:`read` gives it) when its owner or settings are not this run's."""
         if self.owner is not None:
-            check_owner(self.path, state.get("owner", {}), self.owner)
+            if "owner" not in state:
+                raise ResumeError(f"{self.path} was written by an older condcomp that did not record the model it "
+                                  f"belongs to, so resuming it could continue another model's run: delete {self.path} "
+                                  "to start over")
+            check_owner(self.path, state["owner"], self.owner)
         check_settings(self.path, state.get("settings", {}), self.settings, self.may_differ)
 
     def check_tensors(self, name: str, saved: Any, expected: Mapping[str, Any]) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from condcomp.files import FileError
 
@@ -312,3 +314,25 @@ def test_a_gates_file_holding_a_list_names_what_was_expected_and_found(tmp_path:
     with pytest.raises(FileError, match=r"gates\.json is not a condcomp KV gates file: expected a JSON object, "
                                         r"found a JSON list; write it again with `condcomp calibrate-kv"):
         load_gates(path, 1, 2)
+
+
+@pytest.mark.parametrize("loader", ["gates", "router", "importance", "resume", "jsonl", "checkpoint"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_damage_loads_or_is_refused_naming_the_file(loader: str, data: st.DataObject, tmp_path: Path) -> None:
+    """Random bytes flipped and a random cut: the file loads (the damage hit a value) or is refused as above."""
+    name, write, read = LOADERS[loader]
+    path = tmp_path / name
+    write(path)
+    raw = bytearray(path.read_bytes())
+    for _ in range(data.draw(st.integers(1, 4), label="flips")):
+        at = int(data.draw(st.floats(0, 1), label="where") * (len(raw) - 1))  # the valid file's length varies
+        raw[at] = data.draw(st.integers(0, 255), label="byte")
+    cut = [len(raw), len(raw) - 1, len(raw) // 3][data.draw(st.integers(0, 2), label="cut")]
+    path.write_bytes(bytes(raw[:cut]))
+    try:
+        read(path)
+    except ValueError as err:
+        assert type(err) is ValueError or isinstance(err, FileError), f"{type(err).__name__}: {err}"
+        where = str(path.parent) if loader == "checkpoint" else str(path)
+        assert where in str(err), f"the message names no file: {err}"

@@ -123,3 +123,12 @@ def test_the_identity_reads_the_name_config_and_shapes_and_only_asked_the_weight
     wider = llama(0, name="a")
     wider.config.rope_theta = 500.0  # type: ignore[union-attr]  # the same shapes, another config
     assert model_identity(wider)["config"] != ident["config"] and model_identity(wider)["shapes"] == ident["shapes"]
+
+
+def test_a_checkpoint_that_records_no_owner_is_refused(tmp_path: Path) -> None:
+    """Written before checkpoints knew their model: which model it belongs to cannot be told, so it is refused."""
+    path = tmp_path / "run.pt"
+    ResumeFile(path, {"lr": 0.1}).save({"step": 1})
+    with pytest.raises(ResumeError, match=re.escape(str(path)) + " was written by an older condcomp that did not "
+                                          "record the model.*delete"):
+        ResumeFile(path, {"lr": 0.1}, owner={"command": "dit", **model_identity(nn.Linear(2, 2))}).load()
