@@ -132,3 +132,22 @@ def test_a_checkpoint_that_records_no_owner_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ResumeError, match=re.escape(str(path)) + " was written by an older condcomp that did not "
                                           "record the model.*delete"):
         ResumeFile(path, {"lr": 0.1}, owner={"command": "dit", **model_identity(nn.Linear(2, 2))}).load()
+
+
+def test_tune_llm_refuses_the_checkpoint_of_another_model_or_layer_count(tmp_path: Path) -> None:
+    from condcomp.experiments.llm.tuning import TuneSettings, make_trainable, tune
+
+    settings = TuneSettings(seq_len=12, prompt_len=4, batch_size=2, steps=4, warmup=1, tune="attention",
+                            eval_seqs=1, checkpoint_every=1, lr=1e-2)
+    data = torch.randint(3, 97, (6, 12), generator=torch.Generator().manual_seed(3))
+    ckpt = tmp_path / "tuned.pt"
+    tune(make_trainable(llama(0, name="org/a"), settings), data, settings, ckpt, stop_after=1)
+    saved = ckpt.read_bytes()
+    with pytest.raises(ResumeError, match=re.escape(str(ckpt)) + r" belongs to another model or command "
+                                          r"\(model 'org/a' there, 'org/b' now\).*Delete"):
+        tune(make_trainable(llama(0, name="org/b"), settings), data, settings, ckpt)
+    with pytest.raises(ResumeError, match=r"layers 2 there, 3 now"):
+        tune(make_trainable(llama(0, layers=3, name="org/a"), settings), data, settings, ckpt)
+    assert ckpt.read_bytes() == saved
+    resumed = tune(make_trainable(llama(0, name="org/a"), settings), data, settings, ckpt)  # its own model: resumed
+    assert resumed["step"] == 4 and len(resumed["history"]) == 4
