@@ -8,7 +8,8 @@ file ``'utf-8' codec can't decode byte 0x80``; none named the file.
 Each loader gets a valid file written by condcomp's own writer, then each damage: truncated (at several points),
 emptied, replaced by binary or latin-1 bytes, by JSON of the wrong type, or with a field missing, null, ragged, of
 strings, of the wrong shape or not finite. The oracle is the contract itself: an accepted error type, the path in
-the message; and the undamaged file loads (so a loader that refuses everything fails here).
+the message; and the undamaged file loads (so a loader that refuses everything fails here). A property
+(hypothesis) flips random bytes and cuts the file: it loads (the damage hit a value) or is refused the same way.
 """
 
 from __future__ import annotations
@@ -130,6 +131,16 @@ def _read_hf_config(path: Path) -> Any:
     return saved_config(path.parent)
 
 
+def _run_config(path: Path) -> None:
+    path.write_text('{"dataset": "ag_news", "lr": 0.001}')
+
+
+def _read_run_config(path: Path) -> Any:
+    from condcomp.cli_args import read_json_object
+
+    return read_json_object(path)
+
+
 def _dataset_gz(path: Path) -> None:
     import gzip
 
@@ -157,10 +168,11 @@ LOADERS: dict[str, tuple[str, Callable[[Path], None], Callable[[Path], Any]]] = 
     "jsonl": ("docs.jsonl", _jsonl, _read_text),
     "checkpoint": ("manifest.json", _checkpoint_manifest, _read_checkpoint),
     "hf_config": ("config.json", _hf_config, _read_hf_config),
+    "run_config": ("run.json", _run_config, _read_run_config),  # train/ablate --config
     "dataset": ("train.jsonl", _jsonl, _read_dataset),
     "dataset_gz": ("train.jsonl.gz", _dataset_gz, _read_dataset),
 }
-JSON = ("gates", "duo_split", "importance", "checkpoint", "hf_config")
+JSON = ("gates", "duo_split", "importance", "checkpoint", "hf_config", "run_config")
 TORCH = ("router", "resume")
 TEXT = ("text", "jsonl", "dataset")
 
