@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from condcomp.files import FileError
 from condcomp.host import PROGRESS_BUFFER
 from condcomp.staged_files import StagedDirectory
 
@@ -41,7 +42,7 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 )}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(FileError):
     """A checkpoint is missing, truncated, corrupt or does not match the model; the message names file and problem."""
 
 

@@ -9,7 +9,10 @@ random-number generators, so a checkpoint also holds
   NumPy is loaded, and any ``torch.Generator`` the loop owns (named by the caller);
 - the settings the rest of the run depends on, compared on resuming (:func:`check_settings`): a checkpoint made
   with other settings is refused, naming each setting that differs, instead of being continued into a run that
-  is neither.
+  is neither;
+- what it belongs to (:func:`model_identity`: the model's name, hashes of its config and of its weights' names
+  and shapes, the command): a checkpoint of another model is refused the same way, even when the shapes match,
+  and its tensors are checked against this run's before any ``load_state_dict`` (never torch's bare size error).
 
 :class:`ResumeFile` is the single-file checkpoint of the loops that keep one (``calibrate-kv``, ``tune-llm``,
 ``dit``): it is written to a temporary file and renamed into place, so a run stopped mid-save keeps the previous
@@ -19,6 +22,7 @@ checkpoint, and read with ``weights_only=True`` (no pickle code runs). The class
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -28,12 +32,47 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
+from condcomp.files import FileError, read_torch
 
 FORMAT = "condcomp-resume/1"
 
 
-class ResumeError(ValueError):
-    """A checkpoint cannot be resumed by this run (other settings, another format); the message says what to do."""
+class ResumeError(FileError):
+    """A checkpoint cannot be resumed by this run (other settings, another model, another format); the message
+    names the file and says what to do."""
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_identity(model: nn.Module, name: str | None = None, values: bool = False) -> dict[str, Any]:
+    """What a checkpoint of a run on ``model`` belongs to: its name (``name``, else the config's ``name_or_path``,
+    else the class), its layer and parameter counts, a hash of its config and one of its tensors' names, shapes
+    and dtypes; ``values``: also a hash of the first values of every tensor (for a model the run does not train,
+    so that two models of the same shapes and name are told apart).
+
+    >>> a, b = model_identity(nn.Linear(4, 2)), model_identity(nn.Linear(4, 3))
+    >>> a["model"], a["parameters"], a["shapes"] != b["shapes"]
+    ('Linear', 10, True)
+    """
+    cfg = getattr(model, "config", None)
+    to_dict = getattr(cfg, "to_dict", None)
+    config = {k: v for k, v in (to_dict() if callable(to_dict) else {}).items()
+              if not k.startswith("_") and k != "transformers_version"}  # where it was loaded from is the name
+    name = name or str(getattr(cfg, "name_or_path", "") or "") or type(model).__name__
+    tensors = list(model.state_dict(keep_vars=False).items())
+    out: dict[str, Any] = {"model": name, "layers": config.get("num_hidden_layers"),
+                           "parameters": sum(p.numel() for p in model.parameters()),
+                           "config": _digest(json.dumps(config, sort_keys=True, default=str)),
+                           "shapes": _digest(";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors))}
+    if values:
+        with torch.no_grad():
+            first = [t.detach().reshape(-1)[:8].double().cpu() for _, t in tensors if t.is_floating_point()]
+        out["weights"] = _digest(torch.cat(first).numpy().tobytes().hex()) if first else "none"
+    return out
 
 
 def capture_rng(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
@@ -103,30 +142,61 @@ def check_settings(source: Path, saved: Mapping[str, Any], now: Mapping[str, Any
                           "elsewhere) to start over")
 
 
+def check_owner(source: Path, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Refuse to resume ``source`` when it belongs to another model or command (:func:`model_identity`)."""
+    diff = setting_differences(saved, now)
+    if diff:
+        raise ResumeError(f"{source} belongs to another model or command ({'; '.join(diff)}): resuming it would "
+                          f"continue that run with this model. Delete {source} (or write elsewhere) to start over")
+
+
 class ResumeFile:
     """A one-file checkpoint at ``path`` for a run with ``settings`` (JSON values); ``may_differ``: settings a
-    resumed run may change (e.g. the number of steps of a run without a schedule over it)."""
+    resumed run may change (e.g. the number of steps of a run without a schedule over it); ``owner``: what the run
+    belongs to (the command and :func:`model_identity`), saved and compared like the settings."""
 
-    def __init__(self, path: Path, settings: Mapping[str, Any], may_differ: Iterable[str] = ()) -> None:
+    def __init__(self, path: Path, settings: Mapping[str, Any], may_differ: Iterable[str] = (),
+                 owner: Mapping[str, Any] | None = None) -> None:
         self.path, self.settings, self.may_differ = Path(path), dict(settings), tuple(may_differ)
+        self.owner = dict(owner) if owner is not None else None
 
     def load(self) -> dict[str, Any] | None:
-        """The saved state (``rng`` among it), or None when there is no checkpoint; refused with the differing
-        settings named when it was written by a run with other settings."""
+        """The saved state (``rng`` among it), or None when there is no checkpoint; refused with each difference
+        named when it was written for another model or command, or by a run with other settings."""
         state = self.read()
         if state is not None:
-            check_settings(self.path, state.get("settings", {}), self.settings, self.may_differ)
+            self.check(state)
         return state
+
+    def check(self, state: Mapping[str, Any]) -> None:
+        """Refuse ``state`` (as :meth:`read` gives it) when its owner or settings are not this run's."""
+        if self.owner is not None:
+            if "owner" not in state:
+                raise ResumeError(f"{self.path} was written by an older condcomp that did not record the model it "
+                                  f"belongs to, so resuming it could continue another model's run: delete {self.path} "
+                                  "to start over")
+            check_owner(self.path, state["owner"], self.owner)
+        check_settings(self.path, state.get("settings", {}), self.settings, self.may_differ)
+
+    def check_tensors(self, name: str, saved: Any, expected: Mapping[str, Any]) -> None:
+        """Refuse a saved state dict ``name`` whose keys or shapes are not ``expected``'s, before loading it."""
+        from condcomp.files import check_state_shapes, tensor_dict
+
+        hint = f"delete {self.path} (or write elsewhere) to start over"
+        try:
+            state = tensor_dict(saved, self.path, name, hint)
+        except FileError as err:
+            raise ResumeError(str(err)) from None
+        check_state_shapes(self.path, name, state, expected, hint, ResumeError)
 
     def read(self) -> dict[str, Any] | None:
         """The saved state as written, or None when there is no checkpoint; its settings not yet compared."""
         if not self.path.is_file():
             return None
-        try:
-            state = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception as err:  # truncated, not a torch file, or holding objects only pickle could rebuild
-            raise ResumeError(f"{self.path} is not a checkpoint this condcomp can resume ({type(err).__name__}: "
-                              f"{err}); delete it to start over") from err
+        try:  # truncated, not a torch file, or holding objects only pickle could rebuild
+            state = read_torch(self.path, "a checkpoint this condcomp can resume", "delete it to start over")
+        except FileError as err:
+            raise ResumeError(str(err)) from err.__cause__
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ResumeError(f"{self.path} was written by another condcomp version (format {found!r}, this one "
@@ -137,6 +207,8 @@ class ResumeFile:
         """Write ``state`` (tensors, state dicts, JSON values) with the settings and every generator's state:
         to a temporary file first, then renamed over the checkpoint (a stop mid-save keeps the previous one)."""
         payload = {**state, "format": FORMAT, "settings": self.settings, "rng": capture_rng(generators)}
+        if self.owner is not None:
+            payload["owner"] = self.owner
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as fh:

@@ -83,7 +83,7 @@ def read_record(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
         record: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if record.get("settings") == settings else None
+    return record if isinstance(record, dict) and record.get("settings") == settings else None
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:

@@ -40,9 +40,12 @@ def builtin_texts(seed: int = 0, rounds: int = 64) -> list[str]:
 
 def file_texts(path: Path) -> list[str]:
     """The documents of one file: ``.jsonl`` rows' ``text`` fields, else paragraphs (split at blank lines)."""
+    from condcomp.files import read_text
+
     if not path.is_file():
         raise FileNotFoundError(f"--text-file {path}: no such file")
-    raw = path.read_text(encoding="utf-8")
+    raw = read_text(path, "a text file (.txt, .md: documents split at blank lines; .jsonl: one {\"text\": ...} "
+                    "per line)", "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or pass a text file")
     if path.suffix != ".jsonl":
         return _paragraphs(raw)
     docs = []

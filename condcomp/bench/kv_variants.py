@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,9 +300,14 @@ MODELS: dict[str, Prepare] = {
 
 def saved_importance(path: Path, layers: int, groups: int) -> Tensor | None:
     """``group_importance`` from a ``static_importance.json`` (``condcomp tune-llm``'s), if it fits the model."""
+    from condcomp.files import field, float_matrix, read_json_object
+
     if not path.is_file():
         return None
-    scores = torch.tensor(json.loads(path.read_text())["group_importance"], dtype=torch.float64)
+    hint = "write it with `condcomp tune-llm` (static_importance.json) or leave it out to compute the importance"
+    record = read_json_object(path, "static pruning's group importance", hint)
+    scores = float_matrix(field(record, "group_importance", path, hint), path, "group_importance", hint)
+    # another model's ranking (the default path holds SmolLM2's): the callers compute this model's instead
     return scores if tuple(scores.shape) == (layers, groups) else None
 
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from condcomp.files import FileError
 
-class DataError(ValueError):
+
+class DataError(FileError):
     """A dataset file or row is not usable; the message names the file and line."""
 
 
@@ -85,21 +87,27 @@ def iter_rows(path: Path) -> Iterator[tuple[int, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
     kind = path.name.removesuffix(".gz").rsplit(".", 1)[-1].lower()
-    with _open_text(path) as fh:
-        if kind in ("jsonl", "json", "ndjson"):
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield n, json.loads(line)
-                except json.JSONDecodeError as err:
-                    yield n, DataError(f"{path}:{n}: not valid JSON ({err.msg} at column {err.colno})")
-        elif kind in ("csv", "tsv"):
-            reader = csv.DictReader(fh, delimiter="\t" if kind == "tsv" else ",")
-            for row in reader:
-                yield reader.line_num, row
-        else:
-            raise DataError(f"{path}: unsupported file type {kind!r}; use .jsonl, .csv or .tsv (optionally .gz)")
+    try:
+        with _open_text(path) as fh:
+            if kind in ("jsonl", "json", "ndjson"):
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield n, json.loads(line)
+                    except json.JSONDecodeError as err:
+                        yield n, DataError(f"{path}:{n}: not valid JSON ({err.msg} at column {err.colno})")
+            elif kind in ("csv", "tsv"):
+                reader = csv.DictReader(fh, delimiter="\t" if kind == "tsv" else ",")
+                for row in reader:
+                    yield reader.line_num, row
+            else:
+                raise DataError(f"{path}: unsupported file type {kind!r}; use .jsonl, .csv or .tsv (optionally .gz)")
+    except UnicodeDecodeError as err:  # worded as condcomp.files words it (a dataset is streamed, not read whole)
+        raise DataError(f"{path}: expected UTF-8 text, found byte 0x{err.object[err.start]:02x} that is not UTF-8 "
+                        "(a binary file, or another encoding such as latin-1): convert it to UTF-8") from None
+    except (OSError, EOFError) as err:  # a truncated or damaged .gz
+        raise DataError(f"{path}: unreadable ({type(err).__name__}: {err})") from err
 
 
 def _label(value: Any) -> int:

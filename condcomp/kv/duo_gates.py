@@ -22,7 +22,6 @@ the gated model must reproduce). The public entry points are re-exported by :mod
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -111,13 +110,15 @@ StepFn = Callable[[int, Tensor], tuple[float, float]]  # (step, ids (1, T)) -> (
 
 def train_loop(model: nn.Module, trainable: nn.Module, opt: torch.optim.Optimizer, rows: Sequence[Sequence[int]],
                settings: dict[str, Any], step_fn: StepFn, checkpoint: Path | None = None,
-               on_step: Callable[[int, float, float], None] | None = None) -> list[list[float]]:
+               on_step: Callable[[int, float, float], None] | None = None,
+               command: str = "calibrate-kv --method duo") -> list[list[float]]:
     """Run ``step_fn`` for steps ``0 .. settings["steps"] - 1`` on one row each (cycling through ``rows``) with the
     model's parameters frozen; the history ``[step, distillation, second number]`` every few steps. ``checkpoint``:
     ``trainable``'s and ``opt``'s state, the history and every random generator (:mod:`condcomp.resume`) are
     saved there every 10 steps and resumed from, so a resumed run ends as the uninterrupted one; a checkpoint of
-    other settings (but the number of steps, which may grow, or shrink to the saved step) is refused."""
-    from condcomp.resume import ResumeError, ResumeFile, restore_rng
+    other settings (but the number of steps, which may grow, or shrink to the saved step), of another ``command``
+    or of another model (:func:`condcomp.resume.model_identity`, weights' first values included) is refused."""
+    from condcomp.resume import ResumeError, ResumeFile, model_identity, restore_rng
 
     steps = int(settings["steps"])
     device = next(model.parameters()).device
@@ -125,14 +126,21 @@ def train_loop(model: nn.Module, trainable: nn.Module, opt: torch.optim.Optimize
     start = 0
     # A run may be extended, or cut at a saved step; every other setting must match. (A run whose schedules
     # depend on the number of steps puts what they depend on in its settings too.)
-    saved = ResumeFile(checkpoint, settings, may_differ=("steps",)) if checkpoint is not None else None
+    saved = (ResumeFile(checkpoint, settings, may_differ=("steps",),
+                        owner={"command": command, **model_identity(model, values=True)})
+             if checkpoint is not None else None)
     state = saved.load() if saved is not None else None
-    if state is not None:
+    if saved is not None and state is not None:
         if int(state["step"]) > steps:
             raise ResumeError(f"{checkpoint} is at step {state['step']}, past this run's --steps {steps}: ask for "
                               f"at least {state['step']} steps, or delete it to start over")
+        saved.check_tensors("the trained state", state.get("trainable"), trainable.state_dict())
         trainable.load_state_dict(state["trainable"])
-        opt.load_state_dict(state["opt"])
+        try:
+            opt.load_state_dict(state["opt"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:  # the shapes matched: a malformed file
+            raise ResumeError(f"{checkpoint}: the optimiser state does not fit this run ({type(err).__name__}: "
+                              f"{err}); delete it to start over") from err
         start = int(state["step"])
         # an extended run drops the shorter run's last point when it is off the grid (as a run of `steps` would)
         history = [list(h) for h in state["history"] if int(h[0]) % HISTORY_EVERY == 0 or int(h[0]) == steps - 1]
@@ -197,26 +205,23 @@ def save_gates(path: str | Path, method: str, model_name: str, scores: Tensor, s
 
 def load_gates(path: str | Path, layers: int, groups: int) -> dict[str, Any]:
     """A gates file's record (``scores (L, G)`` float64, ``sinks``, ``window``, how it was made), checked against
-    the model's ``layers x groups``; clear errors when it cannot be used. A string path works too."""
+    the model's ``layers x groups``; a :class:`condcomp.files.FileError` naming the file, what was expected and what
+    was found when it cannot be used (:mod:`condcomp.files`). A string path works too."""
+    from condcomp.files import FileError, float_matrix, int_field, read_json_object
+
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no KV gates file at {path}: train one with `condcomp calibrate-kv --method duo "
-                                f"--out {path}` (docs/kv.md, 'a trained static split')")
-    try:
-        record: dict[str, Any] = json.loads(path.read_text())
-    except ValueError as err:
-        raise ValueError(f"{path} is not a JSON gates file ({err}); write it again with condcomp calibrate-kv") from err
+    hint = (f"write it again with `condcomp calibrate-kv --method duo --out {path}` (docs/kv.md, 'a trained static "
+            "split')")
+    record = read_json_object(path, "a condcomp KV gates file", hint)
     if record.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a condcomp KV gates file (format {record.get('format')!r}, expected "
-                         f"{FORMAT!r}); write it with condcomp calibrate-kv")
-    scores = torch.tensor(record["scores"], dtype=torch.float64)
-    if tuple(scores.shape) != (layers, groups) or not math.isfinite(float(scores.sum())):
-        raise ValueError(f"{path} holds gates of shape {tuple(scores.shape)}; this model needs ({layers}, {groups}) "
-                         "finite scores: calibrate it for this model")
+        raise FileError(f"{path} is not a condcomp KV gates file (format {record.get('format')!r}, expected "
+                        f"{FORMAT!r}); {hint}")
+    if "scores" not in record or record["scores"] is None:
+        raise FileError(f"{path}: field 'scores' is {'null' if 'scores' in record else 'missing'} (a gates file holds "
+                        f"scores (layers, KV groups)); {hint}")
+    scores = float_matrix(record["scores"], path, "scores", f"calibrate gates for this model: {hint}",
+                          shape=(layers, groups))
     for name, low in (("sinks", 0), ("window", 1)):  # int("3"), int(3.7) and True would pass silently
-        value = record.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{path}: {name} must be an int >= {low} (the streaming pattern the gates were "
-                             f"trained for), got {value!r}: write it again with condcomp calibrate-kv")
+        int_field(record, name, path, f"the streaming pattern the gates were trained for; {hint}", low)
     record["scores"] = scores
     return record

@@ -174,7 +174,8 @@ def train_router(model: nn.Module, rows: Sequence[Sequence[int]], settings: Requ
 
     # the schedules run over the planned steps: a run resumes only with the same number of steps
     record = {**asdict(settings), "schedule_steps": settings.steps}
-    history = train_loop(model, split, opt, rows, record, step_fn, checkpoint, on_step)
+    history = train_loop(model, split, opt, rows, record, step_fn, checkpoint, on_step,
+                         command="calibrate-kv --method request")
     return split.eval(), history
 
 
@@ -195,32 +196,32 @@ def save_router(path: Path, split: RequestSplit, model_name: str, model: nn.Modu
 
 def load_router(path: Path, model: nn.Module) -> RequestSplit:
     """The routers of a router file, checked against ``model``'s shape; clear errors when the file cannot be used."""
-    if not path.is_file():
-        raise FileNotFoundError(f"no per-request router file at {path}: train one with `condcomp calibrate-kv "
-                                f"--method request --out {path}` (docs/kv-calibration.md, 'A per-request split')")
-    try:
-        record = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle, zip or unsupported-type errors alike: not a file this module wrote
-        raise ValueError(f"{path} is not a condcomp per-request router file ({type(err).__name__}: {err}); "
-                         "write it with `condcomp calibrate-kv --method request`") from err
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        found = record.get("format") if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{path} is not a condcomp per-request router file (format {found!r}, expected "
-                         f"{FORMAT!r}); write it with `condcomp calibrate-kv --method request`")
+    from condcomp.files import FileError, check_state_shapes, int_field, read_torch_dict, tensor_dict
+
+    hint = f"write it with `condcomp calibrate-kv --method request --out {path}` (docs/kv-calibration.md, 'A " \
+           "per-request split')"
+    record = read_torch_dict(path, "a condcomp per-request router file", hint)
+    if record.get("format") != FORMAT:
+        raise FileError(f"{path} is not a condcomp per-request router file (format {record.get('format')!r}, "
+                        f"expected {FORMAT!r}); {hint}")
     L, H, G, D = model_shape(model)
     saved = tuple(record.get(k) for k in ("layers", "heads", "kv_groups", "d_model"))
-    if saved != (L, H, G, D) or len(record["scorers"]) != L:
-        raise ValueError(f"{path} holds routers for (layers, heads, KV groups, d_model) = {saved}; this model is "
-                         f"{(L, H, G, D)}: train a router file for this model")
+    scorers = record.get("scorers")
+    if not isinstance(scorers, list):
+        raise FileError(f"{path}: field 'scorers' must be a list of state dicts, one per layer, found "
+                        f"{type(scorers).__name__}; {hint}")
+    if saved != (L, H, G, D) or len(scorers) != L:
+        raise FileError(f"{path} holds routers for (layers, heads, KV groups, d_model) = {saved} ({len(scorers)} "
+                        f"scorers); this model is {(L, H, G, D)}: train a router file for this model ({hint})")
     for name, low, high in (("keep", 1, G - 1), ("sinks", 0, None), ("window", 1, None)):  # int(3.7) would pass
-        v = record.get(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
-            raise ValueError(f"{path}: {name} must be an int in [{low}, {high or 'any'}], got {v!r}: write the "
-                             "file again with `condcomp calibrate-kv --method request`")
-    bad = [i for i, state in enumerate(record["scorers"]) if not all(bool(t.isfinite().all()) for t in state.values())]
+        int_field(record, name, path, hint, low, high)
+    states = [tensor_dict(state, path, f"scorers[{i}]", hint) for i, state in enumerate(scorers)]
+    bad = [i for i, state in enumerate(states) if not all(bool(t.isfinite().all()) for t in state.values())]
     if bad:  # a NaN score would pick groups arbitrarily
-        raise ValueError(f"{path}: the routers of layer(s) {bad} hold non-finite weights: train the file again")
+        raise FileError(f"{path}: the routers of layer(s) {bad} hold non-finite weights: train the file again")
     split = RequestSplit(D, H, G, [[0.0] * G] * L, record["keep"], record["sinks"], record["window"])
-    for router, state in zip(split.routers, record["scorers"]):
-        router.scorer.load_state_dict(state)  # type: ignore[union-attr]
+    for i, (router, state) in enumerate(zip(split.routers, states)):
+        scorer: Any = router.scorer
+        check_state_shapes(path, f"scorers[{i}]", state, scorer.state_dict(), hint)
+        scorer.load_state_dict(state)
     return split.eval()

@@ -230,7 +230,9 @@ def cache_bytes(cache: Any) -> list[int]:
     request and head) is not counted. ``sum(cache_bytes(c)) / sum(cache_bytes(dense))`` is the measured KV fraction.
 
     It counts the memory held, each distinct storage once and whole: after ``cache.crop(n)`` (until the next update)
-    and in a sliding-window layer, a view counts as the storage it was cut from (freed only later).
+    and in a sliding-window layer, a view counts as the storage it was cut from (freed only later). An
+    encoder-decoder cache (T5's ``EncoderDecoderCache``) counts both halves: layer ``i`` holds its self-attention
+    keys and values and its cross-attention ones (a storage both share counted once).
 
     >>> import torch, transformers  # doctest: +SKIP
     >>> cache = transformers.DynamicCache()  # doctest: +SKIP
@@ -238,17 +240,23 @@ def cache_bytes(cache: Any) -> list[int]:
     >>> cache_bytes(cache)  # doctest: +SKIP
     [320]
     """
-    if hasattr(cache, "self_attention_cache"):
-        return cache_bytes(cache.self_attention_cache)
+    halves = [getattr(cache, "self_attention_cache", None), getattr(cache, "cross_attention_cache", None)]
+    if halves[0] is None:
+        halves = [cache]
+    per_half = [_cache_layers(half) for half in halves if half is not None]
+    out = []
+    for i in range(max(len(layers) for layers in per_half)):
+        seen: set[int] = set()  # per layer: the halves of one layer may share a storage, layers do not
+        out.append(sum(_tensor_bytes(v, seen) for layers in per_half if i < len(layers)
+                       for v in layer_tensors(layers[i])))
+    return out
+
+
+def _cache_layers(cache: Any) -> list[Any]:
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise TypeError(f"cache_bytes: expected a transformers KV cache (with .layers), got {type(cache).__name__}")
-    out = []
-    for layer in layers:
-        seen: set[int] = set()
-        total = sum(_tensor_bytes(v, seen) for v in layer_tensors(layer))
-        out.append(total)
-    return out
+    return list(layers)
 
 
 __all__ = ["PlanCarrier", "RequestStep", "cache_bytes", "cache_layer", "compact_layer", "compact_write", "held_record",

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from condcomp.api import apply_, remove_, routed_modules
 from condcomp.checkpoint import CheckpointError, file_digest, verify_digest
 from condcomp.config import CondCompConfig
+from condcomp.files import FileError, describe, field, read_json, read_json_object
 from condcomp.record import RECORD_VERSION, routing_record, store_record_in_config
 
 CONFIG_FILE = "condcomp_config.json"
@@ -37,6 +38,7 @@ ROUTING_FILE = "condcomp_routing.safetensors"
 MANIFEST_FILE = "condcomp_manifest.json"  # size and SHA-256 of the routing file, written after it
 _MARKERS = ("condcomp_policy.", "condcomp_router.", "condcomp_progress")
 _PROGRESS = ".condcomp_progress"  # one per wrapped module: the routing file's list of wrapped modules
+_SAVE_AGAIN = "save the model again with condcomp.integrations.hf.checkpoint.save_pretrained"
 
 
 def _is_routing(key: str) -> bool:
@@ -108,7 +110,7 @@ def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[s
             raise FileNotFoundError(f"{path} not found: was the model saved with "
                                     "condcomp.integrations.hf.checkpoint.save_pretrained / save_condcomp?")
     _verify_routing_file(directory)
-    stored = json.loads(cfg_path.read_text())
+    stored = read_json_object(cfg_path, "condcomp's routing config (condcomp_config.json)", _SAVE_AGAIN)
     try:
         saved = load_file(str(routing_path))
     except Exception as e:  # safetensors raises its own error type for malformed headers
@@ -116,7 +118,7 @@ def load_condcomp(model: nn.Module, directory: str | os.PathLike[str]) -> list[s
     if isinstance(stored, dict) and "groups" in stored:
         record = stored
     else:
-        config = CondCompConfig.from_dict(stored)
+        config = _config_from(cfg_path, stored)
         modules = sorted(k[: -len(_PROGRESS)] for k in saved if k.endswith(_PROGRESS))
         if not modules:  # a routing file without progress buffers names no modules: the config's targets find them
             names = apply_(model, config)
@@ -155,9 +157,9 @@ def _verify_routing_file(directory: Path) -> None:
                       "cannot be checked; save it again to add one", stacklevel=3)
         return
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+        manifest = read_json(path, "condcomp's routing manifest", _SAVE_AGAIN)
+    except FileError as e:
+        raise CheckpointError(str(e)) from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CheckpointError(f"{path}: not a condcomp routing manifest")
@@ -263,20 +265,38 @@ def _routing_from_weight_files(directory: Path) -> dict[str, Tensor]:
 
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = field(read_json_object(index, "transformers' weight index", _SAVE_AGAIN), "weight_map", index,
+                           _SAVE_AGAIN)
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: field 'weight_map' must map names to file names, found "
+                                  f"{describe(weight_map)}; {_SAVE_AGAIN}")
+        files = sorted(set(weight_map.values()))
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise CheckpointError(f"{directory}: no model.safetensors (or index) to read the routing tensors from")
     out: dict[str, Tensor] = {}
     for name in files:
-        with safe_open(str(directory / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
-                if _is_routing(key):
-                    out[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(directory / name), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
+                    if _is_routing(key):
+                        out[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors' own error type for a truncated or foreign file names no path
+            raise CheckpointError(f"{directory / name}: unreadable safetensors file ({e}); {_SAVE_AGAIN}") from e
     return out
 
 
 def saved_config(directory: str | os.PathLike[str]) -> CondCompConfig:
     """The :class:`~condcomp.CondCompConfig` stored in ``directory``."""
-    return CondCompConfig.from_dict(json.loads((Path(directory) / CONFIG_FILE).read_text()))
+    path = Path(directory) / CONFIG_FILE
+    return _config_from(path, read_json_object(path, "condcomp's routing config", _SAVE_AGAIN))
+
+
+def _config_from(path: Path, stored: dict[str, Any]) -> CondCompConfig:
+    """The config a file holds; one it cannot build is named with the file (not a bare TypeError)."""
+    try:
+        return CondCompConfig.from_dict(stored)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path} does not hold a condcomp config this version can build ({e}); "
+                              f"{_SAVE_AGAIN}") from e

@@ -102,11 +102,13 @@ def load_or_train_judge(path: Path, data: dict[str, tuple[Tensor, Tensor]]) -> t
     images, labels = data["train"]
     judge = make_judge(images, int(labels.max()) + 1).to(images.device)
     if path.is_file():
-        try:
-            judge.load_state_dict(torch.load(path, map_location=images.device, weights_only=True))
-        except (RuntimeError, OSError, ValueError) as err:
-            raise RuntimeError(f"judge {path} cannot be loaded ({err}); it belongs to other data? delete it to "
-                               "train it again") from None
+        from condcomp.files import check_state_shapes, read_torch_dict, tensor_dict
+
+        hint = "it belongs to other data? delete it to train it again"
+        state = tensor_dict(read_torch_dict(path, "the DiT study's judge (a state dict)", hint), path, "the judge",
+                            hint)
+        check_state_shapes(path, "the judge", state, judge.state_dict(), hint)
+        judge.load_state_dict(state)
         judge.eval()
     else:
         judge = train_judge(images, labels)

@@ -21,7 +21,7 @@ from condcomp.experiments.dit.frechet import frechet_distance
 from condcomp.experiments.dit.model import PRESETS, DiT, DiTConfig
 from condcomp.experiments.dit.variants import variant_config
 from condcomp.experiments.progress import progress_bar
-from condcomp.resume import ResumeFile
+from condcomp.resume import ResumeFile, model_identity
 
 
 @dataclass
@@ -95,7 +95,9 @@ def train_dit(model: DiT, images: Tensor, labels: Tensor, settings: DiTRunSettin
     ema = copy.deepcopy(model).eval()
     start, done_seconds, losses = 0, 0.0, []
     saved = checkpoint.load() if checkpoint is not None else None
-    if saved is not None:
+    if saved is not None and checkpoint is not None:
+        checkpoint.check_tensors("the model", saved.get("model"), model.state_dict())  # never torch's size error
+        checkpoint.check_tensors("the EMA model", saved.get("ema"), ema.state_dict())
         model.load_state_dict(saved["model"])
         ema.load_state_dict(saved["ema"])
         opt.load_state_dict(saved["opt"])
@@ -188,7 +190,8 @@ def run_one(variant: str, seed: int, settings: DiTRunSettings, data: dict[str, t
     ``checkpoint_every`` steps; a run stopped before its metrics resumes there, exactly."""
     model = build(variant, settings, seed, fraction).to(device)
     checkpoint = ResumeFile(out_dir / "checkpoint.pt", {"variant": variant, "seed": seed, "fraction": fraction,
-                                                         **settings.to_dict()})
+                                                         **settings.to_dict()},
+                            owner={"command": "dit", **model_identity(model, variant)})
     ema, facts = train_dit(model, *data["train"], settings, seed, desc=f"{variant} seed{seed}",
                            checkpoint=checkpoint, checkpoint_every=checkpoint_every)
     metrics, samples = measure(ema, judge, data["test"], settings, seed)

@@ -32,6 +32,7 @@ from condcomp.experiments.llm.objectives import (
     objective_loss,
 )
 from condcomp.experiments.progress import progress_bar
+from condcomp.resume import ResumeFile, model_identity
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -142,7 +143,8 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
     if needs_teacher(settings.objective) and teacher is None:
         raise ValueError(f"tune: the {settings.objective} objective needs the teacher (the dense model as loaded)")
     opt, sched = _optimizer(model, settings)
-    state = _resume(checkpoint, model, opt, sched, settings)
+    resume = _resume_file(checkpoint, model, settings)  # what the run belongs to, taken once before it trains
+    state = _resume(resume, model, opt, sched, settings)
     order = _order(train_ids.shape[0], settings)
     routed = bool(condcomp.routed_modules(model))
     bar = progress_bar(settings.steps, initial=state["step"], desc=desc)
@@ -161,9 +163,9 @@ def tune(model: nn.Module, train_ids: Tensor, settings: TuneSettings, checkpoint
             done_here += 1
             bar.update(1, loss=loss)
             if state["step"] % settings.checkpoint_every == 0 or state["step"] == settings.steps:
-                _save(checkpoint, model, opt, sched, state, settings)
+                _save(resume, model, opt, sched, state)
         if done_here and state["step"] % settings.checkpoint_every and state["step"] != settings.steps:
-            _save(checkpoint, model, opt, sched, state, settings)
+            _save(resume, model, opt, sched, state)
     finally:
         bar.close()
     return state
@@ -190,13 +192,14 @@ def _optimizer(model: nn.Module, settings: TuneSettings) -> tuple[torch.optim.Op
     return opt, sched
 
 
-def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
+def _resume(resume: ResumeFile, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
             settings: TuneSettings) -> dict[str, Any]:
-    """The tuning state: read back from ``checkpoint`` (weights, optimiser, schedule, every random generator) when
-    it exists, else a fresh one with the seeded generator."""
-    from condcomp.resume import ResumeFile, check_settings, restore_rng
+    """The tuning state: read back from ``resume`` (a ResumeFile: weights, optimiser, schedule, every random
+    generator) when it exists, else a fresh one with the seeded generator."""
+    from condcomp.resume import restore_rng
 
-    saved = ResumeFile(checkpoint, settings.tuning_key()).read()
+    checkpoint = resume.path
+    saved = resume.read()
     if saved is None:
         torch.manual_seed(settings.seed)
         return {"step": 0, "seconds": 0.0, "cpu_seconds": 0.0, "history": []}
@@ -204,10 +207,10 @@ def _resume(checkpoint: Path, model: nn.Module, opt: torch.optim.Optimizer, sche
     if was != now:  # said apart from the other settings: resuming would mix two objectives in one run
         raise ValueError(f"{checkpoint} was tuned with the {was} objective, this run asks for {now}: resuming would "
                          f"mix the two; use another --out (or --objective {was}), or delete it to start over")
-    check_settings(checkpoint, saved["settings"], settings.tuning_key())  # other settings: refused, each named
+    resume.check(saved)  # another model, other settings: refused, each difference named
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    if set(saved["trainable"]) != names:
-        raise ValueError(f"{checkpoint} holds other trainable parameters than this variant's")
+    resume.check_tensors("the trainable parameters", saved.get("trainable"),
+                         {n: p for n, p in model.named_parameters() if n in names})
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in names:
@@ -245,12 +248,15 @@ def _order(n: int, settings: TuneSettings) -> Tensor:
     return torch.cat([torch.randperm(n, generator=g) for _ in range(-(-need // n))])[:need]
 
 
-def _save(path: Path, model: nn.Module, opt: Any, sched: Any, state: dict[str, Any], settings: TuneSettings) -> None:
-    from condcomp.resume import ResumeFile
+def _resume_file(path: Path, model: nn.Module, settings: TuneSettings) -> ResumeFile:
+    """The checkpoint of tuning ``model`` (its name, config and shapes recorded) with ``settings``."""
+    return ResumeFile(path, settings.tuning_key(), owner={"command": "tune-llm", **model_identity(model)})
 
+
+def _save(resume: ResumeFile, model: nn.Module, opt: Any, sched: Any, state: dict[str, Any]) -> None:
     # written aside and renamed: a run stopped while saving keeps the previous checkpoint
-    ResumeFile(path, settings.tuning_key()).save({"trainable": trainable_state(model), "optimizer": opt.state_dict(),
-                                                  "scheduler": sched.state_dict(), **state})
+    resume.save({"trainable": trainable_state(model), "optimizer": opt.state_dict(),
+                 "scheduler": sched.state_dict(), **state})
 
 
 def copy_model(model: nn.Module) -> nn.Module:

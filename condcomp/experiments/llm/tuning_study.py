@@ -37,6 +37,7 @@ from condcomp.experiments.llm.variants import (
     variant_config,
 )
 from condcomp.experiments.progress import progress_bar
+from condcomp.files import read_json_object, read_torch_dict
 
 DECODE_NOTE = "from `condcomp bench decode`; not measured by tune-llm"
 
@@ -61,7 +62,7 @@ def static_head_sets(model: nn.Module, calib: PackedSplit, s: TuneSettings, out:
     """Michel et al.'s importance on the calibration rows, per KV group; the kept groups for 1 and 2 of 3."""
     path = out / "static_importance.json"
     if path.is_file():
-        saved = json.loads(path.read_text())
+        saved = read_json_object(path, "tune-llm's static importance", "delete it to compute it again")
         if saved.get("settings") == s.tuning_key():
             return saved  # type: ignore[no-any-return]
     cfg: Any = getattr(model, "config")  # noqa: B009
@@ -147,8 +148,10 @@ def dense_reference(dense: nn.Module, tokenizer: Any, prompts: Tensor, s: TuneSe
     """The untuned dense model's greedy continuations (cached in ``out/dense_greedy.pt``)."""
     path = out / "dense_greedy.pt"
     if path.is_file():
-        saved = torch.load(path)
-        if torch.equal(saved["prompts"], prompts) and saved["tokens"].shape[1] == s.agree_tokens:
+        saved = read_torch_dict(path, "the dense model's greedy continuations", "delete it to compute them again")
+        if (isinstance(saved.get("prompts"), Tensor) and isinstance(saved.get("tokens"), Tensor)
+                and saved["prompts"].shape == prompts.shape and torch.equal(saved["prompts"], prompts)
+                and saved["tokens"].dim() == 2 and saved["tokens"].shape[1] == s.agree_tokens):
             return saved["tokens"]  # type: ignore[no-any-return]
     tokens = greedy(dense, prompts, s.agree_tokens, _pad(tokenizer))
     path.parent.mkdir(parents=True, exist_ok=True)
