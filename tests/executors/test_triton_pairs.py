@@ -1,0 +1,235 @@
+"""The pair ops (``torch.ops.condcomp.pair_project`` / ``pair_output``) against a per-(example, head) float64 loop.
+
+Outputs and every gradient (x, weight, bias; a, weight, gates, bias) on plans with a row of count 0 and a row with
+every head, with the cap ``C`` below and equal to the number of heads, on a strided weight view, and on a fused
+q/k/v width. Plain runs exercise the torch fallback; with ``TRITON_INTERPRET=1`` in the environment before the
+process starts (the CI step ``.ci/run`` adds) the same tests run the Triton kernels on CPU in float32, and the
+fallback is patched to fail so that nothing passes by falling back. ``opcheck`` checks the registrations (schema,
+fake tensors, autograd), and ``torch.compile(fullgraph=True)`` captures both ops with their backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+from condcomp.executors.gathered import pairs
+from condcomp.executors.gathered.pairs import fallback, ops
+
+INTERPRETER = pairs.interpreting() and pairs.triton_available()
+B, T, D, E, Dh = 3, 16, 32, 4, 8
+ATOL, RTOL = 1e-4, 1e-4  # float32 against the float64 loop
+
+
+@pytest.fixture(autouse=True)
+def _kernels_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Under the interpreter, a float32 call that reached the torch fallback fails the test."""
+    if INTERPRETER:
+        for name in ("pair_matmul", "pair_sum", "group_xty"):
+            def refuse(*args: object, _name: str = name, **kwargs: object) -> None:
+                if any(isinstance(a, Tensor) and a.dtype == torch.float32 for a in args):
+                    raise AssertionError(f"float32 {_name} fell back to torch under the interpreter")
+                return getattr(fallback, f"_orig_{_name}")(*args, **kwargs)
+
+            monkeypatch.setattr(fallback, f"_orig_{name}", getattr(fallback, name), raising=False)
+            monkeypatch.setattr(fallback, name, refuse)
+    yield
+
+
+def plan(counts: list[int], C: int) -> tuple[Tensor, Tensor]:
+    """``heads (B, C)``: each row a random order of distinct heads; ``counts (B,)``."""
+    heads = torch.stack([torch.randperm(E)[:C] for _ in counts])
+    return heads, torch.tensor(counts)
+
+
+def project_loop(x: Tensor, w: Tensor, bias: Tensor | None, heads: Tensor, counts: Tensor) -> Tensor:
+    out = x.new_zeros(x.shape[0], heads.shape[1], x.shape[1], w.shape[1])
+    for b in range(x.shape[0]):
+        for j in range(int(counts[b])):
+            h = int(heads[b, j])
+            out[b, j] = x[b] @ w[h].T + (0 if bias is None else bias[h])
+    return out
+
+
+def output_loop(a: Tensor, wo: Tensor, gates: Tensor, heads: Tensor, counts: Tensor, bias: Tensor | None) -> Tensor:
+    Dh_ = a.shape[3]
+    y = a.new_zeros(a.shape[0], a.shape[2], wo.shape[0])
+    for b in range(a.shape[0]):
+        for j in range(int(counts[b])):
+            h = int(heads[b, j])
+            y[b] = y[b] + gates[b, j] * a[b, j] @ wo[:, h * Dh_:(h + 1) * Dh_].T
+        if bias is not None and int(counts[b]) > 0:
+            y[b] = y[b] + bias
+    return y
+
+
+def grads(fn, inputs: dict[str, Tensor], probe: Tensor) -> tuple[Tensor, dict[str, Tensor]]:  # type: ignore[no-untyped-def]
+    y = fn(**inputs)
+    leaves = {k: v for k, v in inputs.items() if v.requires_grad}
+    g = torch.autograd.grad((y * probe).sum(), list(leaves.values()))
+    return y.detach(), dict(zip(leaves, g))
+
+
+def leaf(*shape: int) -> Tensor:
+    return torch.randn(*shape).requires_grad_()
+
+
+def as64(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: (v.detach().double().requires_grad_() if v.is_floating_point() else v) for k, v in inputs.items()}
+
+
+def assert_matches(fn, loop, inputs: dict[str, Tensor]) -> None:  # type: ignore[no-untyped-def]
+    """Op vs loop: outputs and the gradient of every floating-point input."""
+    y0 = loop(**as64(inputs))
+    probe = torch.randn(y0.shape, dtype=torch.float64)
+    y_ref, g_ref = grads(loop, as64(inputs), probe)
+    y, g = grads(fn, inputs, probe.float())
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), y_ref, atol=ATOL, rtol=RTOL)
+    assert set(g) == set(g_ref) and len(g) >= 2
+    for name in g:
+        torch.testing.assert_close(g[name].double(), g_ref[name], atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+CAPS = [pytest.param(E, [0, 2, E], id="C=E"), pytest.param(2, [0, 1, 2], id="C<E")]
+
+
+@pytest.mark.parametrize(("C", "counts"), CAPS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_pair_project_matches_the_loop(C: int, counts: list[int], with_bias: bool) -> None:
+    heads, cnt = plan(counts, C)
+    inputs = {"x": leaf(B, T, D), "weight": leaf(E, Dh, D), "heads": heads, "counts": cnt}
+    if with_bias:
+        inputs["bias"] = leaf(E, Dh)
+
+    def op(x: Tensor, weight: Tensor, heads: Tensor, counts: Tensor, bias: Tensor | None = None) -> Tensor:
+        return ops.pair_project(x, weight, bias, heads, counts)
+
+    def loop(x: Tensor, weight: Tensor, heads: Tensor, counts: Tensor, bias: Tensor | None = None) -> Tensor:
+        return project_loop(x, weight, bias, heads, counts)
+
+    assert_matches(op, loop, inputs)
+    y = op(**{k: v.detach() for k, v in inputs.items()})
+    assert torch.equal(y[0], torch.zeros_like(y[0]))  # count 0: exact zeros, no bias
+
+
+def test_pair_project_reads_a_strided_weight_in_place_and_a_fused_width() -> None:
+    """A transposed view ``(E, 3*Dh, D)`` of a ``(E, D, 3*Dh)`` tensor, and odd sizes (T = 5, D = 20): the masks
+    at tile edges."""
+    heads, cnt = plan([1, 4, 3], E)
+    base = leaf(E, 20, 3 * Dh)
+    inputs = {"x": leaf(B, 5, 20), "base": base, "bias": leaf(E, 3 * Dh), "heads": heads, "counts": cnt}
+
+    def op(x: Tensor, base: Tensor, bias: Tensor, heads: Tensor, counts: Tensor) -> Tensor:
+        return ops.pair_project(x, base.transpose(1, 2), bias, heads, counts)
+
+    def loop(x: Tensor, base: Tensor, bias: Tensor, heads: Tensor, counts: Tensor) -> Tensor:
+        return project_loop(x, base.transpose(1, 2), bias, heads, counts)
+
+    assert_matches(op, loop, inputs)
+
+
+@pytest.mark.parametrize(("C", "counts"), CAPS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_pair_output_matches_the_loop(C: int, counts: list[int], with_bias: bool) -> None:
+    heads, cnt = plan(counts, C)
+    inputs = {"a": leaf(B, C, T, Dh), "weight": leaf(D, E * Dh), "gates": (torch.rand(B, C) + 0.5).requires_grad_(),
+              "heads": heads, "counts": cnt}
+    if with_bias:
+        inputs["bias"] = leaf(D)
+
+    def op(a: Tensor, weight: Tensor, gates: Tensor, heads: Tensor, counts: Tensor,
+           bias: Tensor | None = None) -> Tensor:
+        return ops.pair_output(a, weight, gates, heads, counts, bias)
+
+    def loop(a: Tensor, weight: Tensor, gates: Tensor, heads: Tensor, counts: Tensor,
+             bias: Tensor | None = None) -> Tensor:
+        return output_loop(a, weight, gates, heads, counts, bias)
+
+    assert_matches(op, loop, inputs)
+    y = op(**{k: v.detach() for k, v in inputs.items()})
+    assert torch.equal(y[0], torch.zeros_like(y[0]))  # count 0: exact zeros, no bias
+
+
+def test_gradients_of_only_some_inputs() -> None:
+    """A frozen weight (LoRA-style) or a frozen input: only the gradients asked for, equal to the loop's."""
+    heads, cnt = plan([0, 2, E], E)
+    x, w, a, wo = torch.randn(B, T, D), leaf(E, Dh, D), leaf(B, E, T, Dh), torch.randn(D, E * Dh)
+    gates = torch.rand(B, E) + 0.5
+    (gw,) = torch.autograd.grad(ops.pair_project(x, w, None, heads, cnt).sum(), [w])
+    w64 = w.detach().double().requires_grad_()
+    (gw_ref,) = torch.autograd.grad(project_loop(x.double(), w64, None, heads, cnt).sum(), [w64])
+    torch.testing.assert_close(gw.double(), gw_ref, atol=ATOL, rtol=RTOL)
+    (ga,) = torch.autograd.grad(ops.pair_output(a, wo, gates, heads, cnt, None).sum(), [a])
+    a64 = a.detach().double().requires_grad_()
+    (ga_ref,) = torch.autograd.grad(output_loop(a64, wo.double(), gates.double(), heads, cnt, None).sum(), [a64])
+    torch.testing.assert_close(ga.double(), ga_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_weight_gradients_are_deterministic() -> None:
+    heads, cnt = plan([3, 2, E], E)
+    x, w, b = leaf(B, T, D), leaf(E, Dh, D), leaf(E, Dh)
+    probe = torch.randn(B, E, T, Dh)
+    runs = [torch.autograd.grad((ops.pair_project(x, w, b, heads, cnt) * probe).sum(), [w, b]) for _ in range(2)]
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
+
+
+def test_wrong_inputs_are_named() -> None:
+    heads, cnt = plan([1, 2, 3], E)
+    x, w = torch.randn(B, T, D), torch.randn(E, Dh, D)
+    with pytest.raises(TypeError, match="int64"):
+        ops.pair_project(x, w, None, heads.int(), cnt)
+    with pytest.raises(ValueError, match=r"weight \(E, F, D\)"):
+        ops.pair_project(x, w.transpose(1, 2), None, heads, cnt)
+    with pytest.raises(TypeError, match="dtype"):
+        ops.pair_project(x, w.double(), None, heads, cnt)
+    with pytest.raises(ValueError, match="gates"):
+        ops.pair_output(torch.randn(B, E, T, Dh), torch.randn(D, E * Dh), torch.rand(B, 2), heads, cnt, None)
+
+
+def opcheck_args() -> list[tuple[object, tuple]]:
+    heads, cnt = plan([0, 2, E], E)
+    project = (leaf(B, T, D), leaf(E, Dh, D), leaf(E, Dh), heads, cnt)
+    output = (leaf(B, E, T, Dh), leaf(D, E * Dh), (torch.rand(B, E) + 0.5).requires_grad_(), heads, cnt, leaf(D))
+    return [(torch.ops.condcomp.pair_project.default, project), (torch.ops.condcomp.pair_output.default, output),
+            (torch.ops.condcomp.pair_project_backward.default,
+             (torch.randn(B, E, T, Dh), torch.randn(B, T, D), torch.randn(E, Dh, D), heads, cnt, True, True, True)),
+            (torch.ops.condcomp.pair_output_backward.default,
+             (torch.randn(B, T, D), torch.randn(B, E, T, Dh), torch.randn(D, E * Dh), torch.rand(B, E), heads, cnt,
+              True, True, True, True))]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["pair_project", "pair_output", "project_bwd", "output_bwd"])
+def test_opcheck(index: int) -> None:
+    op, args = opcheck_args()[index]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_captures_both_ops_without_graph_breaks(backend: str) -> None:
+    """``fullgraph=True`` fails on any graph break; ``aot_eager`` also traces the backward through the fakes."""
+    heads, cnt = plan([0, 2, E], E)
+    x, w, wo, gates = leaf(B, T, D), leaf(E, Dh, D), leaf(D, E * Dh), (torch.rand(B, E) + 0.5).requires_grad_()
+
+    def layer(x: Tensor, w: Tensor, wo: Tensor, gates: Tensor) -> Tensor:
+        return ops.pair_output(torch.tanh(ops.pair_project(x, w, None, heads, cnt)), wo, gates, heads, cnt, None)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    y = compiled(x, w, wo, gates)
+    y_eager = layer(x, w, wo, gates)
+    torch.testing.assert_close(y, y_eager, atol=0, rtol=0)
+    g = torch.autograd.grad(y.sum(), [x, w, wo, gates])
+    g_eager = torch.autograd.grad(y_eager.sum(), [x, w, wo, gates])
+    for p, q in zip(g, g_eager):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 set before the process starts, and triton")
+def test_the_kernels_run_under_the_interpreter() -> None:
+    assert pairs.kernel_runs(torch.zeros(1))
+    assert not pairs.kernel_runs(torch.zeros(1, dtype=torch.float64))  # the interpreter runs float32 only here
