@@ -1,4 +1,5 @@
-"""The pair ops (``torch.ops.condcomp.pair_project`` / ``pair_output``) against a per-(example, head) float64 loop.
+"""The pair ops (``torch.ops.condcomp.pair_project`` / ``pair_output``) against a per-(example, head) float64 loop,
+and the ``sequence.triton`` strategy built on them against the reference executor.
 
 Outputs and every gradient (x, weight, bias; a, weight, gates, bias) on plans with a row of count 0 and a row with
 every head, with the cap ``C`` below and equal to the number of heads, on a strided weight view, and on a fused
@@ -6,17 +7,26 @@ q/k/v width. Plain runs exercise the torch fallback; with ``TRITON_INTERPRET=1``
 process starts (the CI step ``.ci/run`` adds) the same tests run the Triton kernels on CPU in float32, and the
 fallback is patched to fail so that nothing passes by falling back. ``opcheck`` checks the registrations (schema,
 fake tensors, autograd), and ``torch.compile(fullgraph=True)`` captures both ops with their backward.
+
+The strategy runs every sequence case of the executor matrix (test_against_reference.CASES: padding, causal,
+GQA, cross-attention, rotary, per-head biases, a KV cache, k = 0 and k = H rows) in float32, forced on CPU with
+``GatheredTuning.pair_kernels_on_cpu``, outputs and gradients against the reference executor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from dataclasses import replace
+
 import pytest
 import torch
+from core_helpers import TOLERANCES, run_and_grads
+from test_against_reference import CASES, build_case
 from torch import Tensor
 
-from condcomp.executors.gathered import pairs
+from condcomp.executors.auto import get_executor
+from condcomp.executors.gathered import CPU, GatheredCall, GatheredExecutor, gather_sizes, get_strategy, pairs
 from condcomp.executors.gathered.pairs import fallback, ops
 
 INTERPRETER = pairs.interpreting() and pairs.triton_available()
@@ -233,3 +243,42 @@ def test_compile_captures_both_ops_without_graph_breaks(backend: str) -> None:
 def test_the_kernels_run_under_the_interpreter() -> None:
     assert pairs.kernel_runs(torch.zeros(1))
     assert not pairs.kernel_runs(torch.zeros(1, dtype=torch.float64))  # the interpreter runs float32 only here
+
+
+ON_CPU = replace(CPU, pair_kernels_on_cpu=True)
+SEQUENCE_CASES = [c for c in CASES if not c.startswith("token")]
+
+
+@pytest.mark.parametrize("case_name", SEQUENCE_CASES)
+def test_sequence_triton_matches_the_reference_executor(case_name: str) -> None:
+    case = build_case(case_name, torch.float32)
+    forced = GatheredExecutor(tuning=ON_CPU, strategy="sequence.triton")
+    atol, rtol = TOLERANCES[torch.float32]
+    probe = torch.randn(case.inputs.x.shape[0], case.inputs.x.shape[1], case.weights.layout.d_model)
+    y_ref, g_ref = run_and_grads(get_executor("reference"), case.weights, case.inputs, case.plan, case.leaves, probe)
+    y, g = run_and_grads(forced, case.weights, case.inputs, case.plan, case.leaves, probe)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=rtol)
+    for name in case.leaves:
+        torch.testing.assert_close(g[name], g_ref[name], atol=atol * 10, rtol=rtol * 10,
+                                   msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+def test_sequence_triton_says_why_it_does_not_run_on_cpu() -> None:
+    """Default tuning on CPU: ``explain`` names the device and the override; with the override it comes right after
+    ``sequence.shared_set`` in the table."""
+    case = build_case("seq_k", torch.float32)
+    why = dict(GatheredExecutor().explain(case.weights, case.inputs, case.plan))["sequence.triton"]
+    assert why and "CUDA only" in why[0] and "pair_kernels_on_cpu" in why[0]
+    chosen = GatheredExecutor(tuning=ON_CPU).prepare(case.weights, case.inputs, case.plan).strategy
+    assert chosen == "sequence.triton"
+
+
+def test_sequence_triton_compiles_with_no_graph_break() -> None:
+    """The strategy's run on a sized call: ``fullgraph=True`` fails on any host read or data-dependent shape."""
+    case = build_case("causal_padding", torch.float32)
+    w, inputs, plan = case.weights, case.inputs, case.plan
+    call = GatheredCall(w, inputs, plan, gather_sizes(w, inputs, plan, ON_CPU), ON_CPU)
+    strategy = get_strategy("sequence.triton")
+    torch._dynamo.reset()
+    y = torch.compile(lambda: strategy.run(call), backend="eager", fullgraph=True)()
+    torch.testing.assert_close(y, get_executor("reference")(w, inputs, plan), atol=2e-5, rtol=1e-4)

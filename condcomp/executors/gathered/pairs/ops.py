@@ -160,11 +160,12 @@ def pair_output_backward(grad: Tensor, a: Tensor, weight: Tensor, gates: Tensor,
     impl, Dh = _impl(a), a.shape[3]
     blocks = _head_blocks(weight, Dh)  # (E, Dh, D)
     da, dw, dg, db = a.new_empty(0), weight.new_empty(0), gates.new_empty(0), weight.new_empty(0)
-    if need_gates:  # p[b, j] = grad[b] @ W_h, in float32: the gate's gradient is sum(a * p), da = gate * p
-        p = impl.pair_matmul(grad, blocks, None, None, heads, counts, torch.float32)  # (B, C, T, Dh)
-        dg = (a.float() * p).sum((2, 3)).to(gates.dtype)
+    if need_gates:  # p[b, j] = grad[b] @ W_h, in float32 at least: the gate's gradient is sum(a * p), da = gate * p
+        wide = torch.promote_types(a.dtype, torch.float32)
+        p = impl.pair_matmul(grad, blocks, None, None, heads, counts, wide)  # (B, C, T, Dh)
+        dg = (a.to(wide) * p).sum((2, 3)).to(gates.dtype)
         if need_a:
-            da = (p * gates.float()[:, :, None, None]).to(a.dtype)
+            da = (p * gates.to(wide)[:, :, None, None]).to(a.dtype)
     elif need_a:
         da = impl.pair_matmul(grad, blocks, None, gates, heads, counts, a.dtype)
     if need_weight:  # dW_h^T = sum over head h's pairs of gate * a[b, j]^T @ grad[b], written in weight's layout
