@@ -26,14 +26,27 @@ from typing_extensions import override
 from condcomp.executors.base import per_head, zero_dead_rows
 from condcomp.executors.gathered.call import GatheredCall, Strategy
 from condcomp.executors.gathered.pairs import KERNEL_DTYPES, ops, triton_available
-from condcomp.executors.gathered.sequence import _bucket_mask
-from condcomp.masks import build_attention_mask, dead_rows
+from condcomp.masks import AttentionMask, build_attention_mask, dead_rows
 from condcomp.plans import kv_groups_used
 from condcomp.rotary import apply_rotary
 
 
 def _head_bias(b: Tensor | None, n: int, Dh: int) -> Tensor | None:
     return None if b is None else b.view(n, Dh)
+
+
+def _pair_mask(mask: AttentionMask, heads: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The attention mask ``(B|1, C|1, T|1, S)`` and dead rows ``(B|1, C|1, T|1)`` of the pairs: a per-head mask
+    picks each example's heads, a broadcast one stays broadcast (no ``C`` copies of a ``(T, S)`` mask)."""
+
+    def pick(t: Tensor) -> Tensor:
+        if t.shape[1] == 1:
+            return t
+        if t.shape[0] == 1:
+            t = t.expand(heads.shape[0], *t.shape[1:])
+        return t[torch.arange(heads.shape[0], device=t.device).unsqueeze(1), heads]
+
+    return (None if mask.mask is None else pick(mask.mask)), (None if mask.dead is None else pick(mask.dead))
 
 
 class PairKernels(Strategy):
@@ -101,7 +114,7 @@ class PairKernels(Strategy):
                     kk = apply_rotary(kk, cos.to(dtype), sin.to(dtype))
             # built here, not read from call.mask: a cached_property takes a lock that torch.compile cannot trace
             full_mask = build_attention_mask(inputs, L.causal, x.dtype)
-            mask, dead = _bucket_mask(full_mask, None, heads)  # (B|1, C|1, T|1, S), (B|1, C|1, T|1)
+            mask, dead = _pair_mask(full_mask, heads)  # (B|1, C|1, T|1, S), (B|1, C|1, T|1)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(dtype)  # an additive mask in the computation's dtype, as SDPA needs
             out = F.scaled_dot_product_attention(q, kk, v, attn_mask=mask, dropout_p=inputs.dropout_p,
