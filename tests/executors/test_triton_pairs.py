@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from core_helpers import TOLERANCES, run_and_grads
+from core_helpers import TOLERANCES, leaf_plan, run_and_grads, seq_active
 from test_against_reference import CASES, build_case
 from torch import Tensor
 
@@ -284,3 +284,29 @@ def test_sequence_triton_compiles_with_no_graph_break() -> None:
     torch._dynamo.reset()
     y = torch.compile(lambda: strategy.run(call), backend="eager", fullgraph=True)()
     torch.testing.assert_close(y, get_executor("reference")(w, inputs, plan), atol=2e-5, rtol=1e-4)
+
+
+class Capped(type(get_strategy("sequence.triton"))):  # type: ignore[misc]
+    """The strategy with a declared cap below H."""
+
+    def __init__(self, C: int) -> None:
+        self.C = C
+
+    def cap(self, call: GatheredCall) -> int:
+        return self.C
+
+
+def test_sequence_triton_with_a_cap_below_h() -> None:
+    """Examples with 0, 1, 3 and 2 of 4 heads: a cap of 3 gives the reference's output; a cap of 2 fails on the
+    device check (an example chose more), never silently dropping a head; ``fullgraph=True`` captures the check."""
+    case = build_case("padding", torch.float32)
+    w, inputs = case.weights, case.inputs
+    plan, _ = leaf_plan(seq_active([0, 1, 3, 2], 4), torch.float32)
+    call = GatheredCall(w, inputs, plan, gather_sizes(w, inputs, plan, ON_CPU), ON_CPU)
+    y_ref = get_executor("reference")(w, inputs, plan)
+    torch.testing.assert_close(Capped(3).run(call), y_ref, atol=2e-5, rtol=1e-4)
+    torch._dynamo.reset()  # the device check traces too: no graph break
+    torch.testing.assert_close(torch.compile(lambda: Capped(3).run(call), backend="eager", fullgraph=True)(), y_ref,
+                               atol=2e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="more heads than the cap"):
+        Capped(2).run(call)

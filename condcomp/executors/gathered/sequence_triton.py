@@ -1,7 +1,7 @@
 """Sequence strategy ``sequence.triton``: the selected (example, head) pairs through the Triton pair ops, no host read.
 
-Each example's heads are ``plan.order[:, :C]`` with the cap ``C`` = H (every head; a budget policy that declares a
-smaller cap could pass it here), its count ``plan.counts``. Queries, keys and values come from
+Each example's heads are ``plan.order[:, :C]`` with the cap ``C`` = H (every head; :meth:`PairKernels.cap` is where a
+smaller declared cap goes), its count ``plan.counts``. Queries, keys and values come from
 ``torch.ops.condcomp.pair_project`` (DejaVu's ``qkv_proj_sparse`` pattern: a grid fixed by ``C``, head ids read inside
 the kernel, weights read in place, pairs past an example's count written as zeros); one SDPA call runs over
 ``(B, C, T, Dh)`` with the masks, causal flag, rotary, head norms and GQA of sequence.py; the output projection is
@@ -68,6 +68,11 @@ class PairKernels(Strategy):
             reasons.append("inputs, cache and weights differ in dtype or device")
         return reasons
 
+    def cap(self, call: GatheredCall) -> int:
+        """``C``, the head slots per example: H (every head). A subclass (or, later, a cap its budget policy
+        declares) may return fewer: an example that chose more heads then fails on the device, never silently."""
+        return call.weights.layout.num_heads
+
     @override
     def run(self, call: GatheredCall) -> Tensor:
         w, inputs, plan = call.weights, call.inputs, call.plan
@@ -80,9 +85,13 @@ class PairKernels(Strategy):
         def cast(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.to(dtype)
 
-        C = H  # the cap: every head (fixed shapes whatever k each example chose)
+        C = self.cap(call)  # fixed shapes whatever k each example chose
+        if not 1 <= C <= H:
+            raise ValueError(f"{self.name}: the cap must lie in [1, H = {H}], got {C}")
         heads = plan.order[:, :C].long()  # (B, C) selected heads first, ascending
-        counts = plan.counts.long().clamp(max=C)  # (B,)
+        counts = plan.counts.long()  # (B,)
+        if C < H:  # checked on the device (no host read): a head past the cap would be dropped
+            torch._assert_async((counts <= C).all(), f"an example chose more heads than the cap C = {C}")
         gates = plan.gates.gather(1, heads)  # (B, C), zero past each count
         with torch.autocast(x.device.type, enabled=False):
             q = ops.pair_project(x.to(dtype), per_head(w.q_weight, H, Dh).to(dtype),

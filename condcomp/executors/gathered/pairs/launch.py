@@ -23,8 +23,9 @@ def _block(n: int, most: int) -> int:
     return max(16, min(most, triton.next_power_of_2(max(n, 1))))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
+def _precision(dtype: torch.dtype) -> str | None:
+    """IEEE float32 products unless torch allows TF32; None (the target's default) for half-precision inputs."""
+    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else None
 
 
 def _optional(t: Tensor | None, like: Tensor, dims: int) -> tuple[Tensor, tuple[int, ...]]:
