@@ -31,10 +31,6 @@ from condcomp.plans import kv_groups_used
 from condcomp.rotary import apply_rotary
 
 
-def _head_bias(b: Tensor | None, n: int, Dh: int) -> Tensor | None:
-    return None if b is None else b.view(n, Dh)
-
-
 def _pair_mask(mask: AttentionMask, heads: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """The attention mask ``(B|1, C|1, T|1, S)`` and dead rows ``(B|1, C|1, T|1)`` of the pairs: a per-head mask
     picks each example's heads, a broadcast one stays broadcast (no ``C`` copies of a ``(T, S)`` mask)."""
@@ -47,6 +43,33 @@ def _pair_mask(mask: AttentionMask, heads: Tensor) -> tuple[Tensor | None, Tenso
         return t[torch.arange(heads.shape[0], device=t.device).unsqueeze(1), heads]
 
     return (None if mask.mask is None else pick(mask.mask)), (None if mask.dead is None else pick(mask.dead))
+
+
+def _keys_values(call: GatheredCall, heads: Tensor, counts: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Keys and values ``(B, C, S, Dh)`` of each pair's key/value head (normalised, not yet rotated): from the
+    cache, or projected once per key/value head an example uses (GQA: used groups first), then gathered per pair."""
+    w, inputs, plan = call.weights, call.inputs, call.plan
+    Hkv, Dh, G = w.layout.num_kv_heads, w.layout.head_dim, w.layout.group_size
+    B, C = heads.shape
+    if inputs.key_states is not None and inputs.value_states is not None:
+        b = torch.arange(B, device=heads.device).unsqueeze(1)  # (B, 1)
+        return inputs.key_states[b, heads // G].to(dtype), inputs.value_states[b, heads // G].to(dtype)
+    kv_heads, kv_counts = heads, counts  # without GQA: the query heads' own key/value heads
+    if G > 1:  # each used key/value head once, used first, ascending
+        used = kv_groups_used(plan.active, Hkv)  # (B, Hkv)
+        kv_heads = torch.argsort((~used).byte(), dim=1, stable=True)  # (B, Hkv)
+        kv_counts = used.sum(-1)
+    kk, v = (ops.pair_project(src.to(dtype), per_head(wt, Hkv, Dh).to(dtype),
+                              None if bt is None else bt.view(Hkv, Dh).to(dtype), kv_heads, kv_counts)
+             for src, wt, bt in ((inputs.key_input, w.k_weight, w.k_bias),
+                                 (inputs.value_input, w.v_weight, w.v_bias)))  # (B, C|Hkv, S, Dh)
+    kk = w.norm_keys(kk)
+    if G > 1:  # each query head reads its key/value head's slot among those computed
+        slot = torch.cumsum(used.long(), 1) - 1  # (B, Hkv)
+        slot = slot.gather(1, torch.div(heads, G, rounding_mode="floor")).clamp(min=0)  # (B, C)
+        ix = slot[:, :, None, None].expand(B, C, kk.shape[2], Dh)
+        kk, v = kk.gather(1, ix), v.gather(1, ix)  # (B, C, S, Dh)
+    return kk, v
 
 
 class PairKernels(Strategy):
@@ -77,13 +100,10 @@ class PairKernels(Strategy):
     def run(self, call: GatheredCall) -> Tensor:
         w, inputs, plan = call.weights, call.inputs, call.plan
         L = w.layout
-        H, Hkv, Dh, G = L.num_heads, L.num_kv_heads, L.head_dim, L.group_size
+        H, Dh = L.num_heads, L.head_dim
         x = inputs.x
         B, T, _ = x.shape
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-
-        def cast(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(dtype)
 
         C = self.cap(call)  # fixed shapes whatever k each example chose
         if not 1 <= C <= H:
@@ -94,27 +114,10 @@ class PairKernels(Strategy):
             torch._assert_async((counts <= C).all(), f"an example chose more heads than the cap C = {C}")
         gates = plan.gates.gather(1, heads)  # (B, C), zero past each count
         with torch.autocast(x.device.type, enabled=False):
-            q = ops.pair_project(x.to(dtype), per_head(w.q_weight, H, Dh).to(dtype),
-                                 cast(_head_bias(w.q_bias, H, Dh)), heads, counts)  # (B, C, T, Dh)
-            if inputs.key_states is not None and inputs.value_states is not None:
-                b = torch.arange(B, device=x.device).unsqueeze(1)  # (B, 1)
-                kk, v = inputs.key_states[b, heads // G].to(dtype), inputs.value_states[b, heads // G].to(dtype)
-            else:
-                kv_heads, kv_counts = heads, counts  # without GQA: the query heads' own key/value heads
-                if G > 1:  # each used key/value head once, used first, ascending
-                    used = kv_groups_used(plan.active, Hkv)  # (B, Hkv)
-                    kv_heads = torch.argsort((~used).byte(), dim=1, stable=True)  # (B, Hkv)
-                    kv_counts = used.sum(-1)
-                kk, v = (ops.pair_project(src.to(dtype), per_head(wt, Hkv, Dh).to(dtype),
-                                          cast(_head_bias(bt, Hkv, Dh)), kv_heads, kv_counts)
-                         for src, wt, bt in ((inputs.key_input, w.k_weight, w.k_bias),
-                                             (inputs.value_input, w.v_weight, w.v_bias)))  # (B, C|Hkv, S, Dh)
-                kk = w.norm_keys(kk)
-                if G > 1:  # each query head reads its key/value head's slot among those computed
-                    slot = torch.cumsum(used.long(), 1) - 1  # (B, Hkv)
-                    slot = slot.gather(1, torch.div(heads, G, rounding_mode="floor")).clamp(min=0)  # (B, C)
-                    ix = slot[:, :, None, None].expand(B, C, kk.shape[2], Dh)
-                    kk, v = kk.gather(1, ix), v.gather(1, ix)  # (B, C, S, Dh)
+            q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh).to(dtype)
+            q = ops.pair_project(x.to(dtype), per_head(w.q_weight, H, Dh).to(dtype), q_bias, heads,
+                                 counts)  # (B, C, T, Dh)
+            kk, v = _keys_values(call, heads, counts, dtype)  # (B, C, S, Dh) each
             q = w.norm_queries(q)
             if inputs.rotary is not None:
                 cos, sin = inputs.rotary  # (B, T, Dh)
@@ -130,5 +133,6 @@ class PairKernels(Strategy):
                                                  is_causal=full_mask.is_causal, scale=L.scale)  # (B, C, T, Dh)
             if dead is not None:
                 out = out.masked_fill(dead.unsqueeze(-1), 0.0)
-            y = ops.pair_output(out, w.o_weight.to(dtype), gates, heads, counts, cast(w.o_bias))  # (B, T, D)
+            o_bias = None if w.o_bias is None else w.o_bias.to(dtype)
+            y = ops.pair_output(out, w.o_weight.to(dtype), gates, heads, counts, o_bias)  # (B, T, D)
         return zero_dead_rows(y.to(x.dtype), dead_rows(full_mask, B, T))
