@@ -280,12 +280,15 @@ def test_sequence_triton_matches_the_reference_executor(case_name: str) -> None:
 
 def test_sequence_triton_says_why_it_does_not_run_on_cpu() -> None:
     """Default tuning on CPU: ``explain`` names the device and the override; with the override it comes right after
-    ``sequence.shared_set`` in the table."""
+    ``sequence.shared_set`` in the table; ``pair_kernels=False`` turns it off."""
     case = build_case("seq_k", torch.float32)
     why = dict(GatheredExecutor().explain(case.weights, case.inputs, case.plan))["sequence.triton"]
     assert why and "CUDA only" in why[0] and "pair_kernels_on_cpu" in why[0]
     chosen = GatheredExecutor(tuning=ON_CPU).prepare(case.weights, case.inputs, case.plan).strategy
     assert chosen == "sequence.triton"
+    off = replace(ON_CPU, pair_kernels=False)  # the switch that turns it off on CUDA too
+    assert dict(GatheredExecutor(tuning=off).explain(case.weights, case.inputs, case.plan))["sequence.triton"] == [
+        "tuning.pair_kernels is off"]
 
 
 def test_sequence_triton_compiles_with_no_graph_break() -> None:

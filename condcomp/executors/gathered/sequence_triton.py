@@ -79,6 +79,8 @@ class PairKernels(Strategy):
     def supports(self, call: GatheredCall) -> list[str]:
         x, w, i = call.inputs.x, call.weights, call.inputs
         reasons = []
+        if not call.tuning.pair_kernels:
+            return ["tuning.pair_kernels is off"]
         if x.device.type != "cuda" and not call.tuning.pair_kernels_on_cpu:
             reasons.append(f"the Triton pair kernels run on CUDA only (this call is on {x.device.type}; "
                            "tuning.pair_kernels_on_cpu runs them here for tests)")
