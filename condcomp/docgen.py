@@ -130,6 +130,9 @@ def _gathered() -> list[str]:
              "the others did not).", "", "| granularity | strategy | implemented by |", "|---|---|---|"]
     for granularity, strategies in STRATEGIES.items():
         lines += [f"| {granularity} | `{r.name}` | `{type(r).__module__}.{type(r).__qualname__}` |" for r in strategies]
+    lines += ["", "`sequence.triton` runs Triton kernels (the ops of `condcomp.executors.gathered.pairs`) on CUDA. "
+              "triton comes with torch's Linux CUDA wheels; elsewhere install the `gpu` extra: "
+              "`pip install -e \".[gpu]\"`. Without it that strategy says so and the others run."]
     lines += ["", "`GatheredTuning` fields and their CPU values (measured; the CUDA values are the same, unmeasured):",
               "", "| field | CPU |", "|---|---|"]
     assert is_dataclass(CPU)

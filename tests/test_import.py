@@ -1,4 +1,5 @@
-"""``import condcomp`` stays light: no transformers, timm or codecarbon, and CUDA is never initialised."""
+"""``import condcomp`` stays light: no transformers, timm or codecarbon, no Triton kernel module of the pair ops
+(condcomp/executors/gathered/pairs/), and CUDA is never initialised."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ layer = condcomp.HeadAttention(16, 4)
 routed = condcomp.RoutedAttention.wrap(layer, condcomp.CondCompConfig(policy="full", router="random"))
 routed(torch.randn(1, 3, 16))
 print(json.dumps({
-    "heavy": sorted(m for m in ("transformers", "timm", "codecarbon", "matplotlib") if m in sys.modules),
+    "heavy": sorted(m for m in ("transformers", "timm", "codecarbon", "matplotlib",
+                                "condcomp.executors.gathered.pairs.kernels", "condcomp.executors.gathered.pairs.launch")
+                    if m in sys.modules),
     "cuda_initialized": torch.cuda.is_initialized(),
     "registries": [condcomp.list_policies(), condcomp.list_routers(), condcomp.list_executors()],
 }))

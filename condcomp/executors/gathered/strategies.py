@@ -7,11 +7,12 @@ tried before it are what ``condcomp.explain`` and the ``condcomp`` logger's debu
 
 from __future__ import annotations
 
-from condcomp.executors.gathered import sequence, token
+from condcomp.executors.gathered import sequence, sequence_triton, token
 from condcomp.executors.gathered.call import GatheredCall, Strategy
 
 STRATEGIES: dict[str, tuple[Strategy, ...]] = {
-    "sequence": (sequence.SharedSet(), sequence.Grouped(), sequence.OneBucket(), sequence.Buckets()),
+    "sequence": (sequence.SharedSet(), sequence_triton.PairKernels(), sequence.Grouped(), sequence.OneBucket(),
+                 sequence.Buckets()),
     "token": (token.Dense(), token.BySet(), token.PerHead()),
 }
 

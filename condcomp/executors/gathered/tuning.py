@@ -36,6 +36,10 @@ class GatheredTuning:
     - ``min_skipped_work_sequence`` / ``min_skipped_work_token``: ... or when the work it skips,
       ``(1 - share) * B*T*D``, is below this (gathered's fixed cost outweighs it in small calls).
     - ``measured``: whether these values were measured on this kind of device.
+    - ``pair_kernels``: let ``sequence.triton`` (the Triton pair ops) run on CUDA where triton is available (False:
+      the other strategies; as ``grouped_gemm`` for MKL).
+    - ``pair_kernels_on_cpu``: ... and on CPU too: the ops' torch fallback, or the kernels under
+      ``TRITON_INTERPRET=1``. For tests; off by default.
 
     >>> tuning_for(torch.device("cpu")).measured
     True
@@ -53,6 +57,8 @@ class GatheredTuning:
     dense_work_token: float = 0.65
     min_skipped_work_sequence: int = 60_000
     min_skipped_work_token: int = 300_000
+    pair_kernels: bool = True
+    pair_kernels_on_cpu: bool = False
 
     def prefers_dense(self, work_fraction: float, granularity: str, size: int | None = None) -> bool:
         """Whether a plan keeping ``work_fraction`` of the dense work runs faster densely; ``size`` is ``B*T*D``

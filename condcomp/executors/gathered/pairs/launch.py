@@ -1,0 +1,99 @@
+"""Launching the Triton kernels of kernels.py: grids, pinned block sizes, strides, and the one sort of the weight
+gradient. Same signatures and semantics as fallback.py (the ops pick one of the two modules per call).
+
+One configuration per kernel, no autotuning (the interpreter runs none, and a fixed launch is what CUDA graphs
+replay): 64-wide tiles along rows and outputs, 32 along the reduction, each shrunk to the next power of two of a
+small dimension (at least 16, what ``tl.dot`` needs). float32 inputs multiply in IEEE float32 unless torch allows
+TF32 matmuls (``torch.backends.cuda.matmul.allow_tf32``), as torch's own matmul does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from condcomp.executors.gathered.pairs import kernels
+from condcomp.executors.gathered.pairs.fallback import active_pairs
+
+ROWS, COLS, REDUCE = 64, 64, 32
+
+
+def _block(n: int, most: int) -> int:
+    return max(16, min(most, triton.next_power_of_2(max(n, 1))))
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    """IEEE float32 products unless torch allows TF32; None (the target's default) for half-precision inputs."""
+    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else None
+
+
+def _optional(t: Tensor | None, like: Tensor, dims: int) -> tuple[Tensor, tuple[int, ...]]:
+    """A pointer argument and its strides for an optional tensor (absent: any tensor, zero strides, never read)."""
+    return (like, (0,) * dims) if t is None else (t, t.stride())
+
+
+def pair_matmul(x: Tensor, w: Tensor, bias: Tensor | None, scale: Tensor | None, heads: Tensor, counts: Tensor,
+                out_dtype: torch.dtype) -> Tensor:
+    B, T, D = x.shape
+    F, C = w.shape[1], heads.shape[1]
+    out = x.new_empty(B, C, T, F, dtype=out_dtype)  # (B, C, T, F): every element written, zeros off the plan
+    if out.numel() == 0:
+        return out
+    BM, BN, BK = _block(T, ROWS), _block(F, COLS), _block(D, REDUCE)
+    b_arg, b_strides = _optional(bias, x, 2)
+    s_arg, s_strides = _optional(scale, x, 2)
+    grid = (B * C, triton.cdiv(T, BM), triton.cdiv(F, BN))
+    kernels.pair_matmul[grid](x, w, b_arg, s_arg, heads, counts.contiguous(), out, T, F, D, C,
+                              *x.stride(), *w.stride(), *b_strides, *s_strides, *heads.stride(), *out.stride(),
+                              HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRECISION=_precision(x.dtype),
+                              BM=BM, BN=BN, BK=BK)
+    return out
+
+
+def pair_sum(a: Tensor, w: Tensor, scale: Tensor | None, bias: Tensor | None, heads: Tensor, counts: Tensor,
+             out_dtype: torch.dtype) -> Tensor:
+    B, C, T, K = a.shape
+    N = w.shape[2]
+    y = a.new_empty(B, T, N, dtype=out_dtype)  # (B, T, N)
+    if y.numel() == 0:
+        return y
+    BM, BN, BK = _block(T, ROWS), _block(N, COLS), _block(K, REDUCE)
+    b_arg, _ = _optional(bias, a, 1)
+    s_arg, s_strides = _optional(scale, a, 2)
+    grid = (B, triton.cdiv(T, BM), triton.cdiv(N, BN))
+    kernels.pair_sum[grid](a, w, s_arg, b_arg, heads, counts.contiguous(), y, T, K, N, C,
+                           *a.stride(), *w.stride(), *s_strides, *heads.stride(), *y.stride(),
+                           HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRECISION=_precision(a.dtype),
+                           BM=BM, BN=BN, BK=BK)
+    return y
+
+
+def sorted_pairs(heads: Tensor, counts: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
+    """Flat pair ids ``b * C + j`` of the selected pairs sorted by head (stable: a fixed order, so deterministic
+    sums), then the unselected ones; and ``offsets (E + 1,)``: head ``e`` owns ``pairs[offsets[e]:offsets[e + 1]]``.
+    Fixed shapes, on the device: no host read."""
+    key = torch.where(active_pairs(heads, counts), heads, num_heads).reshape(-1)  # (B*C,) unselected: past the last
+    sorted_key, pairs = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(sorted_key, torch.arange(num_heads + 1, device=heads.device, dtype=key.dtype))
+    return pairs, offsets
+
+
+def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts: Tensor, num_heads: int,
+              with_bias: bool, out_dtype: torch.dtype, dw_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    B, C, T, F = g.shape
+    D = x.shape[2]
+    dw = g.new_empty(num_heads, F, D, dtype=out_dtype) if dw_out is None else dw_out  # (E, F, D), every element
+    db = g.new_empty(num_heads, F, dtype=out_dtype) if with_bias else None
+    if dw.numel() == 0:
+        return dw, None if db is None else db.zero_()
+    pairs, offsets = sorted_pairs(heads, counts, num_heads)
+    BF, BD, BT = _block(F, COLS), _block(D, COLS), _block(T, REDUCE)
+    db_arg, db_strides = _optional(db, g, 2)
+    s_arg, s_strides = _optional(scale, g, 2)
+    grid = (num_heads, triton.cdiv(F, BF), triton.cdiv(D, BD))
+    kernels.group_xty[grid](g, x, s_arg, pairs, offsets, dw, db_arg, T, F, D, C,
+                            *g.stride(), *x.stride(), *s_strides, *dw.stride(), *db_strides,
+                            HAS_BIAS=with_bias, HAS_SCALE=scale is not None, PRECISION=_precision(g.dtype),
+                            BF=BF, BD=BD, BT=BT)
+    return dw, db
