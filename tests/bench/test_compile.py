@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import condcomp
-from condcomp.bench.compile import build, explain
+from condcomp.bench.compile import build, explain, run, table
 
 pytestmark = pytest.mark.slow
 EXECUTORS = condcomp.list_executors()
@@ -54,8 +54,9 @@ def test_compiled_training_step_matches_eager() -> None:
     torch.testing.assert_close(gx_compiled, gx_eager, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("executor", [e for e in ("masked", "reference") if e in EXECUTORS])
-def test_dense_style_executors_compile_with_fullgraph(executor: str) -> None:
+@pytest.mark.parametrize("executor", [e for e in ("masked", "reference", "gathered") if e in EXECUTORS])
+def test_executors_compile_with_fullgraph(executor: str) -> None:
+    """gathered too: under torch.compile it runs sequence.static (no host read, fixed shapes)."""
     model = build(executor, D, H, LAYERS, s=0.5)
     x, mask = _data()
     torch.compile(model, fullgraph=True, backend="eager")(x, mask)  # raises on any graph break
@@ -68,3 +69,14 @@ def test_inductor_codegen_matches_eager() -> None:
     x, mask = _data()
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model)(x, mask), model(x, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_the_benchmark_reports_gathered_at_fixed_and_budgetformer_plans() -> None:
+    records = run(quick=True, reps=1, threads=1, executors=["gathered"])
+    got = {(r["executor"], r["policy"]): r for r in records}
+    assert set(got) == {("dense", "-"), ("gathered", "fixed"), ("gathered", "budgetformer"),
+                        ("gathered", "budgetformer_capped")}
+    for r in got.values():
+        assert r["fullgraph"] and r["graph_breaks"] == 0 and r["graphs"] == 1, r
+        assert r["max_abs_diff"] < 1e-4
+    assert "| gathered | budgetformer_capped | yes | 1 | 0 |" in table(records)
