@@ -98,6 +98,7 @@ def test_a_capped_plan_computes_the_cap_under_compile() -> None:
     torch.testing.assert_close(y, reference(*inputs("stack")), atol=1e-5, rtol=1e-5)
     plans = [m.last.plan for m in model.modules() if isinstance(m, condcomp.RoutedAttention)]
     assert [p.k_cap for p in plans] == [2, 2] and all(p.counts.tolist() == [2, 2, 2] for p in plans)
+    assert {u.strategy for u in condcomp.head_usage(model).values()} == {"sequence.static"}
 
 
 @pytest.mark.parametrize("policy", ["fixed", "budgetformer"])

@@ -125,6 +125,10 @@ def test_explain_names_the_static_path_and_its_padding() -> None:
     assert "reads nothing" in lines["sequence.buckets"][0]
     uncapped = dict(GatheredExecutor(tuning=STATIC).explain(case.weights, case.inputs, replace(case.plan, k_cap=None)))
     assert "dense cost" in uncapped["sequence.static"][0]
+    on_cuda = dict(GatheredExecutor(tuning=CUDA).explain(case.weights, case.inputs, case.plan))["sequence.static"][0]
+    assert "tuning.static_sequence on cuda" in on_cuda and "tuning.measured = False" in on_cuda
+    choice = condcomp.explain(case.weights, case.inputs, case.plan, executor="gathered")
+    assert choice.strategy != "sequence.static"  # CPU eager: the sized strategies
 
 
 def test_auto_estimate_of_a_static_call_is_the_padded_share() -> None:

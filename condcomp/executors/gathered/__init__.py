@@ -134,7 +134,7 @@ class GatheredExecutor:
         why = self.static(plan, tuning)
         if why is None:
             return found
-        return [(name, reasons or [static_note(plan, why)]) for name, reasons in found]
+        return [(name, reasons or [static_note(plan, why, tuning)]) for name, reasons in found]
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         """Cost relative to dense attention: the share of the dense (query row, head) work the plan keeps, or
@@ -167,14 +167,19 @@ class GatheredExecutor:
         return self.run(weights, inputs, plan)
 
 
-def static_note(plan: HeadPlan, why: str) -> str:
-    """What ``explain`` says of the capturable strategy: why it runs and what its padding costs."""
+def static_note(plan: HeadPlan, why: str, tuning: GatheredTuning) -> str:
+    """What ``explain`` says of the capturable strategy: why it runs, what its padding costs, and whether its
+    timings on this device are measured."""
     cap, H = plan.head_cap, plan.num_heads
     cost = (f"every example computes k_cap = {cap} of {H} heads (its selected heads padded with gate-0 heads)"
             if plan.k_cap is not None and cap < H else
             f"the plan declares no k_cap below H = {H}, so every example computes all {H} heads: dense cost (a "
             "budget policy that declares a bound, e.g. fixed, or budgetformer with cap_at_s_max=True, sets one)")
-    return f"runs, reading nothing back ({why}): {cost}"
+    note = f"runs, reading nothing back ({why}): {cost}"
+    if not tuning.measured:
+        note += (f"; not timed on {tuning.device} yet (tuning.measured = False): auto's bounds for this device are "
+                 "to be replaced from a record of this path")
+    return note
 
 
 def _too_little_skipped(tuning: GatheredTuning, granularity: str) -> str:
