@@ -92,7 +92,7 @@ class GatheredExecutor:
     def static(self, plan: HeadPlan, tuning: GatheredTuning) -> str | None:
         """Why this call is not sized (it runs a strategy that reads nothing back), or None when it is sized:
         a sequence plan under ``torch.compile``, with ``tuning.static_sequence``, or with such a strategy forced."""
-        if plan.granularity != "sequence" or not any(not s.needs_sizes for s in self.strategies["sequence"]):
+        if plan.granularity != "sequence" or not any(not s.needs_sizes for s in self.strategies.get("sequence", ())):
             return None
         if self.strategy is not None:
             forced = get_strategy(self.strategy, self.strategies)
