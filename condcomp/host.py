@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from condcomp.flops import dense_flops, flop_fraction, plan_flops, routing_flops
 from condcomp.kv.selection import decision_mask
-from condcomp.plans import budget_k, plan_from_active
+from condcomp.plans import budget_k, budget_k_bound, plan_from_active
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version
 
@@ -213,8 +213,10 @@ class RoutingHost(nn.Module):
         # auxiliary losses (the policy did not choose it)
         policy = self.condcomp_policy
         s = torch.full_like(budget.s, fraction)
-        k = budget_k(s, self.layout.num_heads, int(getattr(policy, "k_min", 1)), getattr(policy, "rounding", "floor"))
-        return Budget(s=s, k=k, imposed=True)
+        H, k_min = self.layout.num_heads, int(getattr(policy, "k_min", 1))
+        rounding: Any = getattr(policy, "rounding", "floor")
+        k = budget_k(s, H, k_min, rounding)
+        return Budget(s=s, k=k, imposed=True, k_cap=budget_k_bound(fraction, H, k_min, rounding))
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The last forward's (weighted) auxiliary losses, with their autograd graph."""
@@ -255,4 +257,4 @@ class RoutingHost(nn.Module):
 
 def detached(plan: HeadPlan) -> HeadPlan:
     """The plan without autograd history or auxiliary losses (what ``head_usage`` keeps)."""
-    return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {})
+    return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {}, plan.k_cap)

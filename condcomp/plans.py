@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Literal
 
 import torch
@@ -58,15 +60,44 @@ def budget_k(s: Tensor, num_heads: int, k_min: int = 1, rounding: Rounding = "fl
     return k.clamp(k_min, num_heads).long()
 
 
+def _float32(v: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", v))[0])
+
+
+def budget_k_bound(s: float, num_heads: int, k_min: int = 1, rounding: Rounding = "floor") -> int:
+    """:func:`budget_k` of one Python number, on the host: what ``budget_k`` gives a float32 tensor holding ``s``
+    (the same float32 rounding and slack). Policies declare their ``Budget.k_cap`` with it without a device read.
+
+    >>> budget_k_bound(0.25, 8), budget_k_bound(0.3, 10), budget_k_bound(0.0, 8)
+    (2, 3, 1)
+    """
+    if not 0 <= k_min <= num_heads:
+        raise ValueError(f"k_min must be in [0, num_heads={num_heads}], got {k_min}")
+    s32 = 0.0 if math.isnan(s) else _float32(float(s))
+    raw = _float32(s32 * num_heads)  # a float32 product of float32 s and an exact H, as the tensor rule computes it
+    slack = _float32(_ROUNDING_SLACK * max(num_heads, 1))
+    if rounding == "floor":
+        k = math.floor(_float32(raw + slack))
+    elif rounding == "ceil":
+        k = math.ceil(_float32(raw - slack))
+    elif rounding == "round":
+        k = round(raw)  # round half to even, as torch.round
+    else:
+        raise ValueError(f"rounding must be 'floor', 'ceil' or 'round', got {rounding!r}")
+    return min(max(int(k), k_min), num_heads)
+
+
 def plan_from_active(
     active: Tensor,
     gates: Tensor | None = None,
     aux_losses: dict[str, Tensor] | None = None,
+    k_cap: int | None = None,
 ) -> HeadPlan:
     """A HeadPlan from a bool selection ``(B, H)`` (sequence) or ``(B, T, H)`` (token) and optional gates.
 
     Gates of inactive heads are forced to zero with no gradient, so every executor, whether it computes an
-    inactive head or skips it, gives the same outputs and gradients.
+    inactive head or skips it, gives the same outputs and gradients. ``k_cap``: a bound on the active heads of
+    every row known before the call (``HeadPlan.k_cap``; the caller guarantees it), None for H.
 
     >>> p = plan_from_active(torch.tensor([[True, False, True]]))
     >>> p.counts.tolist(), p.order.tolist()
@@ -91,6 +122,7 @@ def plan_from_active(
         counts=active.sum(-1),
         order=order,
         aux_losses=dict(aux_losses or {}),
+        k_cap=k_cap,
     )
 
 
@@ -115,6 +147,7 @@ def plan_top_k(
     temperature: float = 1.0,
     mask: Tensor | None = None,
     aux_losses: dict[str, Tensor] | None = None,
+    k_cap: int | None = None,
 ) -> HeadPlan:
     """Keep the ``k`` best-scoring heads of each row.
 
@@ -123,7 +156,9 @@ def plan_top_k(
     ``scores / temperature``) or ``"renormalized"`` (that probability renormalised over the selected heads and
     scaled by their count, so uniform scores give gates of 1). ``straight_through`` makes binary gates carry
     the softmax's gradient (value 1, gradient of the probability). ``mask (B, T)`` (token scores only): padding
-    tokens get no heads.
+    tokens get no heads. ``k_cap``: a bound on ``k`` known before the call (``Budget.k_cap``), kept in the plan
+    (``HeadPlan.k_cap``) so the gathered executor can size its capturable path without reading the plan; ``k`` is
+    clamped to it (a no-op for a policy that keeps its own bound).
 
     >>> p = plan_top_k(torch.tensor([[0.1, 3.0, 2.0, -1.0]]), 2)
     >>> p.active.tolist()
@@ -131,6 +166,8 @@ def plan_top_k(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    if k_cap is not None:
+        k = min(k, k_cap) if isinstance(k, int) else k.clamp(max=k_cap)
     active = top_k_mask(scores, k)
     if mask is not None:
         if scores.dim() != 3:
@@ -148,7 +185,7 @@ def plan_top_k(
         g = kept / kept.sum(-1, keepdim=True).clamp_min(1e-9) * active.sum(-1, keepdim=True)
     else:
         raise ValueError(f"gates must be 'binary', 'weighted' or 'renormalized', got {gates!r}")
-    return plan_from_active(active, g, aux_losses)
+    return plan_from_active(active, g, aux_losses, k_cap)
 
 
 def full_plan(batch: int, num_heads: int, device: torch.device, tokens: int | None = None) -> HeadPlan:

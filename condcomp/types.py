@@ -26,6 +26,9 @@ class Budget:
     ``aux_losses`` holds already-weighted auxiliary losses (for example the budget hinge).
     ``imposed``: ``k`` was set from outside the policy (``condcomp.budget``), so a router with a count of its own
     at the full budget (MoH's ``top_k``) obeys ``k`` as is: ``k = H`` then means every head.
+    ``k_cap``: a bound on every row's ``k`` that the policy declares before seeing data (a Python int: ``fixed``
+    knows its k, ``full`` is H), or None (no bound but H). Routers carry it into the plan (``HeadPlan.k_cap``),
+    where the gathered executor's capturable path sizes its work by it instead of reading the plan back.
 
     >>> b = Budget(s=torch.tensor([0.5]), k=torch.tensor([4]))
     >>> b.granularity
@@ -36,6 +39,12 @@ class Budget:
     k: Tensor
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     imposed: bool = False
+    k_cap: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.k_cap is not None and (isinstance(self.k_cap, bool) or not isinstance(self.k_cap, int)
+                                       or self.k_cap < 0):
+            raise ValueError(f"Budget.k_cap must be a non-negative int or None, got {self.k_cap!r}")
 
     @property
     def granularity(self) -> Granularity:
@@ -53,6 +62,10 @@ class HeadPlan:
     - ``order``: same shape as ``gates``, int64: head indices with the active ones first (ascending), so
       ``order[..., :counts]`` are the selected heads; the gathered executor packs from it.
     - ``aux_losses``: already-weighted auxiliary losses of the router (and policy) for ``aux_loss``.
+    - ``k_cap``: sequence plans, a bound on ``counts`` known before the call (from the budget policy:
+      ``Budget.k_cap``), or None (H). The gathered executor's capturable path (``sequence.static``) computes
+      ``k_cap`` heads per example, padded with gate 0, so its shapes never depend on the plan's values; a plan
+      that selects more heads than its ``k_cap`` is an error there.
 
     Build one with :func:`condcomp.plan_from_active` or :func:`condcomp.plan_top_k`.
     """
@@ -63,15 +76,26 @@ class HeadPlan:
     counts: Tensor
     order: Tensor
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    k_cap: int | None = None
+
+    def __post_init__(self) -> None:
+        cap, H = self.k_cap, self.gates.shape[-1]
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= H):
+            raise ValueError(f"HeadPlan.k_cap must be an int in [0, H={H}] or None, got {cap!r}")
 
     @property
     def num_heads(self) -> int:
         return int(self.gates.shape[-1])
 
+    @property
+    def head_cap(self) -> int:
+        """The most heads any row may select: ``k_cap``, or H without one."""
+        return self.num_heads if self.k_cap is None else self.k_cap
+
     def with_aux(self, extra: dict[str, Tensor]) -> HeadPlan:
         """A copy with more auxiliary losses (keys of ``extra`` win)."""
         return HeadPlan(self.granularity, self.gates, self.active, self.counts, self.order,
-                        {**self.aux_losses, **extra})
+                        {**self.aux_losses, **extra}, self.k_cap)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from condcomp.plans import Rounding, budget_k
+from condcomp.plans import Rounding, budget_k, budget_k_bound
 from condcomp.registry import register_policy
 from condcomp.relaxations import masked_mean, rows_with_tokens, weighted_mean
 from condcomp.types import Budget
@@ -84,6 +84,13 @@ class BudgetFormerPolicy(nn.Module):
     width, default ``max(16, d_model // 4)``), ``init_s`` (0.6: a little above the middle so early training
     starts with most heads, as a dense model would), ``k_min`` (1), ``rounding`` ("floor").
 
+    ``cap_at_s_max`` (False): the sigmoid's ``s`` can reach 1, so the budget's declared bound (``Budget.k_cap``)
+    is H and the gathered executor's capturable path (``sequence.static``: under ``torch.compile``, and on CUDA)
+    pads every example to H heads, a dense cost. ``cap_at_s_max=True`` changes the budget rule to
+    ``k = clamp(floor(s * H), k_min, k_cap)`` with ``k_cap = budget_k(s_max)``: rows whose ``s`` exceeds
+    ``s_max`` get ``k_cap`` heads instead of ``floor(s * H)`` (``s`` itself, its hinge and its gradient are
+    unchanged), and that path computes ``k_cap`` heads per example.
+
     >>> p = BudgetFormerPolicy(d_model=16, num_heads=8)
     >>> b = p(torch.randn(2, 5, 16), None)
     >>> b.s.shape, b.k.tolist()
@@ -94,7 +101,7 @@ class BudgetFormerPolicy(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, s_min: float = 0.1, s_max: float = 0.9,
                  budget_weight: float = 10.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,
-                 rounding: Rounding = "floor") -> None:
+                 rounding: Rounding = "floor", cap_at_s_max: bool = False) -> None:
         super().__init__()
         self.validate_options(s_min=s_min, s_max=s_max, budget_weight=budget_weight, hidden=hidden, init_s=init_s,
                               k_min=k_min, rounding=rounding)
@@ -102,6 +109,7 @@ class BudgetFormerPolicy(nn.Module):
             raise ValueError(f"{self.label}: k_min={k_min} exceeds the layer's {num_heads} heads")
         self.num_heads, self.s_min, self.s_max = num_heads, float(s_min), float(s_max)
         self.budget_weight, self.k_min, self.rounding = float(budget_weight), k_min, rounding
+        self.cap_at_s_max = bool(cap_at_s_max)
         self.mlp = BudgetMLP(d_model, hidden or max(16, d_model // 4), init_s)
 
     @classmethod
@@ -110,11 +118,26 @@ class BudgetFormerPolicy(nn.Module):
                          **_: Any) -> None:
         validate_budget_options(cls.label, s_min, s_max, init_s, budget_weight, k_min, rounding, hidden)
 
+    @property
+    def k_cap(self) -> int:
+        """The bound on every row's k this policy declares: H, or ``budget_k(s_max)`` with ``cap_at_s_max``."""
+        if not self.cap_at_s_max:
+            return int(self.num_heads)
+        return budget_k_bound(self.s_max, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
+
+    def budget_of(self, s: Tensor, x: Tensor, mask: Tensor | None) -> Budget:
+        """The budget of predicted fractions ``s``: k by the budget rule (capped with ``cap_at_s_max``), the
+        hinge on ``[s_min, s_max]`` over the rows with a real token, and the declared ``k_cap``."""
+        k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
+        cap = self.k_cap
+        if self.cap_at_s_max:
+            k = k.clamp(max=cap)
+        hinge = self.budget_weight * budget_hinge(s, self.s_min, self.s_max, rows_with_tokens(x, mask))
+        return Budget(s=s, k=k, aux_losses={"budget": hinge}, k_cap=cap)
+
     def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
         s = self.mlp(masked_mean(x.float(), mask))  # (B,)
-        k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
-        hinge = self.budget_weight * budget_hinge(s, self.s_min, self.s_max, rows_with_tokens(x, mask))
-        return Budget(s=s, k=k, aux_losses={"budget": hinge})
+        return self.budget_of(s, x, mask)
 
     def routing_flops(self, T: int) -> float:
         """Per example: the pooling adds plus one MLP evaluation."""

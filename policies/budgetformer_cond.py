@@ -4,12 +4,12 @@ timestep and class embedding): a budget that can follow the noise level."""
 from __future__ import annotations
 
 import torch
-from condcomp.policies.budgetformer import BudgetFormerPolicy, BudgetMLP, budget_hinge
+from condcomp.policies.budgetformer import BudgetFormerPolicy, BudgetMLP
 from torch import Tensor, nn
 
-from condcomp.plans import Rounding, budget_k
+from condcomp.plans import Rounding
 from condcomp.registry import register_policy
-from condcomp.relaxations import masked_mean, rows_with_tokens
+from condcomp.relaxations import masked_mean
 from condcomp.types import Budget
 
 
@@ -37,9 +37,9 @@ class ConditionedBudgetPolicy(BudgetFormerPolicy):
 
     def __init__(self, d_model: int, num_heads: int, condition_dim: int | None = None, s_min: float = 0.1,
                  s_max: float = 0.9, budget_weight: float = 10.0, hidden: int | None = None, init_s: float = 0.6,
-                 k_min: int = 1, rounding: Rounding = "floor") -> None:
+                 k_min: int = 1, rounding: Rounding = "floor", cap_at_s_max: bool = False) -> None:
         super().__init__(d_model, num_heads, s_min=s_min, s_max=s_max, budget_weight=budget_weight, hidden=hidden,
-                         init_s=init_s, k_min=k_min, rounding=rounding)
+                         init_s=init_s, k_min=k_min, rounding=rounding, cap_at_s_max=cap_at_s_max)
         if condition_dim is not None and int(condition_dim) < 1:
             raise ValueError(f"{self.label}: condition_dim must be a positive width, got {condition_dim}")
         self.d_model = d_model
@@ -58,9 +58,7 @@ class ConditionedBudgetPolicy(BudgetFormerPolicy):
         pooled = nn.functional.layer_norm(masked_mean(x.float(), mask), (self.d_model,))  # (B, D)
         cond = nn.functional.layer_norm(condition.float(), (self.condition_dim,))  # (B, Dc)
         s = self.mlp(torch.cat([pooled, cond], dim=-1))  # (B,)
-        k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
-        hinge = self.budget_weight * budget_hinge(s, self.s_min, self.s_max, rows_with_tokens(x, mask))
-        return Budget(s=s, k=k, aux_losses={"budget": hinge})
+        return self.budget_of(s, x, mask)
 
     def routing_flops(self, T: int) -> float:
         """Per example: the pooling adds, the two normalisations and one MLP evaluation."""

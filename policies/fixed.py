@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from condcomp.plans import Rounding, budget_k
+from condcomp.plans import Rounding, budget_k, budget_k_bound
 from condcomp.registry import register_policy
 from condcomp.types import Budget
 
@@ -14,7 +14,8 @@ from condcomp.types import Budget
 class FixedPolicy(nn.Module):
     """``s = fraction`` for every example; ``k = clamp(floor(s * H), k_min, H)`` (``rounding`` may be ``"ceil"``).
 
-    ``per_token=True`` gives the same budget to every token (for token routers).
+    ``per_token=True`` gives the same budget to every token (for token routers). The budget declares its k as
+    ``k_cap`` (known before any input: the gathered executor's capturable path computes exactly k heads per row).
 
     >>> FixedPolicy(num_heads=8, fraction=0.3)(torch.randn(2, 3, 16), None).k.tolist()
     [2, 2]
@@ -41,4 +42,6 @@ class FixedPolicy(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
         shape = x.shape[:2] if self.per_token else x.shape[:1]
         s = torch.full(shape, float(self.fraction), device=x.device)
-        return Budget(s=s, k=budget_k(s, self.num_heads, self.k_min, self.rounding))  # type: ignore[arg-type]
+        k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
+        cap = budget_k_bound(float(self.fraction), self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
+        return Budget(s=s, k=k, k_cap=cap)

@@ -23,4 +23,5 @@ class FullPolicy(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
         B = x.shape[0]
-        return Budget(s=torch.ones(B, device=x.device), k=torch.full((B,), self.num_heads, device=x.device))
+        return Budget(s=torch.ones(B, device=x.device), k=torch.full((B,), self.num_heads, device=x.device),
+                      k_cap=self.num_heads)

@@ -30,10 +30,12 @@ class TokenBudgetPolicy(BudgetFormerPolicy):
     def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
         s = self.mlp(x.float())  # (B, T)
         k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
+        if self.cap_at_s_max:
+            k = k.clamp(max=self.k_cap)
         if mask is not None:
             k = k.masked_fill(~mask.bool(), 0)
         hinge = self.budget_weight * budget_hinge(s, self.s_min, self.s_max, mask)
-        return Budget(s=s, k=k, aux_losses={"budget": hinge})
+        return Budget(s=s, k=k, aux_losses={"budget": hinge}, k_cap=self.k_cap)
 
     def routing_flops(self, T: int) -> float:
         """Per example: one MLP evaluation per token."""

@@ -151,8 +151,10 @@ class TopKRouter(nn.Module):
         token_level = budget.k.dim() == 2
         self._token_level = token_level
         r = self.group_size
+        cap = budget.k_cap  # the policy's bound on k: the plan's k_cap at inference (training computes every head)
         if r > 1:  # score groups: ceil(k / r) of them hold the budget's k heads
             budget = Budget(budget.s, torch.div(budget.k + r - 1, r, rounding_mode="floor"), budget.aux_losses)
+            cap = None if cap is None else -(-cap // r)  # groups
         xf = x.float()
         z = self.scorer(xf if token_level else masked_mean(xf, mask))  # (B, T, H) or (B, H)
         tau = self.temperature(self.progress)
@@ -167,9 +169,10 @@ class TopKRouter(nn.Module):
         aux = {"entropy": self.entropy_beta(self.progress) * entropy(probs, counted)}
         if not self.training:
             plan = plan_top_k(z, budget.k, gates=self.gates, temperature=tau, mask=rows,  # type: ignore[arg-type]
-                              aux_losses=aux)
+                              aux_losses=aux, k_cap=None if token_level else cap)
             return plan if r == 1 else plan_from_active(plan.active.repeat_interleave(r, -1),
-                                                        plan.gates.repeat_interleave(r, -1), aux)
+                                                        plan.gates.repeat_interleave(r, -1), aux,
+                                                        None if plan.k_cap is None else plan.k_cap * r)
         gates = self._training_gates(logits, probs, budget).repeat_interleave(r, -1)
         active = torch.ones_like(gates, dtype=torch.bool)
         if rows is not None:

@@ -1,7 +1,9 @@
 """``condcomp bench compile``: eager vs ``torch.compile`` for a routed model, per executor.
 
 A residual stack of :class:`~condcomp.HeadAttention` layers is routed with ``condcomp.apply_`` (``fixed``
-budget s, ``topk`` router, eval mode) and run with every registered executor, plus the unrouted dense stack.
+budget s, ``topk`` router, eval mode) and run with every registered executor, plus the unrouted dense stack; the
+gathered executor also at BudgetFormer plans (``budgetformer``: untrained, no declared cap, so its capturable path
+computes every head; ``budgetformer_capped``: ``s_max = s`` with ``cap_at_s_max``, k_cap = floor(s * H)).
 For each: whether ``fullgraph=True`` capture succeeds, the graphs and graph breaks ``torch._dynamo.explain``
 reports (with the first break reasons), the first-call compile time, the largest difference from eager, and
 the median forward time eager vs compiled (inductor), interleaved repetition by repetition because the
@@ -42,14 +44,30 @@ class Stack(nn.Module):
         return x
 
 
-def build(executor: str | None, D: int, H: int, layers: int, s: float, seed: int = 0) -> nn.Module:
-    """The stack routed with ``executor`` (None: the dense, unwrapped stack)."""
+POLICIES = ("fixed", "budgetformer", "budgetformer_capped")
+
+
+def policy_spec(policy: str, s: float) -> tuple[str, dict[str, Any]]:
+    """The config entry of a benchmark policy name (:data:`POLICIES`) at budget fraction ``s``."""
+    if policy == "fixed":
+        return "fixed", {"fraction": s}
+    if policy == "budgetformer":
+        return "budgetformer", {}
+    if policy == "budgetformer_capped":
+        return "budgetformer", {"s_min": min(0.1, s), "s_max": s, "cap_at_s_max": True}
+    raise ValueError(f"unknown benchmark policy {policy!r}; policies: {', '.join(POLICIES)}")
+
+
+def build(executor: str | None, D: int, H: int, layers: int, s: float, seed: int = 0,
+          policy: str = "fixed") -> nn.Module:
+    """The stack routed with ``executor`` and ``policy`` (:data:`POLICIES`; None executor: the dense, unwrapped
+    stack)."""
     import condcomp
 
     torch.manual_seed(seed)
     model = Stack(D, H, layers)
     if executor is not None:
-        cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": s}), router="topk", executor=executor)
+        cfg = condcomp.CondCompConfig(policy=policy_spec(policy, s), router="topk", executor=executor)
         condcomp.apply_(model, cfg)
     return model.eval()
 
@@ -94,7 +112,8 @@ def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int) -> dict[str, 
 
 def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
         executors: list[str] | None = None) -> list[dict[str, Any]]:
-    """One record per executor (and ``dense``); see the module docstring."""
+    """One record per executor (and ``dense``) at the fixed policy, and the gathered executor at BudgetFormer
+    plans; see the module docstring."""
     import condcomp
 
     torch.set_num_threads(threads)
@@ -104,10 +123,13 @@ def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[:, T - T // 4:] = torch.rand(B, 1, generator=gen) < 0.5  # half the examples end in padding
     records = []
-    for name in ["dense", *(executors or condcomp.list_executors())]:
-        model = build(None if name == "dense" else name, D, H, layers, s)
-        record: dict[str, Any] = {"executor": name, "B": B, "T": T, "D": D, "H": H, "layers": layers, "s": s,
-                                  "threads": threads, "reps": reps}
+    names = ["dense", *(executors or condcomp.list_executors())]
+    runs = [(name, "fixed") for name in names]
+    runs += [("gathered", p) for p in POLICIES[1:] if "gathered" in names]
+    for name, policy in runs:
+        model = build(None if name == "dense" else name, D, H, layers, s, policy=policy)
+        record: dict[str, Any] = {"executor": name, "policy": "-" if name == "dense" else policy, "B": B, "T": T,
+                                  "D": D, "H": H, "layers": layers, "s": s, "threads": threads, "reps": reps}
         record["fullgraph"], record["fullgraph_error"] = fullgraph_ok(model, x, mask)
         record.update(explain(model, x, mask))
         torch._dynamo.reset()
@@ -126,7 +148,7 @@ def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
         record["eager_ms"], record["compiled_ms"] = med["eager"] * 1e3, med["compiled"] * 1e3
         record["speedup"] = med["eager"] / med["compiled"]
         records.append(record)
-        print(f"  {name:10s} fullgraph={record['fullgraph']!s:5s} graphs={record['graphs']} "
+        print(f"  {name:10s} {record['policy']:19s} fullgraph={record['fullgraph']!s:5s} graphs={record['graphs']} "
               f"breaks={record['graph_breaks']} eager={record['eager_ms']:.2f} ms "
               f"compiled={record['compiled_ms']:.2f} ms x{record['speedup']:.2f}", flush=True)
     return records
@@ -137,13 +159,15 @@ def table(records: list[dict[str, Any]]) -> str:
     r0 = records[0]
     lines = [f"B={r0['B']} T={r0['T']} D={r0['D']} H={r0['H']} layers={r0['layers']} s={r0['s']}, forward, eval, "
              f"{r0['threads']} threads, median of {r0['reps']}", "",
-             "| executor | fullgraph=True | graphs | breaks | compile (s) | eager (ms) | compiled (ms) | speedup "
-             "| max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+             "| executor | policy | fullgraph=True | graphs | breaks | compile (s) | eager (ms) | compiled (ms) "
+             "| speedup | max abs diff |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['executor']} | {'yes' if r['fullgraph'] else 'no'} | {r['graphs']} | "
+        lines.append(f"| {r['executor']} | {r.get('policy', 'fixed')} | {'yes' if r['fullgraph'] else 'no'} | "
+                     f"{r['graphs']} | "
                      f"{r['graph_breaks']} | {r['compile_s']:.1f} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} | "
                      f"{r['speedup']:.2f} | {r['max_abs_diff']:.1e} |")
-    reasons = [(r["executor"], reason) for r in records for reason in r["break_reasons"]]
+    reasons = [(f"{r['executor']} ({r.get('policy', 'fixed')})", reason) for r in records
+               for reason in r["break_reasons"]]
     if reasons:
         lines += ["", "Graph breaks:"] + [f"- {e}: {why}" for e, why in reasons]
     return "\n".join(lines) + "\n"

@@ -31,7 +31,7 @@ from torch import Tensor
 from condcomp.bench.attention import Block, draw_ks, make_router, paired_ratio, time_group
 from condcomp.bench.gpu_profile import profile_variants
 from condcomp.executors.auto import get_executor
-from condcomp.executors.gathered import GatheredExecutor
+from condcomp.executors.gathered import GatheredExecutor, GatheredTuning, tuning_for
 from condcomp.types import AttentionInputs, HeadPlan
 
 SHAPES = ((8, 2048, 2048, 32), (64, 512, 768, 12))  # (B, T, D, H)
@@ -120,6 +120,12 @@ def _leaf_gates(plan: HeadPlan) -> HeadPlan:
     return replace(plan, gates=plan.gates.detach().requires_grad_())
 
 
+def every_strategy_tuning(device: torch.device) -> GatheredTuning:
+    """The device's tuning with every strategy allowed: calls sized (so the sized strategies are listed too) and the
+    opt-in Triton pair kernels on; each strategy is then forced by name (an unsized one runs unsized)."""
+    return replace(tuning_for(device), static_sequence=False, pair_kernels=True, min_set_work=0)
+
+
 def _compiled(w: Any, x: Tensor, plan: HeadPlan, backend: str) -> Callable[[], Tensor]:
     """``gathered`` under ``torch.compile(fullgraph=True)``; mode ``reduce-overhead`` (CUDA graphs) with inductor."""
     gathered = GatheredExecutor()
@@ -155,12 +161,13 @@ def variants(dense: Block, floor: Block, x: Tensor, router: Callable[[Tensor], H
         "gathered": lambda: gathered(w, AttentionInputs(x=x), plan),
     }
     facts: dict[str, Any] = {"auto_strategy": gathered.prepare(w, inputs, plan).strategy, "rejected": {}}
-    for name, reasons in gathered.explain(w, inputs, plan):
+    every = every_strategy_tuning(x.device)
+    for name, reasons in GatheredExecutor(tuning=every).explain(w, inputs, plan):
         if reasons:
             facts["rejected"][name] = reasons
         else:
             fns[f"gathered[{name}]"] = (lambda ex: lambda: ex(w, AttentionInputs(x=x), plan))(
-                GatheredExecutor(strategy=name))
+                GatheredExecutor(tuning=every, strategy=name))
     if compile_backend is not None:
         fns[COMPILED] = _compiled(w, x, plan, compile_backend)
     return fns, plan, facts

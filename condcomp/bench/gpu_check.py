@@ -4,9 +4,10 @@ against the reference executor, then dense / the k-head floor / masked / gathere
     condcomp bench gpu-check --out results/bench/gpu_check/h100                 # on a CUDA GPU, within 480 s
     condcomp bench gpu-check --device cpu --quick --out /tmp/gpu_check         # end to end on CPU, tiny shapes
 
-1. Checks: each strategy of the gathered dispatch table that can run a case (``GatheredExecutor(strategy=NAME)``;
-   the others with their reasons) against the per-head ``reference`` executor, the output and every gradient,
-   float32 and bfloat16, 8 cases (sequence and token plans, causal, GQA, a shared head set, padding).
+1. Checks: each strategy of the gathered dispatch table that can run a case (``GatheredExecutor(strategy=NAME)``
+   under ``every_strategy_tuning``: the opt-in Triton kernels included; the others with their reasons) against the
+   per-head ``reference`` executor, the output and every gradient, float32 and bfloat16, 8 cases (sequence and
+   token plans, causal, GQA, a shared head set, padding).
 2. Timings (``condcomp.bench.gpu_cells``): forward and forward+backward, bfloat16 and float32, at B=8 T=2048 D=2048
    H=32 and B=64 T=512 D=768 H=12, s in {0.125, 0.25, 0.5, 1.0}, sequence plans (fixed top-k) and token plans (MoH),
    cells in priority order (issue 47's target rows first), the router timed apart.
@@ -34,11 +35,11 @@ from typing import Any
 
 import torch
 
-from condcomp.bench.gpu_cells import COMPILED, Cell, cells, time_cell
+from condcomp.bench.gpu_cells import COMPILED, Cell, cells, every_strategy_tuning, time_cell
 from condcomp.bench.gpu_report import table
 from condcomp.cli_args import finite_float, integer, output_folder
 from condcomp.executors.auto import get_executor
-from condcomp.executors.gathered import GatheredExecutor, tuning_for
+from condcomp.executors.gathered import GatheredExecutor
 from condcomp.plans import plan_from_active, top_k_mask
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
 
@@ -93,7 +94,7 @@ def checks(dev: torch.device, quick: bool = False) -> list[dict[str, Any]]:
     case with its reasons (``ok`` None). The per-set token strategy's size rule is lifted so it runs at these sizes."""
     results: list[dict[str, Any]] = []
     ref = get_executor("reference")
-    tuning = replace(tuning_for(dev), min_set_work=0)
+    tuning = every_strategy_tuning(dev)
     for dtype in (torch.float32, torch.bfloat16):
         for name in CASES:
             torch.manual_seed(0)

@@ -21,6 +21,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from condcomp.protocols import Estimate
 from condcomp.registry import EXECUTORS
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
@@ -120,13 +122,17 @@ def choose(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: 
             verdicts.append((executor.name, "no cost estimate"))
             unranked.append(executor)
     if ranked:
-        _, _, executor, run = min(ranked, key=lambda r: (r[0], r[1]))
+        best = ranked[0]  # the cheapest, ties by order (a loop: torch.compile cannot trace min(..., key=))
+        for r in ranked[1:]:
+            if (r[0], r[1]) < (best[0], best[1]):
+                best = r
+        _, _, executor, run = best
     elif unranked:
         executor = run = unranked[0]
     else:
         raise RuntimeError("no executor can run this call:\n  " + "\n  ".join(f"{n}: {v}" for n, v in verdicts))
     choice = Choice(executor.name, executor, run, verdicts)
-    if logger.isEnabledFor(logging.DEBUG):
+    if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):  # dynamo cannot trace loggers
         logger.debug("auto: %s", str(choice).replace("\n", ";"))
     return choice
 

@@ -215,7 +215,8 @@ class HeldPlan:
         """The plan of rows ``index`` (an int64 index or a bool mask over rows), in that order."""
         p = self.plan
         index = index.to(p.gates.device)
-        plan = HeadPlan(p.granularity, p.gates[index], p.active[index], p.counts[index], p.order[index], {})
+        plan = HeadPlan(p.granularity, p.gates[index], p.active[index], p.counts[index], p.order[index], {},
+                        p.k_cap)
         sel = None if self.selection is None else _take_rows(self.selection, index.to(self.selection.kv_index.device))
         return HeldPlan(plan, sel, self.num_kv_heads)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import condcomp
-from condcomp.bench.compile import build, explain
+from condcomp.bench.compile import POLICIES, build, explain, fullgraph_ok, table
 
 pytestmark = pytest.mark.slow
 EXECUTORS = condcomp.list_executors()
@@ -54,8 +54,9 @@ def test_compiled_training_step_matches_eager() -> None:
     torch.testing.assert_close(gx_compiled, gx_eager, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("executor", [e for e in ("masked", "reference") if e in EXECUTORS])
-def test_dense_style_executors_compile_with_fullgraph(executor: str) -> None:
+@pytest.mark.parametrize("executor", [e for e in ("masked", "reference", "gathered") if e in EXECUTORS])
+def test_executors_compile_with_fullgraph(executor: str) -> None:
+    """gathered too: under torch.compile it runs sequence.static (no host read, fixed shapes)."""
     model = build(executor, D, H, LAYERS, s=0.5)
     x, mask = _data()
     torch.compile(model, fullgraph=True, backend="eager")(x, mask)  # raises on any graph break
@@ -68,3 +69,19 @@ def test_inductor_codegen_matches_eager() -> None:
     x, mask = _data()
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model)(x, mask), model(x, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_benchmark_captures_gathered_at_fixed_and_budgetformer_plans(policy: str) -> None:
+    model = build("gathered", D, H, LAYERS, s=0.5, policy=policy)
+    x, mask = _data()
+    assert fullgraph_ok(model, x, mask) == (True, "")
+    assert explain(model, x, mask) == {"graphs": 1, "graph_breaks": 0, "break_reasons": []}
+
+
+def test_the_benchmark_table_names_the_policy() -> None:
+    record = {"executor": "gathered", "policy": "budgetformer_capped", "B": 1, "T": 2, "D": 3, "H": 4, "layers": 1,
+              "s": 0.25, "threads": 1, "reps": 1, "fullgraph": True, "graphs": 1, "graph_breaks": 0,
+              "break_reasons": [], "compile_s": 1.0, "eager_ms": 2.0, "compiled_ms": 1.0, "speedup": 2.0,
+              "max_abs_diff": 0.0}
+    assert "| gathered | budgetformer_capped | yes | 1 | 0 |" in table([record])

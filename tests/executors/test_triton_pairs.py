@@ -260,7 +260,7 @@ def test_the_kernels_run_under_the_interpreter() -> None:
     assert not pairs.kernel_runs(torch.zeros(1, dtype=torch.float64))  # the interpreter runs float32 only here
 
 
-ON_CPU = replace(CPU, pair_kernels_on_cpu=True)
+ON_CPU = replace(CPU, pair_kernels_on_cpu=True, static_sequence=True)  # calls sized without a read
 SEQUENCE_CASES = [c for c in CASES if not c.startswith("token")]
 
 
@@ -279,8 +279,8 @@ def test_sequence_triton_matches_the_reference_executor(case_name: str) -> None:
 
 
 def test_sequence_triton_says_why_it_does_not_run_on_cpu() -> None:
-    """Default tuning on CPU: ``explain`` names the device and the override; with the override it comes right after
-    ``sequence.shared_set`` in the table; ``pair_kernels=False`` turns it off."""
+    """Default tuning on CPU: ``explain`` names the device and the override; with the override (and calls sized
+    without a host read) it is chosen before ``sequence.static``; ``pair_kernels=False`` turns it off."""
     case = build_case("seq_k", torch.float32)
     why = dict(GatheredExecutor().explain(case.weights, case.inputs, case.plan))["sequence.triton"]
     assert why and "CUDA only" in why[0] and "pair_kernels_on_cpu" in why[0]

@@ -2,7 +2,8 @@
 
 Read it in this order: tuning.py (every threshold, per device), sizing.py (the one device -> host read), call.py
 (the sized call and what a strategy is), strategies.py (the dispatch table: which strategy runs which call), then
-the strategies: sequence.py (with sequence_grouped.py) and token.py, built from the shared blocks in blocks.py.
+the strategies: sequence.py (with sequence_grouped.py), sequence_static.py (the capturable path: no host read) and
+token.py, built from the shared blocks in blocks.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor
 
 from condcomp.executors.gathered.call import GatheredCall, Strategy
-from condcomp.executors.gathered.sizing import GatherSizes, gather_sizes, head_set_keys
+from condcomp.executors.gathered.sizing import GatherSizes, gather_sizes, head_set_keys, static_sizes
 from condcomp.executors.gathered.strategies import STRATEGIES, Table, choose, get_strategy, rejections, strategy_names
 from condcomp.executors.gathered.tuning import CPU, CUDA, GatheredTuning, tuning_for
 from condcomp.protocols import Capabilities, Estimate
@@ -21,7 +22,7 @@ from condcomp.registry import register_executor
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 __all__ = ["CPU", "CUDA", "STRATEGIES", "GatherSizes", "GatheredCall", "GatheredExecutor", "GatheredTuning",
-           "Prepared", "Strategy", "gather_sizes", "get_strategy", "head_set_keys", "strategy_names",
+           "Prepared", "Strategy", "gather_sizes", "get_strategy", "head_set_keys", "static_sizes", "strategy_names",
            "tuning_for"]
 
 logger = logging.getLogger("condcomp")
@@ -52,8 +53,10 @@ class GatheredExecutor:
     """Computes only the selected heads: the work scales with the number of (row, head) pairs chosen.
 
     Each call is sized once (one host synchronisation) and run by the first strategy of the dispatch table
-    (:data:`condcomp.executors.gathered.STRATEGIES`) that can run it. Same semantics as the ``reference`` executor:
-    outputs and gradients agree with it. ``tuning``: thresholds (default: those of the call's device);
+    (:data:`condcomp.executors.gathered.STRATEGIES`) that can run it. A sequence plan under ``torch.compile`` (any
+    device), or where ``tuning.static_sequence`` is set (CUDA), is not sized: it runs ``sequence.static``, which
+    reads nothing back and computes the plan's ``k_cap`` heads per example. Same semantics as the ``reference``
+    executor: outputs and gradients agree with it. ``tuning``: thresholds (default: those of the call's device);
     ``strategy``: run only this strategy (an error names why it cannot run a call), for tests and A/B timing;
     ``strategies``: the dispatch table (default :data:`STRATEGIES`; docs/extending.md adds a strategy).
 
@@ -86,28 +89,52 @@ class GatheredExecutor:
                     "or the input so they match")
         return None
 
+    def static(self, plan: HeadPlan, tuning: GatheredTuning) -> str | None:
+        """Why this call is not sized (it runs a strategy that reads nothing back), or None when it is sized:
+        a sequence plan under ``torch.compile``, with ``tuning.static_sequence``, or with such a strategy forced."""
+        if plan.granularity != "sequence" or not any(not s.needs_sizes for s in self.strategies.get("sequence", ())):
+            return None
+        if self.strategy is not None:
+            forced = get_strategy(self.strategy, self.strategies)
+            return None if forced.needs_sizes else f"strategy {forced.name!r} was asked for"
+        if torch.compiler.is_compiling():
+            return "under torch.compile"
+        if tuning.static_sequence:
+            return f"tuning.static_sequence on {tuning.device}"
+        return None
+
     def sizes(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> GatherSizes:
-        """The packed sizes of this call (one host synchronisation); pass them to :meth:`run` to reuse them."""
-        return gather_sizes(weights, inputs, plan, self.tuning_of(inputs.x))
+        """The packed sizes of this call (one host synchronisation, none where :meth:`static` gives a reason); pass
+        them to :meth:`run` to reuse them."""
+        tuning = self.tuning_of(inputs.x)
+        if self.static(plan, tuning) is not None:
+            return static_sizes(plan)
+        return gather_sizes(weights, inputs, plan, tuning)
 
     def prepare(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
                 sizes: GatherSizes | None = None) -> Prepared:
         """Size the call (unless ``sizes`` are given) and choose its strategy; call the result to run it."""
         tuning = self.tuning_of(inputs.x)
         if sizes is None:
-            sizes = gather_sizes(weights, inputs, plan, tuning)
+            sizes = self.sizes(weights, inputs, plan)
         call = GatheredCall(weights, inputs, plan, sizes, tuning)
         strategy = choose(call, self.strategy, self.strategies)
-        if logger.isEnabledFor(logging.DEBUG):
+        if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):  # dynamo cannot trace loggers
             tried = "; ".join(f"{name}: {', '.join(why)}" for name, why in rejections(call, self.strategies) if why)
             logger.debug("%s runs %s (not: %s)", self.name, strategy.name, tried or "-")
         return Prepared(call, strategy, self.name)
 
     def explain(self, weights: AttentionWeights, inputs: AttentionInputs,
                 plan: HeadPlan) -> list[tuple[str, list[str]]]:
-        """Every strategy of the plan's granularity, in table order, with its reasons against this call."""
-        return rejections(GatheredCall(weights, inputs, plan, self.sizes(weights, inputs, plan),
-                                       self.tuning_of(inputs.x)), self.strategies)
+        """Every strategy of the plan's granularity, in table order, with its reasons against this call; the
+        capturable strategy's line says why it ran and what its ``k_cap`` costs."""
+        tuning = self.tuning_of(inputs.x)
+        call = GatheredCall(weights, inputs, plan, self.sizes(weights, inputs, plan), tuning)
+        found = rejections(call, self.strategies)
+        why = self.static(plan, tuning)
+        if why is None:
+            return found
+        return [(name, reasons or [static_note(plan, why, tuning)]) for name, reasons in found]
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         """Cost relative to dense attention: the share of the dense (query row, head) work the plan keeps, or
@@ -116,7 +143,9 @@ class GatheredExecutor:
         tuning, gran, size = self.tuning_of(inputs.x), plan.granularity, inputs.x.numel()
         if tuning.prefers_dense(0.0, gran, size):  # decided without the host read
             return Estimate(DENSE_IS_FASTER, note=f"B*T*D = {size:,}: {_too_little_skipped(tuning, gran)}")
-        prepared = self.prepare(weights, inputs, plan)
+        if gran == "token" and torch.compiler.is_compiling():  # sizing a token plan reads the host: a graph break
+            return Estimate(DENSE_IS_FASTER, note="under torch.compile: token plans have no capturable gathered path")
+        prepared = self.prepare(weights, inputs, plan)  # a sequence plan under compile: static sizes, no read
         share = prepared.call.sizes.work_fraction
         if tuning.prefers_dense(share, gran, size):
             dense_share = tuning.dense_work_token if gran == "token" else tuning.dense_work_sequence
@@ -124,7 +153,10 @@ class GatheredExecutor:
                    f"skips {(1.0 - share) * size:,.0f}: {_too_little_skipped(tuning, gran)}")
             return Estimate(DENSE_IS_FASTER, prepared, prepared.strategy,
                             note=f"keeps {share:.2f} of the dense work, {why}")
-        return Estimate(share, prepared, prepared.strategy, note=f"keeps {share:.2f} of the dense work")
+        note = f"keeps {share:.2f} of the dense work"
+        if not prepared.call.sizes.read:
+            note += f" (k_cap = {plan.head_cap} of {plan.num_heads} heads per example, padded)"
+        return Estimate(share, prepared, prepared.strategy, note=note)
 
     def run(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
             sizes: GatherSizes | None = None) -> Tensor:
@@ -133,6 +165,21 @@ class GatheredExecutor:
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         return self.run(weights, inputs, plan)
+
+
+def static_note(plan: HeadPlan, why: str, tuning: GatheredTuning) -> str:
+    """What ``explain`` says of the capturable strategy: why it runs, what its padding costs, and whether its
+    timings on this device are measured."""
+    cap, H = plan.head_cap, plan.num_heads
+    cost = (f"every example computes k_cap = {cap} of {H} heads (its selected heads padded with gate-0 heads)"
+            if plan.k_cap is not None and cap < H else
+            f"the plan declares no k_cap below H = {H}, so every example computes all {H} heads: dense cost (a "
+            "budget policy that declares a bound, e.g. fixed, or budgetformer with cap_at_s_max=True, sets one)")
+    note = f"runs, reading nothing back ({why}): {cost}"
+    if not tuning.measured:
+        note += (f"; not timed on {tuning.device} yet (tuning.measured = False): auto's bounds for this device are "
+                 "to be replaced from a record of this path")
+    return note
 
 
 def _too_little_skipped(tuning: GatheredTuning, granularity: str) -> str:

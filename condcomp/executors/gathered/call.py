@@ -61,10 +61,14 @@ class GatheredCall:
 class Strategy:
     """A named way to compute a plan of one granularity. Subclasses set ``name`` (``"<granularity>.<what>"``)
     and ``granularity``, and implement :meth:`run`; :meth:`supports` lists why it cannot run a call (empty: it
-    can). A strategy never reads the device: everything it decides on is in ``call.sizes`` and ``call.tuning``."""
+    can). A strategy never reads the device: everything it decides on is in ``call.sizes`` and ``call.tuning``.
+    ``needs_sizes``: it decides on sizes read back from the device; a call sized without that read
+    (``call.sizes.read`` False: under ``torch.compile``, or ``tuning.static_sequence``) goes to the strategies
+    that set it False."""
 
     name: str = ""
     granularity: str = ""
+    needs_sizes: bool = True
 
     def supports(self, call: GatheredCall) -> list[str]:
         return []

@@ -1,7 +1,7 @@
 """Sequence strategy ``sequence.triton``: the selected (example, head) pairs through the Triton pair ops, no host read.
 
-Each example's heads are ``plan.order[:, :C]`` with the cap ``C`` = H (every head; :meth:`PairKernels.cap` is where a
-smaller declared cap goes), its count ``plan.counts``. Queries, keys and values come from
+Each example's heads are ``plan.order[:, :C]`` with the cap ``C`` = ``plan.head_cap`` (the ``k_cap`` its budget policy
+declares, H without one), its count ``plan.counts``. Queries, keys and values come from
 ``torch.ops.condcomp.pair_project`` (DejaVu's ``qkv_proj_sparse`` pattern: a grid fixed by ``C``, head ids read inside
 the kernel, weights read in place, pairs past an example's count written as zeros); one SDPA call runs over
 ``(B, C, T, Dh)`` with the masks, causal flag, rotary, head norms and GQA of sequence.py; the output projection is
@@ -74,6 +74,7 @@ def _keys_values(call: GatheredCall, heads: Tensor, counts: Tensor, dtype: torch
 
 class PairKernels(Strategy):
     name, granularity = "sequence.triton", "sequence"
+    needs_sizes = False  # fixed shapes from the plan's cap: it runs calls sized without a host read
 
     @override
     def supports(self, call: GatheredCall) -> list[str]:
@@ -94,9 +95,9 @@ class PairKernels(Strategy):
         return reasons
 
     def cap(self, call: GatheredCall) -> int:
-        """``C``, the head slots per example: H (every head). A subclass (or, later, a cap its budget policy
-        declares) may return fewer: an example that chose more heads then fails on the device, never silently."""
-        return call.weights.layout.num_heads
+        """``C``, the head slots per example: the plan's ``k_cap`` (the bound its budget policy declares; H without
+        one). An example that chose more heads fails on the device, never silently."""
+        return call.plan.head_cap
 
     @override
     def run(self, call: GatheredCall) -> Tensor:

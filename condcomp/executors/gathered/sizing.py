@@ -1,7 +1,8 @@
 """Sizing a call: the one device -> host read of the gathered executor (call.py wraps its result in the call object).
 
 Everything a strategy needs to decide whether it can run, and how large its packed tensors are, comes from one
-``tolist()`` of a few small tensors (:func:`gather_sizes`); nothing else in the executor synchronises.
+``tolist()`` of a few small tensors (:func:`gather_sizes`); nothing else in the executor synchronises. The capturable
+path reads nothing: :func:`static_sizes` sizes a sequence plan from its declared ``k_cap`` alone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class GatherSizes:
     ``head_sets``: token plans with at most ``tuning.max_set_heads`` heads and large enough for the per-set strategy,
     ``(heads as a bit mask, rows)`` of every distinct head set the (example, token) rows chose, ascending by mask
     (empty otherwise).
+    ``read``: whether these sizes were read back from the device; False for :func:`static_sizes` (only the
+    strategies that need no sizes, ``Strategy.needs_sizes = False``, can run such a call).
     """
 
     granularity: str
@@ -37,6 +40,13 @@ class GatherSizes:
     shared_heads: tuple[int, ...] | None = None
     every_row_active: bool = False
     head_sets: tuple[tuple[int, int], ...] = ()
+    read: bool = True
+
+
+def static_sizes(plan: HeadPlan) -> GatherSizes:
+    """A sequence plan's sizes without a device read: ``k_cap`` heads for every example (H without a cap), so
+    ``work_fraction`` is ``k_cap / H``, the padded work the capturable path computes."""
+    return GatherSizes("sequence", work_fraction=plan.head_cap / max(plan.num_heads, 1), read=False)
 
 
 def head_set_keys(active: Tensor) -> Tensor:

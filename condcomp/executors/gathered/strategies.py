@@ -7,12 +7,14 @@ tried before it are what ``condcomp.explain`` and the ``condcomp`` logger's debu
 
 from __future__ import annotations
 
-from condcomp.executors.gathered import sequence, sequence_triton, token
+from condcomp.executors.gathered import sequence, sequence_static, sequence_triton, token
 from condcomp.executors.gathered.call import GatheredCall, Strategy
 
+# sequence.static comes last: a sized call (sizes read back) always finds one of the sized strategies before it, and
+# a call sized without a read (under torch.compile, or tuning.static_sequence) only it can run.
 STRATEGIES: dict[str, tuple[Strategy, ...]] = {
-    "sequence": (sequence.SharedSet(), sequence_triton.PairKernels(), sequence.Grouped(), sequence.OneBucket(),
-                 sequence.Buckets()),
+    "sequence": (sequence.SharedSet(), sequence.Grouped(), sequence.OneBucket(), sequence.Buckets(),
+                 sequence_triton.PairKernels(), sequence_static.Static()),
     "token": (token.Dense(), token.BySet(), token.PerHead()),
 }
 
@@ -40,16 +42,24 @@ def choose(call: GatheredCall, only: str | None = None, table: Table | None = No
         if strategy.granularity != call.plan.granularity:
             raise RuntimeError(f"strategy {only!r} runs {strategy.granularity} plans, "
                                f"not {call.plan.granularity} plans")
-        reasons = strategy.supports(call)
+        reasons = reasons_against(strategy, call)
         if reasons:
             raise RuntimeError(f"strategy {only!r} cannot run this call: {'; '.join(reasons)}")
         return strategy
     for strategy in (table or STRATEGIES)[call.plan.granularity]:
-        if not strategy.supports(call):
+        if not reasons_against(strategy, call):
             return strategy
-    raise AssertionError("the last strategy of each granularity runs every call")  # pragma: no cover
+    raise RuntimeError(f"no gathered strategy can run this call: {rejections(call, table)}")
 
 
 def rejections(call: GatheredCall, table: Table | None = None) -> list[tuple[str, list[str]]]:
     """Every strategy of the plan's granularity with its reasons against ``call`` (empty: it could run)."""
-    return [(strategy.name, strategy.supports(call)) for strategy in (table or STRATEGIES)[call.plan.granularity]]
+    return [(s.name, reasons_against(s, call)) for s in (table or STRATEGIES)[call.plan.granularity]]
+
+
+def reasons_against(strategy: Strategy, call: GatheredCall) -> list[str]:
+    """Why ``strategy`` cannot run ``call``: its own reasons, or that it needs sizes this call did not read."""
+    if strategy.needs_sizes and not call.sizes.read:
+        return ["needs the call's sizes read back from the device, and this call reads nothing (under "
+                "torch.compile, or tuning.static_sequence on this device): sequence.static runs it"]
+    return strategy.supports(call)

@@ -4,7 +4,10 @@ The CPU values were measured on a 2-core x86 CPU with MKL (``condcomp bench atte
 scatter``; docs/performance.md has the tables). The CUDA values are the CPU values except that ``auto`` runs dense
 attention below a much larger skipped work: on one H200 (``results/bench/gpu_check/h200``, bfloat16) the gathered
 executor was 1.9-9.6x slower than dense at every budget, up to B*T*D = 33.5 million (29 million skipped). Larger
-calls were not measured there, so the threshold sits at about twice that and ``measured`` stays False. A
+calls were not measured there, so the threshold sits at about twice that and ``measured`` stays False; it will be
+replaced by the crossovers of a GPU record of the capturable path. On CUDA a sequence plan runs that capturable path
+(``static_sequence``: ``sequence.static``, no host read, shapes from the plan's ``k_cap``) whenever the gathered
+executor runs it, named (``executor="gathered"``) or chosen by ``auto``; on CPU only under ``torch.compile``. A
 :class:`GatheredExecutor` holds one (``tuning=``) or picks the one of the call's device; tests pass their own instead
 of rewriting module globals.
 """
@@ -36,8 +39,13 @@ class GatheredTuning:
     - ``min_skipped_work_sequence`` / ``min_skipped_work_token``: ... or when the work it skips,
       ``(1 - share) * B*T*D``, is below this (gathered's fixed cost outweighs it in small calls).
     - ``measured``: whether these values were measured on this kind of device.
-    - ``pair_kernels``: let ``sequence.triton`` (the Triton pair ops) run on CUDA where triton is available (False:
-      the other strategies; as ``grouped_gemm`` for MKL).
+    - ``static_sequence``: sequence plans run the capturable strategy ``sequence.static`` (no device -> host read,
+      ``k_cap`` heads per example padded with gate 0) in eager mode too; under ``torch.compile`` it runs on any
+      device whatever this says. On for CUDA (a host read stalls the stream), off for CPU (the sized strategies
+      are at the k-head floor there).
+    - ``pair_kernels``: let ``sequence.triton`` (the Triton pair ops) run calls sized without a host read on CUDA
+      where triton is available, before ``sequence.static`` (False: ``sequence.static``). Off in the CUDA tuning
+      until a GPU has timed the kernels.
     - ``pair_kernels_on_cpu``: ... and on CPU too: the ops' torch fallback, or the kernels under
       ``TRITON_INTERPRET=1``. For tests; off by default.
 
@@ -57,6 +65,7 @@ class GatheredTuning:
     dense_work_token: float = 0.65
     min_skipped_work_sequence: int = 60_000
     min_skipped_work_token: int = 300_000
+    static_sequence: bool = False
     pair_kernels: bool = True
     pair_kernels_on_cpu: bool = False
 
@@ -72,8 +81,10 @@ class GatheredTuning:
 
 CPU = GatheredTuning()
 # auto: dense on CUDA unless a call skips more (query row, head) work than one H200 run measured as slower (above)
+# sequence.triton is opt-in on CUDA (pair_kernels=True) until a GPU record exists: its kernels have run only under
+# Triton's interpreter; sequence.static (torch ops only) is the default capturable path there
 CUDA = replace(CPU, device="cuda", measured=False, min_skipped_work_sequence=64_000_000,
-               min_skipped_work_token=64_000_000)
+               min_skipped_work_token=64_000_000, static_sequence=True, pair_kernels=False)
 
 
 def tuning_for(device: torch.device) -> GatheredTuning:

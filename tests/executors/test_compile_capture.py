@@ -1,0 +1,123 @@
+"""``torch.compile(fullgraph=True)`` captures a wrapped model with the gathered executor at sequence plans.
+
+A graph break is a host read or a data-dependent shape: the check of the GPU discipline that needs no GPU. Models:
+condcomp's own HeadAttention stack (``condcomp bench compile``'s) and ``nn.TransformerEncoder``; policies ``fixed``,
+``budgetformer`` and ``budgetformer`` with ``cap_at_s_max``; the ``topk`` router; eval and train. Each compiled model
+(the eager backend: no code generation) is compared with the same weights run eagerly by the per-head ``reference``
+executor, outputs and parameter gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import condcomp
+from condcomp.bench.compile import Stack
+
+POLICIES: dict[str, Any] = {
+    "fixed": ("fixed", {"fraction": 0.5}),
+    "budgetformer": ("budgetformer", {}),
+    "budgetformer_capped": ("budgetformer", {"s_max": 0.5, "cap_at_s_max": True}),
+}
+ROUTER = ("topk", {"noise_std": 0.0})  # training without noise: the compiled and eager runs draw the same plan
+
+
+def build(kind: str, policy: str, executor: str, train: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "stack":
+        model: nn.Module = Stack(32, 4, 2)
+    else:
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=POLICIES[policy], router=ROUTER, executor=executor))
+    return model.train(train)
+
+
+def with_executor(model: nn.Module, executor: str) -> nn.Module:
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if isinstance(m, condcomp.RoutedAttention):
+            m.executor = executor
+    return twin
+
+
+def inputs(kind: str) -> tuple[Tensor, ...]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 32, generator=gen)
+    if kind == "encoder":
+        return (x,)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 5:] = False  # padding
+    return x, mask
+
+
+def grads(model: nn.Module, out: Tensor) -> dict[str, Tensor]:
+    loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum() + condcomp.aux_loss(model)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow  # 5-10 s a case (dynamo tracing); the fast suite captures one model below
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("kind", ["stack", "encoder"])
+def test_fullgraph_capture_equals_the_reference(kind: str, policy: str, train: bool) -> None:
+    model = build(kind, policy, "gathered", train)
+    reference = with_executor(model, "reference")
+    args = inputs(kind)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(*args).graph_break_count == 0
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    y = compiled(*args)
+    want = reference(*args)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    usage = condcomp.head_usage(model)
+    assert usage and all(u.strategy == "sequence.static" for u in usage.values())
+    if not train:
+        return
+    got_g, want_g = grads(model, y), grads(reference, want)
+    assert got_g.keys() == want_g.keys() and got_g
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_capped_plan_computes_the_cap_under_compile() -> None:
+    """fixed 0.5 of 4 heads: k_cap 2, so the compiled path keeps 2 heads per example, not 4 (and fullgraph=True
+    captures it: a graph break would raise)."""
+    model = build("stack", "fixed", "gathered", False)
+    reference = with_executor(model, "reference")
+    torch._dynamo.reset()
+    y = torch.compile(model, backend="eager", fullgraph=True)(*inputs("stack"))
+    torch.testing.assert_close(y, reference(*inputs("stack")), atol=1e-5, rtol=1e-5)
+    plans = [m.last.plan for m in model.modules() if isinstance(m, condcomp.RoutedAttention)]
+    assert [p.k_cap for p in plans] == [2, 2] and all(p.counts.tolist() == [2, 2, 2] for p in plans)
+    assert {u.strategy for u in condcomp.head_usage(model).values()} == {"sequence.static"}
+
+
+@pytest.mark.parametrize("policy", ["fixed", "budgetformer"])
+def test_auto_is_captured_too(policy: str) -> None:
+    model = build("stack", policy, "auto", False)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(*inputs("stack")).graph_break_count == 0
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_static_path() -> None:
+    """The default backend (inductor: generated C++ on CPU), forward and backward, against the reference."""
+    model = build("stack", "fixed", "gathered", True)
+    reference = with_executor(model, "reference")
+    args = inputs("stack")
+    torch._dynamo.reset()
+    y = torch.compile(model, fullgraph=True)(*args)
+    want = reference(*args)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    got_g, want_g = grads(model, y), grads(reference, want)
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], atol=1e-3, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
