@@ -97,10 +97,11 @@ def make_router(granularity: str, D: int, H: int, n: int, ks: Tensor, device: to
     """The routing step timed with masked/gathered: scores from a linear layer (float32) and top-k."""
     shared = n // 2 if granularity == "token" else 0
     scorer = torch.nn.Linear(D, H - shared, bias=False).to(device)
+    k_cap = int(ks.max()) if granularity == "sequence" else None  # the bound a policy declares: read once, here
 
     def sequence(x: Tensor) -> HeadPlan:
         scores = scorer(x.float().mean(1))  # (B, H)
-        return plan_top_k(scores, ks, gates="weighted")
+        return plan_top_k(scores, ks, gates="weighted", k_cap=k_cap)
 
     def token(x: Tensor) -> HeadPlan:
         scores = scorer(x.float())  # (B, T, H - shared)

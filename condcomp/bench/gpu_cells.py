@@ -131,7 +131,8 @@ def _compiled(w: Any, x: Tensor, plan: HeadPlan, backend: str) -> Callable[[], T
     gathered = GatheredExecutor()
 
     def block(x: Tensor, gates: Tensor, active: Tensor, counts: Tensor, order: Tensor) -> Tensor:
-        return gathered(w, AttentionInputs(x=x), HeadPlan(plan.granularity, gates, active, counts, order))
+        return gathered(w, AttentionInputs(x=x), HeadPlan(plan.granularity, gates, active, counts, order,
+                                                          k_cap=plan.k_cap))
 
     torch._dynamo.reset()  # a fresh cache per cell: no recompile limit reached across cells
     kwargs: dict[str, Any] = {"mode": "reduce-overhead"} if backend == "inductor" else {}
