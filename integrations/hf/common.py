@@ -140,9 +140,20 @@ def _signature(module_cls: Any) -> inspect.Signature:
     return inspect.signature(inspect.unwrap(module_cls.forward))
 
 
-@functools.cache
+# module class -> its forward's keyword layout; a dict read (not functools.cache) so torch.compile reads it as data
+# instead of tracing inspect.signature again at every compile (the eager prefill fills it first)
+_LAYOUTS: dict[Any, tuple[dict[str, Any], str | None]] = {}
+
+
 def _keyword_layout(module_cls: Any) -> tuple[dict[str, Any], str | None]:
     """``(defaults of the named parameters after self, name of **kwargs or None)`` of the original forward."""
+    known = _LAYOUTS.get(module_cls)
+    if known is None:
+        known = _LAYOUTS[module_cls] = _layout_of(module_cls)
+    return known
+
+
+def _layout_of(module_cls: Any) -> tuple[dict[str, Any], str | None]:
     params = list(_signature(module_cls).parameters.values())[1:]
     if any(p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL) for p in params):
         return {}, "*"  # not callable by keywords alone: always bind
