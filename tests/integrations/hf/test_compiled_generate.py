@@ -30,9 +30,11 @@ def _compile_config(backend: Any) -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fraction", [1 / 3, 1.0])
-def test_compiled_static_generate_equals_the_eager_compact_decode(fraction: float) -> None:
-    model = _wrapped(fraction)
+@pytest.mark.parametrize("fraction,kv", [(1 / 3, "drop"), (1.0, "drop"), (1 / 3, "full")])
+def test_compiled_static_generate_equals_the_eager_compact_decode(fraction: float, kv: str) -> None:
+    """``kv="full"``: the groups the plan does not keep are kept in full (every group cached, gates 0 for the
+    unkept heads)."""
+    model = _wrapped(fraction, kv)
     ids, mask = prompts()
     compiles = []
 
@@ -48,8 +50,9 @@ def test_compiled_static_generate_equals_the_eager_compact_decode(fraction: floa
     assert len(compiles) == 1, f"the decode forward compiled {len(compiles)} times over {NEW - 1} steps"
     plans = condcomp.request_plans(model, out.past_key_values)
     kept = [max(len(g) for g in p.kept_kv_groups()) for p in plans.values()]
-    assert all(k < 8 for k in kept) if fraction < 1 else all(k == 8 for k in kept)  # the compact cache was used
-    assert all(int(layer.keys.shape[1]) == k for layer, k in zip(out.past_key_values.layers, kept))
+    compact = fraction < 1 and kv == "drop"  # kv="full" holds the groups the plan does not keep too
+    assert all(k < 8 for k in kept) if compact else all(k == 8 for k in kept)
+    assert [int(layer.keys.shape[1]) for layer in out.past_key_values.layers] == kept  # what the cache holds
 
 
 def test_a_kv_policy_holding_a_state_beside_the_cache_is_refused_by_name_and_runs_eager() -> None:
