@@ -121,13 +121,18 @@ class CompactLayer:
         if windows is not None and policy is not None:
             windows = policy.crop(windows, abs(tokens_to_remove))  # refused before anything changes
         self.inner.crop(tokens_to_remove)
-        self.condcomp_windows = windows
+        if windows is not self.condcomp_windows:  # set unchanged, it would still fail dynamo's guards on the layer
+            self.condcomp_windows = windows
         if self.held_tokens() == 0:  # nothing left: the next call is a new request
             self.condcomp_plan = None
             self.condcomp_windows = None
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
-        self.inner.reorder_cache(beam_idx)
+        if self.held_position() is not None:  # preallocated storage: rows permuted in place, so its address (which
+            for t in (self.inner.keys, self.inner.values):  # compiled steps and CUDA graphs read) is kept
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+        else:
+            self.inner.reorder_cache(beam_idx)
         self.take_rows(beam_idx)
 
     def batch_select_indices(self, indices: Tensor) -> None:

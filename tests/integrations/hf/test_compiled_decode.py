@@ -72,3 +72,42 @@ def test_decoding_compiled_with_fullgraph_compiles_once_and_equals_the_reference
     want = reference_logits(model, tokens, mask)
     for i, logits in enumerate(got):
         torch.testing.assert_close(logits, want[:, ids.shape[1] + i], **TOL)
+
+
+@pytest.mark.slow
+def test_beam_reordering_and_crop_between_compiled_steps_keep_each_rows_plan() -> None:
+    """Cache operations run eagerly between compiled steps (as generate() calls them); the compiled step then
+    continues each row with the plan that moved with it, against the reference on the reordered rows."""
+    model, cache, ids, mask, token = _prefilled(1 / 3)
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        compiles.append(1)
+        return gm.forward
+
+    step = torch.compile(_step(model, cache), backend=counting, fullgraph=True)
+    padded = torch.cat([mask, mask.new_zeros(mask.shape[0], MAX_LEN - mask.shape[1])], 1)
+    tokens, prompt_mask = ids, mask
+
+    def advance(token: torch.Tensor) -> torch.Tensor:
+        nonlocal tokens, padded
+        tokens, padded = torch.cat([tokens, token], 1), padded.clone()
+        padded[:, tokens.shape[1] - 1] = 1
+        return step(token, padded, padded.sum(-1, keepdim=True) - 1)
+
+    with torch.no_grad():
+        for _ in range(2):
+            token = advance(token).argmax(-1, keepdim=True)
+        order = torch.tensor([2, 0, 1])  # beam reordering: row i continues row order[i]'s request
+        cache.reorder_cache(order)
+        tokens, padded, prompt_mask, token = tokens[order], padded[order], prompt_mask[order], token[order]
+        logits = advance(token)
+        torch.testing.assert_close(logits, reference_logits(model, tokens, prompt_mask)[:, -1], **TOL)
+        cache.crop(-1)  # roll the last token back and decode another in its place
+        tokens, padded = tokens[:, :-1], padded.clone()
+        padded[:, tokens.shape[1]] = 0
+        other = (token + 1) % 97
+        logits = advance(other)
+        torch.testing.assert_close(logits, reference_logits(model, tokens, prompt_mask)[:, -1], **TOL)
+    assert len(compiles) == 1, f"{len(compiles)} compilations (1 expected: the warm-up)"
