@@ -17,9 +17,9 @@ MAX_LEN = 24
 STEPS = 8
 
 
-def _prefilled(fraction: float) -> tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The wrapped tiny Llama (8 key/value heads) after its padded prefill on a static cache."""
-    model = wrap(llama(kv_heads=8), fraction=fraction)
+def _prefilled(fraction: float, kv_heads: int = 8) -> tuple[Any, Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The wrapped tiny Llama (8 query heads) after its padded prefill on a static cache."""
+    model = wrap(llama(kv_heads=kv_heads), fraction=fraction)
     ids, mask = prompts()
     cache = t.StaticCache(config=model.config, max_cache_len=MAX_LEN)
     with torch.no_grad():
@@ -47,9 +47,10 @@ def test_one_decode_step_is_captured_with_no_graph_break(fraction: float) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fraction", [1 / 3, 1.0])
-def test_decoding_compiled_with_fullgraph_compiles_once_and_equals_the_reference(fraction: float) -> None:
-    model, cache, ids, mask, token = _prefilled(fraction)
+@pytest.mark.parametrize("fraction,kv_heads", [(1 / 3, 8), (1.0, 8), (0.5, 4)])  # 4: two query heads per group
+def test_decoding_compiled_with_fullgraph_compiles_once_and_equals_the_reference(fraction: float,
+                                                                                  kv_heads: int) -> None:
+    model, cache, ids, mask, token = _prefilled(fraction, kv_heads)
     compiles = []
 
     def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:  # every (re)compilation reaches the backend
