@@ -8,6 +8,8 @@ of the prefill (process RSS on Linux; the CUDA allocator's peak on a GPU), wheth
 model's, and the ratios to dense (prefill: per repetition; decode: per step index, each variant's step against
 dense's step of the same index; then the median). Writes ``metrics.json`` and ``table.md`` into ``--out``.
 
+``--compile`` decodes every variant on a static cache, eagerly and compiled (:mod:`condcomp.bench.decode_compiled`).
+
 Variants: ``dense`` (the model as loaded), ``full`` (wrapped with ``condcomp.apply_`` at the full budget: the cost
 of the wrapper itself) and ``keep_<f>``: per-request plans (decided at prefill, held while decoding) keeping the
 fraction f of the key/value groups, whose KV cache holds only those groups (:mod:`condcomp.held_plans`); their
@@ -26,6 +28,7 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,41 +156,55 @@ def _peak(device: torch.device) -> int | None:
 
 
 @torch.inference_mode()
-def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor,
-                         new_tokens: int) -> dict[str, dict[str, Any]]:
+def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor, new_tokens: int,
+                         compiled: dict[str, Callable[..., Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Every model prefills ``prompt`` and decodes ``new_tokens`` greedy tokens, step by step in turn.
 
     Interleaving each decode step (not each run) puts the variants' steps of one index within a fraction of a
     second of each other, so a noisy neighbour on a shared machine hits them alike; the order rotates per step.
     Peak memory: of the prefill (the largest of a request; CUDA allocator, else the process's RSS).
+    ``compiled``: ``{"<name>+compiled": compiled forward}`` runs besides the models' own
+    (:mod:`condcomp.bench.decode_compiled`); every run then holds a static cache, prefilled eagerly.
     """
+    from condcomp.bench.decode_compiled import COMPILED, graphs_compiled, static_cache
+
     device = prompt.device
+    forwards: dict[str, Callable[..., Any]] = {**models, **(compiled or {})}
     state: dict[str, dict[str, Any]] = {}
-    for name, model in models.items():
+    for name, forward in forwards.items():
+        model = models[name.removesuffix(COMPILED)]
+        cache = {"cache": static_cache(model, prompt.shape[1] + new_tokens)} if compiled is not None else {}
         _peak_reset(device)
         t0 = device_clock(device)
-        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)  # as generate() does: no prompt logits
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache)  # as generate(): no prompt logits
         prefill = device_clock(device) - t0
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
         state[name] = {"prefill_s": prefill, "step_s": [], "cache": out.cache, "tokens": [token],
-                       "peak": _peak(device)}
-    names = list(models)
+                       "peak": _peak(device), "forward": forward, "compiles": 0}
+    names = list(forwards)
     for i in range(new_tokens - 1):
         # the order rotates every step: a variant that always ran right after another measured 10-30 % slower
         for name in names[i % len(names):] + names[:i % len(names)]:
-            model, st = models[name], state[name]
+            st = state[name]
+            before = graphs_compiled()
             t0 = device_clock(device)
-            out = model(input_ids=st["tokens"][-1], cache=st["cache"], use_cache=True)
+            out = st["forward"](input_ids=st["tokens"][-1], cache=st["cache"], use_cache=True)
             st["step_s"].append(device_clock(device) - t0)
+            st["compiles"] += graphs_compiled() - before
             st["cache"], token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             st["tokens"].append(token)
     return {name: {"prefill_s": st["prefill_s"], "step_s": st["step_s"], "tokens": torch.cat(st["tokens"], 1).cpu(),
-                   "kv_bytes": _cache_bytes(st["cache"]), "peak": st["peak"]} for name, st in state.items()}
+                   "kv_bytes": _cache_bytes(st["cache"]), "peak": st["peak"], "compiles": st["compiles"]}
+            for name, st in state.items()}
 
 
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
         new_tokens: int = 24, reps: int = 3, threads: int = 2, device: str = "cpu",
-        names: list[str] | None = None) -> list[dict[str, Any]]:
+        names: list[str] | None = None, compile_backend: str | None = None,
+        compile_mode: str | None = None) -> list[dict[str, Any]]:
+    """The records of every (prompt, batch) cell; ``compile_backend``: also decode every variant compiled with it
+    (``--compile``: :mod:`condcomp.bench.decode_compiled`), every run on a static cache."""
+    from condcomp.bench import decode_compiled as dc
     from condcomp.experiments.llm.evaluation import usage_summary
 
     parsed = [parse_decode_variant(name) for name in names or ()]  # a typo fails now, not after loading the model
@@ -198,6 +215,8 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: this torch build sees no CUDA device")
     models = {name: m.to(dev) for name, m in variants(load_model(model_name), model_name, names).items()}
+    compiled = (None if compile_backend is None else
+                dc.compiled_steps(models, compile_backend, dc.compile_mode(compile_mode, dev)))
     config: Any = models["dense"].config
     vocab = int(config.vocab_size)
     records = []
@@ -205,13 +224,14 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
     bar = progress_bar(total=len(cells) * reps, desc=f"bench decode {model_name}")
     for P, B in cells:
         prompt = torch.randint(0, vocab, (B, P), generator=torch.Generator().manual_seed(P * 31 + B)).to(dev)
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in models}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*models, *(compiled or {})]}
         for _ in range(reps):
-            for name, result in generate_interleaved(models, prompt, new_tokens).items():
+            for name, result in generate_interleaved(models, prompt, new_tokens, compiled).items():
                 runs[name].append(result)
             bar.update(1)
-        base = runs["dense"]
         for name, rs in runs.items():
+            base = runs[dc.baseline(name)]  # compiled steps paired with compiled dense, eager with eager
+            variant = name.removesuffix(dc.COMPILED)
             steps = [s for r in rs for s in r["step_s"]]
             paired = [s / d for r, b in zip(rs, base) for s, d in zip(r["step_s"], b["step_s"])]
             records.append({
@@ -224,33 +244,41 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
                 "kv_bytes": rs[-1]["kv_bytes"], "kv_ratio": rs[-1]["kv_bytes"] / base[-1]["kv_bytes"],
                 "peak_memory_bytes": max((r["peak"] or 0) for r in rs) or None,
                 "tokens_equal_dense": all(torch.equal(r["tokens"], b["tokens"]) for r, b in zip(rs, base)),
-                "k_frac": usage_summary(models[name])["k_frac"],  # query heads per decode token (last step)
+                "k_frac": usage_summary(models[variant])["k_frac"],  # query heads per decode token (last step)
             })
+            if compiled is not None:
+                records[-1].update(compiled=name != variant, cache="static", compiles=sum(r["compiles"] for r in rs),
+                                   tokens_equal_eager=all(torch.equal(r["tokens"], e["tokens"])
+                                                          for r, e in zip(rs, runs[variant])))
     bar.close()
     return records
 
 
 def table(records: list[dict[str, Any]]) -> str:
+    compiled = any("compiles" in r for r in records)  # --compile: the graphs each run compiled (1 = warm-up only)
     lines = ["| prompt | batch | variant | heads/token | prefill ms | x dense | decode ms/token | x dense | KV MiB | "
-             "x dense | peak memory MiB | tokens = dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "x dense | peak memory MiB | tokens = dense |" + (" compiles |" if compiled else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "")]
     for r in records:
         rss = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r['peak_memory_bytes'] else "n/a"
         heads = f"{r['k_frac']:.2f}" if r.get("k_frac") is not None else "-"
         lines.append(f"| {r['prompt']} | {r['batch']} | {r['variant']} | {heads} | {r['prefill_ms']:.1f} | "
                      f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
-                     f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_ratio']:.2f} | {rss} | {r['tokens_equal_dense']} |")
+                     f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_ratio']:.2f} | {rss} | {r['tokens_equal_dense']} |"
+                     + (f" {r['compiles'] if r.get('compiled') else '-'} |" if compiled else ""))
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
     out = output_folder(args.out)  # parsing checked it; a direct call is checked here, before the benchmark runs
     out.mkdir(parents=True, exist_ok=True)
+    backend = args.compile_backend if args.compile else None
     if args.quick:
         records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads,
-                      device=args.device, names=args.variants)
+                      device=args.device, names=args.variants, compile_backend=backend, compile_mode=args.compile_mode)
     else:
         records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads,
-                      args.device, args.variants)
+                      args.device, args.variants, backend, args.compile_mode)
     text = table(records)
     (out / "metrics.json").write_text(json.dumps({"benchmark": "decode", "records": records}, indent=1))
     (out / "table.md").write_text(text + "\n")
@@ -274,6 +302,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "moh_<f> (MoH conversion keeping f of the heads per token); default: dense, full and "
                              "the model's keep_<f>; dense is always run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: RSS on CPU, allocator on CUDA)")
+    parser.add_argument("--compile", action="store_true",
+                        help="every variant on a static cache, decoded eagerly and under torch.compile(fullgraph=True) "
+                             "(<name>+compiled, paired with compiled dense); records the compilations per run")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend with --compile (default inductor; eager: the capture alone)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode with --compile (default: reduce-overhead, i.e. CUDA graphs, on cuda; "
+                             "torch's default elsewhere)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run (prompt 16, batch 2, 4 tokens; seconds with --model tiny-llama)")
 

@@ -166,7 +166,8 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
     >>> resolve_executor("auto", w, AttentionInputs(x=torch.randn(1, 3, 8)), full).name
     'masked'
     """
-    if name == "auto" and pool is None and inputs.kv_cache is not None and not logger.isEnabledFor(logging.DEBUG):
+    quiet = torch.compiler.is_compiling() or not logger.isEnabledFor(logging.DEBUG)  # a Logger is not traceable
+    if name == "auto" and pool is None and inputs.kv_cache is not None and quiet:
         # auto on a compact cache: only executors that read one can run; when kv_cache is the only registered one,
         # asking it directly gives auto's run without estimating (and explaining) every executor (each decode step
         # of each layer). A call it refuses goes the long way, for auto's own error message.

@@ -56,12 +56,16 @@ class CompactLayer:
     # the state of the groups the plan's KV policy holds (a streaming window: trimmed keys/values), as the policy
     # stores it in this layer (quantized in a quantized layer, see state_codec)
     condcomp_windows: Any = None
-    condcomp_tokens: int  # static layers only: tokens held, counted on the host
     inner: Any
 
     def held_tokens(self) -> int:
-        """Tokens the layer holds (0 when empty)."""
+        """Tokens the layer holds (0 when empty), on the host."""
         raise NotImplementedError
+
+    def held_position(self) -> Tensor | None:
+        """Tokens the layer holds as a device scalar that its writes advance in place (preallocated storage:
+        :mod:`condcomp.kv.static`), or None where the count is not kept on the device."""
+        return None
 
     def state_codec(self) -> Any:
         """How the KV policy's state is stored in this layer (a ``WindowCodec``), or None: full precision."""
@@ -101,32 +105,34 @@ class CompactLayer:
                 f"plan kept (of {held.num_kv_heads}); a call writing {key_states.shape[1]} key/value heads (the model "
                 "under condcomp.disabled, or another model) cannot continue it: the skipped groups' keys were never "
                 "computed. Continue the request with the wrapped model, or start a fresh cache for the dense model")
-        out = self.inner.update(key_states, value_states, *args, **kwargs)
-        if "condcomp_tokens" in self.__dict__:
-            self.condcomp_tokens = self.condcomp_tokens + int(key_states.shape[-2])
-        return out
+        return self.inner.update(key_states, value_states, *args, **kwargs)
 
     def reset(self) -> None:
         self.inner.reset()
         self.condcomp_plan = None
         self.condcomp_windows = None
-        if "condcomp_tokens" in self.__dict__:
-            self.condcomp_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError("a condcomp KV cache layer's crop() cannot run inside torch.compile: it reads the "
+                               "tokens left on the host (a request's plan is dropped with its last token); crop "
+                               "between compiled steps, as generate() does")
         windows, policy = self.condcomp_windows, held_policy(self)
         if windows is not None and policy is not None:
             windows = policy.crop(windows, abs(tokens_to_remove))  # refused before anything changes
         self.inner.crop(tokens_to_remove)
-        self.condcomp_windows = windows
-        if "condcomp_tokens" in self.__dict__:  # static layers crop by a negative count only
-            self.condcomp_tokens = max(self.condcomp_tokens - abs(tokens_to_remove), 0)
+        if windows is not self.condcomp_windows:  # set unchanged, it would still fail dynamo's guards on the layer
+            self.condcomp_windows = windows
         if self.held_tokens() == 0:  # nothing left: the next call is a new request
             self.condcomp_plan = None
             self.condcomp_windows = None
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
-        self.inner.reorder_cache(beam_idx)
+        if self.held_position() is not None:  # preallocated storage: rows permuted in place, so its address (which
+            for t in (self.inner.keys, self.inner.values):  # compiled steps and CUDA graphs read) is kept
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+        else:
+            self.inner.reorder_cache(beam_idx)
         self.take_rows(beam_idx)
 
     def batch_select_indices(self, indices: Tensor) -> None:

@@ -121,8 +121,10 @@ class RequestStep:
     cache: Any
     layer_idx: int
     cross: bool
-    past: int  # tokens this layer held before the call
-    query_start: int  # the attention mask's column of this call's first query
+    # tokens this layer held before the call; None: a static layer holding a request's compact cache, whose count
+    # stays on the device (query_start is then that device scalar: a compiled step reads no host counter)
+    past: int | None
+    query_start: int | Tensor  # the attention mask's column of this call's first query
     held: HeldPlan | None  # the request's plan, when the cache holds one
     after_prompt: int = 0  # a first call's tokens after the prompt (plan_from_prompt): revertible_tail keeps them
 
@@ -131,8 +133,6 @@ class RequestStep:
         if self.held is not None or plan.granularity != "sequence":
             return
         layer = plan_layer(self.cache, self.layer_idx, self.cross)
-        if "condcomp_tokens" not in layer.__dict__ and isinstance(layer.get_seq_length(), Tensor):
-            layer.condcomp_tokens = int(layer.get_seq_length())  # static layers count in a tensor: counted here once
         layer.condcomp_plan = HeldPlan(detached(plan), selection, routed.layout.num_kv_heads)
 
     def no_plan_error(self) -> ValueError:
@@ -151,11 +151,19 @@ def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bo
                          "PagedAttentionCache): it packs every request into one row, while a request's plan needs "
                          "a cache row of its own; use generate() with a batch of requests")
     layer = cache_layer(cache, layer_idx, cross)
-    past = layer_length(layer) if layer is not None else 0
-    query_start = past
-    if past and not cross and hasattr(layer, "get_mask_sizes"):
-        query_start = past - int(layer.get_mask_sizes(T)[1])  # sliding layers: the mask starts at an offset
-    held = getattr(layer, "condcomp_plan", None) if past else None
+    held = getattr(layer, "condcomp_plan", None)
+    position = (layer.held_position() if is_carrier(layer) and not cross and held is not None
+                and held.selection is not None else None)
+    past: int | None
+    query_start: int | Tensor
+    if position is not None:  # a static layer holding a request's compact cache: its count stays on the device
+        past, query_start = None, position.clone()  # (the write advances the layer's own scalar in place)
+    else:
+        past = layer_length(layer) if layer is not None else 0
+        query_start = past
+        if past and not cross and hasattr(layer, "get_mask_sizes"):
+            query_start = past - int(layer.get_mask_sizes(T)[1])  # sliding layers: the mask starts at an offset
+        held = held if past else None
     if held is not None:
         L = routed.layout
         if held.num_kv_heads != L.num_kv_heads or held.plan.num_heads != L.num_heads:
@@ -172,7 +180,7 @@ def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bo
             raise ValueError(f"layer {layer_idx}: the KV cache holds {keys.shape[1]} key/value heads per row but its "
                              f"plan keeps {held.selection.slots}: its tensors were replaced by another model's")
     prompt_len = getattr(routed, "prompt_len", None)
-    after_prompt = T - prompt_len if not past and prompt_len is not None and T > prompt_len else 0
+    after_prompt = T - prompt_len if past == 0 and prompt_len is not None and T > prompt_len else 0
     return RequestStep(cache, layer_idx, cross, past, query_start, held, after_prompt)
 
 
@@ -183,7 +191,7 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
     if step is not None and step.held is not None:
         return step.held.plan
     plan: HeadPlan = routed.route(x, query_mask, routed.weights(), num_keys)
-    if step is not None and step.past > 0 and plan.granularity == "sequence":
+    if step is not None and step.past != 0 and plan.granularity == "sequence":
         raise step.no_plan_error()
     B, T = x.shape[:2]  # the plan is decided from the call's real tokens (the prompt's, under plan_from_prompt)
     real = None if query_mask is None else decision_mask(query_mask, routed.prompt_len, B, T, x.device)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter
+from condcomp.kv.static import query_rows
 from condcomp.masks import additive_bias, attended_keys, check_mask_dtype
 from condcomp.types import HeadPlan
 from condcomp.versions import tensor_version
@@ -53,19 +54,24 @@ def parameter_names(module: nn.Module) -> set[str]:
 _LAST_MASK: list[Any] = [None]  # one (mask, key, parts) tuple, replaced whole (safe if threads share the model)
 
 
-def mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_start: int | None = None
-                ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+def mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_start: int | Tensor | None = None
+               ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask.
 
     ``query_start``: the mask column of the first query (default ``S - T``: the queries are the last keys; a static
-    cache places them after the cached tokens, before its empty slots).
+    cache places them after the cached tokens, before its empty slots), an int or a device scalar (a static layer
+    holding a request's compact cache: read on the device, :mod:`condcomp.kv.static`).
     """
     if mask is None:
         return None, None, None
     q0 = S - T if query_start is None else query_start
-    # Keyed by identity and version: a mask edited in place between forwards is derived again.
-    key = (T, S, self_attention, q0, tensor_version(mask) if isinstance(mask, Tensor) else None)
-    cached = _LAST_MASK[0]
+    on_device = isinstance(q0, Tensor)
+    # Keyed by identity and version: a mask edited in place between forwards is derived again. Under torch.compile
+    # the parts are derived in the graph (a traced tensor has no version to read), as with a device query_start.
+    compiling = torch.compiler.is_compiling() or on_device
+    key = (T, S, self_attention, None if on_device else q0,
+           None if compiling or not isinstance(mask, Tensor) else tensor_version(mask))
+    cached = None if compiling else _LAST_MASK[0]  # (read under compile, it would be guarded on)
     if cached is not None and cached[0] is mask and cached[1] == key and key[4] is not None:
         return cached[2]  # type: ignore[no-any-return]
     if not isinstance(mask, Tensor):
@@ -75,7 +81,7 @@ def mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_st
         if tuple(mask.shape) != (B, S):
             raise ValueError(f"2-D attention mask must be (B, S) = {(B, S)}, got {tuple(mask.shape)}")
         key_mask = mask.bool()
-        parts: tuple[Tensor | None, ...] = (key_mask[:, q0:q0 + T] if self_attention else None, key_mask, None)
+        parts: tuple[Tensor | None, ...] = (_query_rows(key_mask, q0, T) if self_attention else None, key_mask, None)
     elif mask.dim() == 4:
         check_mask_dtype(mask, "a 4-D attention_mask")
         if mask.dtype == torch.bool:
@@ -86,27 +92,38 @@ def mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_st
             allowed = mask > torch.finfo(mask.dtype).min / 2
             bias = mask
         key_ok = attended_keys(allowed, B, S)  # (B, S)
-        query_mask = key_ok[:, q0:q0 + T] if self_attention and 0 <= q0 <= S - T else None
+        query_mask = _query_rows(key_ok, q0, T) if self_attention else None
         parts = (query_mask, None, bias)
     else:
         raise ValueError(f"attention mask must be 2-D (B, S) or 4-D (B, 1, T, S), got shape {tuple(mask.shape)}")
-    _LAST_MASK[0] = (mask, key, parts)
+    if not compiling:
+        _LAST_MASK[0] = (mask, key, parts)
     return parts  # type: ignore[return-value]
+
+
+def _query_rows(key_ok: Tensor, q0: int | Tensor, T: int) -> Tensor | None:
+    """``(B, T)``: the call's queries' columns of ``key_ok (B, S)``; None where they fall outside it."""
+    if isinstance(q0, Tensor):
+        return query_rows(key_ok, q0, T)
+    return key_ok[:, q0:q0 + T] if 0 <= q0 <= key_ok.shape[1] - T else None
 
 
 def decoder_request_plan(routed: Any, step: RequestStep, x: Tensor, mask: Any) -> Any:
     """A decoder self-attention call's plan on a KV cache, before the cache grows: the request's plan stored in
     the cache, or one decided now from the call's real tokens (``mask``: transformers' attention mask, or None)."""
+    if step.held is not None:
+        return step.held.plan
     B, T = x.shape[:2]
+    assert isinstance(step.query_start, int)  # a device scalar only with a held plan
     S = mask.shape[-1] if isinstance(mask, Tensor) else step.query_start + T
     query_mask, _, _ = mask_parts(mask, B, T, S, True, step.query_start)
     return request_plan(routed, step, x, query_mask, step.query_start + T, decoder=True)
 
 
-def visible_keys(k: Tensor, v: Tensor, mask: Any, query_start: int, T: int) -> tuple[Tensor, Tensor]:
+def visible_keys(k: Tensor, v: Tensor, mask: Any, query_start: int | Tensor, T: int) -> tuple[Tensor, Tensor]:
     """Keys and values ``(B, h, S, Dh)`` the call's queries may see. Without a mask transformers means causal
     attention over the keys up to the last query: a static cache's empty slots after them are dropped."""
-    if mask is None and k.shape[2] > query_start + T:
+    if mask is None and isinstance(query_start, int) and k.shape[2] > query_start + T:
         return k[:, :, :query_start + T], v[:, :, :query_start + T]
     return k, v
 
@@ -123,9 +140,20 @@ def _signature(module_cls: Any) -> inspect.Signature:
     return inspect.signature(inspect.unwrap(module_cls.forward))
 
 
-@functools.cache
+# module class -> its forward's keyword layout; a dict read (not functools.cache) so torch.compile reads it as data
+# instead of tracing inspect.signature again at every compile (the eager prefill fills it first)
+_LAYOUTS: dict[Any, tuple[dict[str, Any], str | None]] = {}
+
+
 def _keyword_layout(module_cls: Any) -> tuple[dict[str, Any], str | None]:
     """``(defaults of the named parameters after self, name of **kwargs or None)`` of the original forward."""
+    known = _LAYOUTS.get(module_cls)
+    if known is None:
+        known = _LAYOUTS[module_cls] = _layout_of(module_cls)
+    return known
+
+
+def _layout_of(module_cls: Any) -> tuple[dict[str, Any], str | None]:
     params = list(_signature(module_cls).parameters.values())[1:]
     if any(p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL) for p in params):
         return {}, "*"  # not callable by keywords alone: always bind
@@ -154,7 +182,7 @@ def warn_if_attentions_requested(kwargs: dict[str, Any]) -> None:
     """Warn that attention maps are not returned when the caller asked for them (transformers 5 records them with
     hooks on its own attention classes, which a wrapped layer's forward never returns; a caller may also pass
     ``output_attentions`` to the layer itself)."""
-    collector = _output_collector()
+    collector = None if torch.compiler.is_compiling() else _output_collector()  # a ContextVar: not traceable
     collected = collector.get() if collector is not None else None
     if kwargs.get("output_attentions") or (collected and ("attentions" in collected
                                                           or "cross_attentions" in collected)):

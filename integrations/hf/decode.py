@@ -33,6 +33,7 @@ from condcomp.host import LastForward
 from condcomp.kv.choose import kv_policy_of
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection, pad_slots, select_kv
+from condcomp.kv.static import written_bias
 from condcomp.kv.window import revertible_tail
 from condcomp.types import AttentionInputs, HeadPlan
 
@@ -76,9 +77,12 @@ class DecoderCall:
         """The cache this layer's keys go to (the self-attention half of an ``EncoderDecoderCache``)."""
         return getattr(self.cache, "self_attention_cache", self.cache)
 
-    def num_keys(self, past: int) -> int:
+    def num_keys(self, past: int | Tensor) -> int:
         """Keys after this call's update (a static cache's mask covers its whole length) given ``past`` tokens."""
-        return int(self.mask.shape[-1]) if isinstance(self.mask, Tensor) else past + self.x.shape[1]
+        if isinstance(self.mask, Tensor):
+            return int(self.mask.shape[-1])
+        assert isinstance(past, int)  # a device count comes with transformers' mask (its static pool read whole)
+        return past + self.x.shape[1]
 
 
 def decoder_attention(routed: RoutedAttention, call: DecoderCall) -> Tensor:
@@ -182,13 +186,22 @@ def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, ca
         empty = x.new_zeros(B, 0, T, L.head_dim)
         store(empty, empty)
         return x.new_zeros(B, T, L.d_model)
-    S = call.num_keys(step.query_start)  # keys after this call's update
-    query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, step.query_start)
-    bias = _score_terms(call, T, S, bias)
+    query_mask: Tensor | None = None
+    key_mask: Tensor | None = None
+    bias: Tensor | None
+    if isinstance(step.query_start, Tensor) and mask is None:  # a static pool read whole: unwritten keys masked
+        S = int(layer.get_max_length())
+        bias = written_bias(step.query_start, T, S, x.dtype, call.sliding_window)
+        bias = bias if call.score_bias is None else bias + call.score_bias
+    else:
+        S = call.num_keys(step.query_start)  # keys after this call's update
+        query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, step.query_start)
+        bias = _score_terms(call, T, S, bias)
     windows = layer.policy_state(sel.policy) if step.held is not None else None
     # no group kept in full: the full-length tensor is a placeholder that counts the tokens
     width = placeholder_width(layer, B, T, step.held is None) if sel.slots == 0 else 1
-    compact = CompactKV(sel, store, S if mask is None else None, windows,
+    visible = S if mask is None and not isinstance(step.query_start, Tensor) else None
+    compact = CompactKV(sel, store, visible, windows,
                         functools.partial(layer.keep_policy_state, policy=sel.policy), call.projections, width,
                         call.relative_bias)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import torch
+
 TRANSFORMERS_CHECKED = "5.25.0"  # the transformers release every contact below was read against
 
 
@@ -68,6 +70,26 @@ def reallocate_static_layer(layer: Any) -> None:
     hook: a static layer is allocated once, from its first ``update``'s head count (a cache made with
     ``early_initialization`` from the model's config holds every head), and has no resize method."""
     layer.is_initialized = False
+
+
+def static_held(layer: Any) -> Any:
+    """The tokens a (non-sliding) static cache layer holds as its device scalar, or None for any other layer.
+
+    Relies on: ``StaticLayer.cumulative_length``, the int64 scalar it advances in place at each ``update`` (its
+    writes go to ``arange(T) + cumulative_length``) and lowers in place at ``crop``; ``StaticSlidingWindowLayer``
+    counts on the host too (``cumulative_length_int``), so it is left out. No public hook: ``get_seq_length()``
+    returns the same tensor, but also returns an int for the other layers and 0 before allocation."""
+    if not hasattr(layer, "max_cache_len") or getattr(layer, "is_sliding", False):
+        return None
+    held = getattr(layer, "cumulative_length", None)
+    return held if isinstance(held, torch.Tensor) else None
+
+
+def host_length(layer: Any) -> int | None:
+    """The tokens a layer that counts them on the host holds (``StaticSlidingWindowLayer.cumulative_length_int``),
+    or None. Relies on that attribute; no public hook: ``get_seq_length()`` reads its device tensor instead."""
+    counted = getattr(layer, "cumulative_length_int", None)
+    return counted if isinstance(counted, int) else None
 
 
 def is_paged_cache(cache: Any) -> bool:

@@ -7,7 +7,11 @@ storage and quantization of the kept groups' keys and values. Beside it, it hold
 - ``condcomp_plan``: the :class:`~condcomp.kv.selection.HeldPlan` (one row per cache row);
 - ``condcomp_windows``: the state of the groups the plan's KV policy holds (a streaming window, SnapKV's tokens),
   stored as the policy stores it in this layer (quantized inside a quantized layer, :func:`window_codec`);
-- ``condcomp_tokens`` (static layers: tokens held, counted on the host) and ``condcomp_placeholder``.
+- ``condcomp_placeholder`` (the width of the token-counting placeholder of a layer that holds no full group).
+
+A static layer (transformers' ``StaticLayer``) counts its tokens in a device scalar, which a decode step reads
+and advances on the device (:mod:`condcomp.kv.static`): such a layer says ``is_compileable``, and a compiled
+decode step of a wrapped model reads no host counter.
 
 Every cache operation transformers offers acts on both: ``reset()`` drops the plan (the next call is a new request's
 prefill), ``crop(n)`` keeps it while tokens remain, ``reorder_cache`` (beams), ``batch_select_indices`` and
@@ -29,17 +33,24 @@ from transformers.cache_utils import CacheLayerMixin
 from condcomp.kv.layer import CompactLayer, compact_write, held_policy
 from condcomp.kv.window_quant import WindowCodec
 
-from .internals import is_paged_cache, layer_initialized, new_layer_factory
+from .internals import host_length, is_paged_cache, layer_initialized, new_layer_factory, static_held
 
 _OWN = ("inner", "condcomp_")  # attribute names a PlanLayer keeps itself; every other one is the wrapped layer's
 
 
 def layer_length(layer: Any) -> int:
-    """Tokens a cache layer holds (0 when it holds none), without a device sync for a static layer of ours."""
+    """Tokens a cache layer holds (0 when it holds none): on the host. A static layer's count is a device scalar,
+    read here with a device sync: a decode step on a request's compact cache reads :func:`device_length` instead."""
     if not layer_initialized(layer):
         return 0
-    counted = layer.__dict__.get("condcomp_tokens")  # a static layer's count kept as an int: no device sync
-    return int(layer.get_seq_length()) if counted is None else int(counted)
+    counted = host_length(layer)
+    return int(layer.get_seq_length()) if counted is None else counted
+
+
+def device_length(layer: Any) -> Tensor | None:
+    """The tokens a static cache layer holds as a device scalar (advanced in place by each write), or None for a
+    layer that holds none allocated or counts on the host."""
+    return static_held(layer) if layer_initialized(layer) else None
 
 
 class PlanLayer(CompactLayer, CacheLayerMixin):
@@ -112,6 +123,9 @@ class PlanLayer(CompactLayer, CacheLayerMixin):
     # ---- what CompactLayer asks of the library's layer -----------------------------------------------------------
     def held_tokens(self) -> int:
         return layer_length(self)
+
+    def held_position(self) -> Tensor | None:
+        return device_length(self)
 
     def state_codec(self) -> WindowCodec | None:
         return window_codec(self)
@@ -228,5 +242,5 @@ def layer_tensors(layer: Any) -> list[Any]:
     return out
 
 
-__all__ = ["NewPlanLayer", "PlanCarrier", "PlanLayer", "adopt", "adopt_layer",
-           "compact_write", "held_policy", "is_carrier", "layer_length", "layer_tensors", "window_codec"]
+__all__ = ["NewPlanLayer", "PlanCarrier", "PlanLayer", "adopt", "adopt_layer", "compact_write", "device_length",
+           "held_policy", "is_carrier", "layer_length", "layer_tensors", "window_codec"]

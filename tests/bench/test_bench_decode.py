@@ -46,3 +46,23 @@ def test_moh_and_chosen_variants_decode_with_a_full_cache_and_unknown_names_are_
                      "--variants", *bad.split()]) != 0  # refused before the model loads (smollm2 may be absent)
         err = capsys.readouterr().err
         assert f"unknown decode variant {bad!r}" in err or "one variant twice" in err
+
+
+@pytest.mark.slow
+def test_compiled_decode_benchmark_runs_each_variant_eager_and_compiled_on_a_static_cache(tmp_path: Path) -> None:
+    """``--compile --compile-backend eager``: the capture alone (no inductor build), as on a CPU-only CI."""
+    assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--compile", "--compile-backend", "eager",
+                 "--variants", "full", "keep_0.25", "--out", str(tmp_path)]) == 0
+    by = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
+    assert list(by) == ["dense", "full", "keep_0.25", "dense+compiled", "full+compiled", "keep_0.25+compiled"]
+    for name, r in by.items():
+        assert r["cache"] == "static" and r["compiled"] == name.endswith("+compiled")
+        if r["compiled"]:  # the warm-up compiles once; a Python counter guarded per step would compile every step
+            assert r["compiles"] == 1 and r["tokens_equal_eager"], name
+    assert by["full+compiled"]["tokens_equal_dense"] and by["full"]["tokens_equal_dense"]
+    # static caches of prompt 16 + 4 tokens: (B=2) x 20 x 64 dims x (K and V) x 4 bytes per head, + the int64
+    # token count, per layer (4): 8 heads dense, 2 kept of 8 at keep_0.25
+    per_head, count = 2 * 20 * 64 * 2 * 4, 8
+    assert by["dense+compiled"]["kv_bytes"] == 4 * (8 * per_head + count)
+    assert by["keep_0.25+compiled"]["kv_bytes"] == 4 * (2 * per_head + count)
+    assert "| compiles |" in (tmp_path / "table.md").read_text()

@@ -129,3 +129,21 @@ def test_generate_runs_as_a_frame_of_its_own_code_with_the_model_as_self() -> No
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
     assert seen == [False]
+
+
+def test_a_static_layer_counts_its_tokens_in_a_device_scalar_it_advances_and_crops_in_place() -> None:
+    layer = cache_utils.StaticLayer(max_cache_len=8)
+    k = torch.zeros(1, 2, 3, 4)
+    layer.update(k, k)
+    held = internals.static_held(layer)
+    assert isinstance(held, torch.Tensor) and held.dim() == 0 and int(held) == 3, changed(
+        "static_held", "StaticLayer.cumulative_length is not the int64 scalar of the tokens it holds")
+    layer.update(k[:, :, :1], k[:, :, :1])
+    layer.crop(-2)
+    assert internals.static_held(layer) is held and int(held) == 2, changed(
+        "static_held", "StaticLayer no longer advances / crops cumulative_length in place (a compiled step would read "
+        "a stale tensor)")
+    sliding = cache_utils.StaticSlidingWindowLayer(max_cache_len=8, sliding_window=4)
+    sliding.update(k, k)
+    assert internals.static_held(sliding) is None and internals.host_length(sliding) == 3, changed(
+        "host_length", "StaticSlidingWindowLayer no longer counts its tokens in cumulative_length_int")
