@@ -23,6 +23,7 @@ from condcomp.kv.selection import KV_FULL, KV_WINDOW
 t = pytest.importorskip("transformers")
 
 NEW, SINKS, WINDOW, D, H = 4, 1, 3, 64, 4
+ENCODER_TOKENS = 5  # T5's encoder input length
 BUILD = {"gpt2": gpt2, "bert": bert, "t5": lambda: t5(seed=1)}  # T5 seed 1: its rows' plans differ in each layer
 
 
@@ -37,9 +38,9 @@ def wrapped(family: str, kv: Any = "drop", fraction: float = 0.5) -> nn.Module:
 def encoder_inputs(batch: int = 3) -> dict[str, Tensor]:
     """T5's encoder input, right-padded; its decoder prompt is :func:`prompts`' ids without padding."""
     g = torch.Generator().manual_seed(7)
-    mask = torch.ones(batch, 5, dtype=torch.long)
+    mask = torch.ones(batch, ENCODER_TOKENS, dtype=torch.long)
     mask[1, 3:] = 0
-    return {"input_ids": torch.randint(1, 97, (batch, 5), generator=g), "attention_mask": mask}
+    return {"input_ids": torch.randint(1, 97, (batch, ENCODER_TOKENS), generator=g), "attention_mask": mask}
 
 
 @torch.no_grad()
@@ -77,17 +78,19 @@ def rows_differ(plans: dict[str, Any]) -> bool:
     return any(len({tuple(row) for row in p.group_modes()}) > 1 for p in plans.values())
 
 
-def hand_count(plans: dict[str, Any], B: int, S: int, window: bool = False) -> list[int]:
+def hand_count(plans: dict[str, Any], B: int, S: int, window: bool = False, family: str = "") -> list[int]:
     """Bytes by hand: float32 keys and values of the batch's most kept groups at every token; a window policy's
-    groups also hold ``SINKS + WINDOW`` tokens each, with an int64 position per token and a length per row."""
+    groups also hold ``SINKS + WINDOW`` tokens each, with an int64 position per token and a length per row. T5's
+    layers also hold the cross-attention keys and values of every head at each of the 5 encoder tokens."""
     Dh, want = D // H, []
+    cross = 4 * 2 * B * H * ENCODER_TOKENS * Dh if family == "t5" else 0
     for plan in plans.values():
         assert plan.kv_modes is not None
         g = int((plan.kv_modes == KV_FULL).sum(-1).max())
         gw = int((plan.kv_modes == KV_WINDOW).sum(-1).max())
         n = min(S, SINKS + WINDOW)
         held = 4 * 2 * B * max(g, 1) * S * (Dh if g else 1)
-        want.append(held + (4 * 2 * B * gw * n * Dh + 8 * (B * n + B) if window and gw else 0))
+        want.append(held + cross + (4 * 2 * B * gw * n * Dh + 8 * (B * n + B) if window and gw else 0))
     return want
 
 
@@ -104,12 +107,13 @@ def test_decoding_equals_the_unwrapped_model_with_each_rows_dropped_heads_zeroed
         torch.testing.assert_close(got, want[:, P - 1 + i], **TOL, msg=f"{family} step {i}")
     B, S = tokens.shape
     layers = cache_bytes(cache)
-    assert layers == hand_count(plans, B, S)
+    assert layers == hand_count(plans, B, S, family=family)
     Dh = D // H
-    if kv == "drop":  # 2 of 4 heads kept: half the dense cache
-        assert layers == [4 * 2 * B * 2 * S * Dh] * 2
+    cross = 4 * 2 * B * H * ENCODER_TOKENS * Dh if family == "t5" else 0  # T5: every head's encoder keys, values
+    if kv == "drop":  # 2 of 4 heads kept: half the dense self-attention cache
+        assert layers == [4 * 2 * B * 2 * S * Dh + cross] * 2
     else:  # full: every group held
-        assert layers == [4 * 2 * B * H * S * Dh] * 2
+        assert layers == [4 * 2 * B * H * S * Dh + cross] * 2
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
@@ -122,7 +126,7 @@ def test_a_window_policy_equals_the_streaming_rule_in_float64(family: str) -> No
     want = window_rule_logits(model, family, plans, tokens, mask, SINKS, WINDOW)
     for i, got in enumerate(logits):
         torch.testing.assert_close(got.double(), want[:, P - 1 + i], **TOL, msg=f"{family} step {i}")
-    assert cache_bytes(cache) == hand_count(plans, *tokens.shape, window=True)
+    assert cache_bytes(cache) == hand_count(plans, *tokens.shape, window=True, family=family)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "t5"])
