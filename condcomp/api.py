@@ -18,6 +18,7 @@ from condcomp.config import CondCompConfig
 from condcomp.host import RoutingHost, check_progress
 from condcomp.kv.choose import check_kv_support
 from condcomp.kv.selection import RequestPlan
+from condcomp.options import real
 from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
 from condcomp.routed import RoutedAttention, layer_facts, wrap_module
@@ -342,6 +343,9 @@ def plan_from_prompt(model: nn.Module, prompt_len: int) -> Iterator[nn.Module]:
         yield model
 
 
+_BUDGET_FRACTION = real("fraction", at_least=0, at_most=1, meaning="of each layer's heads")
+
+
 @contextlib.contextmanager
 def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     """Inside this block every wrapped layer of ``model`` gives each row the fraction ``fraction`` of its heads,
@@ -352,7 +356,8 @@ def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     The policy's auxiliary losses are not computed inside the block. The budget is the model's, not the caller's:
     blocks nest and must close in the reverse order they opened (a block that closes while one opened inside it
     is still open, as generators or asyncio tasks holding blocks across their yields do, raises a RuntimeError);
-    give each concurrent stream of requests its own model copy.
+    give each concurrent stream of requests its own model copy. A fraction a layer cannot give is an error: below
+    the heads its router always computes (MoH's or norm's shared heads) it names the fraction it would give instead.
 
     >>> import condcomp
     >>> model = nn.Sequential(condcomp.HeadAttention(16, 4))
@@ -362,8 +367,9 @@ def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     >>> condcomp.head_usage(model)["0"].k_frac
     0.5
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
-        raise ValueError(f"condcomp.budget: fraction must be a number in [0, 1], got {fraction!r}")
+    _BUDGET_FRACTION.check("condcomp.budget", fraction)
+    for name, host in routing_hosts(model).items():
+        host.check_budget_fraction(fraction, name)
     with _hosts_set(model, "budget_fraction", float(fraction), "condcomp.budget"):
         yield model
 

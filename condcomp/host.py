@@ -208,6 +208,20 @@ class RoutingHost(nn.Module):
             return self.condcomp_policy(x, mask, condition=condition)  # type: ignore[no-any-return]
         return self.condcomp_policy(x, mask)  # type: ignore[no-any-return]
 
+    def check_budget_fraction(self, fraction: float, name: str) -> None:
+        """Refuse a ``condcomp.budget`` fraction this layer cannot give: fewer heads than its router always computes
+        (a router's ``fewest_heads``: MoH's and norm's shared heads), naming the fraction it would give instead."""
+        policy, H = self.condcomp_policy, self.layout.num_heads
+        k = int(budget_k(torch.tensor([float(fraction)]), H, int(getattr(policy, "k_min", 1)),
+                         getattr(policy, "rounding", "floor"))[0])
+        fewest = int(getattr(self.condcomp_router, "fewest_heads", 0))
+        if k < fewest:
+            router = getattr(type(self.condcomp_router), "registry_key", type(self.condcomp_router).__name__)
+            raise ValueError(f"condcomp.budget: fraction {fraction} asks {k} of the {H} heads of layer {name!r}, but "
+                             f"its {router} router always computes {fewest} heads (its shared heads), so the fraction "
+                             f"would be {fewest / H:g}, not {fraction}; ask for {fewest / H:g} or more, or wrap the "
+                             f"model with fewer shared_heads")
+
     def _fixed_budget(self, budget: Budget, fraction: float) -> Budget:
         # condcomp.budget: the policy's budget shape and rounding rule, every row at the given fraction, no
         # auxiliary losses (the policy did not choose it)

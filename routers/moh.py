@@ -204,6 +204,12 @@ class MoHRouter(nn.Module):
             gates = hard + (gates - gates.detach()) if self.training else hard
         return plan_from_active(active, gates, aux)
 
+    @property
+    def fewest_heads(self) -> int:
+        """Heads computed for every real token whatever the budget (the shared ones): ``condcomp.budget`` refuses a
+        fraction below them."""
+        return self.shared_heads
+
     def routing_flops(self, T: int) -> float:
         """Per example: the three gate projections on every token (softmax and top-k ignored)."""
         return 2.0 * T * sum(p.numel() for p in self.parameters())

@@ -69,6 +69,12 @@ class QueryNormRouter(nn.Module):
             gates = gates + (surrogate - surrogate.detach())
         return plan_from_active(active, gates)
 
+    @property
+    def fewest_heads(self) -> int:
+        """Heads computed for every real token whatever the budget (the shared ones): ``condcomp.budget`` refuses a
+        fraction below them."""
+        return self.shared_heads
+
     def routing_flops(self, T: int) -> float:
         """Per example: the routed heads' queries are computed anyway; the norms cost 2 * Dh per (token, head)."""
         return 0.0
