@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -146,6 +147,23 @@ def encoder(tok: Any) -> Any:
 def separator_ids(preset: Preset, sep_id: int, tok: Any) -> list[int]:
     """The token ids between two haystack documents: ``sep_id`` (the tokenizer's separator) or a blank line."""
     return [sep_id] if preset.separator() == "eos" else list(encoder(tok)("\n\n"))
+
+
+# bench kv's retrieval flags that apply to one task only: (Preset field, the task it applies to, the flag)
+TASK_ONLY = (("passkey_format", "passkey", "--passkey-format"), ("facts", "facts", "--facts"),
+             ("question_form", "facts", "--question-form"), ("question_in_context", "facts", "--question-in-context"))
+
+
+def refuse_other_task_options(task: str, given: Iterable[str]) -> None:
+    """Refuse, by name, flags in ``given`` (Preset fields set on the command line) that the ``task`` does not read:
+    a run would ignore them (``--passkey-format chat`` with the facts task, where no passkey prompt is built)."""
+    wrong = [(flag, applies) for field, applies, flag in TASK_ONLY if field in set(given) and applies != task]
+    if wrong:
+        other = wrong[0][1]
+        flags = ", ".join(flag for flag, _ in wrong)
+        raise ValueError(f"{flags}: only the {other} task reads {'it' if len(wrong) == 1 else 'them'}, and this run's "
+                         f"task is {task} (--task, or the preset's); pass --task {other}, or drop "
+                         f"{'it' if len(wrong) == 1 else 'them'}")
 
 
 def passkey_format(name: str, tok: Any) -> PasskeyFormat:
