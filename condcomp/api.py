@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
+from condcomp.executors.auto import Notices
 from condcomp.host import RoutingHost, check_progress
 from condcomp.kv.choose import check_kv_support
 from condcomp.kv.selection import RequestPlan
@@ -162,7 +163,11 @@ def _build_wrappers(model: nn.Module, config: CondCompConfig, chosen: list[str],
             adapter_cls = find_adapter(first)
             assert adapter_cls is not None
             shared = POLICIES.build(config.policy[0], config.policy[1], layer_facts(adapter_cls(first)))
-        return {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
+        wrappers = {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
+        notices = Notices()  # one warning for the whole model, not one per layer
+        for routed in wrappers.values():
+            routed.__dict__["condcomp_notices"] = notices
+        return wrappers
     except Exception:
         if not keep_preparation:
             for adapter_cls in adapter_classes:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from condcomp.executors.auto import Notices
 from condcomp.flops import dense_flops, flop_fraction, plan_flops, routing_flops
 from condcomp.kv.selection import decision_mask
 from condcomp.plans import budget_k, plan_from_active
@@ -92,6 +93,14 @@ class RoutingHost(nn.Module):
         self.prompt_len: int | None = None  # set by condcomp.plan_from_prompt: sequence plans see the prompt only
         self.budget_fraction: float | None = None  # set by condcomp.budget: every row keeps this fraction
         self._keep_routing_float32()
+
+    @property
+    def notices(self) -> Notices:
+        """The warnings this layer's model was already given (``apply_`` shares one among the layers it wraps)."""
+        notices = self.__dict__.get("condcomp_notices")
+        if notices is None:
+            notices = self.__dict__["condcomp_notices"] = Notices()
+        return notices
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A module pickled with a per-module plan store loads without it (a request's plan lives in its KV cache);

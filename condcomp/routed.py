@@ -114,7 +114,7 @@ class RoutedAttention(RoutingHost):
         weights = self.weights()
         if plan is None:
             plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys, condition)
-        executor = resolve_executor(self.executor, weights, inputs, plan)
+        executor = resolve_executor(self.executor, weights, inputs, plan, notices=self.notices)
         if self.last is not None:  # which executor (and gathered strategy) ran: HeadUsage reports it
             self.last = replace(self.last, executor=getattr(executor, "name", None),
                                 strategy=getattr(executor, "strategy", None))
