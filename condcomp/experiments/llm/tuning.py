@@ -80,11 +80,10 @@ class TuneSettings:
         self.datasets = tuple(self.datasets)
         check_fields(self, "tune-llm settings")
         if self.tune not in ("lora", "attention"):
-            raise ValueError(f"tune must be 'lora' or 'attention', got {self.tune!r}")
+            raise ValueError(f"tune-llm settings: tune must be 'lora' or 'attention', got {self.tune!r}")
         if not 0 < self.prompt_len < self.seq_len:
-            raise ValueError(f"prompt_len ({self.prompt_len}) must be in [1, seq_len - 1 = {self.seq_len - 1}]")
-        if min(self.batch_size, self.steps, self.eval_seqs, self.checkpoint_every) < 1:
-            raise ValueError("batch_size, steps, eval_seqs and checkpoint_every must be >= 1")
+            raise ValueError(f"tune-llm settings: prompt_len ({self.prompt_len}) must be in [1, seq_len - 1 = "
+                             f"{self.seq_len - 1}]")
         check_objective(self.objective, self.kl_temperature, self.kl_weight)
 
     def tuning_key(self) -> dict[str, Any]:
