@@ -122,7 +122,7 @@ def prompt_budgets(prompt: Tensor, window: Tensor, budget: int | None, fraction:
 SNAP_OPTIONS: tuple[Option, ...] = (
     count("budget", optional=True, meaning="prompt tokens kept per group; kv='full' keeps every token"),
     count("observe", at_least=1, meaning="the last prompt queries that score the tokens"),
-    count("pool", at_least=1, meaning="an odd pooling width"),
+    count("pool", at_least=1, at_most=1 << 30, meaning="an odd pooling width; torch pools over 32-bit widths"),
     real("fraction", above=0, at_most=1, optional=True, meaning="of each prompt kept per group"),
 )
 
