@@ -1,7 +1,8 @@
 """Hostile values for every declared numeric option (hypothesis): refused by name, or the component runs by its rule.
 
 For every registered policy, router, executor and KV policy, each option it declares (``options``, see
-:mod:`condcomp.options`), and for the settings objects (``GatheredTuning``, ``StreamWindow``, ``TuneSettings``),
+:mod:`condcomp.options`), and for the settings objects (``CondCompConfig``, ``GatheredTuning``, ``StreamWindow``,
+``TuneSettings``),
 hypothesis draws nan, inf, -inf, huge and negative integers, 0, floats for counts, bools, strings, None, lists and
 schedule specs. The outcome must be a ``ValueError``/``TypeError`` that names the option and the component, or (only
 for a value that is good by :func:`option_rules.acceptable`, written from the declared kind and bounds alone) a
@@ -48,7 +49,8 @@ HOSTILE = st.one_of(
 )
 COMPONENTS = [(registry, name, option) for registry in (POLICIES, ROUTERS, EXECUTORS, KV_POLICIES)
               for name, cls in registry.entries() for option in declared_options(cls)]
-SETTINGS = [(cls, label, option) for cls, label in ((GatheredTuning, "GatheredTuning"), (StreamWindow, "StreamWindow"),
+SETTINGS = [(cls, label, option) for cls, label in ((condcomp.CondCompConfig, "CondCompConfig"),
+                                                    (GatheredTuning, "GatheredTuning"), (StreamWindow, "StreamWindow"),
                                                     (TuneSettings, "tune-llm settings"))
             for option in declared_options(cls)]
 HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

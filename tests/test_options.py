@@ -22,7 +22,7 @@ from condcomp.options import count, declared_options, undeclared_numbers
 from condcomp.registry import EXECUTORS, KV_POLICIES, LAYER_FACTS, POLICIES, ROUTERS, Registry
 
 REGISTRIES = (POLICIES, ROUTERS, EXECUTORS, KV_POLICIES)
-SETTINGS = (GatheredTuning, StreamWindow, TuneSettings)
+SETTINGS = (condcomp.CondCompConfig, GatheredTuning, StreamWindow, TuneSettings)
 
 
 def test_every_numeric_constructor_parameter_of_a_registered_component_declares_its_check() -> None:
@@ -85,6 +85,8 @@ def test_a_flag_is_a_bool_not_a_truthy_string() -> None:
     # bool("false") is True: a string would silently turn the option on
     with pytest.raises(TypeError, match="moh router: two_stage .* must be True or False, got 'false'"):
         condcomp.CondCompConfig(router=("moh", {"two_stage": "false"}))
+    with pytest.raises(TypeError, match="CondCompConfig: share_policy must be True or False, got 'false'"):
+        condcomp.CondCompConfig(share_policy="false")
 
 
 def test_a_schedule_must_stay_finite_over_training() -> None:
