@@ -15,11 +15,10 @@ from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
-from condcomp.executors.auto import Notices
-from condcomp.host import RoutingHost, check_progress
+from condcomp.host import RoutingHost, check_budget_fraction, check_progress
 from condcomp.kv.choose import check_kv_support
 from condcomp.kv.selection import RequestPlan
-from condcomp.options import real
+from condcomp.notices import Notices
 from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
 from condcomp.routed import RoutedAttention, layer_facts, wrap_module
@@ -163,11 +162,8 @@ def _build_wrappers(model: nn.Module, config: CondCompConfig, chosen: list[str],
             adapter_cls = find_adapter(first)
             assert adapter_cls is not None
             shared = POLICIES.build(config.policy[0], config.policy[1], layer_facts(adapter_cls(first)))
-        wrappers = {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
-        notices = Notices()  # one warning for the whole model, not one per layer
-        for routed in wrappers.values():
-            routed.__dict__["condcomp_notices"] = notices
-        return wrappers
+        notices = Notices()  # the layers share it: each warning once per model, not once per layer
+        return {name: wrap_module(model.get_submodule(name), config, shared, name, notices) for name in chosen}
     except Exception:
         if not keep_preparation:
             for adapter_cls in adapter_classes:
@@ -348,9 +344,6 @@ def plan_from_prompt(model: nn.Module, prompt_len: int) -> Iterator[nn.Module]:
         yield model
 
 
-_BUDGET_FRACTION = real("fraction", at_least=0, at_most=1, meaning="of each layer's heads")
-
-
 @contextlib.contextmanager
 def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     """Inside this block every wrapped layer of ``model`` gives each row the fraction ``fraction`` of its heads,
@@ -361,8 +354,7 @@ def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     The policy's auxiliary losses are not computed inside the block. The budget is the model's, not the caller's:
     blocks nest and must close in the reverse order they opened (a block that closes while one opened inside it
     is still open, as generators or asyncio tasks holding blocks across their yields do, raises a RuntimeError);
-    give each concurrent stream of requests its own model copy. A fraction a layer cannot give is an error: below
-    the heads its router always computes (MoH's or norm's shared heads) it names the fraction it would give instead.
+    give each concurrent stream of requests its own model copy. A fraction below a router's shared heads is refused.
 
     >>> import condcomp
     >>> model = nn.Sequential(condcomp.HeadAttention(16, 4))
@@ -372,9 +364,7 @@ def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     >>> condcomp.head_usage(model)["0"].k_frac
     0.5
     """
-    _BUDGET_FRACTION.check("condcomp.budget", fraction)
-    for name, host in routing_hosts(model).items():
-        host.check_budget_fraction(fraction, name)
+    check_budget_fraction(routing_hosts(model), fraction)
     with _hosts_set(model, "budget_fraction", float(fraction), "condcomp.budget"):
         yield model
 

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from condcomp.executors.auto import Notices
 from condcomp.flops import dense_flops, flop_fraction, plan_flops, routing_flops
 from condcomp.kv.selection import decision_mask
+from condcomp.notices import Notices
+from condcomp.options import real
 from condcomp.plans import budget_k, plan_from_active
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version
@@ -217,20 +218,6 @@ class RoutingHost(nn.Module):
             return self.condcomp_policy(x, mask, condition=condition)  # type: ignore[no-any-return]
         return self.condcomp_policy(x, mask)  # type: ignore[no-any-return]
 
-    def check_budget_fraction(self, fraction: float, name: str) -> None:
-        """Refuse a ``condcomp.budget`` fraction this layer cannot give: fewer heads than its router always computes
-        (a router's ``fewest_heads``: MoH's and norm's shared heads), naming the fraction it would give instead."""
-        policy, H = self.condcomp_policy, self.layout.num_heads
-        k = int(budget_k(torch.tensor([float(fraction)]), H, int(getattr(policy, "k_min", 1)),
-                         getattr(policy, "rounding", "floor"))[0])
-        fewest = int(getattr(self.condcomp_router, "fewest_heads", 0))
-        if k < fewest:
-            router = getattr(type(self.condcomp_router), "registry_key", type(self.condcomp_router).__name__)
-            raise ValueError(f"condcomp.budget: fraction {fraction} asks {k} of the {H} heads of layer {name!r}, but "
-                             f"its {router} router always computes {fewest} heads (its shared heads), so the fraction "
-                             f"would be {fewest / H:g}, not {fraction}; ask for {fewest / H:g} or more, or wrap the "
-                             f"model with fewer shared_heads")
-
     def _fixed_budget(self, budget: Budget, fraction: float) -> Budget:
         # condcomp.budget: the policy's budget shape and rounding rule, every row at the given fraction, no
         # auxiliary losses (the policy did not choose it)
@@ -279,3 +266,24 @@ class RoutingHost(nn.Module):
 def detached(plan: HeadPlan) -> HeadPlan:
     """The plan without autograd history or auxiliary losses (what ``head_usage`` keeps)."""
     return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {})
+
+
+_BUDGET_FRACTION = real("fraction", at_least=0, at_most=1, meaning="of each layer's heads")
+
+
+def check_budget_fraction(hosts: dict[str, RoutingHost], fraction: float) -> None:
+    """Refuse a ``condcomp.budget`` fraction that is not a number in [0, 1], or that a layer of ``hosts`` (by name)
+    cannot give: fewer heads than its router always computes (a router's ``fewest_heads``: MoH's and norm's shared
+    heads), naming the fraction it would give instead."""
+    _BUDGET_FRACTION.check("condcomp.budget", fraction)
+    for name, host in hosts.items():
+        policy, H = host.condcomp_policy, host.layout.num_heads
+        k = int(budget_k(torch.tensor([float(fraction)]), H, int(getattr(policy, "k_min", 1)),
+                         getattr(policy, "rounding", "floor"))[0])
+        fewest = int(getattr(host.condcomp_router, "fewest_heads", 0))
+        if k < fewest:
+            router = getattr(type(host.condcomp_router), "registry_key", type(host.condcomp_router).__name__)
+            raise ValueError(f"condcomp.budget: fraction {fraction} asks {k} of the {H} heads of layer {name!r}, but "
+                             f"its {router} router always computes {fewest} heads (its shared heads), so the fraction "
+                             f"would be {fewest / H:g}, not {fraction}; ask for {fewest / H:g} or more, or wrap the "
+                             f"model with fewer shared_heads")

@@ -43,14 +43,13 @@ from condcomp.bench.kv_presets import (
     PASSKEY_FORMATS,
     PRESET_HELP,
     PRESETS,
-    TASK_ONLY,
     Preset,
     add_task_arguments,
     encoder,
     load,
     passkey_format,
-    refuse_other_task_options,
     separator_ids,
+    with_overrides,
 )
 from condcomp.bench.kv_text import add_text_arguments, choose_texts, staged_texts
 from condcomp.bench.kv_variants import (
@@ -352,11 +351,7 @@ def main(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     if args.prompts:
         preset = preset.at_lengths(tuple(args.prompts))
-    for field in ("decode_prompt", "decode_batch", "passkey_format", "task", "facts", "question_form",
-                  "question_in_context", "haystack_sep", "ppl_cases"):
-        if getattr(args, field) is not None:
-            preset = replace(preset, **{field: getattr(args, field)})
-    refuse_other_task_options(preset.task, [f for f, _, _ in TASK_ONLY if getattr(args, f) is not None])
+    preset = with_overrides(preset, args)
     if args.passkey_cases:
         counts = tuple(args.passkey_cases)
         preset = replace(preset, passkey_cases=counts[0] if len(counts) == 1 else counts)

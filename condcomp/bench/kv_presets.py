@@ -166,6 +166,20 @@ def refuse_other_task_options(task: str, given: Iterable[str]) -> None:
                          f"{'it' if len(wrong) == 1 else 'them'}")
 
 
+# the Preset fields bench kv's flags override (None: not given)
+OVERRIDES = ("decode_prompt", "decode_batch", "passkey_format", "task", "facts", "question_form", "question_in_context",
+             "haystack_sep", "ppl_cases")
+
+
+def with_overrides(preset: Preset, args: Any) -> Preset:
+    """``preset`` with the fields ``args`` (bench kv's parsed flags) give; a flag its task does not read is refused
+    (:func:`refuse_other_task_options`)."""
+    given = {f: getattr(args, f) for f in OVERRIDES if getattr(args, f) is not None}
+    preset = replace(preset, **given)
+    refuse_other_task_options(preset.task, given)
+    return preset
+
+
 def passkey_format(name: str, tok: Any) -> PasskeyFormat:
     """``copy``: the question ends with the needle's opening words (the key is what followed them); ``raw``: the
     classic passkey prompt as plain text; ``chat``: the same in the tokenizer's chat template (the
