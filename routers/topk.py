@@ -91,7 +91,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.validate_options(hidden=hidden, temperature=temperature, noise_std=noise_std, entropy_beta=entropy_beta,
                               train_mode=train_mode, mask_temperature=mask_temperature, gates=gates,
-                              init_scores=init_scores)
+                              init_scores=init_scores, stream_window=stream_window, stream_sinks=stream_sinks)
         self.d_model, self.num_heads = d_model, num_heads
         self.kv_groups = bool(kv_groups)
         # groups a request's plan does not keep get a streaming window in its KV cache instead of nothing
@@ -120,7 +120,8 @@ class TopKRouter(nn.Module):
     def validate_options(hidden: int | None = None, temperature: ScheduleSpec = DEFAULT_TEMPERATURE,
                          noise_std: ScheduleSpec = DEFAULT_NOISE, entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA,
                          train_mode: str = "straight_through", mask_temperature: float = 0.25, gates: str = "binary",
-                         init_scores: Sequence[float] | None = None, **_: Any) -> None:
+                         init_scores: Sequence[float] | None = None, stream_window: int | None = None,
+                         stream_sinks: int = 4, **_: Any) -> None:
         check_options("topk router", TopKRouter.options, {
             "hidden": hidden, "temperature": temperature, "noise_std": noise_std, "entropy_beta": entropy_beta,
             "mask_temperature": mask_temperature})
@@ -130,6 +131,10 @@ class TopKRouter(nn.Module):
             raise ValueError(f"topk router: gates must be one of {GATE_MODES}, got {gates!r}")
         if init_scores is not None:
             _check_scores(init_scores)
+        if stream_window is None and stream_sinks != 4:  # it would be ignored: without a window nothing streams
+            raise ValueError(f"topk router: stream_sinks={stream_sinks} applies only with stream_window (without it "
+                             "the groups a plan does not keep are dropped); set kv=('window', {'sinks': s, 'window': "
+                             "n}) instead")
 
     def _warm_start(self, init_scores: Sequence[float], units: int) -> None:
         """Output layer: weights 0, bias ``init_scores`` (the prior ranking, whatever the input)."""

@@ -173,10 +173,14 @@ OVERRIDES = ("decode_prompt", "decode_batch", "passkey_format", "task", "facts",
 
 def with_overrides(preset: Preset, args: Any) -> Preset:
     """``preset`` with the fields ``args`` (bench kv's parsed flags) give; a flag its task does not read is refused
-    (:func:`refuse_other_task_options`)."""
+    (:func:`refuse_other_task_options`), and so are the decode timing's sizes when nothing is timed."""
     given = {f: getattr(args, f) for f in OVERRIDES if getattr(args, f) is not None}
     preset = replace(preset, **given)
     refuse_other_task_options(preset.task, given)
+    timing = [f"--{f.replace('_', '-')}" for f in ("decode_prompt", "decode_batch") if f in given]
+    if getattr(args, "time_decode", None) == [] and timing:
+        raise ValueError(f"{', '.join(timing)} size the decode timing, and --time-decode without names times "
+                         "nothing; name the variants to time, or drop them")
     return preset
 
 

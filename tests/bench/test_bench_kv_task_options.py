@@ -1,4 +1,5 @@
-"""``bench kv``'s retrieval flags that one task reads are refused by name with the other task, never ignored.
+"""``bench kv``'s retrieval flags that one task reads are refused by name with the other task, never ignored; so are
+the decode timing's sizes when ``--time-decode`` names nothing to time.
 
 Before: ``--passkey-format chat`` with the facts task (the default), where no passkey prompt is built, was accepted
 and ignored, also on a tokenizer with no chat template. The oracle is the table below, written from what each task
@@ -48,6 +49,21 @@ def test_the_command_refuses_them_before_any_model_is_loaded(argv: list[str], fl
     assert cli.main(["bench", "kv", "--model", "tiny-llama", "--out", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err
     assert f"{flag}: only the" in err and "--task" in err
+
+
+@pytest.mark.parametrize("argv, named", [(["--time-decode", "--decode-batch", "4"], "--decode-batch"),
+                                         (["--decode-prompt", "64", "--time-decode"], "--decode-prompt")])
+def test_decode_timing_sizes_are_refused_when_nothing_is_timed(argv: list[str], named: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import condcomp.bench.kv as bench_kv
+
+    def no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(bench_kv, "run", no_run)
+    assert cli.main(["bench", "kv", "--model", "tiny-llama", "--out", str(tmp_path / "out"), *argv]) == 2
+    assert f"{named} size the decode timing, and --time-decode without names times nothing" in capsys.readouterr().err
 
 
 def test_chat_on_a_tokenizer_without_a_template_is_refused_with_the_passkey_task(

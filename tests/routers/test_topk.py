@@ -230,6 +230,14 @@ def test_warm_start_scores_are_checked() -> None:
     assert mlp(torch.randn(2, 3, D), None, budget, None).active.nonzero()[:, 1].tolist() == [6, 7, 6, 7]
 
 
+def test_stream_sinks_without_a_stream_window_is_refused_not_ignored() -> None:
+    # without stream_window nothing streams: stream_sinks=2 changed nothing and said nothing
+    with pytest.raises(ValueError, match="topk router: stream_sinks=2 applies only with stream_window"):
+        condcomp.CondCompConfig(router=("topk", {"stream_sinks": 2}))
+    with pytest.raises(ValueError, match="stream_sinks=2 applies only with stream_window"):
+        TopKRouter(num_heads=4, d_model=8, stream_sinks=2)
+
+
 @pytest.mark.parametrize("option", ["stream_window", "stream_sinks"])
 @pytest.mark.parametrize("bad", [True, 2.5, "8", -1])
 def test_stream_options_refuse_what_is_not_a_token_count(option: str, bad: Any) -> None:
