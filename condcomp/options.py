@@ -5,7 +5,8 @@ a class attribute ``options``; the registry checks them when it is built, before
 (:func:`checked_construction`), and when a config names it (``Registry.check_kwargs``), so a value that is not a
 number, not finite, out of its bounds, or a float or a bool where a whole count is meant, is one error naming the
 option, the component and what to pass. The command line's numbers (``condcomp.cli_args.finite_float`` /
-``integer``) and settings objects (``GatheredTuning``, ``TuneSettings``) go through the same check.
+``integer``), ``condcomp.budget``'s fraction and settings objects (``CondCompConfig``'s flags, ``GatheredTuning``,
+``StreamWindow``, ``TuneSettings``) go through the same check.
 
 >>> spec = count("budget", at_least=0, meaning="prompt tokens kept per group")
 >>> try:
@@ -29,7 +30,6 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Literal
 
 MAX_COUNT = 1 << 40  # tokens, heads, widths: beyond any model or context, and products with it stay inside int64
-
 MAX_WIDTH = 1 << 20  # a routing MLP's width: far above any model's (d_model <= 2**16), below an allocation that fails
 Kind = Literal["count", "real", "flag", "schedule"]
 
@@ -101,7 +101,7 @@ class Option:
             return self._schedule_problem(value)
         if self.kind == "count":
             if not isinstance(value, numbers.Integral):
-                return "not a whole number" if isinstance(value, numbers.Real) else "not a number"
+                return f"a {type(value).__name__}, not an int" if isinstance(value, numbers.Real) else "not a number"
             return "out of range" if self._outside(int(value)) else None
         if not isinstance(value, numbers.Real):
             return "not a number"
