@@ -48,7 +48,8 @@ HOSTILE = st.one_of(
               st.sampled_from(["linear", "cosine", "exponential"]), ENDS, ENDS),
 )
 COMPONENTS = [(registry, name, option) for registry in (POLICIES, ROUTERS, EXECUTORS, KV_POLICIES)
-              for name, cls in registry.entries() for option in declared_options(cls)]
+              for name, cls in registry.entries() if getattr(cls, "__module__", "").startswith("condcomp.")
+              for option in declared_options(cls)]
 SETTINGS = [(cls, label, option) for cls, label in ((condcomp.CondCompConfig, "CondCompConfig"),
                                                     (GatheredTuning, "GatheredTuning"), (StreamWindow, "StreamWindow"),
                                                     (TuneSettings, "tune-llm settings"))
