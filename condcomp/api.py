@@ -15,9 +15,10 @@ from torch import Tensor, nn
 
 from condcomp.adapters import find_adapter, load_integrations_for, supported_classes
 from condcomp.config import CondCompConfig
-from condcomp.host import RoutingHost, check_progress
+from condcomp.host import RoutingHost, check_budget_fraction, check_progress
 from condcomp.kv.choose import check_kv_support
 from condcomp.kv.selection import RequestPlan
+from condcomp.notices import Notices
 from condcomp.record import store_record_in_config
 from condcomp.registry import POLICIES
 from condcomp.routed import RoutedAttention, layer_facts, wrap_module
@@ -161,7 +162,8 @@ def _build_wrappers(model: nn.Module, config: CondCompConfig, chosen: list[str],
             adapter_cls = find_adapter(first)
             assert adapter_cls is not None
             shared = POLICIES.build(config.policy[0], config.policy[1], layer_facts(adapter_cls(first)))
-        return {name: wrap_module(model.get_submodule(name), config, shared, name) for name in chosen}
+        notices = Notices()  # the layers share it: each warning once per model, not once per layer
+        return {name: wrap_module(model.get_submodule(name), config, shared, name, notices) for name in chosen}
     except Exception:
         if not keep_preparation:
             for adapter_cls in adapter_classes:
@@ -352,7 +354,7 @@ def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     The policy's auxiliary losses are not computed inside the block. The budget is the model's, not the caller's:
     blocks nest and must close in the reverse order they opened (a block that closes while one opened inside it
     is still open, as generators or asyncio tasks holding blocks across their yields do, raises a RuntimeError);
-    give each concurrent stream of requests its own model copy.
+    give each concurrent stream of requests its own model copy. A fraction below a router's shared heads is refused.
 
     >>> import condcomp
     >>> model = nn.Sequential(condcomp.HeadAttention(16, 4))
@@ -362,8 +364,7 @@ def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     >>> condcomp.head_usage(model)["0"].k_frac
     0.5
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
-        raise ValueError(f"condcomp.budget: fraction must be a number in [0, 1], got {fraction!r}")
+    check_budget_fraction(routing_hosts(model), fraction)
     with _hosts_set(model, "budget_fraction", float(fraction), "condcomp.budget"):
         yield model
 

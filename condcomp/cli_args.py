@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
+
+from condcomp.options import Option
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -120,56 +121,49 @@ def folders_with(folders: Iterable[Path | None], pattern: str, flags: str, what:
 
 
 
-def _range_words(above: float | None, at_least: float | None, below: float | None, at_most: float | None) -> str:
-    parts = [f"> {above:g}" if above is not None else "", f">= {at_least:g}" if at_least is not None else "",
-             f"< {below:g}" if below is not None else "", f"<= {at_most:g}" if at_most is not None else ""]
-    return " and ".join(p for p in parts if p)
+def _number_type(option: Option, text_kind: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses with ``convert`` and checks with ``option`` (:mod:`condcomp.options`, the
+    check every component's numeric options go through)."""
 
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {text_kind}") from None
+        why = option.problem(value)
+        if why is None:
+            return value
+        if why.startswith("not finite"):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {option.wanted()}")
+        raise argparse.ArgumentTypeError(f"{text} is out of range; pass {option.wanted()}")
 
-def _check_range(value: float, text: str, kind: str, above: float | None, at_least: float | None,
-                 below: float | None, at_most: float | None) -> None:
-    wanted = _range_words(above, at_least, below, at_most)
-    outside = ((above is not None and not value > above) or (at_least is not None and not value >= at_least)
-               or (below is not None and not value < below) or (at_most is not None and not value <= at_most))
-    if outside:
-        raise argparse.ArgumentTypeError(f"{text} is out of range; pass {kind} {wanted}")
+    return parse
 
 
 def finite_float(above: float | None = None, at_least: float | None = None, below: float | None = None,
                  at_most: float | None = None) -> Callable[[str], float]:
     """An argparse ``type``: a finite number within the bounds given (``above``/``below`` exclusive,
     ``at_least``/``at_most`` inclusive); ``nan``, ``inf`` and anything outside are refused, naming the range."""
-    kind = "a finite number"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        wanted = _range_words(above, at_least, below, at_most)
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number; pass {kind}"
-                                             + (f" {wanted}" if wanted else ""))
-        _check_range(value, text, kind, above, at_least, below, at_most)
-        return value
-
+    parse = _number_type(Option("value", "real", at_least=at_least, above=above, at_most=at_most, below=below),
+                         "a number", float)
     parse.__name__ = "finite_float"
     return parse
 
 
 def integer(at_least: int | None = None, at_most: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number within ``[at_least, at_most]`` (either bound optional)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        _check_range(value, text, "a whole number", None, at_least, None, at_most)
-        return value
-
+    """An argparse ``type``: a whole number within ``[at_least, at_most]`` (``at_most`` default
+    :data:`condcomp.options.MAX_COUNT`, 2**40: every count a command takes is far below it)."""
+    parse = _number_type(Option("value", "count", at_least=at_least, at_most=at_most), "a whole number", int)
     parse.__name__ = "integer"
     return parse
+
+
+def option_type(option: Option) -> Callable[[str], Any]:
+    """The argparse ``type`` of a declared :class:`~condcomp.options.Option` (a count or a finite number)."""
+    if option.kind == "count":
+        return integer(at_least=None if option.at_least is None else int(option.at_least),
+                       at_most=None if option.at_most is None else int(option.at_most))
+    return finite_float(above=option.above, at_least=option.at_least, below=option.below, at_most=option.at_most)
 
 
 def component(role: str) -> Callable[[str], str]:

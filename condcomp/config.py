@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from condcomp.kv.choose import build_kv_policy
+from condcomp.options import Option, check_fields, flag
 from condcomp.registry import EXECUTORS, KV_POLICIES, POLICIES, ROUTERS
 
 ComponentSpec = str | tuple[str, dict[str, Any]] | list[Any]
@@ -72,8 +73,10 @@ class CondCompConfig:
     share_policy: bool = False
     check_inputs: bool = False
     kv: Any = "drop"
+    options: ClassVar[tuple[Option, ...]] = (flag("share_policy"), flag("check_inputs"))
 
     def __post_init__(self) -> None:
+        check_fields(self, "CondCompConfig")  # "false" would be a true flag
         self.policy = normalize_spec(self.policy, "policy")
         self.router = normalize_spec(self.router, "router")
         POLICIES.check_kwargs(*self.policy)

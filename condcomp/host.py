@@ -24,6 +24,8 @@ from torch import Tensor, nn
 
 from condcomp.flops import dense_flops, flop_fraction, plan_flops, routing_flops
 from condcomp.kv.selection import decision_mask
+from condcomp.notices import Notices
+from condcomp.options import real
 from condcomp.plans import budget_k, budget_k_bound, plan_from_active
 from condcomp.types import AttentionWeights, Budget, HeadLayout, HeadPlan, HeadUsage
 from condcomp.versions import tensor_version
@@ -92,6 +94,14 @@ class RoutingHost(nn.Module):
         self.prompt_len: int | None = None  # set by condcomp.plan_from_prompt: sequence plans see the prompt only
         self.budget_fraction: float | None = None  # set by condcomp.budget: every row keeps this fraction
         self._keep_routing_float32()
+
+    @property
+    def notices(self) -> Notices:
+        """The warnings this layer's model was already given (``apply_`` shares one among the layers it wraps)."""
+        notices = self.__dict__.get("condcomp_notices")
+        if notices is None:
+            notices = self.__dict__["condcomp_notices"] = Notices()
+        return notices
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A module pickled with a per-module plan store loads without it (a request's plan lives in its KV cache);
@@ -258,3 +268,24 @@ class RoutingHost(nn.Module):
 def detached(plan: HeadPlan) -> HeadPlan:
     """The plan without autograd history or auxiliary losses (what ``head_usage`` keeps)."""
     return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {}, plan.k_cap)
+
+
+_BUDGET_FRACTION = real("fraction", at_least=0, at_most=1, meaning="of each layer's heads")
+
+
+def check_budget_fraction(hosts: dict[str, RoutingHost], fraction: float) -> None:
+    """Refuse a ``condcomp.budget`` fraction that is not a number in [0, 1], or that a layer of ``hosts`` (by name)
+    cannot give: fewer heads than its router always computes (a router's ``fewest_heads``: MoH's and norm's shared
+    heads), naming the fraction it would give instead."""
+    _BUDGET_FRACTION.check("condcomp.budget", fraction)
+    for name, host in hosts.items():
+        policy, H = host.condcomp_policy, host.layout.num_heads
+        k = int(budget_k(torch.tensor([float(fraction)]), H, int(getattr(policy, "k_min", 1)),
+                         getattr(policy, "rounding", "floor"))[0])
+        fewest = int(getattr(host.condcomp_router, "fewest_heads", 0))
+        if k < fewest:
+            router = getattr(type(host.condcomp_router), "registry_key", type(host.condcomp_router).__name__)
+            raise ValueError(f"condcomp.budget: fraction {fraction} asks {k} of the {H} heads of layer {name!r}, but "
+                             f"its {router} router always computes {fewest} heads (its shared heads), so the fraction "
+                             f"would be {fewest / H:g}, not {fraction}; ask for {fewest / H:g} or more, or wrap the "
+                             f"model with fewer shared_heads")

@@ -6,6 +6,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from condcomp.options import check_options, checked_construction, declared_options, owner_name
+
 T = TypeVar("T")
 
 # Layer facts a component constructor may ask for by naming them as keyword parameters.
@@ -13,7 +15,10 @@ LAYER_FACTS = ("d_model", "num_heads", "num_kv_heads", "head_dim")
 
 
 class Registry(Generic[T]):
-    """A name -> component-class table with clear errors for unknown keys and bad kwargs."""
+    """A name -> component-class table with clear errors for unknown keys and bad kwargs.
+
+    A class that declares numeric options (``options = (condcomp.options.count("budget"), ...)``, see
+    :mod:`condcomp.options`) has them checked when a config names it and whenever it is built."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -32,6 +37,8 @@ class Registry(Generic[T]):
                 obj.registry_key = key  # type: ignore[attr-defined]
             except (AttributeError, TypeError):
                 pass
+            if isinstance(obj, type) and declared_options(obj):
+                checked_construction(obj, self.role)  # its declared options are checked whenever it is built
             return obj
 
         return decorator
@@ -62,6 +69,7 @@ class Registry(Generic[T]):
             if not takes_any and key not in params:
                 valid = [p for p in params if p not in LAYER_FACTS and p != "self"]
                 raise TypeError(f"{self.role} {name!r} has no option {key!r}; its options are: {valid}")
+        check_options(owner_name(cls, self.role), declared_options(cls), kwargs)
         validate = getattr(cls, "validate_options", None)
         if callable(validate):
             validate(**kwargs)

@@ -14,6 +14,7 @@ from condcomp.config import CondCompConfig
 from condcomp.executors.auto import resolve_executor
 from condcomp.held_plans import KVSelection
 from condcomp.host import RoutingHost
+from condcomp.notices import Notices
 from condcomp.projections import ProjectionError
 from condcomp.registry import POLICIES, ROUTERS
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
@@ -114,7 +115,7 @@ class RoutedAttention(RoutingHost):
         weights = self.weights()
         if plan is None:
             plan = self.route(inputs.x, inputs.mask, weights, inputs.num_keys, condition)
-        executor = resolve_executor(self.executor, weights, inputs, plan)
+        executor = resolve_executor(self.executor, weights, inputs, plan, notices=self.notices)
         if self.last is not None:  # which executor (and gathered strategy) ran: HeadUsage reports it
             self.last = replace(self.last, executor=getattr(executor, "name", None),
                                 strategy=getattr(executor, "strategy", None))
@@ -247,12 +248,16 @@ def build_routing(config: CondCompConfig, adapter: Any, device: torch.device, na
     return policy, router
 
 
-def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module") -> RoutedAttention:
-    """One supported attention module -> RoutedAttention (components built from ``config``)."""
+def wrap_module(module: nn.Module, config: CondCompConfig, policy: Any = None, name: str = "module",
+                notices: Notices | None = None) -> RoutedAttention:
+    """One supported attention module -> RoutedAttention (components built from ``config``); ``notices``: the
+    warnings already given, shared with the model's other layers (default: its own)."""
     adapter = read_adapter(module, name)
     policy, router = build_routing(config, adapter, module_device(module), name, policy)
     routed = RoutedAttention(module, adapter, policy, router, config.executor, config.check_inputs)
     # What built it, so saving needs no config passed back in (a copy: editing the caller's config object later
     # must not change what a save writes).
     routed.condcomp_config = copy.deepcopy(config)
+    if notices is not None:
+        routed.__dict__["condcomp_notices"] = notices
     return routed

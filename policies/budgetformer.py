@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from condcomp.options import MAX_WIDTH, Option, check_options, count, flag, real
 from condcomp.plans import Rounding, budget_k, budget_k_bound
 from condcomp.registry import register_policy
 from condcomp.relaxations import masked_mean, rows_with_tokens, weighted_mean
@@ -28,23 +29,28 @@ def budget_hinge(s: Tensor, s_min: float, s_max: float, mask: Tensor | None = No
     return weighted_mean(per_row, mask)
 
 
+# BudgetFormer's numeric options, checked for every BudgetFormer policy by the one option check (condcomp.options)
+BUDGET_OPTIONS: tuple[Option, ...] = (
+    real("s_min", at_least=0, at_most=1, meaning="the budget interval's low end"),
+    real("s_max", at_least=0, at_most=1, meaning="the budget interval's high end"),
+    real("budget_weight", at_least=0, meaning="the hinge's weight"),
+    count("hidden", at_least=1, at_most=MAX_WIDTH, optional=True, meaning="MLP width; None: max(16, d_model // 4)"),
+    real("init_s", above=0, below=1, meaning="a sigmoid output"),
+    count("k_min", meaning="fewest heads per row"),
+    flag("cap_at_s_max", meaning="cap k at floor(s_max * H)"),
+)
+
+
 def validate_budget_options(owner: str, s_min: float, s_max: float, init_s: float, budget_weight: float,
                             k_min: int, rounding: str, hidden: int | None) -> None:
-    """Shared checks of the BudgetFormer policies' options (clear errors at config time)."""
-    if not (0.0 <= s_min <= 1.0 and 0.0 <= s_max <= 1.0):
-        raise ValueError(f"{owner}: s_min and s_max must lie in [0, 1], got s_min={s_min}, s_max={s_max}")
+    """Shared checks of the BudgetFormer policies' options (clear errors at config time): each number by
+    :data:`BUDGET_OPTIONS`, then the interval and the rounding."""
+    check_options(owner, BUDGET_OPTIONS, {"s_min": s_min, "s_max": s_max, "init_s": init_s,
+                                          "budget_weight": budget_weight, "k_min": k_min, "hidden": hidden})
     if s_min > s_max:
         raise ValueError(f"{owner}: s_min={s_min} is greater than s_max={s_max}; the budget interval is empty")
-    if not 0.0 < init_s < 1.0:
-        raise ValueError(f"{owner}: init_s must be strictly inside (0, 1) (it is a sigmoid output), got {init_s}")
-    if budget_weight < 0:
-        raise ValueError(f"{owner}: budget_weight must be >= 0, got {budget_weight}")
-    if k_min < 0:
-        raise ValueError(f"{owner}: k_min must be >= 0, got {k_min}")
     if rounding not in ("floor", "ceil", "round"):
         raise ValueError(f"{owner}: rounding must be 'floor', 'ceil' or 'round', got {rounding!r}")
-    if hidden is not None and hidden < 1:
-        raise ValueError(f"{owner}: hidden must be a positive width or None (d_model // 4, at least 16), got {hidden}")
 
 
 class BudgetMLP(nn.Module):
@@ -98,6 +104,7 @@ class BudgetFormerPolicy(nn.Module):
     """
 
     label = "budgetformer policy"  # how errors name it (the per-token subclass has its own)
+    options: ClassVar[tuple[Option, ...]] = BUDGET_OPTIONS
 
     def __init__(self, d_model: int, num_heads: int, s_min: float = 0.1, s_max: float = 0.9,
                  budget_weight: float = 10.0, hidden: int | None = None, init_s: float = 0.6, k_min: int = 1,

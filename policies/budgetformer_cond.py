@@ -3,10 +3,13 @@ timestep and class embedding): a budget that can follow the noise level."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from condcomp.policies.budgetformer import BudgetFormerPolicy, BudgetMLP
 from torch import Tensor, nn
 
+from condcomp.options import MAX_WIDTH, Option, count
 from condcomp.plans import Rounding
 from condcomp.registry import register_policy
 from condcomp.relaxations import masked_mean
@@ -33,6 +36,9 @@ class ConditionedBudgetPolicy(BudgetFormerPolicy):
     """
 
     label = "budgetformer_cond policy"
+    options: ClassVar[tuple[Option, ...]] = (
+        *BudgetFormerPolicy.options,
+        count("condition_dim", at_least=1, at_most=MAX_WIDTH, optional=True, meaning="Dc; None: d_model"))
     reads_condition = True
 
     def __init__(self, d_model: int, num_heads: int, condition_dim: int | None = None, s_min: float = 0.1,
@@ -40,8 +46,6 @@ class ConditionedBudgetPolicy(BudgetFormerPolicy):
                  k_min: int = 1, rounding: Rounding = "floor", cap_at_s_max: bool = False) -> None:
         super().__init__(d_model, num_heads, s_min=s_min, s_max=s_max, budget_weight=budget_weight, hidden=hidden,
                          init_s=init_s, k_min=k_min, rounding=rounding, cap_at_s_max=cap_at_s_max)
-        if condition_dim is not None and int(condition_dim) < 1:
-            raise ValueError(f"{self.label}: condition_dim must be a positive width, got {condition_dim}")
         self.d_model = d_model
         self.condition_dim = int(condition_dim or d_model)
         self.mlp = BudgetMLP(d_model + self.condition_dim, hidden or max(16, d_model // 4), init_s)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
+from condcomp.options import Option, check_options, count, flag, real
 from condcomp.plans import Rounding, budget_k, budget_k_bound
 from condcomp.registry import register_policy
 from condcomp.types import Budget
@@ -21,6 +24,12 @@ class FixedPolicy(nn.Module):
     [2, 2]
     """
 
+    options: ClassVar[tuple[Option, ...]] = (
+        real("fraction", at_least=0, at_most=1, meaning="of the layer's heads"),
+        count("k_min", meaning="fewest heads per row"),
+        flag("per_token", meaning="one budget per token"),
+    )
+
     def __init__(self, num_heads: int, fraction: float = 0.5, k_min: int = 1, rounding: Rounding = "floor",
                  per_token: bool = False) -> None:
         super().__init__()
@@ -32,10 +41,7 @@ class FixedPolicy(nn.Module):
 
     @staticmethod
     def validate_options(fraction: float = 0.5, k_min: int = 1, rounding: str = "floor", **_: object) -> None:
-        if not 0.0 <= float(fraction) <= 1.0:
-            raise ValueError(f"fixed policy: fraction must be in [0, 1], got {fraction}")
-        if k_min < 0:
-            raise ValueError(f"fixed policy: k_min must be >= 0, got {k_min}")
+        check_options("fixed policy", FixedPolicy.options, {"fraction": fraction, "k_min": k_min})
         if rounding not in ("floor", "ceil", "round"):
             raise ValueError(f"fixed policy: rounding must be 'floor', 'ceil' or 'round', got {rounding!r}")
 

@@ -3,11 +3,12 @@ two-stage weights and the load-balance loss."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from condcomp.options import Option, check_options, count, flag, real
 from condcomp.plans import plan_from_active, top_k_mask
 from condcomp.registry import register_router
 from condcomp.relaxations import soft_threshold, soft_topk_mask
@@ -36,12 +37,15 @@ def resolve_heads(owner: str, num_heads: int, shared_heads: int | None, top_k: i
     return hs, K
 
 
+HEAD_OPTIONS: tuple[Option, ...] = (
+    count("shared_heads", optional=True, meaning="heads always on; None: H // 2"),
+    count("top_k", optional=True, meaning="routed heads per token; None: (H - shared_heads) // 2"),
+)
+
+
 def check_head_options(owner: str, shared_heads: int | None, top_k: int | None) -> None:
     """Config-time checks that do not need the layer's head count."""
-    if shared_heads is not None and shared_heads < 0:
-        raise ValueError(f"{owner}: shared_heads must be >= 0, got {shared_heads}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"{owner}: top_k must be >= 0, got {top_k}")
+    check_options(owner, HEAD_OPTIONS, {"shared_heads": shared_heads, "top_k": top_k})
     if shared_heads == 0 and top_k == 0:
         raise ValueError(f"{owner}: top_k = 0 with no shared heads leaves every token without heads; "
                          "set shared_heads > 0 or top_k > 0")
@@ -98,6 +102,13 @@ class MoHRouter(nn.Module):
     """
 
     granularity = "token"
+    options: ClassVar[tuple[Option, ...]] = (
+        *HEAD_OPTIONS,
+        flag("two_stage", meaning="the shared/routed stage weights"),
+        real("load_balance", at_least=0, meaning="the load-balance loss weight beta"),
+        real("mask_temperature", above=0, meaning="the soft top-k mask's temperature"),
+        count("balance_layers", at_least=1, optional=True, meaning="layers routed by MoH, for balance='released'"),
+    )
 
     def __init__(self, d_model: int, num_heads: int, shared_heads: int | None = None, top_k: int | None = None,
                  gate_norm: str = "released", two_stage: bool = True, gates: str = "weighted",
@@ -128,10 +139,9 @@ class MoHRouter(nn.Module):
             raise ValueError(f"moh router: gate_norm must be one of {GATE_NORMS}, got {gate_norm!r}")
         if gates not in MOH_GATES:
             raise ValueError(f"moh router: gates must be one of {MOH_GATES}, got {gates!r}")
-        if load_balance < 0:
-            raise ValueError(f"moh router: load_balance (beta) must be >= 0, got {load_balance}")
-        if mask_temperature <= 0:
-            raise ValueError(f"moh router: mask_temperature must be positive, got {mask_temperature}")
+        check_options("moh router", MoHRouter.options, {"load_balance": load_balance,
+                                                        "mask_temperature": mask_temperature,
+                                                        "balance_layers": balance_layers})
         if balance not in BALANCES:
             raise ValueError(f"moh router: balance must be one of {BALANCES}, got {balance!r}")
         if balance == "released" and (balance_layers is None or int(balance_layers) < 1):
@@ -193,6 +203,12 @@ class MoHRouter(nn.Module):
             hard = selected.float()
             gates = hard + (gates - gates.detach()) if self.training else hard
         return plan_from_active(active, gates, aux)
+
+    @property
+    def fewest_heads(self) -> int:
+        """Heads computed for every real token whatever the budget (the shared ones): ``condcomp.budget`` refuses a
+        fraction below them."""
+        return self.shared_heads
 
     def routing_flops(self, T: int) -> float:
         """Per example: the three gate projections on every token (softmax and top-k ignored)."""

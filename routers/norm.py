@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from condcomp.options import Option, flag
 from condcomp.plans import plan_from_active, top_k_mask
 from condcomp.registry import register_router
 from condcomp.types import AttentionWeights, Budget, HeadPlan
 
-from .moh import check_head_options, resolve_heads, routed_counts
+from .moh import HEAD_OPTIONS, check_head_options, resolve_heads, routed_counts
 
 
 @register_router("norm")
@@ -35,6 +36,7 @@ class QueryNormRouter(nn.Module):
     """
 
     granularity = "token"
+    options: ClassVar[tuple[Option, ...]] = (*HEAD_OPTIONS, flag("straight_through", meaning="gradient to the queries"))
 
     def __init__(self, num_heads: int, shared_heads: int | None = None, top_k: int | None = None,
                  straight_through: bool = True) -> None:
@@ -66,6 +68,12 @@ class QueryNormRouter(nn.Module):
             surrogate = torch.cat([torch.zeros_like(shared, dtype=probs.dtype), probs], dim=-1)
             gates = gates + (surrogate - surrogate.detach())
         return plan_from_active(active, gates)
+
+    @property
+    def fewest_heads(self) -> int:
+        """Heads computed for every real token whatever the budget (the shared ones): ``condcomp.budget`` refuses a
+        fraction below them."""
+        return self.shared_heads
 
     def routing_flops(self, T: int) -> float:
         """Per example: the routed heads' queries are computed anyway; the norms cost 2 * Dh per (token, head)."""

@@ -5,16 +5,17 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
 from condcomp.kv.window import StreamWindow
+from condcomp.options import MAX_WIDTH, Option, check_options, count, flag, real, schedule
 from condcomp.plans import plan_from_active, plan_top_k, top_k_mask
 from condcomp.registry import register_router
 from condcomp.relaxations import entropy, masked_mean, rows_with_tokens, soft_threshold, soft_topk_mask
-from condcomp.schedules import ScheduleSpec, make_schedule, schedule_range
+from condcomp.schedules import ScheduleSpec, make_schedule
 from condcomp.types import AttentionWeights, Budget, HeadPlan
 
 TrainMode = Literal["straight_through", "soft_topk", "budget_scaled"]
@@ -70,6 +71,16 @@ class TopKRouter(nn.Module):
     """
 
     granularity = "sequence"
+    options: ClassVar[tuple[Option, ...]] = (
+        count("hidden", at_least=1, at_most=MAX_WIDTH, optional=True, meaning="scorer MLP width; None: linear"),
+        schedule("temperature", above=0, meaning="the softmax temperature over training"),
+        schedule("noise_std", at_least=0, meaning="the score noise over training"),
+        schedule("entropy_beta", meaning="the entropy term's weight over training"),
+        real("mask_temperature", above=0, meaning="the soft top-k mask's temperature"),
+        flag("kv_groups", meaning="score whole key/value groups"),
+        count("stream_window", at_least=1, optional=True, meaning="recent tokens a streamed group keeps"),
+        count("stream_sinks", meaning="first tokens a streamed group keeps"),
+    )
 
     def __init__(self, d_model: int, num_heads: int, hidden: int | None = None,
                  temperature: ScheduleSpec = DEFAULT_TEMPERATURE, noise_std: ScheduleSpec = DEFAULT_NOISE,
@@ -80,7 +91,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.validate_options(hidden=hidden, temperature=temperature, noise_std=noise_std, entropy_beta=entropy_beta,
                               train_mode=train_mode, mask_temperature=mask_temperature, gates=gates,
-                              init_scores=init_scores)
+                              init_scores=init_scores, stream_window=stream_window, stream_sinks=stream_sinks)
         self.d_model, self.num_heads = d_model, num_heads
         self.kv_groups = bool(kv_groups)
         # groups a request's plan does not keep get a streaming window in its KV cache instead of nothing
@@ -109,25 +120,21 @@ class TopKRouter(nn.Module):
     def validate_options(hidden: int | None = None, temperature: ScheduleSpec = DEFAULT_TEMPERATURE,
                          noise_std: ScheduleSpec = DEFAULT_NOISE, entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA,
                          train_mode: str = "straight_through", mask_temperature: float = 0.25, gates: str = "binary",
-                         init_scores: Sequence[float] | None = None, **_: Any) -> None:
-        if hidden is not None and hidden < 1:
-            raise ValueError(f"topk router: hidden must be a positive width or None (linear scorer), got {hidden}")
-        low, _high = schedule_range(make_schedule(temperature, "temperature"))
-        if low <= 0:
-            raise ValueError(f"topk router: the temperature must stay positive over training, got {temperature!r} "
-                             f"(minimum {low})")
-        low, _high = schedule_range(make_schedule(noise_std, "noise_std"))
-        if low < 0:
-            raise ValueError(f"topk router: noise_std must stay >= 0 over training, got {noise_std!r}")
-        make_schedule(entropy_beta, "entropy_beta")
+                         init_scores: Sequence[float] | None = None, stream_window: int | None = None,
+                         stream_sinks: int = 4, **_: Any) -> None:
+        check_options("topk router", TopKRouter.options, {
+            "hidden": hidden, "temperature": temperature, "noise_std": noise_std, "entropy_beta": entropy_beta,
+            "mask_temperature": mask_temperature})
         if train_mode not in TRAIN_MODES:
             raise ValueError(f"topk router: train_mode must be one of {TRAIN_MODES}, got {train_mode!r}")
-        if mask_temperature <= 0:
-            raise ValueError(f"topk router: mask_temperature must be positive, got {mask_temperature}")
         if gates not in GATE_MODES:
             raise ValueError(f"topk router: gates must be one of {GATE_MODES}, got {gates!r}")
         if init_scores is not None:
             _check_scores(init_scores)
+        if stream_window is None and stream_sinks != 4:  # it would be ignored: without a window nothing streams
+            raise ValueError(f"topk router: stream_sinks={stream_sinks} applies only with stream_window (without it "
+                             "the groups a plan does not keep are dropped); set kv=('window', {'sinks': s, 'window': "
+                             "n}) instead")
 
     def _warm_start(self, init_scores: Sequence[float], units: int) -> None:
         """Output layer: weights 0, bias ``init_scores`` (the prior ranking, whatever the input)."""

@@ -49,6 +49,7 @@ from condcomp.bench.kv_presets import (
     load,
     passkey_format,
     separator_ids,
+    with_overrides,
 )
 from condcomp.bench.kv_text import add_text_arguments, choose_texts, staged_texts
 from condcomp.bench.kv_variants import (
@@ -350,10 +351,7 @@ def main(args: argparse.Namespace) -> int:
     preset = PRESETS[args.preset]
     if args.prompts:
         preset = preset.at_lengths(tuple(args.prompts))
-    for field in ("decode_prompt", "decode_batch", "passkey_format", "task", "facts", "question_form",
-                  "question_in_context", "haystack_sep", "ppl_cases"):
-        if getattr(args, field) is not None:
-            preset = replace(preset, **{field: getattr(args, field)})
+    preset = with_overrides(preset, args)
     if args.passkey_cases:
         counts = tuple(args.passkey_cases)
         preset = replace(preset, passkey_cases=counts[0] if len(counts) == 1 else counts)

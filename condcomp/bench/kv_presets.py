@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -146,6 +147,41 @@ def encoder(tok: Any) -> Any:
 def separator_ids(preset: Preset, sep_id: int, tok: Any) -> list[int]:
     """The token ids between two haystack documents: ``sep_id`` (the tokenizer's separator) or a blank line."""
     return [sep_id] if preset.separator() == "eos" else list(encoder(tok)("\n\n"))
+
+
+# bench kv's retrieval flags that apply to one task only: (Preset field, the task it applies to, the flag)
+TASK_ONLY = (("passkey_format", "passkey", "--passkey-format"), ("facts", "facts", "--facts"),
+             ("question_form", "facts", "--question-form"), ("question_in_context", "facts", "--question-in-context"))
+
+
+def refuse_other_task_options(task: str, given: Iterable[str]) -> None:
+    """Refuse, by name, flags in ``given`` (Preset fields set on the command line) that the ``task`` does not read:
+    a run would ignore them (``--passkey-format chat`` with the facts task, where no passkey prompt is built)."""
+    wrong = [(flag, applies) for field, applies, flag in TASK_ONLY if field in set(given) and applies != task]
+    if wrong:
+        other = wrong[0][1]
+        flags = ", ".join(flag for flag, _ in wrong)
+        raise ValueError(f"{flags}: only the {other} task reads {'it' if len(wrong) == 1 else 'them'}, and this run's "
+                         f"task is {task} (--task, or the preset's); pass --task {other}, or drop "
+                         f"{'it' if len(wrong) == 1 else 'them'}")
+
+
+# the Preset fields bench kv's flags override (None: not given)
+OVERRIDES = ("decode_prompt", "decode_batch", "passkey_format", "task", "facts", "question_form", "question_in_context",
+             "haystack_sep", "ppl_cases")
+
+
+def with_overrides(preset: Preset, args: Any) -> Preset:
+    """``preset`` with the fields ``args`` (bench kv's parsed flags) give; a flag its task does not read is refused
+    (:func:`refuse_other_task_options`), and so are the decode timing's sizes when nothing is timed."""
+    given = {f: getattr(args, f) for f in OVERRIDES if getattr(args, f) is not None}
+    preset = replace(preset, **given)
+    refuse_other_task_options(preset.task, given)
+    timing = [f"--{f.replace('_', '-')}" for f in ("decode_prompt", "decode_batch") if f in given]
+    if getattr(args, "time_decode", None) == [] and timing:
+        raise ValueError(f"{', '.join(timing)} size the decode timing, and --time-decode without names times "
+                         "nothing; name the variants to time, or drop them")
+    return preset
 
 
 def passkey_format(name: str, tok: Any) -> PasskeyFormat:

@@ -17,12 +17,12 @@ executor that cannot read it is replaced by ``kv_cache`` for such calls, with on
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from condcomp.notices import Notices
 from condcomp.protocols import Estimate
 from condcomp.registry import EXECUTORS
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
@@ -94,13 +94,14 @@ def _pool() -> list[Any]:
 
 
 def choose(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
-           pool: list[Any] | None = None) -> Choice:
+           pool: list[Any] | None = None, notices: Notices | None = None) -> Choice:
     """The executor to run this call and why; raises with every rejection and its reason when none can.
-    ``pool``: the executors ``auto`` chooses among (default: every registered one)."""
+    ``pool``: the executors ``auto`` chooses among (default: every registered one); ``notices``: the warnings
+    already given (a named executor replaced on a cached call is announced once per ``notices``)."""
     if name != "auto":
         executor = get_executor(name)
         if cache_rejection(executor, inputs) is not None:
-            return _cache_replacement(executor.name, weights, inputs, plan)
+            return _cache_replacement(executor.name, weights, inputs, plan, notices)
         reason = rejection(executor, weights, inputs, plan)
         if reason is not None:
             raise RuntimeError(f"executor {name!r} cannot run this call: {reason}")
@@ -137,24 +138,20 @@ def choose(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: 
     return choice
 
 
-_WARNED: set[str] = set()  # executors whose replacement on cached calls was announced (once each)
-
-
-def _cache_replacement(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Choice:
-    """``kv_cache`` for a cached call the named executor cannot read, announced once per executor."""
+def _cache_replacement(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
+                       notices: Notices | None) -> Choice:
+    """``kv_cache`` for a cached call the named executor cannot read, announced once per executor and ``notices``."""
     why = (f"{name!r} cannot read a decoder request's compact KV cache (only the key/value groups the plan keeps "
            f"are cached): {CACHE_EXECUTOR!r} runs the cached calls instead. To compare {name!r} with it on the same "
            "plans, run without a cache (use_cache=False, inside condcomp.plan_from_prompt for generate)")
-    if name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(why, UserWarning, stacklevel=4)
+    (notices or Notices()).warn_once(name, why, stacklevel=4)
     choice = choose(CACHE_EXECUTOR, weights, inputs, plan)
     choice.verdicts = [(name, f"cannot run: {why}"), *choice.verdicts]
     return choice
 
 
 def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
-                     pool: list[Any] | None = None) -> Any:
+                     pool: list[Any] | None = None, notices: Notices | None = None) -> Any:
     """The executor to run this call (called as ``executor(weights, inputs, plan)``; its ``name`` and, for the
     gathered executor, ``strategy`` say what runs); raises with every rejection and its reason when none can.
 
@@ -174,7 +171,7 @@ def resolve_executor(name: str, weights: AttentionWeights, inputs: AttentionInpu
         executor = _sole_cache_reader()
         if executor is not None and rejection(executor, weights, inputs, plan) is None:
             return executor.prepare(weights, inputs, plan)
-    return choose(name, weights, inputs, plan, pool).run
+    return choose(name, weights, inputs, plan, pool, notices).run
 
 
 # (the registry's entries, what _sole_cache_reader answered for them): derived again when the registry changes

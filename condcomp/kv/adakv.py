@@ -18,11 +18,13 @@ policy's slots hold a group of that row (:attr:`~condcomp.kv.selection.KVSelecti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from condcomp.kv.snapkv import SnapKV, best_per_group, check_options, whole_share
+from condcomp.kv.snapkv import SNAP_OPTIONS, SnapKV, best_per_group, check_options, whole_share
+from condcomp.options import Option, count, real
 from condcomp.registry import register_kv_policy
 
 
@@ -40,15 +42,14 @@ class AdaKV(SnapKV):
 
     window: int | None = None
     floor: float = 0.2
+    options: ClassVar[tuple[Option, ...]] = (
+        *SNAP_OPTIONS,
+        count("window", optional=True, meaning="recent prompt tokens kept whole; None: observe"),
+        real("floor", at_least=0, at_most=1, meaning="each group's guaranteed share of the budget"),
+    )
 
     def __post_init__(self) -> None:
         check_options("adakv", self)
-        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
-                                        or self.window < 0):
-            raise ValueError(f"adakv: window must be an int >= 0 (recent prompt tokens kept), got {self.window!r}")
-        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)) or not 0 <= self.floor <= 1:
-            raise ValueError(f"adakv: floor must be a number in [0, 1] (each group's guaranteed share of the "
-                             f"budget), got {self.floor!r}")
 
     @property
     def recent(self) -> int:

@@ -113,10 +113,17 @@ class CompactLayer:
         self.condcomp_windows = None
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a negative count, transformers' form), or keep the first
+        ``tokens_to_remove`` (a positive value: transformers' legacy absolute length; nothing when the layer holds no
+        more), whatever the inner layer's own rule for positive values."""
         if torch.compiler.is_compiling():
             raise RuntimeError("a condcomp KV cache layer's crop() cannot run inside torch.compile: it reads the "
                                "tokens left on the host (a request's plan is dropped with its last token); crop "
                                "between compiled steps, as generate() does")
+        if tokens_to_remove > 0:  # an absolute length: as a count, which every transformers layer takes
+            tokens_to_remove = -max(self.held_tokens() - int(tokens_to_remove), 0)
+            if tokens_to_remove == 0:
+                return
         windows, policy = self.condcomp_windows, held_policy(self)
         if windows is not None and policy is not None:
             windows = policy.crop(windows, abs(tokens_to_remove))  # refused before anything changes

@@ -30,6 +30,7 @@ from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguou
 from condcomp.kv.snap_quant import QuantizedSnapState
 from condcomp.kv.window import first_call_completes_prompt, first_call_tail, query_positions
 from condcomp.kv.window_quant import WindowCodec
+from condcomp.options import Option, check_fields, count, real
 from condcomp.registry import register_kv_policy
 
 
@@ -116,20 +117,24 @@ def prompt_budgets(prompt: Tensor, window: Tensor, budget: int | None, fraction:
     return (whole_share(prompt, fraction) - window).clamp_min(0)
 
 
+# the numbers of snapkv and adakv, checked by the one option check (condcomp.options) when either is built: a budget
+# is bounded (2**40 tokens, beyond any prompt) so that budget x groups stays inside int64 (adakv's layer budget)
+SNAP_OPTIONS: tuple[Option, ...] = (
+    count("budget", optional=True, meaning="prompt tokens kept per group; kv='full' keeps every token"),
+    count("observe", at_least=1, meaning="the last prompt queries that score the tokens"),
+    count("pool", at_least=1, at_most=1 << 30, meaning="an odd pooling width; torch pools over 32-bit widths"),
+    real("fraction", above=0, at_most=1, optional=True, meaning="of each prompt kept per group"),
+)
+
+
 def check_options(name: str, policy: Any) -> None:
-    """Refuse bad ``budget`` / ``observe`` / ``pool`` / ``fraction`` options of ``snapkv`` and ``adakv``."""
-    for field, low in (("observe", 1), ("pool", 1)) + ((("budget", 0),) if policy.budget is not None else ()):
-        v = getattr(policy, field)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name}: {field} must be an int >= {low}, got {v!r}")
+    """Refuse bad ``budget`` / ``observe`` / ``pool`` / ``fraction`` options of ``snapkv`` and ``adakv``: each
+    number by :data:`SNAP_OPTIONS`, then their relations."""
+    check_fields(policy, f"{name} kv policy")
     if policy.pool % 2 == 0:
         raise ValueError(f"{name}: pool must be odd (a window centred on each token), got {policy.pool}")
-    if policy.fraction is not None:
-        if policy.budget is not None:
-            raise ValueError(f"{name}: give budget (tokens per group) or fraction (of the prompt), not both")
-        if isinstance(policy.fraction, bool) or not isinstance(policy.fraction, (int, float)) or not (
-                0.0 < float(policy.fraction) <= 1.0):
-            raise ValueError(f"{name}: fraction must be a number in (0, 1], got {policy.fraction!r}")
+    if policy.fraction is not None and policy.budget is not None:
+        raise ValueError(f"{name}: give budget (tokens per group) or fraction (of the prompt), not both")
 
 
 @register_kv_policy("snapkv")
@@ -145,6 +150,7 @@ class SnapKV(KVPolicy):
     pool: int = 5
     fraction: float | None = None
     stores: ClassVar[str] = "own"
+    options: ClassVar[tuple[Option, ...]] = SNAP_OPTIONS
     reads_slot_validity: ClassVar[bool] = True  # spare slots keep nothing
     reads_position_bias: ClassVar[bool] = True  # T5: scores and attention with each kept key's true-position bias
 

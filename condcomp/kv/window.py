@@ -13,15 +13,23 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from condcomp.kv.position_bias import RelativeBias, biased_mask
 from condcomp.masks import streaming_allowed
+from condcomp.options import MAX_COUNT, Option, check_fields, count
 
 _SINK_RANK = 1 << 48  # above any real position: sinks outrank every recent token when trimming
-_MAX_TOKENS = 1 << 40  # sinks and windows beyond any context (and below _SINK_RANK)
+_MAX_TOKENS = MAX_COUNT  # sinks and windows beyond any context (and below _SINK_RANK): int64 positions stay exact
+# the window's numbers, checked by the one option check (condcomp.options) for StreamWindow and the window policy
+WINDOW_OPTIONS: tuple[Option, ...] = (
+    count("sinks", at_most=_MAX_TOKENS, meaning="first tokens kept; kv='full' keeps every token"),
+    count("window", at_least=1, at_most=_MAX_TOKENS, meaning="recent tokens kept; kv='full' keeps every token"),
+    count("model_window", at_least=1, at_most=_MAX_TOKENS, optional=True, meaning="the model's own sliding window"),
+)
 # tokens at the end of a request's first call that a verifier may take back (set by the attachment, see below)
 _FIRST_CALL_TAIL: contextvars.ContextVar[int] = contextvars.ContextVar("condcomp_first_call_tail", default=0)
 # whether a request's first call holds its whole prompt (set by the attachment under plan_from_prompt, see below)
@@ -78,16 +86,10 @@ class StreamWindow:
     window: int = 64
     model_window: int | None = None
 
+    options: ClassVar[tuple[Option, ...]] = WINDOW_OPTIONS
+
     def __post_init__(self) -> None:
-        for name, low in (("sinks", 0), ("window", 1), ("model_window", 1)):
-            v = getattr(self, name)
-            if name == "model_window" and v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"StreamWindow.{name} must be an int >= {low}, got {v!r}")
-            if v > _MAX_TOKENS:  # positions are int64 tensors: beyond it the rule's comparisons overflow
-                raise ValueError(f"StreamWindow.{name} must be at most {_MAX_TOKENS} tokens (longer than any context: "
-                                 f"use kv='full' to keep every token), got {v}")
+        check_fields(self, "StreamWindow")
 
     @property
     def recent(self) -> int:

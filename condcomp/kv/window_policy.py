@@ -18,6 +18,7 @@ from condcomp.dense import grouped_sdpa
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
 from condcomp.kv.window import (
+    WINDOW_OPTIONS,
     StreamWindow,
     WindowCache,
     band_applies,
@@ -28,6 +29,7 @@ from condcomp.kv.window import (
     trim,
 )
 from condcomp.kv.window_quant import QuantizedWindowCache, WindowCodec
+from condcomp.options import Option
 from condcomp.registry import register_kv_policy
 
 
@@ -49,9 +51,7 @@ class WindowKV(KVPolicy):
     model_window: int | None = None
     stores: ClassVar[str] = "own"
     reads_position_bias: ClassVar[bool] = True  # T5: each kept key's bias at its true position
-
-    def __post_init__(self) -> None:
-        StreamWindow(self.sinks, self.window, self.model_window)  # validates the three
+    options: ClassVar[tuple[Option, ...]] = WINDOW_OPTIONS
 
     @property
     def window_spec(self) -> StreamWindow:

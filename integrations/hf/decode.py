@@ -207,7 +207,7 @@ def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, ca
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if routed.training else 0.0, kv_cache=compact)
     weights = routed.weights()
-    run = resolve_executor(routed.executor, weights, inputs, plan)
+    run = resolve_executor(routed.executor, weights, inputs, plan, notices=routed.notices)
     y: Tensor = run(weights, inputs, plan)
     # head_usage reports this call (a decode step's T and keys), not the prefill's
     last = routed.last

@@ -35,6 +35,7 @@ from condcomp.api import aux_loss, head_usage, select_targets, set_progress
 from condcomp.config import CondCompConfig
 from condcomp.host import RoutingHost
 from condcomp.kv.choose import check_kv_support
+from condcomp.notices import Notices
 from condcomp.routed import build_routing, read_adapter
 from condcomp.types import HeadLayout, HeadPlan
 
@@ -227,13 +228,14 @@ def apply_interface_(model: nn.Module, config: CondCompConfig | None = None) -> 
         raise ValueError("apply_interface_ matched no attention module that dispatches through transformers' "
                          f"AttentionInterface; target_modules={config.target_modules}")
     check_kv_support(config, [(target[0], None) for target in chosen], "apply_interface_")
-    shared = None
+    shared, notices = None, Notices()  # the layers share one: each warning once per model
     for name, module, core, adapter in chosen:
         device = next(core.parameters()).device
         policy, router = build_routing(config, adapter, device, name, shared)
         if config.share_policy:
             shared = policy
         routing = CoreRouting(policy, router, adapter, module).to(device)
+        routing.__dict__["condcomp_notices"] = notices
         core.add_module("condcomp_core", routing)
         routing.hook = core.register_forward_pre_hook(routing.capture, with_kwargs=True)
     previous = {getattr(getattr(m, "config", None), "_attn_implementation", None) for m in model.modules()} - {None}

@@ -7,7 +7,7 @@ real-token position ``p`` reads keys ``j <= p`` with ``j < n``. Its state is its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -38,6 +38,7 @@ class Sinks:
 @dataclass(frozen=True)
 class SinksOnlyKV(condcomp.KVPolicy):
     sinks: int = 2
+    options: ClassVar[tuple[condcomp.options.Option, ...]] = (condcomp.options.count("sinks"),)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
                keep: bool) -> tuple[Tensor, Tensor, Any]:

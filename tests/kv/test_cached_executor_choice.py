@@ -11,8 +11,7 @@ import torch
 from torch import Tensor
 
 import condcomp
-import condcomp.executors.auto as auto
-from condcomp.executors.auto import resolve_executor
+from condcomp.executors.auto import Notices, resolve_executor
 from condcomp.executors.cached import CachedRun, CompactKV
 from condcomp.kv import select_kv
 from condcomp.types import AttentionInputs
@@ -50,24 +49,24 @@ def test_auto_and_explain_pick_kv_cache_on_a_cached_call_and_say_why_the_others_
     assert condcomp.explain(w, AttentionInputs(x=inputs.x), plan).executor != "kv_cache"
 
 
-def test_a_named_executor_that_cannot_read_the_cache_is_replaced_with_one_warning_naming_the_fix(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auto, "_WARNED", set())
+def test_a_named_executor_that_cannot_read_the_cache_is_replaced_with_one_warning_naming_the_fix() -> None:
     w, inputs, plan = cached_call()
+    notices = Notices()  # what a wrapped model's layers share: the warnings already given
     with pytest.warns(UserWarning, match="'gathered' cannot read .*use_cache=False"):
-        run = resolve_executor("gathered", w, inputs, plan)
+        run = resolve_executor("gathered", w, inputs, plan, notices=notices)
     assert run.name == "kv_cache"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per executor, not per call
-        assert resolve_executor("gathered", w, inputs, plan).name == "kv_cache"
+        assert resolve_executor("gathered", w, inputs, plan, notices=notices).name == "kv_cache"
+    with pytest.warns(UserWarning, match="'gathered' cannot read"):  # other notices (another model): told again
+        resolve_executor("gathered", w, inputs, plan, notices=Notices())
     choice = condcomp.explain(w, inputs, plan, executor="gathered")
     assert choice.executor == "kv_cache" and "use_cache=False" in dict(choice.verdicts)["gathered"]
 
 
 @pytest.mark.parametrize("executor", ["auto", "gathered"])
-def test_a_wrapped_llama_decodes_through_kv_cache_and_records_it(executor: str,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auto, "_WARNED", set())
+@pytest.mark.parametrize("model_number", [1, 2])  # the warning is the model's: a second model is told too
+def test_a_wrapped_llama_decodes_through_kv_cache_and_records_it(executor: str, model_number: int) -> None:
     torch.manual_seed(0)
     config = t.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=50)

@@ -100,7 +100,7 @@ def test_snapkv_rows_crop_and_options() -> None:
         POLICY.crop(state, 2)  # row 0 would lose a prompt token
     with pytest.raises(ValueError, match="pool must be odd"):
         SnapKV(pool=4)
-    with pytest.raises(ValueError, match="observe must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"snapkv kv policy: observe .* must be a whole number >= 1"):
         condcomp.CondCompConfig(kv=("snapkv", {"observe": 0}))
 
 

@@ -160,7 +160,7 @@ def test_norm_router_straight_through_reaches_the_query_projection() -> None:
 @pytest.mark.parametrize("router, message", [
     (("moh", {"shared_heads": 0, "top_k": 0}), "top_k = 0 with no shared heads"),
     (("norm", {"shared_heads": 0, "top_k": 0}), "top_k = 0 with no shared heads"),
-    (("moh", {"shared_heads": -1}), "shared_heads must be >= 0"),
+    (("moh", {"shared_heads": -1}), "moh router: shared_heads .* must be a whole number >= 0"),
     (("moh", {"gate_norm": "mine"}), "gate_norm"),
     (("moh", {"load_balance": -0.01}), "load_balance"),
 ])

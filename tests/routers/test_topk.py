@@ -150,8 +150,8 @@ def test_shared_policy_serves_every_layer_and_gets_gradient_from_each() -> None:
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"temperature": -1.0}, "temperature must stay positive"),
-    ({"temperature": {"kind": "linear", "start": 1.0, "end": -0.5}}, "temperature must stay positive"),
+    ({"temperature": -1.0}, "topk router: temperature .* stay > 0"),
+    ({"temperature": {"kind": "linear", "start": 1.0, "end": -0.5}}, "topk router: temperature .* stay > 0"),
     ({"noise_std": -0.1}, "noise_std"),
     ({"train_mode": "gumbel"}, "train_mode"),
     ({"gates": "soft"}, "gates"),
@@ -230,10 +230,18 @@ def test_warm_start_scores_are_checked() -> None:
     assert mlp(torch.randn(2, 3, D), None, budget, None).active.nonzero()[:, 1].tolist() == [6, 7, 6, 7]
 
 
+def test_stream_sinks_without_a_stream_window_is_refused_not_ignored() -> None:
+    # without stream_window nothing streams: stream_sinks=2 changed nothing and said nothing
+    with pytest.raises(ValueError, match="topk router: stream_sinks=2 applies only with stream_window"):
+        condcomp.CondCompConfig(router=("topk", {"stream_sinks": 2}))
+    with pytest.raises(ValueError, match="stream_sinks=2 applies only with stream_window"):
+        TopKRouter(num_heads=4, d_model=8, stream_sinks=2)
+
+
 @pytest.mark.parametrize("option", ["stream_window", "stream_sinks"])
 @pytest.mark.parametrize("bad", [True, 2.5, "8", -1])
 def test_stream_options_refuse_what_is_not_a_token_count(option: str, bad: Any) -> None:
     # int(True) == 1 and int("8") == 8: a cast would quietly keep a different window than the one asked for
     options = {"stream_window": 8, option: bad}
-    with pytest.raises(ValueError, match="StreamWindow"):
+    with pytest.raises(ValueError, match=f"topk router: {option} .* must be a whole number"):
         TopKRouter(num_heads=4, d_model=8, **options)

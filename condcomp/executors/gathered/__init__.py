@@ -73,6 +73,9 @@ class GatheredExecutor:
 
     def __init__(self, tuning: GatheredTuning | None = None, strategy: str | None = None,
                  strategies: Table | None = None) -> None:
+        if tuning is not None and not isinstance(tuning, GatheredTuning):
+            raise TypeError(f"gathered executor: tuning must be a GatheredTuning (its numbers are checked there), "
+                            f"got {type(tuning).__name__}")
         self.tuning, self.strategy, self.strategies = tuning, strategy, strategies or STRATEGIES
         if strategy is not None:
             get_strategy(strategy, self.strategies)  # a typo fails here, not at the first call

@@ -15,8 +15,13 @@ of rewriting module globals.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
+
+from condcomp.options import Option, check_fields, count, flag, real
+
+MAX_SET_HEADS = 24  # the per-set strategy's histogram has 2**max_set_heads bins: 16 million at most
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,20 @@ class GatheredTuning:
     static_sequence: bool = False
     pair_kernels: bool = True
     pair_kernels_on_cpu: bool = False
+    options: ClassVar[tuple[Option, ...]] = (
+        flag("measured"), count("min_grouped_copy", meaning="weight floats"), flag("grouped_gemm"),
+        real("dense_head_rows", at_least=0, at_most=1, meaning="a share of the query rows"),
+        count("max_set_heads", at_most=MAX_SET_HEADS, meaning="heads whose 2**H head sets are counted"),
+        count("max_head_sets", meaning="distinct routed-head sets"), count("min_set_work", meaning="rows x width"),
+        real("dense_work_sequence", at_least=0, at_most=1, meaning="a share of the dense work"),
+        real("dense_work_token", at_least=0, at_most=1, meaning="a share of the dense work"),
+        count("min_skipped_work_sequence", meaning="B*T*D skipped"), count("min_skipped_work_token",
+                                                                           meaning="B*T*D skipped"),
+        flag("static_sequence"), flag("pair_kernels"), flag("pair_kernels_on_cpu"),
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "GatheredTuning")
 
     def prefers_dense(self, work_fraction: float, granularity: str, size: int | None = None) -> bool:
         """Whether a plan keeping ``work_fraction`` of the dense work runs faster densely; ``size`` is ``B*T*D``

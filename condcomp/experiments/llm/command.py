@@ -14,21 +14,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from condcomp.cli_args import finite_float, folders_with, integer, output_folder
+from condcomp.cli_args import folders_with, integer, option_type, output_folder
 from condcomp.experiments.llm.data import LM_DATASETS
 from condcomp.experiments.llm.objectives import OBJECTIVES
 from condcomp.experiments.llm.tuning import PRESET_ALIASES, PRESETS, TuneSettings
 
-# The range of every numeric TuneSettings field, checked when the command line is parsed.
-NUMBER_FLAGS: dict[str, Callable[[str], Any]] = {
-    "seq_len": integer(at_least=2), "prompt_len": integer(at_least=1), "batch_size": integer(at_least=1),
-    "steps": integer(at_least=1), "lr": finite_float(above=0), "router_lr": finite_float(above=0),
-    "warmup": integer(at_least=0), "lora_rank": integer(at_least=1), "lora_alpha": finite_float(above=0),
-    "eval_seqs": integer(at_least=1), "calib_seqs": integer(at_least=1), "agree_prompts": integer(at_least=1),
-    "agree_tokens": integer(at_least=1), "samples": integer(at_least=0), "checkpoint_every": integer(at_least=1),
-    "seed": integer(at_least=0), "kl_temperature": finite_float(above=0),
-    "kl_weight": finite_float(at_least=0, at_most=1),
-}
+# The range of every numeric TuneSettings field (its declared options), checked when the command line is parsed.
+NUMBER_FLAGS: dict[str, Callable[[str], Any]] = {o.name: option_type(o) for o in TuneSettings.options}
 
 
 def settings_from_args(args: argparse.Namespace) -> TuneSettings:

@@ -17,6 +17,7 @@ cost. PEFT's ``disable_adapter()`` with routing off would give the same model on
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ def check_objective(objective: str, temperature: float, weight: float) -> None:
     """Raise ValueError, saying what to use instead, for an unknown objective or an option out of range."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    if not temperature > 0:
+    if not 0 < temperature < math.inf:
         raise ValueError(f"kl_temperature must be positive (1: the model's own distributions), got {temperature}")
     if not 0 <= weight <= 1:
         raise ValueError(f"kl_weight must be in [0, 1] (the kl share of lm+kl's loss), got {weight}")

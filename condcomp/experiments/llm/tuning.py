@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,7 @@ from condcomp.experiments.llm.objectives import (
     objective_loss,
 )
 from condcomp.experiments.progress import progress_bar
+from condcomp.options import Option, check_fields, count, real
 from condcomp.resume import ResumeFile, model_identity
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -64,17 +65,26 @@ class TuneSettings:
     kl_temperature: float = DEFAULT_TEMPERATURE
     kl_weight: float = DEFAULT_KL_WEIGHT  # kl's share of lm+kl
     datasets: tuple[str, ...] = LM_DATASETS
+    # every number, checked by the one option check (condcomp.options) here and, as its flag's type, by tune-llm
+    options: ClassVar[tuple[Option, ...]] = (
+        count("seq_len", at_least=2), count("prompt_len", at_least=1), count("batch_size", at_least=1),
+        count("steps", at_least=1), real("lr", above=0), real("router_lr", above=0, optional=True,
+                                                              meaning="None: lr"),
+        count("warmup"), count("lora_rank", at_least=1), real("lora_alpha", above=0),
+        count("eval_seqs", at_least=1), count("calib_seqs", at_least=1), count("agree_prompts", at_least=1),
+        count("agree_tokens", at_least=1), count("samples"), count("checkpoint_every", at_least=1), count("seed"),
+        real("kl_temperature", above=0, meaning="1: the model's own distributions"),
+        real("kl_weight", at_least=0, at_most=1, meaning="the kl share of lm+kl's loss"),
+    )
 
     def __post_init__(self) -> None:
         self.datasets = tuple(self.datasets)
+        check_fields(self, "tune-llm settings")
         if self.tune not in ("lora", "attention"):
-            raise ValueError(f"tune must be 'lora' or 'attention', got {self.tune!r}")
+            raise ValueError(f"tune-llm settings: tune must be 'lora' or 'attention', got {self.tune!r}")
         if not 0 < self.prompt_len < self.seq_len:
-            raise ValueError(f"prompt_len ({self.prompt_len}) must be in [1, seq_len - 1 = {self.seq_len - 1}]")
-        if min(self.batch_size, self.steps, self.eval_seqs, self.checkpoint_every) < 1:
-            raise ValueError("batch_size, steps, eval_seqs and checkpoint_every must be >= 1")
-        if self.router_lr is not None and not self.router_lr > 0:
-            raise ValueError(f"router_lr must be positive (or None: the same as lr), got {self.router_lr}")
+            raise ValueError(f"tune-llm settings: prompt_len ({self.prompt_len}) must be in [1, seq_len - 1 = "
+                             f"{self.seq_len - 1}]")
         check_objective(self.objective, self.kl_temperature, self.kl_weight)
 
     def tuning_key(self) -> dict[str, Any]:

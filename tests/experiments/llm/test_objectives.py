@@ -97,9 +97,9 @@ def test_options_are_checked_and_unused_ones_do_not_enter_the_key() -> None:
 
     with pytest.raises(ValueError, match="objective must be one of lm, kl, hidden, lm\\+kl"):
         _with(objective="kd")
-    with pytest.raises(ValueError, match="kl_temperature must be positive"):
+    with pytest.raises(ValueError, match=r"kl_temperature .* must be a finite number > 0"):
         _with(objective="kl", kl_temperature=0.0)
-    with pytest.raises(ValueError, match="kl_weight must be in"):
+    with pytest.raises(ValueError, match=r"kl_weight .* >= 0 and <= 1"):
         _with(objective="lm+kl", kl_weight=1.5)
     # lm checkpoints and records written before objectives existed carry none of their fields: they still match
     assert "objective" not in SETTINGS.tuning_key() and _with(kl_temperature=3.0).tuning_key() == SETTINGS.tuning_key()
