@@ -1,4 +1,5 @@
-"""The component contract, as one call on your own router or policy: ``check_router`` and ``check_policy``.
+"""The component contract, as one call on your own router or policy: ``check_router`` and ``check_policy``
+(and ``check_kv_policy`` for a KV policy, :mod:`condcomp.testing_kv`).
 
 ``tests/test_components.py`` runs these on every registered component of the package; run them in your own
 tests on yours (a registered name, or the class the ``register_*`` decorator registered):
@@ -263,3 +264,6 @@ def end_to_end(routed: condcomp.RoutedAttention, what: str) -> None:
         raise AssertionError(f"{what}: the routed layer reports no head usage")
     _require(0.0 <= usage.k_frac <= 1.0 and 0.0 <= usage.s_mean <= 1.0 and usage.flop_frac >= 0.0,
              f"{what}: head usage out of range ({usage})")
+
+
+from condcomp.testing_kv import check_kv_policy  # noqa: E402, F401 - re-exported; it builds on the helpers above
