@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Iterator
 
 import pytest
 
