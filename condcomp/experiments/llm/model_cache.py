@@ -95,7 +95,7 @@ def entry_problem(entry: Path) -> str | None:
 def cached_model(name: str, source: Path, convert: Callable[[], tuple[Any, Any]],
                  load: Callable[[Path], tuple[Any, Any]]) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of ``source``: ``load(entry)`` of its cache entry when one passes the check, else
-    ``convert()``, saved (``save_pretrained`` of both) as the entry for the next time."""
+    ``convert()``, saved (:func:`save_converted`) as the entry for the next time."""
     root = cache_root()
     if root is None:
         return convert()
@@ -117,8 +117,7 @@ def _save(entry: Path, model: Any, tokenizer: Any, source: Path) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{entry.name[:12]}.tmp-", dir=entry.parent))
     try:
-        model.save_pretrained(str(work), safe_serialization=True)
-        tokenizer.save_pretrained(str(work))
+        save_converted(model, tokenizer, work)
         files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(work.iterdir())
                  if p.is_file()}
         (work / MANIFEST).write_text(json.dumps({"format": FORMAT, "source": str(source), "files": files}, indent=1))
@@ -127,6 +126,23 @@ def _save(entry: Path, model: Any, tokenizer: Any, source: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
         print(f"condcomp: could not cache the conversion of {source.name} in {entry.parent} ({err}); set "
               f"{CACHE_ENV} to a writable folder, or to none", file=sys.stderr)
+
+
+def save_converted(model: Any, tokenizer: Any, folder: Path) -> None:
+    """The model's config, generation config and weights (safetensors) and the tokenizer, in ``folder``, as
+    ``from_pretrained(folder)`` reads them. transformers refuses ``save_pretrained`` on a model read from a GGUF
+    file (its quantizer is not serializable); its weights are dequantized already, so they are saved as they are
+    and the config without the GGUF quantization record."""
+    from safetensors.torch import save_model
+
+    config = json.loads(model.config.to_json_string())
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(str(folder))
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(folder))
 
 
 def cache_entries(root: Path | None = None) -> list[tuple[Path, int]]:

