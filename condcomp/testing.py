@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 import condcomp
 from condcomp.executors.auto import get_executor
-from condcomp.registry import POLICIES, ROUTERS, Registry
+from condcomp.registry import POLICIES, ROUTERS, registered_name
+from condcomp.testing_kv import check_kv_policy  # noqa: F401 - the KV-policy contract, re-exported
 from condcomp.types import Budget, HeadPlan
 
 B, T, D, H = 3, 5, 32, 8
@@ -52,16 +53,6 @@ def _require(condition: object, message: str) -> None:
     if not condition:
         raise AssertionError(message)
 
-def registered_name(component: Any, registry: Registry[Any]) -> str:
-    """The registry key of ``component`` (a registered name, or a class registered under some name)."""
-    if isinstance(component, str):
-        registry.get(component)  # an unknown name: KeyError listing the registered ones
-        return component.lower()
-    key = vars(component).get("registry_key") if isinstance(component, type) else None
-    if key is None or registry.get(key) is not component:
-        raise TypeError(f"{component!r} is not a registered {registry.role}; decorate its class with "
-                        f"condcomp.register_{registry.role}(\"name\") and pass the class or the name")
-    return str(key)
 
 
 def trainable(component: Any) -> dict[str, nn.Parameter]:
@@ -264,6 +255,3 @@ def end_to_end(routed: condcomp.RoutedAttention, what: str) -> None:
         raise AssertionError(f"{what}: the routed layer reports no head usage")
     _require(0.0 <= usage.k_frac <= 1.0 and 0.0 <= usage.s_mean <= 1.0 and usage.flop_frac >= 0.0,
              f"{what}: head usage out of range ({usage})")
-
-
-from condcomp.testing_kv import check_kv_policy  # noqa: E402, F401 - re-exported; it builds on the helpers above

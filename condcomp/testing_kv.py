@@ -40,12 +40,17 @@ from torch import Tensor, nn
 import condcomp
 from condcomp.executors.auto import get_executor
 from condcomp.kv import KV_FULL, KV_WINDOW, RequestPlan
-from condcomp.registry import KV_POLICIES
-from condcomp.testing import _require, registered_name
+from condcomp.registry import KV_POLICIES, registered_name
 from condcomp.types import AttentionInputs
 
 Rule = Callable[[int, int], bool]  # (query position, key position) -> may attend, in a group the policy holds
 PROMPT, TOL = 6, 1e-4
+
+
+def _require(condition: object, message: str) -> None:
+    """An ``AssertionError`` with ``message`` unless ``condition`` holds (``python -O`` strips asserts)."""
+    if not condition:
+        raise AssertionError(message)
 
 
 def check_kv_policy(policy: Any, options: dict[str, Any] | None = None, rule: Rule | None = None,

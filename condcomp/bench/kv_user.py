@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from condcomp.bench.kv_variants import MODELS, VARIANTS, KVVariant, ModelContext
+from condcomp.bench.kv_variants import DEFAULT_VARIANTS, MODELS, VARIANTS, KVVariant, ModelContext
 from condcomp.user_spec import is_spec, load_attribute
 
 EXAMPLE = "my_kv.py:FirstTokensKV"
@@ -30,6 +30,14 @@ EXAMPLE = "my_kv.py:FirstTokensKV"
 def variant_name(spec: str) -> str:
     """``user-<attribute in lower case>``: the variant of ``spec`` in records and tables."""
     return f"user-{spec.rpartition(':')[2].lower()}"
+
+
+def add_variants_argument(parser: Any) -> None:
+    """``bench kv --variants``: registered variant names (dense is always run) or a user's specs."""
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
+                        help=f"of: {', '.join(VARIANTS)} (dense is always run); or your KV policy as "
+                             "module:Class or path/to/file.py:Class (a KVPolicy subclass holding every KV group, "
+                             "or a function factory(model) -> model), named user-<name>; see docs/extending-kv.md")
 
 
 def add_user_variants(names: list[str], timed: list[str] | None) -> tuple[list[str], list[str] | None]:
