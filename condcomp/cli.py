@@ -1,4 +1,4 @@
-"""The ``condcomp`` command: demo, train, eval, ablate, report, dit, bench, tune-llm, calibrate-kv.
+"""The ``condcomp`` command: demo, train, eval, ablate, report, dit, bench, tune-llm, calibrate-kv, cache.
 
 Each command lives beside the code it drives; a module contributes commands through ``add_commands(sub)``
 (top-level commands) or ``add_bench_commands(sub)`` (``condcomp bench NAME``).
@@ -16,7 +16,7 @@ from condcomp.cli_args import OneLineParser
 # Modules that contribute commands, imported only when the command line is built (import condcomp stays light).
 COMMAND_MODULES = ("condcomp.experiments.classification.commands", "condcomp.experiments.llm.command",
                    "condcomp.experiments.llm.calibrate_kv",
-                   "condcomp.experiments.dit.commands")
+                   "condcomp.experiments.dit.commands", "condcomp.experiments.llm.model_cache")
 BENCH_MODULES = ("condcomp.bench.attention", "condcomp.bench.compile", "condcomp.bench.decode",
                  "condcomp.bench.gpu_check", "condcomp.bench.kv", "condcomp.bench.scatter")
 

@@ -69,6 +69,7 @@ INTEGRATIONS: tuple[tuple[str, str], ...] = (
     ("condcomp.integrations.hf.checkpoint", "save_condcomp"),
     ("condcomp.integrations.hf.checkpoint", "load_condcomp"),
     ("condcomp.experiments.llm.smollm2", "load_smollm2"),
+    ("condcomp.experiments.llm.model_cache", "clear_model_cache"),
     ("condcomp.integrations.hf", "register_transformers_attention"),
     ("condcomp.integrations.hf", "supported_transformers_classes"),
     ("condcomp.integrations.hf.interface", "apply_interface_"),

@@ -151,3 +151,16 @@ def list_executors() -> list[str]:
 def list_kv_policies() -> list[str]:
     """Registered KV policy keys (``CondCompConfig(kv=...)``)."""
     return KV_POLICIES.names()
+
+
+def registered_name(component: Any, registry: Registry[Any]) -> str:
+    """The registry key of ``component`` (a registered name, or a class registered under some name)."""
+    if isinstance(component, str):
+        registry.get(component)  # an unknown name: KeyError listing the registered ones
+        return component.lower()
+    key = vars(component).get("registry_key") if isinstance(component, type) else None
+    if key is None or registry.get(key) is not component:
+        raise TypeError(f"{component!r} is not a registered {registry.role}; decorate its class with "
+                        f"condcomp.register_{registry.role.replace(' ', '_')}(\"name\") and pass the class or the "
+                        "name")
+    return str(key)

@@ -1,4 +1,5 @@
-"""The component contract, as one call on your own router or policy: ``check_router`` and ``check_policy``.
+"""The component contract, as one call on your own router or policy: ``check_router`` and ``check_policy``
+(and ``check_kv_policy`` for a KV policy, :mod:`condcomp.testing_kv`).
 
 ``tests/test_components.py`` runs these on every registered component of the package; run them in your own
 tests on yours (a registered name, or the class the ``register_*`` decorator registered):
@@ -38,7 +39,8 @@ from torch import Tensor, nn
 
 import condcomp
 from condcomp.executors.auto import get_executor
-from condcomp.registry import POLICIES, ROUTERS, Registry
+from condcomp.registry import POLICIES, ROUTERS, registered_name
+from condcomp.testing_kv import check_kv_policy  # noqa: F401 - the KV-policy contract, re-exported
 from condcomp.types import Budget, HeadPlan
 
 B, T, D, H = 3, 5, 32, 8
@@ -51,16 +53,6 @@ def _require(condition: object, message: str) -> None:
     if not condition:
         raise AssertionError(message)
 
-def registered_name(component: Any, registry: Registry[Any]) -> str:
-    """The registry key of ``component`` (a registered name, or a class registered under some name)."""
-    if isinstance(component, str):
-        registry.get(component)  # an unknown name: KeyError listing the registered ones
-        return component.lower()
-    key = vars(component).get("registry_key") if isinstance(component, type) else None
-    if key is None or registry.get(key) is not component:
-        raise TypeError(f"{component!r} is not a registered {registry.role}; decorate its class with "
-                        f"condcomp.register_{registry.role}(\"name\") and pass the class or the name")
-    return str(key)
 
 
 def trainable(component: Any) -> dict[str, nn.Parameter]:

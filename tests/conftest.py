@@ -4,6 +4,10 @@
 (trainings, studies, subprocesses, the docs gate's long blocks: seconds each) are deselected unless ``--full`` is
 given (CI runs ``pytest -q --full``), ``-m`` chooses otherwise, or a test is named by its node id.
 
+Tests marked ``@pytest.mark.needs_data`` need the project's staged corpora (``$CONDCOMP_DATA_DIR``, else
+``../shared/data`` beside the checkout), which a clone does not have: without them they skip, saying so.
+``CONDCOMP_DATA_DIR=none pytest -q --full`` runs the suite as a clone has it (CI does, then ``-m needs_data``).
+
 Builders (layouts, weights, plans) live in tests/core_helpers.py: import them from there, not from conftest,
 which is ambiguous when several conftest.py files exist (tests/integrations/ has one).
 """
@@ -16,12 +20,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from condcomp.registry import EXECUTORS, POLICIES, ROUTERS
+from condcomp.registry import EXECUTORS, KV_POLICIES, POLICIES, ROUTERS
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true", default=False,
                      help="also run the tests marked slow (the whole suite, as CI runs it)")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("needs_data"):
+        from condcomp.experiments.data import staged_data_dir
+
+        if staged_data_dir(ROOT) is None:
+            pytest.skip("needs the staged corpora ($CONDCOMP_DATA_DIR, else ../shared/data beside the checkout), "
+                        "which a clone does not have")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -62,7 +78,7 @@ def _keep_torch_threads() -> Iterator[None]:
 @pytest.fixture
 def restore_registries() -> Iterator[None]:
     """Lets a test register throw-away components; the registries are put back afterwards."""
-    saved = [(reg, dict(reg._entries)) for reg in (POLICIES, ROUTERS, EXECUTORS)]
+    saved = [(reg, dict(reg._entries)) for reg in (POLICIES, ROUTERS, EXECUTORS, KV_POLICIES)]
     try:
         yield
     finally:

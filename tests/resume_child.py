@@ -4,7 +4,8 @@
 background job inherits SIGINT ignored; a user's terminal has Python's default, which raises KeyboardInterrupt),
 then ``SETUP`` swaps the downloads for tiny local stand-ins and ``condcomp ARGS...`` runs:
 
-- ``corpus``: the corpora of ``bench kv`` / ``calibrate-kv`` are a few fixed word texts (the model is tiny-llama);
+- ``corpus``: the corpora of ``bench kv`` / ``calibrate-kv`` are a few fixed word texts (the model is tiny-llama;
+  no staged corpora needed);
 - ``tiny-smollm``: ``tune-llm``'s SmolLM2 is a tiny random Llama with a character tokenizer;
 - ``quick-judge``: ``dit``'s judge (the classifier its metrics use) trains for 3 steps;
 - ``none``: nothing is swapped.
@@ -25,8 +26,12 @@ TEXTS = [" ".join(random.Random(i).choice(["alpha", "beta", "gamma", "delta"]) f
 def corpus() -> None:
     import condcomp.bench.kv as kv
     import condcomp.bench.kv_cases as kv_cases
+    import condcomp.experiments.llm.calibrate_kv as calibrate_kv
 
     kv.corpus_texts = kv_cases.corpus_texts = lambda *a, **k: list(TEXTS)  # type: ignore[assignment]
+    # calibrate-kv reads the staged corpora (a clone has none): its texts argument, as its own tests pass it
+    real_run = calibrate_kv.run
+    calibrate_kv.run = lambda args, texts=None: real_run(args, list(TEXTS) if texts is None else texts)  # type: ignore[assignment]
 
 
 def tiny_smollm() -> None:

@@ -8,6 +8,8 @@ How a page marks its blocks (an HTML comment on the line before the fence, invis
   comma-separated, and ``my_data``: the user's JSONL files, made here from the staged AG News): skipped, with
   that reason, where the extra is not installed.
 - ``<!-- docs-gate: not run: REASON -->``: never run (installs, long jobs); the reason is part of the page.
+- ``<!-- docs-gate: saved as NAME -->``: a file the page tells the user to save (later blocks import it, a command
+  names it): written to the working directory as ``NAME`` and, a ``.py`` file, imported from there.
 
 A ``text`` block right after a code block (no heading between) is its printed output: the gate compares it
 with doctest's rules (``...`` matches anything, runs of whitespace are equal). Blocks run in a temporary working
@@ -35,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from condcomp.experiments.data import staged_data_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -47,7 +51,8 @@ NEEDS = {"hf": ("transformers", "accelerate"),
          "kvquant": ("transformers", "hqq", "termcolor")}
 GENERATED_NOT_RUN = {"docs/results.md": "the study's own reproduction commands (hours of CPU)",
                      "docs/results-difficulty-target.md": "the study's own reproduction commands (hours of CPU)"}
-STAGED = ROOT.parent / "shared" / "data" / "ag_news"
+_DATA = staged_data_dir(ROOT)  # $CONDCOMP_DATA_DIR, else ../shared/data beside the checkout (none on a clone)
+STAGED = _DATA / "ag_news" if _DATA is not None else None
 
 
 @dataclass
@@ -103,6 +108,8 @@ def skip_reason(block: Block) -> str | None:
         return None
     if block.mark.startswith("not run"):
         return block.mark
+    if block.mark.startswith("saved as "):  # the page's file: written to the working directory, then run
+        return None
     if not block.mark.startswith("needs "):
         raise AssertionError(f"{block.id}: unknown docs-gate mark {block.mark!r} (use 'needs EXTRA' or 'not run: why')")
     for need in (n.strip() for n in block.mark[len("needs "):].split(",")):
@@ -112,7 +119,7 @@ def skip_reason(block: Block) -> str | None:
             if not torch.cuda.is_available():
                 return "needs a CUDA GPU"
         elif need == "my_data":
-            if not STAGED.is_dir():
+            if STAGED is None or not STAGED.is_dir():
                 return "needs the staged test data (../shared/data) to make my_data/"
         elif need in NEEDS:
             missing = [m for m in NEEDS[need] if importlib.util.find_spec(m) is None]
@@ -127,13 +134,13 @@ def skip_reason(block: Block) -> str | None:
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The working directory every block runs in; the registries are put back when the gate is done."""
     from condcomp.executors import auto
-    from condcomp.registry import EXECUTORS, POLICIES, ROUTERS
+    from condcomp.registry import EXECUTORS, KV_POLICIES, POLICIES, ROUTERS
 
-    saved = [(reg, dict(reg._entries)) for reg in (POLICIES, ROUTERS, EXECUTORS)]
+    saved = [(reg, dict(reg._entries)) for reg in (POLICIES, ROUTERS, EXECUTORS, KV_POLICIES)]
     d = tmp_path_factory.mktemp("docs_gate")
     for name in ("results", "benchmarks", "examples"):
         (d / name).symlink_to(ROOT / name)
-    if STAGED.is_dir():  # "your data": two JSONL files of text + label, here a slice of AG News
+    if STAGED is not None and STAGED.is_dir():  # "your data": two JSONL files of text + label, here a slice of AG News
         (d / "my_data").mkdir()
         for split, n in (("train", 192), ("test", 128)):
             with gzip.open(STAGED / f"{split}.jsonl.gz", "rt") as f:
@@ -173,7 +180,14 @@ def slow(block: Block) -> bool:
     return not never_run and (block.lang == "bash" or any(n.strip() in SLOW_EXTRAS for n in needs))
 
 
-@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if slow(b) else []) for b in ALL])
+def marks(block: Block) -> list[pytest.MarkDecorator]:
+    """``slow`` for the slow blocks; ``needs_data`` for those run on "your data" (made from the staged corpora)."""
+    needs = block.mark[len("needs "):].split(",") if block.mark and block.mark.startswith("needs ") else []
+    return ([pytest.mark.slow] if slow(block) else []) + (
+        [pytest.mark.needs_data] if "my_data" in (n.strip() for n in needs) else [])
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=marks(b)) for b in ALL])
 def test_block_runs_as_written(block: Block, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reason = skip_reason(block)
     if reason:
@@ -186,6 +200,13 @@ def test_block_runs_as_written(block: Block, workdir: Path, monkeypatch: pytest.
                               capture_output=True, timeout=300)
         assert done.returncode == 0, f"{block.id} failed:\n{done.stdout}\n{done.stderr}"
         check_output(block, done.stdout)
+        return
+    monkeypatch.syspath_prepend(str(workdir))  # as `python` run there: a file the page saved is importable
+    if block.mark and block.mark.startswith("saved as "):
+        saved = workdir / block.mark[len("saved as "):].strip()
+        saved.write_text(block.code)
+        if saved.suffix == ".py":
+            importlib.import_module(saved.stem)  # the later blocks import it, as the page says
         return
     namespace = NAMESPACES.setdefault(block.page, {"__name__": "docs"})
     out = io.StringIO()

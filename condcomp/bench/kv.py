@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from condcomp.bench import kv_press, kv_report
+from condcomp.bench import kv_press, kv_report, kv_user
 from condcomp.bench.decode import device_clock
 from condcomp.bench.kv_cases import RetrievalCase, answer_correct, continuation_cases, haystack_stream, retrieval_cases
 from condcomp.bench.kv_presets import (
@@ -53,7 +53,6 @@ from condcomp.bench.kv_presets import (
 )
 from condcomp.bench.kv_text import add_text_arguments, choose_texts, staged_texts
 from condcomp.bench.kv_variants import (
-    DEFAULT_VARIANTS,
     MODELS,
     VARIANTS,
     KVVariant,
@@ -252,6 +251,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
     ``[]``: none; dense is timed with any other, as the ratios' base). Finished records in ``out`` are reused.
     ``texts``: the haystack documents (None: the staged corpora of ``data_dir``); ``text_source``: their label in
     the records (:func:`condcomp.bench.kv_text.choose_texts`'s), so that records of other text are not reused."""
+    names, timed = kv_user.add_user_variants(names, timed)  # module:Name / file.py:Name specs: a user's KV policy
     check_names(names, timed)
     names = ["dense", *[n for n in dict.fromkeys(names) if n != "dense"]]
     skipped = {n: reason for n in names if (reason := missing_packages(n) or (
@@ -387,8 +387,7 @@ def add_bench_commands(bench_subparsers: Any) -> None:
                    help="override the preset's decode-timing prompt")
     p.add_argument("--decode-batch", type=integer(at_least=1), default=None,
                    help="override the preset's decode-timing batch")
-    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
-                   help=f"of: {', '.join(VARIANTS)} (dense is always run)")
+    kv_user.add_variants_argument(p)  # --variants: the built-in names, kvpress's and a user's module:Class
     p.add_argument("--importance", type=importance_file, default=Path("results/llm/static_importance.json"),
                    help="static pruning's group importance (condcomp tune-llm's); computed when missing")
     add_text_arguments(p)

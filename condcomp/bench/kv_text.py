@@ -114,7 +114,7 @@ def choose_texts(text_file: Path | None = None, text_dir: Path | None = None, hf
                  data_dir: str | None = None, seed: int = 0, builtin: bool = False
                  ) -> tuple[list[str] | None, str]:
     """``(texts, label)`` of the one source asked for. ``(None, "staged")``: the staged corpora (read by the run);
-    with nothing asked, those when a data folder is found (``../shared/data``, ``$CONDCOMP_DATA_DIR``), else the
+    with nothing asked, those when a data folder is found (``$CONDCOMP_DATA_DIR``, ``../shared/data``), else the
     built-in corpus (a line says so)."""
     asked = [flag for flag, v in (("--text-file", text_file), ("--text-dir", text_dir),
                                   ("--hf-dataset", hf_dataset), ("--data-dir", data_dir),
@@ -130,15 +130,13 @@ def choose_texts(text_file: Path | None = None, text_dir: Path | None = None, hf
     if data_dir is not None:
         return None, "staged"
     if not builtin:
-        from condcomp.experiments.data import resolve_data_dir
+        from condcomp.experiments.data import staged_data_dir
 
-        try:
-            resolve_data_dir(None)
+        if staged_data_dir() is not None:  # raises when $CONDCOMP_DATA_DIR names no folder
             return None, "staged"
-        except FileNotFoundError:
-            print("no staged corpora (../shared/data, $CONDCOMP_DATA_DIR): the haystacks are the built-in corpus, "
-                  "a small sample that repeats; measure on your own text with --text-file, --text-dir or "
-                  "--hf-dataset")
+        print("no staged corpora ($CONDCOMP_DATA_DIR, ../shared/data): the haystacks are the built-in corpus, "
+              "a small sample that repeats; measure on your own text with --text-file, --text-dir or "
+              "--hf-dataset")
     return builtin_texts(seed), BUILTIN
 
 

@@ -63,15 +63,42 @@ class Records:
     sources: list[str] = field(default_factory=list)
 
 
+DATA_DIR_ENV = "CONDCOMP_DATA_DIR"
+NO_DATA = "none"  # CONDCOMP_DATA_DIR=none: no staged corpora, as on a clone without ../shared (the tests use it)
+
+
+def staged_data_dir(checkout: Path | None = None) -> Path | None:
+    """The staged corpora's folder when no ``--data-dir`` is given: ``$CONDCOMP_DATA_DIR`` when set (``none``:
+    there are none, even where ``../shared/data`` exists), else ``../shared/data`` relative to ``checkout`` (the
+    working directory by default) when it exists, else None. A ``$CONDCOMP_DATA_DIR`` naming no folder raises."""
+    env = os.environ.get(DATA_DIR_ENV)
+    if env is not None and env.strip():
+        if env.strip().lower() == NO_DATA:
+            return None
+        if not Path(env).is_dir():
+            raise FileNotFoundError(f"${DATA_DIR_ENV}={env}: no such folder. Point it at the staged corpora's "
+                                    f"folder, or set it to {NO_DATA!r} for none, or unset it")
+        return Path(env)
+    default = (checkout or Path(".")) / ".." / "shared" / "data"
+    return default if default.is_dir() else None
+
+
 def resolve_data_dir(arg: str | None = None) -> Path:
-    """``arg``, else ``../shared/data`` relative to the working directory, else ``$CONDCOMP_DATA_DIR``."""
-    candidates = [arg] if arg else ["../shared/data", os.environ.get("CONDCOMP_DATA_DIR")]
-    for c in candidates:
-        if c and Path(c).is_dir():
-            return Path(c)
-    raise FileNotFoundError(f"data directory not found (tried {[c for c in candidates if c]}). The named datasets "
+    """``arg``, else ``$CONDCOMP_DATA_DIR`` (``none``: no folder), else ``../shared/data`` relative to the working
+    directory (:func:`staged_data_dir`); FileNotFoundError when there is none, saying what to pass instead."""
+    if arg:
+        if Path(arg).is_dir():
+            return Path(arg)
+        tried = f"--data-dir {arg}: no such folder"
+    else:
+        found = staged_data_dir()
+        if found is not None:
+            return found
+        tried = (f"${DATA_DIR_ENV}={NO_DATA}" if os.environ.get(DATA_DIR_ENV, "").strip()
+                 else f"../shared/data and ${DATA_DIR_ENV}: neither found")
+    raise FileNotFoundError(f"data directory not found ({tried}). The named datasets "
                             f"({', '.join(sorted(DATASETS))}) are read from a folder in the layout of the project's "
-                            "staged corpora: pass --data-dir or set CONDCOMP_DATA_DIR. For your own data use "
+                            f"staged corpora: pass --data-dir or set {DATA_DIR_ENV}. For your own data use "
                             "--dataset files --train-file F --test-file F (JSONL or CSV with text and label fields), "
                             "or --dataset hf:<name> (the datasets package); see docs/cli.md")
 

@@ -24,7 +24,7 @@ from condcomp.experiments.classification.runconfig import RunConfig
 # RunConfig fields exposed as flags: (type, help). Lists take several values; dicts are JSON strings.
 _HELP = {
     "dataset": "ag_news | dbpedia_14 | imdb | snli | yelp | digits (a ViT) | synthetic | files | hf:<name>",
-    "data_dir": "folder of the staged datasets (default ../shared/data, then $CONDCOMP_DATA_DIR)",
+    "data_dir": "folder of the staged datasets (default $CONDCOMP_DATA_DIR, then ../shared/data)",
     "method": "standard | budgetformer | fixed | moh | random",
     "method_options": 'JSON kwargs of the method, e.g. \'{"fraction": 0.25}\' or \'{"s_min": 0.1, "s_max": 0.5}\'',
     "tokenizer": "bert (bert-base-uncased WordPiece, offline) | trained (WordPiece fitted on the train split)",

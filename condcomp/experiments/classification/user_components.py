@@ -1,6 +1,6 @@
 """A router or policy of the user's as a run's component or a study's arm: a registered name, or a
-``module:attribute`` spec that imports the module (from the current folder or ``PYTHONPATH``) and registers the
-class.
+``module:attribute`` spec that imports the module (from the current folder or ``PYTHONPATH``; or
+``path/to/file.py:attribute``, :mod:`condcomp.user_spec`) and registers the class.
 
 ``--router my_routers:NormRouter`` imports ``my_routers`` and registers ``NormRouter`` under the key its
 ``@condcomp.register_router`` decorator gave it (or, undecorated, its class name in lower case). The spec, not
@@ -9,19 +9,12 @@ the key, is what a run records (``method_options``), so ``condcomp eval`` and a 
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from typing import Any
 
 from condcomp.registry import POLICIES, ROUTERS, Registry
+from condcomp.user_spec import is_spec, load_attribute
 
 ROLES: dict[str, Registry[Any]] = {"router": ROUTERS, "policy": POLICIES}
-
-
-def is_spec(value: Any) -> bool:
-    """Whether ``value`` is a ``module:attribute`` spec (a registry key has no colon)."""
-    return isinstance(value, str) and ":" in value
 
 
 def resolve(role: str, value: str) -> str:
@@ -34,20 +27,10 @@ def resolve(role: str, value: str) -> str:
                              f"{', '.join(registry.names())}); pass a registered name or module:Class, e.g. "
                              f"my_{role}s:My{role.title()}")
         return value.lower()
-    module_name, _, attribute = value.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"{role} {value!r}: write module:Class, e.g. my_{role}s:My{role.title()}")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does: a module beside the user is importable
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"{role} {value!r}: cannot import {module_name} ({err}); run from the folder that "
-                         f"holds {module_name.replace('.', '/')}.py, or add its folder to PYTHONPATH") from None
-    obj = getattr(module, attribute, None)
+    obj = load_attribute(value, role, f"my_{role}s:My{role.title()}")
+    attribute = value.rpartition(":")[2]
     if not isinstance(obj, type):
-        found = "nothing" if obj is None else type(obj).__name__
-        raise ValueError(f"{role} {value!r}: {module_name}.{attribute} is {found}, not a class; name the "
+        raise ValueError(f"{role} {value!r}: {attribute} is a {type(obj).__name__}, not a class; name the "
                          f"{role}'s class")
     key = vars(obj).get("registry_key")
     if key is not None and key in registry.names() and registry.get(key) is obj:

@@ -192,7 +192,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--duo-gates", type=Path, default=Path("results/kv/duo_gates.json"),
                    help="request --init duo: the gates file to start from")
     p.add_argument("--keep", type=integer(at_least=1), default=1, help="request: KV groups per layer kept in full")
-    p.add_argument("--data-dir", default=None, help="the staged corpora (default ../shared/data)")
+    p.add_argument("--data-dir", default=None,
+                   help="the staged corpora (default $CONDCOMP_DATA_DIR, else ../shared/data)")
     p.add_argument("--threads", type=integer(at_least=1), default=1)
     p.add_argument("--seed", type=integer(at_least=0), default=0)
     p.set_defaults(func=_cmd)

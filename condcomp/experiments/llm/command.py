@@ -81,7 +81,7 @@ def add_commands(sub: Any) -> None:
                    help="folders of `condcomp bench decode` runs: the table adds decode ms/token x dense and KV MiB "
                         "at their largest prompt and batch, joined by kept KV fraction (e.g. "
                         "results/bench/decode/smollm2_cpu results/bench/decode/smollm2_moh_cpu)")
-    p.add_argument("--data-dir", default=None, help="staged datasets (default ../shared/data)")
+    p.add_argument("--data-dir", default=None, help="staged datasets (default $CONDCOMP_DATA_DIR, else ../shared/data)")
     p.add_argument("--threads", type=integer(at_least=1), default=1,
                    help="torch threads (default 1: the machine is shared)")
     for f in fields(TuneSettings):

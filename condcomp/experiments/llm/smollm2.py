@@ -41,14 +41,31 @@ def smollm2_folder() -> Path:
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, dequantized to ``dtype``, in eval mode."""
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, dequantized to ``dtype``, in eval mode.
+
+    The GGUF file is converted once (float32 weights saved as safetensors in the model cache,
+    :mod:`condcomp.experiments.llm.model_cache`: ``$CONDCOMP_CACHE`` or ``~/.cache/condcomp``, keyed by the file's
+    hash, checked at each load); later calls read that. ``condcomp cache --clear`` empties it,
+    ``CONDCOMP_CACHE=none`` turns it off."""
     folder = smollm2_folder()
     for name in ("gguf", "accelerate", "transformers"):
         if importlib.util.find_spec(name) is None:
             raise ImportError(f"loading SmolLM2's GGUF file needs the package {name}: {EXTRA_HINT}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=GGUF_FILE, dtype=dtype,
-                                                 attn_implementation=attn_implementation)
-    return model.eval(), tokenizer
+    from condcomp.experiments.llm.model_cache import cached_model
+
+    def convert() -> tuple[Any, Any]:  # float32, as the cache stores it
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=GGUF_FILE, dtype=torch.float32,
+                                                     attn_implementation=attn_implementation)
+        return model, tokenizer
+
+    def load(entry: Path) -> tuple[Any, Any]:
+        tokenizer = AutoTokenizer.from_pretrained(str(entry))
+        model = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch.float32,
+                                                     attn_implementation=attn_implementation)
+        return model, tokenizer
+
+    model, tokenizer = cached_model("smollm2-135m-instruct", folder / GGUF_FILE, convert, load)
+    return model.to(dtype).eval(), tokenizer
