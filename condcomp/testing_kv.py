@@ -84,7 +84,7 @@ def check_kv_policy(policy: Any, options: dict[str, Any] | None = None, rule: Ru
 
     def want(toks: Tensor, msk: Tensor, rows_plans: dict[str, RequestPlan]) -> Tensor:  # (B, S, V)
         if rule is not None:
-            return _rule_logits(model, rows_plans, toks, msk, rule)
+            return rule_logits(model, rows_plans, toks, msk, rule)
         return _run("one prefill", what, lambda: _prefill_logits(transformers, model, toks, msk))
 
     ref = want(tokens, full, plans)
@@ -247,7 +247,7 @@ def _prefill_logits(transformers: Any, model: nn.Module, tokens: Tensor, mask: T
     return out.logits  # type: ignore[no-any-return]
 
 
-def _rule_bias(mask: Tensor, plan: RequestPlan, rule: Rule) -> Tensor:
+def rule_bias(mask: Tensor, plan: RequestPlan, rule: Rule) -> Tensor:
     """``(B, H, S, S)`` float64: 0 where a query may read a key, -inf elsewhere. Kept groups: causal over real
     tokens; groups the policy holds: also ``rule(p, j)``; groups at the ``full`` policy: causal."""
     B, S = mask.shape
@@ -266,14 +266,14 @@ def _rule_bias(mask: Tensor, plan: RequestPlan, rule: Rule) -> Tensor:
 
 
 @torch.no_grad()
-def _rule_logits(model: nn.Module, plans: dict[str, RequestPlan], tokens: Tensor, mask: Tensor, rule: Rule
+def rule_logits(model: nn.Module, plans: dict[str, RequestPlan], tokens: Tensor, mask: Tensor, rule: Rule
                  ) -> Tensor:
     """One forward without a cache in which every wrapped layer is the per-head reference loop on the request's
     plan, masked by ``rule`` for the groups the policy holds."""
     ref = copy.deepcopy(model)
     for name, routed in condcomp.api.routed_modules(ref).items():
         plan = plans[name]
-        bias = _rule_bias(mask.bool(), plan, rule).float()
+        bias = rule_bias(mask.bool(), plan, rule).float()
 
         def forward(hidden_states: Tensor, position_embeddings: Any = None, _plan: RequestPlan = plan,
                     _routed: Any = routed, _bias: Tensor = bias, **_: Any) -> tuple[Tensor, None]:

@@ -3,12 +3,12 @@ entry by entry, the cache's bytes by hand, row selection carrying a policy's sta
 (``sinks_only_policy.py``: one file plus registration) running through the whole cache path.
 
 The reference is one forward over the whole sequence without a cache in which every wrapped layer is the per-head
-reference loop with an additive float64-built bias from the rule, for the heads and modes the request's plan holds.
+reference loop with an additive float64-built bias from the rule, for the heads and modes the request's plan holds
+(``condcomp.testing_kv.rule_logits``, the rule ``check_kv_policy`` also checks users' policies against).
 """
 
 from __future__ import annotations
 
-import copy
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,13 +19,12 @@ import torch
 from torch import nn
 
 import condcomp
-from condcomp.executors.auto import get_executor
-from condcomp.kv import KV_FULL, KV_WINDOW, RequestPlan
-from condcomp.types import AttentionInputs
+from condcomp.kv import KV_FULL, KV_WINDOW
+from condcomp.testing_kv import rule_logits
 
 t = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parents[1] / "integrations" / "hf"))
-from decode_helpers import extend, llama, positions, prompts, step  # noqa: E402
+from decode_helpers import extend, llama, prompts, step  # noqa: E402
 from sinks_only_policy import Sinks, SinksOnlyKV  # noqa: E402
 
 NEW = 4
@@ -38,45 +37,6 @@ def wrapped(kv: Any, kv_heads: int = 4, router: Any = None) -> nn.Module:
                                   kv=kv)
     condcomp.apply_(model, cfg)
     return model.eval()
-
-
-def rule_bias(mask: torch.Tensor, plan: RequestPlan, held_by_policy: Rule) -> torch.Tensor:
-    """``(B, H, S, S)`` float64: 0 where a query may attend a key, -inf elsewhere. Kept groups: causal over real
-    tokens; groups the KV policy holds (mode 1): also ``held_by_policy(p, j)``; full-policy groups: causal."""
-    B, S = mask.shape
-    H, Hkv = plan.heads.shape[1], plan.kv_groups.shape[1]
-    assert plan.kv_modes is not None
-    pos = (mask.long().cumsum(-1) - 1).tolist()
-    bias = torch.full((B, H, S, S), float("-inf"), dtype=torch.float64)
-    for b in range(B):
-        for h in range(H):
-            by_policy = int(plan.kv_modes[b, h // (H // Hkv)]) == KV_WINDOW
-            for i in range(S):
-                for j in range(i + 1):
-                    if mask[b, i] and mask[b, j] and (not by_policy or held_by_policy(pos[b][i], pos[b][j])):
-                        bias[b, h, i, j] = 0.0
-    return bias
-
-
-@torch.no_grad()
-def reference_logits(model: nn.Module, plans: dict[str, RequestPlan], tokens: torch.Tensor, mask: torch.Tensor,
-                     held_by_policy: Rule) -> torch.Tensor:
-    ref = copy.deepcopy(model)
-    for name, routed in condcomp.api.routed_modules(ref).items():
-        plan = plans[name]
-        bias = rule_bias(mask.bool(), plan, held_by_policy).float()
-
-        def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, _routed: Any = routed,
-                    _plan: RequestPlan = plan, _bias: torch.Tensor = bias, **_: Any) -> tuple[torch.Tensor, None]:
-            B, T, _ = hidden_states.shape
-            cos, sin = position_embeddings
-            inputs = AttentionInputs(x=hidden_states, mask=mask.bool(), attn_bias=_bias,
-                                     rotary=(cos.expand(B, T, -1), sin.expand(B, T, -1)))
-            head_plan = condcomp.plan_from_active(_plan.heads, _plan.gates)
-            return get_executor("reference")(_routed.weights(), inputs, head_plan), None
-
-        routed.forward = forward
-    return ref(input_ids=tokens, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
 
 
 @torch.no_grad()
@@ -107,7 +67,7 @@ def test_each_kv_policy_prefill_and_decode_equal_its_rule_without_a_cache(case: 
     tokens, full_mask, logits, cache = generate(model, ids, mask, NEW)
     plans = condcomp.request_plans(model, cache)
     assert {m for p in plans.values() for row in p.group_modes() for m in row} == modes
-    ref = reference_logits(model, plans, tokens, full_mask, rule)
+    ref = rule_logits(model, plans, tokens, full_mask, rule)
     P = ids.shape[1]
     for i, got in enumerate(logits):
         torch.testing.assert_close(got, ref[:, P - 1 + i], atol=1e-4, rtol=1e-4)
@@ -133,7 +93,7 @@ def test_the_test_only_policy_state_is_counted_carried_through_row_selection_and
     cache.batch_select_indices(rows)
     tokens, full_mask = extend(tokens[rows], full_mask[rows], logits[-1][rows].argmax(-1, keepdim=True))
     got = step(model, tokens, full_mask, cache, 1)
-    ref = reference_logits(model, condcomp.request_plans(model, cache), tokens, full_mask, lambda p, j: j < 2)
+    ref = rule_logits(model, condcomp.request_plans(model, cache), tokens, full_mask, lambda p, j: j < 2)
     torch.testing.assert_close(got, ref[:, -1], atol=1e-4, rtol=1e-4)
     cache.crop(-1)  # the last token leaves every layer, the sinks stay
     assert all(int(layer.condcomp_windows.seen.max()) == int(full_mask.sum(-1).max()) - 1 for layer in cache.layers)
