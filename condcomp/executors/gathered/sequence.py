@@ -28,7 +28,7 @@ from condcomp.rotary import apply_rotary
 from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
 
 
-def _fused_layout(call: GatheredCall) -> bool:
+def fused_layout(call: GatheredCall) -> bool:
     """Self-attention without GQA or a KV cache: q/k/v can be one ``(n, T, 3kDh)`` matmul."""
     i = call.inputs
     return i.key is None and i.value is None and i.key_states is None and call.weights.layout.group_size == 1
@@ -50,7 +50,7 @@ def _bucket_mask(mask: AttentionMask, idx: Tensor | None, heads: Tensor) -> tupl
     return m, dead
 
 
-def _bucket(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
+def bucket_block(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, mask: AttentionMask,
             idx: Tensor | None, k: int, kkv: int, fused_w: tuple[Tensor, Tensor | None] | None) -> Tensor:
     """Output ``(n, T, D)`` (output bias included) of the examples ``idx`` (None = all) that use ``k`` heads."""
     L = w.layout
@@ -200,8 +200,8 @@ class OneBucket(Strategy):
     @override
     def run(self, call: GatheredCall) -> Tensor:
         k, kkv, _ = call.sizes.buckets[0]
-        fused_w = qkv_head_rows(call.weights) if _fused_layout(call) else None
-        return _finish(call, _bucket(call.weights, call.inputs, call.plan, call.mask, None, k, kkv, fused_w))
+        fused_w = qkv_head_rows(call.weights) if fused_layout(call) else None
+        return _finish(call, bucket_block(call.weights, call.inputs, call.plan, call.mask, None, k, kkv, fused_w))
 
 
 class Buckets(Strategy):
@@ -213,7 +213,7 @@ class Buckets(Strategy):
         x = inputs.x
         B, T, _ = x.shape
         D, Hkv = w.o_weight.shape[0], w.layout.num_kv_heads
-        fused_w = qkv_head_rows(w) if _fused_layout(call) else None
+        fused_w = qkv_head_rows(w) if fused_layout(call) else None
         key = plan.counts.long() * (Hkv + 1)
         key = key + (kv_groups_used(plan.active, Hkv).sum(-1) if w.layout.group_size > 1 else plan.counts.long())
         perm = torch.argsort(key, stable=True)  # (B,) examples sorted by bucket
@@ -224,6 +224,6 @@ class Buckets(Strategy):
             idx = perm[start:start + n]
             start += n
             if k > 0:  # rows of k = 0 examples stay exactly zero (no bias either)
-                part = _bucket(w, inputs, plan, call.mask, idx, k, kkv, fused_w)  # autocast: maybe bf16
+                part = bucket_block(w, inputs, plan, call.mask, idx, k, kkv, fused_w)  # autocast: maybe bf16
                 y.index_copy_(0, idx, part.to(y.dtype))
         return _finish(call, keep_gates_in_graph(y, plan))  # every k = 0: zero output, still in the graph

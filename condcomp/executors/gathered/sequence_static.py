@@ -2,7 +2,7 @@
 
 Every example computes ``k_cap`` heads (``HeadPlan.k_cap``, the bound the budget policy declares; H without one):
 its selected heads ``order[:, :k_cap]``, padded with unselected heads whose gate is 0. One batched block over the
-whole batch (sequence.py's ``_bucket``): ``index_select`` of the heads' weight blocks, ``bmm`` for q/k/v, one SDPA
+whole batch (sequence.py's ``bucket_block``): ``index_select`` of the heads' weight blocks, ``bmm`` for q/k/v, one SDPA
 over ``(B, k_cap, T, Dh)``, ``bmm`` for the output projection. Nothing depends on the plan's values, so
 ``torch.compile(fullgraph=True)`` and CUDA graphs capture it; the price is the padding, ``k_cap / H`` of the dense
 work whatever the plan selects (dense cost without a cap). It runs where the call is not sized (under
@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from condcomp.executors.base import keep_gates_in_graph, qkv_head_rows, zero_dead_rows
 from condcomp.executors.gathered.call import GatheredCall, Strategy
-from condcomp.executors.gathered.sequence import _bucket, _fused_layout
+from condcomp.executors.gathered.sequence import bucket_block, fused_layout
 from condcomp.masks import build_attention_mask, dead_rows
 from condcomp.types import HeadPlan
 
@@ -55,11 +55,11 @@ class Static(Strategy):
             return keep_gates_in_graph(x.new_zeros(B, T, w.o_weight.shape[0]), plan)
         # one fused q/k/v matmul in eager mode; under compile q, k and v are projected apart: finding out whether
         # they are slices of one in-projection reads data pointers, which dynamo cannot trace
-        fused_w = qkv_head_rows(w) if _fused_layout(call) and not torch.compiler.is_compiling() else None
+        fused_w = qkv_head_rows(w) if fused_layout(call) and not torch.compiler.is_compiling() else None
         kkv = min(cap, w.layout.num_kv_heads)  # the key/value heads k_cap query heads can read
         # the mask built here, not call.mask: a cached_property takes a lock on Python 3.11, which dynamo cannot trace
         mask = build_attention_mask(inputs, w.layout.causal, x.dtype)
-        y = _bucket(w, inputs, padded_plan(plan, cap), mask, None, cap, kkv, fused_w)  # (B, T, D)
+        y = bucket_block(w, inputs, padded_plan(plan, cap), mask, None, cap, kkv, fused_w)  # (B, T, D)
         if w.o_bias is not None:  # the output bias only on rows that computed a head (k = 0 rows: exactly zero)
             y = y.masked_fill((plan.counts == 0)[:, None, None], 0.0)
         return zero_dead_rows(y, dead_rows(mask, B, T))
