@@ -300,6 +300,10 @@ def main(args: argparse.Namespace | None = None) -> int:
     results = checks(dev, args.quick)
     all_ok = all(r["ok"] is not False for r in results)
     (out / "checks.json").write_text(json.dumps({**header, "all_ok": all_ok, "checks": results}, indent=1))
+    header["checks"] = (f"{sum(r['ok'] is True for r in results)} passed, {sum(r['ok'] is False for r in results)} "
+                        f"failed, {sum(r['ok'] is None for r in results)} not run (a strategy that cannot run a case; "
+                        "checks.json says why)")
+    header["quick"] = bool(args.quick)
     meta = run(args, dev, start, header, out)
     print((out / "table.md").read_text())
     return 0 if all_ok and not meta["wrong_answers"] else 1

@@ -1,4 +1,4 @@
-"""``table.md`` of ``condcomp bench gpu-check``: how the run was made, the targets of issue 47 with what this run
+"""``table.md`` of ``condcomp bench gpu-check``: how the run was made, the GPU targets with what this run
 measured for each, and one row per timed cell and pass. Every ratio is a paired one (the median over repetitions of
 the variant's time over dense's, or the floor's, in the same repetition)."""
 
@@ -70,7 +70,10 @@ def table(header: dict[str, Any], records: list[dict[str, Any]], summaries: list
              f"{len(summaries)} of {header.get('cells_total', '?')} cells timed"
              + (f"; stopped: {header['stopped']}" if header.get("stopped") else "")
              + (f"; not started: {', '.join(header['not_started'])}" if header.get("not_started") else "") + ".", "",
-             "## Targets (issue 47; the router excluded)", "", *target_lines(records, summaries), "",
+             f"Correctness checks against the reference executor: {header.get('checks', 'not recorded')}.", "",
+             *(["**--quick**: tiny shapes and 2 repetitions, a smoke test of the command, not a measurement; the "
+                "targets below need the full run on a CUDA GPU.", ""] if header.get("quick") else []),
+             "## Targets (one H100/H200, bfloat16; the router excluded)", "", *target_lines(records, summaries), "",
              "## Every cell", "",
              "Milliseconds are medians; `xd` / `xf`: paired ratios to dense and to the floor (a dense block of only k "
              "heads). masked and gathered run on the router's plan; the router is its own column.", "",

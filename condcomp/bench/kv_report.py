@@ -166,7 +166,9 @@ def summary(result: dict[str, Any]) -> str:
              f"scored tokens (per length where a list); haystack text {result.get('text', 'staged')}; device "
              f"{result['device']}, {result['threads']} threads.",
              f"Decode ms/token: prompt {p['decode_prompt']}, batch {p['decode_batch']}, median of "
-             f"{p['decode_tokens']} interleaved steps ('x dense': step-paired median ratio)." if timing else "", "",
+             f"{p['decode_tokens']} interleaved steps ('x dense': step-paired median ratio)." if timing else
+             "Decode not timed (--time-decode without names times none; name the variants to time, or leave the "
+             "flag out to time every one).", "",
              table(records), ""]
     try:
         lines += ["## Paired statistics", "", statistics_table(records), "",

@@ -83,9 +83,18 @@ def staged_data_dir(checkout: Path | None = None) -> Path | None:
     return default if default.is_dir() else None
 
 
-def resolve_data_dir(arg: str | None = None) -> Path:
+OWN_DATA_ADVICE = ("For your own data use --dataset files --train-file F --test-file F (JSONL or CSV with text and "
+                   "label fields), or --dataset hf:<name> (the datasets package); see docs/cli.md")
+
+
+LLM_DATA_ADVICE = ("calibrate-kv and tune-llm read their texts from that folder (the corpora's gzipped JSONL files: "
+                   "docs/kv-calibration.md); they have no --dataset option")
+
+
+def resolve_data_dir(arg: str | None = None, advice: str = OWN_DATA_ADVICE) -> Path:
     """``arg``, else ``$CONDCOMP_DATA_DIR`` (``none``: no folder), else ``../shared/data`` relative to the working
-    directory (:func:`staged_data_dir`); FileNotFoundError when there is none, saying what to pass instead."""
+    directory (:func:`staged_data_dir`); FileNotFoundError when there is none, saying what to pass instead
+    (``advice``: what the calling command offers besides a data folder)."""
     if arg:
         if Path(arg).is_dir():
             return Path(arg)
@@ -98,9 +107,7 @@ def resolve_data_dir(arg: str | None = None) -> Path:
                  else f"../shared/data and ${DATA_DIR_ENV}: neither found")
     raise FileNotFoundError(f"data directory not found ({tried}). The named datasets "
                             f"({', '.join(sorted(DATASETS))}) are read from a folder in the layout of the project's "
-                            f"staged corpora: pass --data-dir or set {DATA_DIR_ENV}. For your own data use "
-                            "--dataset files --train-file F --test-file F (JSONL or CSV with text and label fields), "
-                            "or --dataset hf:<name> (the datasets package); see docs/cli.md")
+                            f"staged corpora: pass --data-dir or set {DATA_DIR_ENV}. {advice}")
 
 
 def _open_text(path: Path) -> io.TextIOBase:

@@ -90,3 +90,15 @@ def test_bench_kv_and_calibrate_kv_read_the_staged_test_documents() -> None:
     per = [dataset_documents(name, folder, "test", 0) for name in CORPORA]
     assert len(texts) == len(CORPORA) * min(len(p) for p in per) > 0
     assert texts[:len(CORPORA)] == [p[0] for p in per]  # interleaved, one document of each corpus in turn
+
+
+def test_the_llm_commands_missing_data_error_offers_only_what_they_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """calibrate-kv and tune-llm have no --dataset option: their error must not suggest one (it did: a newcomer's
+    clone ran calibrate-kv, was told to pass --dataset files, and argparse refused it)."""
+    monkeypatch.setenv("CONDCOMP_DATA_DIR", "none")
+    with pytest.raises(FileNotFoundError) as llm:
+        D.resolve_data_dir(None, D.LLM_DATA_ADVICE)
+    assert "--data-dir" in str(llm.value) and "--dataset files" not in str(llm.value)
+    with pytest.raises(FileNotFoundError) as classification:
+        D.resolve_data_dir(None)
+    assert "--dataset files" in str(classification.value)

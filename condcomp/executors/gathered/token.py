@@ -244,7 +244,9 @@ class Dense(Strategy):
     @override
     def supports(self, call: GatheredCall) -> list[str]:
         routed = call.token_split.routed
-        return [f"heads {routed} are routed (chosen by under tuning.dense_head_rows of the rows)"] if routed else []
+        if not routed:
+            return []
+        return [f"heads {routed} are routed (each chosen by fewer than tuning.dense_head_rows of the rows)"]
 
     @override
     def run(self, call: GatheredCall) -> Tensor:

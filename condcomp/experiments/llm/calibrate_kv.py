@@ -31,9 +31,9 @@ def _calibration(args: argparse.Namespace, texts: list[str] | None, seed: int) -
     model, tok, sep, _ = load(args.model)
     encode = getattr(tok, "encode_plain", None) or tok.encode
     if texts is None:
-        from condcomp.experiments.data import resolve_data_dir
+        from condcomp.experiments.data import LLM_DATA_ADVICE, resolve_data_dir
 
-        texts = corpus_texts(resolve_data_dir(args.data_dir), CORPORA, args.seed)
+        texts = corpus_texts(resolve_data_dir(args.data_dir, LLM_DATA_ADVICE), CORPORA, args.seed)
     stream = haystack_stream(texts, encode, sep, min_tokens=8 * args.seq_len)
     return model, calibration_rows(stream, encode, args.seq_len, args.steps, seed=seed)
 

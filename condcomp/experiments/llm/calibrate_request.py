@@ -65,9 +65,9 @@ def calibration(args: argparse.Namespace, texts: list[str] | None, seed: int, he
     encode = getattr(tok, "encode_plain", None) or tok.encode
     n_passkey, n_plain = (args.steps + 1) // 2, args.steps // 2
     if texts is None:
-        from condcomp.experiments.data import resolve_data_dir
+        from condcomp.experiments.data import LLM_DATA_ADVICE, resolve_data_dir
 
-        data_dir = resolve_data_dir(args.data_dir)
+        data_dir = resolve_data_dir(args.data_dir, LLM_DATA_ADVICE)
         plain = plain_rows(data_dir, CORPORA, encode, sep, args.seq_len, n_plain, args.seed, held_out)
         texts = corpus_texts(data_dir, CORPORA, args.seed)
     else:  # tests: the given texts, one stream

@@ -39,7 +39,7 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
 
     import torch
 
-    from condcomp.experiments.data import resolve_data_dir
+    from condcomp.experiments.data import LLM_DATA_ADVICE, resolve_data_dir
     from condcomp.experiments.llm.tuning_report import load_decode_records
     from condcomp.experiments.llm.tuning_study import run_tuning_study
 
@@ -54,8 +54,8 @@ def _cmd_tune_llm(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
     command = shlex.join(["condcomp", *sys.argv[1:]]) if sys.argv[1:2] == ["tune-llm"] else None
-    table = run_tuning_study(settings, args.variants, args.out, args.results, resolve_data_dir(args.data_dir), command,
-                      decode=decode)
+    data_dir = resolve_data_dir(args.data_dir, LLM_DATA_ADVICE)
+    table = run_tuning_study(settings, args.variants, args.out, args.results, data_dir, command, decode=decode)
     print(table)
     return 0
 
