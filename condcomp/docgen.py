@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import condcomp
-from condcomp.executors.gathered import CPU, STRATEGIES
+from condcomp.executors.gathered import CPU, CUDA, STRATEGIES
 from condcomp.registry import EXECUTORS, LAYER_FACTS, POLICIES, ROUTERS, Registry
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
@@ -134,10 +134,10 @@ def _gathered() -> list[str]:
     lines += ["", "`sequence.triton` runs Triton kernels (the ops of `condcomp.executors.gathered.pairs`) on CUDA. "
               "triton comes with torch's Linux CUDA wheels; elsewhere install the `gpu` extra: "
               "`pip install -e \".[gpu]\"`. Without it that strategy says so and the others run."]
-    lines += ["", "`GatheredTuning` fields and their CPU values (measured; the CUDA values are the same, unmeasured):",
-              "", "| field | CPU |", "|---|---|"]
+    lines += ["", "`GatheredTuning` fields and their values on CPU (measured) and CUDA (not measured on a GPU yet):",
+              "", "| field | CPU | CUDA |", "|---|---|---|"]
     assert is_dataclass(CPU)
-    lines += [f"| `{f.name}` | `{getattr(CPU, f.name)!r}` |" for f in fields(CPU)]
+    lines += [f"| `{f.name}` | `{getattr(CPU, f.name)!r}` | `{getattr(CUDA, f.name)!r}` |" for f in fields(CPU)]
     return [*lines, ""]
 
 

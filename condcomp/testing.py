@@ -40,18 +40,15 @@ from torch import Tensor, nn
 import condcomp
 from condcomp.executors.auto import get_executor
 from condcomp.registry import POLICIES, ROUTERS, registered_name
-from condcomp.testing_kv import check_kv_policy  # noqa: F401 - the KV-policy contract, re-exported
+from condcomp.testing_kv import (
+    check_kv_policy,  # noqa: F401 - the KV-policy contract, re-exported
+    require,
+)
 from condcomp.types import Budget, HeadPlan
 
 B, T, D, H = 3, 5, 32, 8
 FACTS = {"d_model": D, "num_heads": H, "num_kv_heads": H, "head_dim": D // H}
 
-
-
-def _require(condition: object, message: str) -> None:
-    """An ``AssertionError`` with ``message`` unless ``condition`` holds (explicit: ``python -O`` strips asserts)."""
-    if not condition:
-        raise AssertionError(message)
 
 
 
@@ -65,10 +62,10 @@ def trainable(component: Any) -> dict[str, nn.Parameter]:
 
 def assert_every_parameter_has_a_gradient(component: Any, what: str) -> None:
     missing = [n for n, p in trainable(component).items() if p.grad is None]
-    _require(not missing, (f"{what}: parameters {missing} received no gradient; train them, or declare them "
+    require(not missing, (f"{what}: parameters {missing} received no gradient; train them, or declare them "
                            "non-trainable (requires_grad=False or a non_trainable class attribute)"))
     bad = [n for n, p in trainable(component).items() if not torch.isfinite(p.grad).all()]  # type: ignore[arg-type]
-    _require(not bad, f"{what}: non-finite gradients for {bad}")
+    require(not bad, f"{what}: non-finite gradients for {bad}")
 
 
 def inputs() -> tuple[Tensor, Tensor]:
@@ -86,8 +83,8 @@ def with_other_padding(x: Tensor, mask: Tensor) -> Tensor:
 
 def aux_total(losses: dict[str, Tensor], what: str) -> Tensor:
     for name, value in losses.items():
-        _require(isinstance(value, Tensor) and value.dim() == 0, f"{what}: aux loss {name!r} must be a scalar tensor")
-        _require(torch.isfinite(value), f"{what}: aux loss {name!r} is not finite ({float(value)})")
+        require(isinstance(value, Tensor) and value.dim() == 0, f"{what}: aux loss {name!r} must be a scalar tensor")
+        require(torch.isfinite(value), f"{what}: aux loss {name!r} is not finite ({float(value)})")
     return sum(losses.values(), torch.zeros(()))
 
 
@@ -100,7 +97,7 @@ def budget_of(granularity: str, k: int, x: Tensor) -> Budget:
 def _float32_parameters(component: Any, what: str) -> None:
     if isinstance(component, nn.Module):
         bad = [n for n, p in component.named_parameters() if p.dtype != torch.float32]
-        _require(not bad, f"{what}: routing parameters {bad} must be float32 (whatever the model's dtype)")
+        require(not bad, f"{what}: routing parameters {bad} must be float32 (whatever the model's dtype)")
 
 
 def _call(what: str, fn: Callable[[], Any]) -> Any:
@@ -114,19 +111,19 @@ def _call(what: str, fn: Callable[[], Any]) -> Any:
 
 def check_plan(plan: Any, granularity: str, what: str) -> None:
     """A ``HeadPlan`` of shape ``(B, H)`` / ``(B, T, H)``, finite, consistent with itself."""
-    _require(isinstance(plan, HeadPlan), f"{what}: returned {type(plan).__name__}, not a condcomp.HeadPlan")
-    _require(plan.granularity == granularity, (f"{what}: a {plan.granularity} plan from a router that declares "
+    require(isinstance(plan, HeadPlan), f"{what}: returned {type(plan).__name__}, not a condcomp.HeadPlan")
+    require(plan.granularity == granularity, (f"{what}: a {plan.granularity} plan from a router that declares "
                                                f"granularity = {granularity!r}"))
     want = (B, H) if granularity == "sequence" else (B, T, H)
-    _require(tuple(plan.gates.shape) == want and tuple(plan.active.shape) == want, (
+    require(tuple(plan.gates.shape) == want and tuple(plan.active.shape) == want, (
           f"{what}: gates {tuple(plan.gates.shape)} and active {tuple(plan.active.shape)}, expected {want} "
           f"for a {granularity} router"))
-    _require(plan.active.dtype == torch.bool, f"{what}: active must be a bool tensor, got {plan.active.dtype}")
-    _require(torch.equal(plan.counts, plan.active.sum(-1)), f"{what}: counts differ from active.sum(-1)")
-    _require(torch.isfinite(plan.gates).all(), f"{what}: non-finite gates (NaN or inf): {plan.gates.tolist()}")
-    _require(torch.equal(plan.gates[~plan.active], torch.zeros_like(plan.gates[~plan.active])), (
+    require(plan.active.dtype == torch.bool, f"{what}: active must be a bool tensor, got {plan.active.dtype}")
+    require(torch.equal(plan.counts, plan.active.sum(-1)), f"{what}: counts differ from active.sum(-1)")
+    require(torch.isfinite(plan.gates).all(), f"{what}: non-finite gates (NaN or inf): {plan.gates.tolist()}")
+    require(torch.equal(plan.gates[~plan.active], torch.zeros_like(plan.gates[~plan.active])), (
           f"{what}: a head that is not active has a non-zero gate"))
-    _require(torch.equal(torch.gather(plan.active, -1, plan.order),
+    require(torch.equal(torch.gather(plan.active, -1, plan.order),
                          torch.arange(H).expand(want) < plan.counts.unsqueeze(-1)), (
           f"{what}: order must list the active heads first; build plans with condcomp.plan_top_k or plan_from_active"))
 
@@ -136,8 +133,8 @@ def check_router(router: Any, options: dict[str, Any] | None = None) -> None:
     name = registered_name(router, ROUTERS)
     what = f"router {name!r}"
     r = _call(f"{what}: building it", lambda: ROUTERS.build(name, dict(options or {}), FACTS))
-    _require(r.granularity in ("sequence", "token"), f"{what}: granularity must be 'sequence' or 'token'")
-    _require(isinstance(r, condcomp.Router), f"{what}: not a condcomp.Router (granularity and a forward call)")
+    require(r.granularity in ("sequence", "token"), f"{what}: granularity must be 'sequence' or 'token'")
+    require(isinstance(r, condcomp.Router), f"{what}: not a condcomp.Router (granularity and a forward call)")
     if isinstance(r, nn.Module):
         r.train()
     _float32_parameters(r, what)
@@ -157,16 +154,16 @@ def check_router(router: Any, options: dict[str, Any] | None = None) -> None:
             p = _call(f"{what}: forward at k = {k}", partial(r, x, mask, budget, attn))
             check_plan(p, r.granularity, f"{what} at k = {k}")
             if r.granularity == "sequence":
-                _require(bool((p.counts == k).all()), (f"{what}: ran {p.counts.tolist()} heads where the budget "
+                require(bool((p.counts == k).all()), (f"{what}: ran {p.counts.tolist()} heads where the budget "
                                                        f"allowed k = {k}; a sequence router keeps budget.k heads"))
         _check_padding(r, x, mask, attn, what)
         attn16 = condcomp.HeadAttention(D, H).to(torch.bfloat16).weights()  # a bfloat16 model's weights
         p16 = _call(f"{what}: bfloat16 forward",
                     lambda: r(x.detach().bfloat16(), mask, budget_of(r.granularity, H // 2, x), attn16))
-        _require(torch.isfinite(p16.gates.float()).all(), f"{what}: non-finite gates on a bfloat16 input")
-        _require(tuple(p16.gates.shape) == tuple(plan.gates.shape), f"{what}: other shapes on a bfloat16 input")
+        require(torch.isfinite(p16.gates.float()).all(), f"{what}: non-finite gates on a bfloat16 input")
+        require(tuple(p16.gates.shape) == tuple(plan.gates.shape), f"{what}: other shapes on a bfloat16 input")
     executors = [e for e in condcomp.list_executors() if r.granularity in get_executor(e).granularities]
-    _require(executors, f"{what}: no executor runs {r.granularity} plans")
+    require(executors, f"{what}: no executor runs {r.granularity} plans")
     for executor in executors:
         end_to_end(wrapped("fixed", name, executor, policy_options={"per_token": r.granularity == "token"},
                            router_options=options), f"{what} with executor {executor!r}")
@@ -179,11 +176,11 @@ def _check_padding(r: Any, x: Tensor, mask: Tensor, attn: Any, what: str) -> Non
     torch.manual_seed(0)
     p2 = r(with_other_padding(x, mask), mask, budget, attn)
     real = slice(None) if r.granularity == "sequence" else mask
-    _require(torch.equal(p1.gates[real], p2.gates[real]) and torch.equal(p1.active[real], p2.active[real]), (
+    require(torch.equal(p1.gates[real], p2.gates[real]) and torch.equal(p1.active[real], p2.active[real]), (
           f"{what}: the plan of real tokens changed with what padded tokens hold; leave them out of the scores "
           "(multiply by the mask, or pass mask= to plan_top_k)"))
     if r.granularity == "token":
-        _require(not p1.active[~mask].any(), f"{what}: padded tokens got heads; pass mask= to plan_top_k")
+        require(not p1.active[~mask].any(), f"{what}: padded tokens got heads; pass mask= to plan_top_k")
 
 
 def check_policy(policy: Any, options: dict[str, Any] | None = None) -> None:
@@ -191,7 +188,7 @@ def check_policy(policy: Any, options: dict[str, Any] | None = None) -> None:
     name = registered_name(policy, POLICIES)
     what = f"policy {name!r}"
     p = _call(f"{what}: building it", lambda: POLICIES.build(name, dict(options or {}), FACTS))
-    _require(isinstance(p, condcomp.BudgetPolicy), f"{what}: not a condcomp.BudgetPolicy (a forward call)")
+    require(isinstance(p, condcomp.BudgetPolicy), f"{what}: not a condcomp.BudgetPolicy (a forward call)")
     p = cast(Any, p)  # a policy may declare more (reads_condition, condition_dim)
     if isinstance(p, nn.Module):
         p.train()
@@ -206,28 +203,28 @@ def check_policy(policy: Any, options: dict[str, Any] | None = None) -> None:
         _call(f"{what}: backward", loss.backward)
     assert_every_parameter_has_a_gradient(p, what)
     if x.grad is not None:
-        _require(torch.isfinite(x.grad).all(), f"{what}: non-finite gradient reaching the input")
+        require(torch.isfinite(x.grad).all(), f"{what}: non-finite gradient reaching the input")
     if isinstance(p, nn.Module):
         p.eval()  # low-precision models: routing computes in float32 and stays finite
     with torch.no_grad():
         b1, b2 = p(x.detach(), mask, **cond), p(with_other_padding(x, mask), mask, **cond)
         real = slice(None) if b1.s.dim() == 1 else mask
-        _require(torch.equal(b1.s[real], b2.s[real]) and torch.equal(b1.k[real], b2.k[real]), (
+        require(torch.equal(b1.s[real], b2.s[real]) and torch.equal(b1.k[real], b2.k[real]), (
               f"{what}: the budget changed with what padded tokens hold; leave them out (a masked mean)"))
         b16 = _call(f"{what}: bfloat16 forward", lambda: p(x.detach().bfloat16(), mask, **cond))
-    _require(torch.isfinite(b16.s.float()).all() and b16.k.shape == b16.s.shape, (
+    require(torch.isfinite(b16.s.float()).all() and b16.k.shape == b16.s.shape, (
           f"{what}: a bfloat16 input gave non-finite s or mismatched shapes"))
     end_to_end(wrapped(name, "random", "auto", policy_options=options), f"{what} with the random router")
 
 
 def check_budget(budget: Any, what: str) -> None:
     """A ``Budget`` with ``s`` in [0, 1] and ``k`` int64 in [0, H], both ``(B,)`` or ``(B, T)``."""
-    _require(isinstance(budget, Budget), f"{what}: returned {type(budget).__name__}, not a condcomp.Budget")
-    _require(tuple(budget.s.shape) in ((B,), (B, T)) and budget.k.shape == budget.s.shape, (
+    require(isinstance(budget, Budget), f"{what}: returned {type(budget).__name__}, not a condcomp.Budget")
+    require(tuple(budget.s.shape) in ((B,), (B, T)) and budget.k.shape == budget.s.shape, (
           f"{what}: s {tuple(budget.s.shape)} and k {tuple(budget.k.shape)} must both be ({B},) or ({B}, {T})"))
-    _require(budget.k.dtype == torch.int64 and bool(((budget.k >= 0) & (budget.k <= H)).all()), (
+    require(budget.k.dtype == torch.int64 and bool(((budget.k >= 0) & (budget.k <= H)).all()), (
           f"{what}: k must be int64 in [0, {H}], got {budget.k.dtype} {budget.k.tolist()}; use condcomp.budget_k"))
-    _require(torch.isfinite(budget.s).all() and bool(((budget.s >= 0) & (budget.s <= 1)).all()), (
+    require(torch.isfinite(budget.s).all() and bool(((budget.s >= 0) & (budget.s <= 1)).all()), (
           f"{what}: s must be finite and in [0, 1], got {budget.s.tolist()}"))
 
 
@@ -245,13 +242,13 @@ def end_to_end(routed: condcomp.RoutedAttention, what: str) -> None:
     x, mask = inputs()
     y = _call(f"{what}: forward of the routed layer",
               lambda: routed(x, mask, condition=torch.randn(B, D)))  # read only by policies that read it
-    _require(y.shape == (B, T, D) and torch.isfinite(y).all(), f"{what}: the routed layer's output is not finite")
+    require(y.shape == (B, T, D) and torch.isfinite(y).all(), f"{what}: the routed layer's output is not finite")
     _call(f"{what}: backward of the routed layer", (y.square().mean() + condcomp.aux_loss(routed)).backward)
-    _require(x.grad is not None and torch.isfinite(x.grad).all(), f"{what}: no finite gradient reaches the input")
+    require(x.grad is not None and torch.isfinite(x.grad).all(), f"{what}: no finite gradient reaches the input")
     bad = [n for n, p in routed.base.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-    _require(not bad, f"{what}: non-finite gradients of the attention weights {bad}")
+    require(not bad, f"{what}: non-finite gradients of the attention weights {bad}")
     usage = routed.head_usage()
     if usage is None:
         raise AssertionError(f"{what}: the routed layer reports no head usage")
-    _require(0.0 <= usage.k_frac <= 1.0 and 0.0 <= usage.s_mean <= 1.0 and usage.flop_frac >= 0.0,
+    require(0.0 <= usage.k_frac <= 1.0 and 0.0 <= usage.s_mean <= 1.0 and usage.flop_frac >= 0.0,
              f"{what}: head usage out of range ({usage})")

@@ -47,7 +47,7 @@ Rule = Callable[[int, int], bool]  # (query position, key position) -> may atten
 PROMPT, TOL = 6, 1e-4
 
 
-def _require(condition: object, message: str) -> None:
+def require(condition: object, message: str) -> None:
     """An ``AssertionError`` with ``message`` unless ``condition`` holds (``python -O`` strips asserts)."""
     if not condition:
         raise AssertionError(message)
@@ -67,7 +67,7 @@ def check_kv_policy(policy: Any, options: dict[str, Any] | None = None, rule: Ru
         built = KV_POLICIES.get(name)(**(options or {}))
     except Exception as err:  # noqa: BLE001 - reported with the policy's name
         raise AssertionError(f"{what}: building it with options {options or {}} failed: {err!r}") from err
-    _require(isinstance(built, condcomp.KVPolicy), f"{what}: {type(built).__name__} is not a condcomp.KVPolicy "
+    require(isinstance(built, condcomp.KVPolicy), f"{what}: {type(built).__name__} is not a condcomp.KVPolicy "
              "subclass: derive from it (it brings take_rows, crop, tensors and keys_read defaults)")
     model = _tiny_llama(transformers)
     cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=("topk", {"kv_groups": True}),
@@ -78,7 +78,7 @@ def check_kv_policy(policy: Any, options: dict[str, Any] | None = None, rule: Ru
     tokens, full, logits, cache = _run("decode", what, lambda: _generate(transformers, model, ids, mask, new_tokens))
     plans = condcomp.request_plans(model, cache)
     modes = {m for p in plans.values() for row in p.group_modes() for m in row}
-    _require(built.stores != "own" or name in modes, f"{what}: no group is held by it ({sorted(modes)}): the "
+    require(built.stores != "own" or name in modes, f"{what}: no group is held by it ({sorted(modes)}): the "
              "check would be vacuous")
     reference = "the rule's reference (one forward without a cache)" if rule else "one prefill of the sequence"
 
@@ -123,27 +123,27 @@ def _check_bytes(model: nn.Module, cache: Any, policy: Any, what: str) -> None:
         held = [] if state is None else _reachable(state)  # every tensor the state object holds, found here
         listed = [] if state is None else list(policy.tensors(state))
         for x in listed:
-            _require(isinstance(x, Tensor), f"{what}: tensors(state) lists a {type(x).__name__}: list every tensor "
+            require(isinstance(x, Tensor), f"{what}: tensors(state) lists a {type(x).__name__}: list every tensor "
                      "the state holds, and only tensors")
         missing = [tuple(x.shape) for x in held if all(x is not y for y in listed)]
-        _require(not missing, f"{what}: layer {n}: tensors(state) leaves out the state's tensors of shapes {missing}: "
+        require(not missing, f"{what}: layer {n}: tensors(state) leaves out the state's tensors of shapes {missing}: "
                  "cache_bytes counts only what it lists, so the cache's bytes would be undercounted")
         for x in held:
             whole = x.untyped_storage().nbytes()
-            _require(whole == x.numel() * x.element_size(), f"{what}: layer {n}: a state tensor of shape "
+            require(whole == x.numel() * x.element_size(), f"{what}: layer {n}: a state tensor of shape "
                      f"{tuple(x.shape)} is a view of a {whole}-byte storage ({x.numel() * x.element_size()} bytes "
                      "its own): the cache keeps the whole storage alive. Keep a copy of the rows kept (.clone(), "
                      "or condcomp.kv.window.take_entries), so memory is freed")
         for before, T, width in ((None, PROMPT, PROMPT), (state, 1, S + 1)):  # its prefill, then one more token
             read = policy.keys_read(before, T, width)
-            _require(isinstance(read, int) and not isinstance(read, bool) and 0 <= read <= width,
+            require(isinstance(read, int) and not isinstance(read, bool) and 0 <= read <= width,
                      f"{what}: keys_read(state, T={T}, S={width}) returned {read!r}: the most keys one of its heads "
                      f"reads in the call, an int in [0, {width}]")
         by_hand = 4 * 2 * B * g * S * Dh + sum(x.numel() * x.element_size() for x in held)
-        _require(got == by_hand, f"{what}: layer {n}: cache_bytes counts {got} bytes, the kept groups' keys and "
+        require(got == by_hand, f"{what}: layer {n}: cache_bytes counts {got} bytes, the kept groups' keys and "
                  f"values plus the state's tensors hold {by_hand}: tensors(state) must list every tensor the state "
                  "holds, each once")
-    _require(any(getattr(layer, "condcomp_windows", None) is not None for layer in cache.layers),
+    require(any(getattr(layer, "condcomp_windows", None) is not None for layer in cache.layers),
              f"{what}: stores 'own' but no layer of the cache holds a state: attend must return the new state when "
              "keep is true")
 
@@ -179,7 +179,7 @@ def _check_crop(model: nn.Module, cache: Any, tokens: Tensor, mask: Tensor, last
     try:
         cropped.crop(-1)
     except (ValueError, NotImplementedError) as err:
-        _require(str(err).strip(), f"{what}: crop raised {type(err).__name__} with no message: say why it cannot "
+        require(str(err).strip(), f"{what}: crop raised {type(err).__name__} with no message: say why it cannot "
                  "crop and what to do")
         warnings.warn(f"{what}: crop is refused ({err}); assisted decoding cannot use it", stacklevel=3)
         return
@@ -300,5 +300,5 @@ def _run(label: str, what: str, fn: Callable[[], Any]) -> Any:
 def _close(got: Tensor, want: Tensor, message: str, advice: str) -> None:
     diff = (got - want).abs().amax(-1)  # (B,)
     bad = (diff > TOL + TOL * want.abs().amax(-1)).nonzero().flatten().tolist()
-    _require(not bad, f"{message}: rows {bad}, largest |difference| {float(diff.max()):.3g} (rows have 6, 4 and 2 "
+    require(not bad, f"{message}: rows {bad}, largest |difference| {float(diff.max()):.3g} (rows have 6, 4 and 2 "
              f"prompt tokens, left-padded). Check {advice}")

@@ -137,7 +137,8 @@ class GatheredExecutor:
         why = self.static(plan, tuning)
         if why is None:
             return found
-        return [(name, reasons or [static_note(plan, why, tuning)]) for name, reasons in found]
+        first = next((name for name, reasons in found if not reasons), None)  # the strategy that runs
+        return [(name, [static_note(plan, why, tuning)] if name == first else reasons) for name, reasons in found]
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         """Cost relative to dense attention: the share of the dense (query row, head) work the plan keeps, or

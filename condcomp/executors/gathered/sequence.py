@@ -34,7 +34,7 @@ def fused_layout(call: GatheredCall) -> bool:
     return i.key is None and i.value is None and i.key_states is None and call.weights.layout.group_size == 1
 
 
-def _bucket_mask(mask: AttentionMask, idx: Tensor | None, heads: Tensor) -> tuple[Tensor | None, Tensor | None]:
+def bucket_mask(mask: AttentionMask, idx: Tensor | None, heads: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """The attention mask ``(n|1, k|1, T, S)`` and dead rows ``(n|1, k|1, T)`` of a bucket's examples."""
 
     def rows(t: Tensor) -> Tensor:
@@ -104,7 +104,7 @@ def bucket_block(w: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, m
         slot = pick(slot).gather(1, torch.div(heads, G, rounding_mode="floor"))  # (n, k)
         ix = slot[:, :, None, None].expand(n, k, kk.shape[2], Dh)
         kk, v = kk.gather(1, ix), v.gather(1, ix)  # (n, k, S, Dh)
-    attn_mask, dead = _bucket_mask(mask, idx, heads)
+    attn_mask, dead = bucket_mask(mask, idx, heads)
     out = F.scaled_dot_product_attention(
         q, kk, v, attn_mask=attn_mask, dropout_p=inputs.dropout_p, is_causal=mask.is_causal, scale=L.scale
     )  # (n, k, T, Dh)

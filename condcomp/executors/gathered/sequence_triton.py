@@ -26,23 +26,10 @@ from typing_extensions import override
 from condcomp.executors.base import per_head, zero_dead_rows
 from condcomp.executors.gathered.call import GatheredCall, Strategy
 from condcomp.executors.gathered.pairs import KERNEL_DTYPES, ops, triton_available
-from condcomp.masks import AttentionMask, build_attention_mask, dead_rows
+from condcomp.executors.gathered.sequence import bucket_mask
+from condcomp.masks import build_attention_mask, dead_rows
 from condcomp.plans import kv_groups_used
 from condcomp.rotary import apply_rotary
-
-
-def _pair_mask(mask: AttentionMask, heads: Tensor) -> tuple[Tensor | None, Tensor | None]:
-    """The attention mask ``(B|1, C|1, T|1, S)`` and dead rows ``(B|1, C|1, T|1)`` of the pairs: a per-head mask
-    picks each example's heads, a broadcast one stays broadcast (no ``C`` copies of a ``(T, S)`` mask)."""
-
-    def pick(t: Tensor) -> Tensor:
-        if t.shape[1] == 1:
-            return t
-        if t.shape[0] == 1:
-            t = t.expand(heads.shape[0], *t.shape[1:])
-        return t[torch.arange(heads.shape[0], device=t.device).unsqueeze(1), heads]
-
-    return (None if mask.mask is None else pick(mask.mask)), (None if mask.dead is None else pick(mask.dead))
 
 
 def _keys_values(call: GatheredCall, heads: Tensor, counts: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -82,6 +69,8 @@ class PairKernels(Strategy):
         reasons = []
         if not call.tuning.pair_kernels:
             return ["tuning.pair_kernels is off"]
+        if call.plan.head_cap == 0:
+            return ["the plan's k_cap is 0: no head anywhere (sequence.static returns the exact zeros)"]
         if x.device.type != "cuda" and not call.tuning.pair_kernels_on_cpu:
             reasons.append(f"the Triton pair kernels run on CUDA only (this call is on {x.device.type}; "
                            "tuning.pair_kernels_on_cpu runs them here for tests)")
@@ -129,7 +118,7 @@ class PairKernels(Strategy):
                     kk = apply_rotary(kk, cos.to(dtype), sin.to(dtype))
             # built here, not read from call.mask: a cached_property takes a lock that torch.compile cannot trace
             full_mask = build_attention_mask(inputs, L.causal, x.dtype)
-            mask, dead = _pair_mask(full_mask, heads)  # (B|1, C|1, T|1, S), (B|1, C|1, T|1)
+            mask, dead = bucket_mask(full_mask, None, heads)  # (B|1, C|1, T|1, S), (B|1, C|1, T|1)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(dtype)  # an additive mask in the computation's dtype, as SDPA needs
             out = F.scaled_dot_product_attention(q, kk, v, attn_mask=mask, dropout_p=inputs.dropout_p,

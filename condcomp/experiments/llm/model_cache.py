@@ -83,6 +83,9 @@ def entry_problem(entry: Path) -> str | None:
         return "its manifest is of another format"
     for name, want in manifest["files"].items():
         path = entry / name
+        if not isinstance(want, dict) or not isinstance(want.get("bytes"), int) or not isinstance(
+                want.get("sha256"), str):
+            return f"its manifest's entry for {name} is not {{'bytes': int, 'sha256': str}}"
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != want["bytes"]:

@@ -87,7 +87,7 @@ def test_the_key_is_the_files_content_and_its_hash_is_remembered(source: Path,
     assert conv.calls == 2 and len(mc.cache_entries()) == 2
 
 
-@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "no manifest", "no config"])
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "no manifest", "no config", "a manifest entry of null"])
 def test_a_damaged_entry_is_reported_deleted_and_converted_again(source: Path, damage: str,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     conv = Converter()
@@ -100,6 +100,10 @@ def test_a_damaged_entry_is_reported_deleted_and_converted_again(source: Path, d
         weights.write_bytes(bytes(data))
     elif damage == "truncate":
         weights.write_bytes(bytes(data[: len(data) // 2]))
+    elif damage == "a manifest entry of null":  # valid JSON of the right format, one file's entry broken
+        manifest = json.loads(files[mc.MANIFEST].read_text())
+        manifest["files"]["model.safetensors"] = None
+        files[mc.MANIFEST].write_text(json.dumps(manifest))
     else:
         files[mc.MANIFEST if damage == "no manifest" else "config.json"].unlink()
     problem = mc.entry_problem(weights.parent)
