@@ -119,5 +119,5 @@ def test_the_two_by_twos_answer_table_is_its_within_seed_table() -> None:
     effect = np.concatenate([(gap["target_schedule"][s] + gap["target_default"][s] - gap["notarget_schedule"][s]
                               - gap["notarget_default"][s]) / 2 for s in sorted(gap["target_schedule"])])
     p = float(sps.ttest_1samp(effect, 0.0).pvalue)
-    assert f"one-sample t over the pooled examples: p = {p:.3f}" in answer
+    assert f"one-sample t over the pooled examples, ignoring the spread between seeds: p = {p:.3f}" in answer
     assert p < 0.05 and "| detected: the target raises the lead" in answer
