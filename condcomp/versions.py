@@ -6,10 +6,14 @@ key on the tensor's identity and its version counter, which every in-place write
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
 def tensor_version(t: Tensor) -> int | None:
     """The version counter of ``t``; None for inference tensors (made under ``torch.inference_mode``), which have
-    none: a cache must then treat the tensor as changed."""
+    none, and under ``torch.compile``, where a traced tensor has none to read: a cache must then treat the tensor as
+    changed (the derived value is computed in the graph)."""
+    if torch.compiler.is_compiling():
+        return None
     return None if t.is_inference() else t._version

@@ -46,7 +46,7 @@ COMPILED = "gathered+compile"
 
 @dataclass(frozen=True)
 class Target:
-    """One row of issue 47's targets: ``variant``'s paired ratio ``versus`` dense or floor, at most ``bound``."""
+    """One row of the GPU targets: ``variant``'s paired ratio ``versus`` dense or floor, at most ``bound``."""
 
     shape: tuple[int, int, int, int]
     granularity: str

@@ -10,7 +10,7 @@ against the reference executor, then dense / the k-head floor / masked / gathere
    token plans, causal, GQA, a shared head set, padding).
 2. Timings (``condcomp.bench.gpu_cells``): forward and forward+backward, bfloat16 and float32, at B=8 T=2048 D=2048
    H=32 and B=64 T=512 D=768 H=12, s in {0.125, 0.25, 0.5, 1.0}, sequence plans (fixed top-k) and token plans (MoH),
-   cells in priority order (issue 47's target rows first), the router timed apart.
+   cells in priority order (the GPU target rows first), the router timed apart.
 
 ``--budget-s`` bounds the whole run: a cell that would not finish in the time left is not started (a later, smaller
 one may be), and the records (rewritten after every cell) name the cells not started. Writes ``checks.json``,

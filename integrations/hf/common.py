@@ -70,7 +70,7 @@ def mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_st
     # the parts are derived in the graph (a traced tensor has no version to read), as with a device query_start.
     compiling = torch.compiler.is_compiling() or on_device
     key = (T, S, self_attention, None if on_device else q0,
-           None if compiling or not isinstance(mask, Tensor) else tensor_version(mask))
+           None if on_device or not isinstance(mask, Tensor) else tensor_version(mask))  # None under compile
     cached = None if compiling else _LAST_MASK[0]  # (read under compile, it would be guarded on)
     if cached is not None and cached[0] is mask and cached[1] == key and key[4] is not None:
         return cached[2]  # type: ignore[no-any-return]

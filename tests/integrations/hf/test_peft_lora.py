@@ -75,6 +75,24 @@ def test_full_budget_equals_the_peft_model_outputs_and_lora_gradients(arch: str,
         torch.testing.assert_close(g, ref_grads[name], **TOL)
 
 
+@pytest.mark.slow
+def test_compiled_full_budget_equals_the_peft_model() -> None:
+    """``torch.compile(fullgraph=True)`` of a LoRA BERT wrapped with ``gathered`` (the capturable path): the
+    adapters' merged weights are derived inside the graph (the eager path's version-keyed cache cannot be read
+    there), and the output equals the PEFT model's. (A decoder's forward goes through its request plan, captured
+    only on a static cache: tests/integrations/hf/test_compiled_decode.py.)"""
+    arch = "bert"
+    cfg = condcomp.CondCompConfig(policy="full", router="random", executor="gathered")
+    ref, model = _pair(arch, "lora_first", cfg)
+    ref.eval(), model.eval()
+    ids = _ids()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids)[KEY[arch]]
+        torch.testing.assert_close(got, ref(input_ids=ids)[KEY[arch]], **TOL)
+    assert {u.strategy for u in condcomp.head_usage(model).values()} == {"sequence.static"}
+
+
 @pytest.mark.parametrize("arch", ["llama", "bert"])
 def test_partial_budget_equals_the_merged_peft_model(arch: str, prefer_router: str) -> None:
     cfg = condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router=prefer_router, executor="gathered")
