@@ -75,7 +75,7 @@ def check_kv_policy(policy: Any, options: dict[str, Any] | None = None, rule: Ru
     condcomp.apply_(model, cfg)
     model.eval()
     ids, mask = _prompts()
-    tokens, full, logits, cache = _run("decode", what, lambda: _generate(transformers, model, ids, mask, new_tokens))
+    tokens, full, logits, cache = _run("decode", what, lambda: generate_by_hand(model, ids, mask, new_tokens))
     plans = condcomp.request_plans(model, cache)
     modes = {m for p in plans.values() for row in p.group_modes() for m in row}
     require(built.stores != "own" or name in modes, f"{what}: no group is held by it ({sorted(modes)}): the "
@@ -228,7 +228,11 @@ def _step(model: nn.Module, tokens: Tensor, mask: Tensor, cache: Any, new: int) 
 
 
 @torch.no_grad()
-def _generate(transformers: Any, model: nn.Module, ids: Tensor, mask: Tensor, new: int) -> tuple[Any, ...]:
+def generate_by_hand(model: nn.Module, ids: Tensor, mask: Tensor, new: int) -> tuple[Any, ...]:
+    """Greedy decoding by hand on a ``DynamicCache``: the prefill, then ``new`` one-token calls; returns
+    ``(tokens, mask, each call's last logits, cache)``."""
+    import transformers
+
     cache = transformers.DynamicCache()
     logits = [_step(model, ids, mask, cache, ids.shape[1])]
     tokens = ids

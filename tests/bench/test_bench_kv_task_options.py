@@ -31,6 +31,19 @@ def test_a_flag_is_refused_exactly_when_the_task_does_not_read_it(task: str, fie
         refuse_other_task_options(task, [field])
 
 
+def refused_before_the_run(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                           monkeypatch: pytest.MonkeyPatch) -> str:
+    """``condcomp bench kv ARGV`` exits 2 before its run starts (a started run fails the test); its stderr."""
+    import condcomp.bench.kv as bench_kv
+
+    def no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(bench_kv, "run", no_run)
+    assert cli.main(["bench", "kv", "--model", "tiny-llama", "--out", str(tmp_path / "out"), *argv]) == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--passkey-format", "chat"], "--passkey-format"),  # the default task is facts
     (["--task", "facts", "--passkey-format", "raw"], "--passkey-format"),
@@ -40,14 +53,7 @@ def test_a_flag_is_refused_exactly_when_the_task_does_not_read_it(task: str, fie
 def test_the_command_refuses_them_before_any_model_is_loaded(argv: list[str], flag: str, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import condcomp.bench.kv as bench_kv
-
-    def no_run(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the run started")
-
-    monkeypatch.setattr(bench_kv, "run", no_run)
-    assert cli.main(["bench", "kv", "--model", "tiny-llama", "--out", str(tmp_path / "out"), *argv]) == 2
-    err = capsys.readouterr().err
+    err = refused_before_the_run(argv, tmp_path, capsys, monkeypatch)
     assert f"{flag}: only the" in err and "--task" in err
 
 
@@ -56,14 +62,8 @@ def test_the_command_refuses_them_before_any_model_is_loaded(argv: list[str], fl
 def test_decode_timing_sizes_are_refused_when_nothing_is_timed(argv: list[str], named: str, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    import condcomp.bench.kv as bench_kv
-
-    def no_run(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the run started")
-
-    monkeypatch.setattr(bench_kv, "run", no_run)
-    assert cli.main(["bench", "kv", "--model", "tiny-llama", "--out", str(tmp_path / "out"), *argv]) == 2
-    assert f"{named} size the decode timing, and --time-decode without names times nothing" in capsys.readouterr().err
+    err = refused_before_the_run(argv, tmp_path, capsys, monkeypatch)
+    assert f"{named} size the decode timing, and --time-decode without names times nothing" in err
 
 
 def test_chat_on_a_tokenizer_without_a_template_is_refused_with_the_passkey_task(

@@ -20,6 +20,7 @@ from torch import nn
 
 import condcomp
 from condcomp.kv import KV_FULL, KV_WINDOW
+from condcomp.testing_kv import generate_by_hand as generate
 from condcomp.testing_kv import rule_logits
 
 t = pytest.importorskip("transformers")
@@ -37,17 +38,6 @@ def wrapped(kv: Any, kv_heads: int = 4, router: Any = None) -> nn.Module:
                                   kv=kv)
     condcomp.apply_(model, cfg)
     return model.eval()
-
-
-@torch.no_grad()
-def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int) -> tuple[Any, ...]:
-    cache = t.DynamicCache()
-    logits = [step(model, ids, mask, cache, ids.shape[1])]
-    tokens = ids
-    for _ in range(new):
-        tokens, mask = extend(tokens, mask, logits[-1].argmax(-1, keepdim=True))
-        logits.append(step(model, tokens, mask, cache, 1))
-    return tokens, mask, logits, cache
 
 
 CASES: dict[str, tuple[Any, Rule, set[str]]] = {

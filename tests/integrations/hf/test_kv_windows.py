@@ -8,18 +8,15 @@ additive bias written out entry by entry from the rule, for the heads and modes 
 
 from __future__ import annotations
 
-import copy
-from typing import Any
-
 import pytest
 import torch
-from decode_helpers import extend, llama, positions, prompts, step
+from decode_helpers import extend, llama, prompts, step
 from torch import nn
 
 import condcomp
-from condcomp.executors.auto import get_executor
 from condcomp.kv.selection import KV_WINDOW, RequestPlan
-from condcomp.types import AttentionInputs
+from condcomp.testing_kv import generate_by_hand as generate
+from condcomp.testing_kv import rule_logits
 
 t = pytest.importorskip("transformers")
 
@@ -33,57 +30,11 @@ def streaming(kv_heads: int, fraction: float = 0.5, window: int = WINDOW) -> nn.
     return model.eval()
 
 
-def rule_bias(mask: torch.Tensor, plan: RequestPlan) -> torch.Tensor:
-    """``(B, H, S, S)``: 0 where a query may attend a key (causal, real tokens; a streamed group's heads also within
-    the sinks or the recent window), -inf elsewhere."""
-    B, S = mask.shape
-    H, Hkv = plan.heads.shape[1], plan.kv_groups.shape[1]
-    assert plan.kv_modes is not None
-    pos = (mask.long().cumsum(-1) - 1).tolist()
-    bias = torch.full((B, H, S, S), float("-inf"))
-    for b in range(B):
-        for h in range(H):
-            streamed = int(plan.kv_modes[b, h // (H // Hkv)]) == KV_WINDOW
-            for i in range(S):
-                for j in range(i + 1):
-                    p, q = pos[b][i], pos[b][j]
-                    if mask[b, i] and mask[b, j] and (not streamed or q < SINKS or p - q < WINDOW):
-                        bias[b, h, i, j] = 0.0
-    return bias
-
-
-@torch.no_grad()
 def reference_logits(model: nn.Module, plans: dict[str, RequestPlan], tokens: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
-    ref = copy.deepcopy(model)
-    for name, routed in condcomp.api.routed_modules(ref).items():
-        plan = plans[name]
-        bias = rule_bias(mask.bool(), plan)
-
-        def forward(hidden_states: torch.Tensor, position_embeddings: Any = None, _routed: Any = routed,
-                    _plan: RequestPlan = plan, _bias: torch.Tensor = bias, **_: Any) -> tuple[torch.Tensor, None]:
-            B, T, _ = hidden_states.shape
-            cos, sin = position_embeddings
-            inputs = AttentionInputs(x=hidden_states, mask=mask.bool(), attn_bias=_bias,
-                                     rotary=(cos.expand(B, T, -1), sin.expand(B, T, -1)))
-            head_plan = condcomp.plan_from_active(_plan.heads, _plan.gates)
-            return get_executor("reference")(_routed.weights(), inputs, head_plan), None
-
-        routed.forward = forward
-    out = ref(input_ids=tokens, attention_mask=mask, position_ids=positions(mask), use_cache=False)
-    return out.logits  # type: ignore[no-any-return]
-
-
-@torch.no_grad()
-def generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int
-             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Any]:
-    cache = t.DynamicCache()
-    logits = [step(model, ids, mask, cache, ids.shape[1])]
-    tokens = ids
-    for _ in range(new):
-        tokens, mask = extend(tokens, mask, logits[-1].argmax(-1, keepdim=True))
-        logits.append(step(model, tokens, mask, cache, 1))
-    return tokens, mask, logits, cache
+    """One cache-free forward: causal over real tokens; a streamed group's heads also within the sinks or the
+    recent window (condcomp.testing_kv's float64-built rule)."""
+    return rule_logits(model, plans, tokens, mask, lambda p, q: q < SINKS or p - q < WINDOW)
 
 
 @pytest.mark.parametrize("kv_heads,long_prompt", [(8, False), (4, False), (4, True)])
