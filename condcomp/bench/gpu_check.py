@@ -14,9 +14,10 @@ against the reference executor, then dense / the k-head floor / masked / gathere
 
 ``--budget-s`` bounds the whole run: a cell that would not finish in the time left is not started (a later, smaller
 one may be), and the records (rewritten after every cell) name the cells not started. Writes ``checks.json``,
-``metrics.json`` and ``table.md`` into ``--out``, each with the command, commit and device. Exits 1 if a check fails
-or a timed gathered variant's output differs from the masked executor's on the same plan by more than the checks'
-tolerance.
+``metrics.json``, ``tuning.json`` (``auto``'s CUDA thresholds fitted to the bfloat16 cells:
+``condcomp.bench.gpu_tuning``) and ``table.md`` into ``--out``, each with the command, commit and device. Exits 1 if
+a check fails or a timed gathered variant's output differs from the masked executor's on the same plan by more than
+the checks' tolerance.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from condcomp.bench.gpu_cells import COMPILED, Cell, cells, every_strategy_tuning, time_cell
 from condcomp.bench.gpu_report import table
+from condcomp.bench.gpu_tuning import tuning_lines, tuning_record
 from condcomp.cli_args import finite_float, integer, output_folder
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor
@@ -255,7 +257,9 @@ def write(out: Path, header: dict[str, Any], records: list[dict[str, Any]], summ
             "cells_failed": sum("cell" in c["not_run"] for c in summaries), "wrong_answers": wrong_answers(records)}
     meta["complete"] = meta["cells_done"] == header["cells_total"] and not meta["cells_failed"]
     (out / "metrics.json").write_text(json.dumps({**meta, "cells": summaries, "records": records}, indent=1))
-    (out / "table.md").write_text(table(meta, records, summaries) + "\n")
+    tuning = tuning_record(records)
+    (out / "tuning.json").write_text(json.dumps({**header, **tuning}, indent=1))
+    (out / "table.md").write_text(table(meta, records, summaries) + "\n\n" + "\n".join(tuning_lines(tuning)) + "\n")
     return meta
 
 

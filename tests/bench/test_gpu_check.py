@@ -78,6 +78,10 @@ def test_quick_cpu_run_writes_checks_timings_and_table(tmp_path: Path) -> None:
             assert all(sum(r["strategy"] == s for r in rows) == len(gpu_check.TENSORS) for s in ran)
 
     metrics = json.loads((tmp_path / "metrics.json").read_text())
+    tuning = json.loads((tmp_path / "tuning.json").read_text())  # auto's thresholds fitted to the bfloat16 cells
+    assert tuning["commit"] == checks["commit"] and tuning["fields"]["measured"] is True
+    assert sum(len(c) for c in tuning["cells"].values()) > 0
+    assert "min_skipped_work" in (tmp_path / "table.md").read_text()
     assert {"command", "commit", "device", "torch", "budget_s", "cells_total", "cells_done", "complete",
             "stopped", "cells", "records"} <= set(metrics)
     assert metrics["complete"] is True and metrics["stopped"] is None and metrics["cells_done"] == 8
