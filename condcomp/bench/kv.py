@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from condcomp.bench import kv_press, kv_report, kv_user
 from condcomp.bench.decode import device_clock
-from condcomp.bench.kv_cases import RetrievalCase, answer_correct, continuation_cases, haystack_stream, retrieval_cases
+from condcomp.bench.kv_cases import RetrievalCase, answer_check, continuation_cases, haystack_stream, retrieval_cases
 from condcomp.bench.kv_presets import (
     CORPORA,
     PASSKEY_FORMATS,
@@ -163,6 +163,7 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
                 res[name]["tokens"] += nll.numel()
                 res[name]["token_nll"] += [[round(x, 5) for x in row] for row in nll.tolist()]  # paired per token
             bar.update(1)
+    correct = answer_check(p.task)
     for start in range(0, len(keys), p.batch):
         cases = keys[start:start + p.batch]
         ids = torch.tensor([c.ids for c in cases])  # (b, P)
@@ -185,7 +186,7 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
                     answer.append(token)
                 for case, row in zip(cases, torch.cat(answer, 1).tolist()):
                     text = decode_text(row)
-                    ok = answer_correct(text, case.key)
+                    ok = correct(text, case.key)
                     r = res[name]
                     r["hits"].append(bool(ok))  # per case, in case order: paired comparisons between variants
                     depth = str(round(case.depth, 1))
@@ -324,7 +325,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         haystack = stream_for(P)
         cont = continuation_cases(haystack, P, preset.cont_len, n_ppl, seed)
         keys = retrieval_cases(preset.task, haystack, encode, P, n_passkey, seed, prefix, fmt, preset.facts,
-                               preset.question_in_context, preset.question_form)
+                               preset.question_in_context, preset.question_form, tok.decode, sep_ids)
         res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
         dense_ref = res["dense"] if "dense" in res else dense_done[P]
         assert dense_ref is not None  # measured now unless read back
@@ -356,7 +357,7 @@ def main(args: argparse.Namespace) -> int:
         counts = tuple(args.passkey_cases)
         preset = replace(preset, passkey_cases=counts[0] if len(counts) == 1 else counts)
     texts, source = choose_texts(args.text_file, args.text_dir, args.hf_dataset, args.data_dir, args.seed,
-                                 args.builtin_text)
+                                 args.builtin_text, args.corpora)
     result = run(args.model, out, preset, args.variants, args.device, args.threads, args.seed, args.data_dir,
                  texts=texts, importance_file=args.importance, timed=args.time_decode, text_source=source)
     kv_report.write(out, result)

@@ -149,6 +149,16 @@ def passkey_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int
     return cases
 
 
+def answer_check(task: str) -> Callable[[str, str], bool]:
+    """How a greedy answer is scored against a case's ``key``: its first number (facts, passkey: :func:`answer_correct`)
+    or its first words (quotes: :func:`condcomp.bench.kv_quotes.quote_correct`)."""
+    if task == "quotes":
+        from condcomp.bench.kv_quotes import quote_correct
+
+        return quote_correct
+    return answer_correct
+
+
 def answer_correct(answer: str, key: str) -> bool:
     """Exact match: the answer's first number (digits only) is the key.
 
@@ -275,12 +285,20 @@ def as_retrieval(case: PasskeyCase) -> RetrievalCase:
 
 def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int,
                     prefix_ids: Sequence[int], fmt: PasskeyFormat | None, n_facts: int = 4, in_context: bool = False,
-                    question_form: str = "completion") -> list[RetrievalCase]:
-    """The retrieval cases of ``task`` at one prompt length: ``facts`` (:func:`facts_cases`) or ``passkey``."""
+                    question_form: str = "completion", decode: Callable[[list[int]], str] | None = None,
+                    sep_ids: Sequence[int] = ()) -> list[RetrievalCase]:
+    """The retrieval cases of ``task`` at one prompt length: ``facts`` (:func:`facts_cases`), ``passkey`` or
+    ``quotes`` (:mod:`condcomp.bench.kv_quotes`, which needs ``decode`` and the documents' separator ``sep_ids``)."""
     if task == "passkey":
         return [as_retrieval(c) for c in passkey_cases(stream, encode, prompt_len, n, seed, prefix_ids=prefix_ids,
                                                        fmt=fmt or RAW)]
+    if task == "quotes":
+        from condcomp.bench.kv_quotes import quote_cases
+
+        if decode is None:
+            raise ValueError("the quotes task reads its answers' words: pass the tokenizer's decode")
+        return quote_cases(stream, encode, decode, prompt_len, n, seed, sep_ids)
     if task != "facts":
-        raise ValueError(f"unknown retrieval task {task!r}; choose facts or passkey")
+        raise ValueError(f"unknown retrieval task {task!r}; choose facts, passkey or quotes")
     return facts_cases(stream, encode, prompt_len, n, seed, n_facts=n_facts, in_context=in_context,
                        prefix_ids=prefix_ids, question_form=question_form)

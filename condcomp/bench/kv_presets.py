@@ -10,8 +10,9 @@ from torch import nn
 
 from condcomp.bench.decode import load_model
 from condcomp.bench.kv_cases import COPY, QUESTION_FORMS, RAW, PasskeyFormat, chat_format
+from condcomp.bench.kv_text import DEFAULT_CORPORA
 
-TASKS = ("facts", "passkey")
+TASKS = ("facts", "passkey", "quotes")
 # what separates the haystack's documents: a blank line, or the tokenizer's document separator (<|endoftext|>)
 HAYSTACK_SEPS = ("blank", "eos")
 
@@ -22,8 +23,10 @@ class Preset:
     of ``prompts``). ``batch``: cases per forward; the decode timing runs its own prompt and batch.
     ``task``: the retrieval task, ``facts`` (``facts`` facts per context, one asked; the question, in the form
     ``question_form`` (:func:`condcomp.bench.kv_cases.facts_question`), fed after the context unless
-    ``question_in_context``) or ``passkey`` (one key, the question inside the prompt, read as
-    ``passkey_format``: :func:`passkey_format`). ``passkey_cases``: the retrieval cases of either task."""
+    ``question_in_context``), ``passkey`` (one key, the question inside the prompt, read as
+    ``passkey_format``: :func:`passkey_format`) or ``quotes`` (a passage of the context's own text quoted after it,
+    its next words the answer: :mod:`condcomp.bench.kv_quotes`). ``passkey_cases``: the retrieval cases of any
+    task."""
 
     prompts: tuple[int, ...]
     passkey_cases: int | tuple[int, ...]
@@ -64,10 +67,10 @@ class Preset:
                              f"{self.facts}")
 
     def separator(self) -> str:
-        """What separates the haystack's documents: ``haystack_sep``, else the task's own: ``blank`` for facts
-        (SmolLM2 reads what follows <|endoftext|> as a new document and stops recalling facts before it:
+        """What separates the haystack's documents: ``haystack_sep``, else the task's own: ``blank`` for facts and
+        quotes (SmolLM2 reads what follows <|endoftext|> as a new document and stops recalling facts before it:
         results/kv_facts_screen/README.md), ``eos`` for passkey (its committed records were measured so)."""
-        return self.haystack_sep or ("blank" if self.task == "facts" else "eos")
+        return self.haystack_sep or ("eos" if self.task == "passkey" else "blank")
 
     def task_settings(self) -> dict[str, Any]:
         """The task's fields a record holds in its settings (a record of other values is measured again); none for
@@ -75,6 +78,11 @@ class Preset:
         sep = {"haystack_sep": self.separator()} if self.separator() != "eos" else {}
         if self.task == "passkey":
             return sep
+        if self.task == "quotes":
+            from condcomp.bench.kv_quotes import ANSWER_WORDS, CUE_TOKENS
+
+            return {"task": "quotes", "cue_tokens": CUE_TOKENS, "answer_words": ANSWER_WORDS,
+                    "haystack_sep": self.separator()}
         return {"task": self.task, "facts": self.facts, "question_in_context": self.question_in_context,
                 "question_form": self.question_form, "haystack_sep": self.separator()}
 
@@ -110,7 +118,7 @@ PRESETS = {
 PRESET_HELP = ("full: prompts 2048 and 4096, 50 retrieval cases (a GPU's run); cpu-2048: prompt 2048, 10 cases, "
                "4 continuations (what one thread of a loaded 2-core CPU measures in an hour); cpu: 1024 and 2048, 10 "
                "cases; quick: a smoke run. Decode is timed at 2048 x 8 (cpu: 512 x 2)")
-CORPORA = ("imdb", "ag_news", "yelp", "dbpedia_14")
+CORPORA = DEFAULT_CORPORA  # the staged corpora of the default haystack
 PASSKEY_FORMATS = ("copy", "raw", "chat")
 
 
@@ -213,8 +221,9 @@ def add_task_arguments(parser: Any) -> None:
                              "cont_len continuation tokens scored through the cache)")
     parser.add_argument("--task", default=None, choices=TASKS,
                         help="the retrieval task: facts (default: several facts 'The pass key of <name> is <4 "
-                             "digits>.' at distinct depths, one asked after the context) or passkey (one key, asked "
-                             "inside it)")
+                             "digits>.' at distinct depths, one asked after the context), passkey (one key, asked "
+                             "inside it) or quotes (16 tokens of the context's own text quoted after it; found when "
+                             "the answer's first 3 words are the words that follow them)")
     parser.add_argument("--facts", type=integer(at_least=1), default=None,
                         help="facts per context of the facts task (default 4: with the completion question, the "
                              "most that dense SmolLM2-135M passed at 1024 tokens, 9 of 10 keys in "

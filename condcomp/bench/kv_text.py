@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 BUILTIN = "builtin"
+STAGED = ("imdb", "ag_news", "yelp", "dbpedia_14", "snli")  # the staged corpora a haystack may be built from
+DEFAULT_CORPORA = ("imdb", "ag_news", "yelp", "dbpedia_14")  # the haystack of every committed record
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
 
 
@@ -111,16 +113,23 @@ def hf_texts(spec: str, limit: int = 2000) -> list[str]:
 
 
 def choose_texts(text_file: Path | None = None, text_dir: Path | None = None, hf_dataset: str | None = None,
-                 data_dir: str | None = None, seed: int = 0, builtin: bool = False
-                 ) -> tuple[list[str] | None, str]:
+                 data_dir: str | None = None, seed: int = 0, builtin: bool = False,
+                 corpora: tuple[str, ...] | None = None) -> tuple[list[str] | None, str]:
     """``(texts, label)`` of the one source asked for. ``(None, "staged")``: the staged corpora (read by the run);
     with nothing asked, those when a data folder is found (``$CONDCOMP_DATA_DIR``, ``../shared/data``), else the
-    built-in corpus (a line says so)."""
+    built-in corpus (a line says so). ``corpora``: other staged corpora than the default four (``--corpora``: a
+    second domain), labelled ``staged:<names>`` so that no record of the default haystack is read back for them."""
     asked = [flag for flag, v in (("--text-file", text_file), ("--text-dir", text_dir),
-                                  ("--hf-dataset", hf_dataset), ("--data-dir", data_dir),
-                                  ("--builtin-text", builtin)) if v]
-    if len(asked) > 1:
-        raise ValueError(f"{' and '.join(asked)}: give one text source")
+                                  ("--hf-dataset", hf_dataset), ("--builtin-text", builtin)) if v]
+    staged = [flag for flag, v in (("--data-dir", data_dir), ("--corpora", corpora)) if v]
+    if len(asked) > 1 or (asked and staged):
+        together = " (--data-dir and --corpora together choose staged corpora)" if staged else ""
+        raise ValueError(f"{' and '.join([*asked, *staged])}: give one text source{together}")
+    if corpora and tuple(corpora) != DEFAULT_CORPORA:
+        unknown = [c for c in corpora if c not in STAGED]
+        if unknown:
+            raise ValueError(f"--corpora {' '.join(unknown)}: not a staged corpus; choose from {', '.join(STAGED)}")
+        return staged_texts(data_dir, tuple(corpora), seed), f"staged:{'+'.join(corpora)}"
     if text_file is not None:
         return file_texts(Path(text_file)), f"file:{Path(text_file).name}"
     if text_dir is not None:
@@ -167,5 +176,8 @@ def add_text_arguments(parser: Any) -> None:
                            "default), its first 2000 rows")
     text.add_argument("--data-dir", default=None,
                       help="the project's staged corpora (imdb, ag_news, yelp, dbpedia_14 test splits)")
+    text.add_argument("--corpora", nargs="+", choices=STAGED, default=None,
+                      help=f"which staged corpora (default {' '.join(DEFAULT_CORPORA)}; e.g. snli alone: a second "
+                           "domain of short sentences)")
     text.add_argument("--builtin-text", action="store_true",
                       help="the small corpus shipped with condcomp (checks a run works; too small to measure on)")
