@@ -226,7 +226,8 @@ class RoutingHost(nn.Module):
         H, k_min = self.layout.num_heads, int(getattr(policy, "k_min", 1))
         rounding: Any = getattr(policy, "rounding", "floor")
         k = budget_k(s, H, k_min, rounding)
-        return Budget(s=s, k=k, imposed=True, k_cap=budget_k_bound(fraction, H, k_min, rounding))
+        bound = budget_k_bound(fraction, H, k_min, rounding)
+        return Budget(s=s, k=k, imposed=True, k_cap=bound, k_floor=bound)
 
     def aux_losses(self) -> dict[str, Tensor]:
         """The last forward's (weighted) auxiliary losses, with their autograd graph."""
@@ -267,7 +268,8 @@ class RoutingHost(nn.Module):
 
 def detached(plan: HeadPlan) -> HeadPlan:
     """The plan without autograd history or auxiliary losses (what ``head_usage`` keeps)."""
-    return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {}, plan.k_cap)
+    return HeadPlan(plan.granularity, plan.gates.detach(), plan.active, plan.counts, plan.order, {}, plan.k_cap,
+                    plan.shared_heads)
 
 
 _BUDGET_FRACTION = real("fraction", at_least=0, at_most=1, meaning="of each layer's heads")

@@ -92,12 +92,14 @@ def plan_from_active(
     gates: Tensor | None = None,
     aux_losses: dict[str, Tensor] | None = None,
     k_cap: int | None = None,
+    shared_heads: int = 0,
 ) -> HeadPlan:
     """A HeadPlan from a bool selection ``(B, H)`` (sequence) or ``(B, T, H)`` (token) and optional gates.
 
     Gates of inactive heads are forced to zero with no gradient, so every executor, whether it computes an
     inactive head or skips it, gives the same outputs and gradients. ``k_cap``: a bound on the active heads of
-    every row known before the call (``HeadPlan.k_cap``; the caller guarantees it), None for H.
+    every row known before the call (``HeadPlan.k_cap``; the caller guarantees it), None for H. ``shared_heads``:
+    token plans, the first heads every real token chooses (``HeadPlan.shared_heads``, MoH's shared heads).
 
     >>> p = plan_from_active(torch.tensor([[True, False, True]]))
     >>> p.counts.tolist(), p.order.tolist()
@@ -123,6 +125,7 @@ def plan_from_active(
         order=order,
         aux_losses=dict(aux_losses or {}),
         k_cap=k_cap,
+        shared_heads=shared_heads,
     )
 
 

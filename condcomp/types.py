@@ -29,6 +29,9 @@ class Budget:
     ``k_cap``: a bound on every row's ``k`` that the policy declares before seeing data (a Python int: ``fixed``
     knows its k, ``full`` is H), or None (no bound but H). Routers carry it into the plan (``HeadPlan.k_cap``),
     where the gathered executor's capturable path sizes its work by it instead of reading the plan back.
+    ``k_floor``: a bound below every row's ``k`` declared the same way (``full``: H, ``fixed``: its k), or None (0).
+    MoH's router reads it: at ``k = H`` a token takes MoH's own ``top_k`` routed heads, so with ``k_floor = H`` it
+    can declare ``top_k`` routed heads per token as its plan's bound.
 
     >>> b = Budget(s=torch.tensor([0.5]), k=torch.tensor([4]))
     >>> b.granularity
@@ -40,11 +43,15 @@ class Budget:
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     imposed: bool = False
     k_cap: int | None = None
+    k_floor: int | None = None
 
     def __post_init__(self) -> None:
-        if self.k_cap is not None and (isinstance(self.k_cap, bool) or not isinstance(self.k_cap, int)
-                                       or self.k_cap < 0):
-            raise ValueError(f"Budget.k_cap must be a non-negative int or None, got {self.k_cap!r}")
+        for name in ("k_cap", "k_floor"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"Budget.{name} must be a non-negative int or None, got {v!r}")
+        if self.k_cap is not None and self.k_floor is not None and self.k_floor > self.k_cap:
+            raise ValueError(f"Budget.k_floor = {self.k_floor} exceeds Budget.k_cap = {self.k_cap}")
 
     @property
     def granularity(self) -> Granularity:
@@ -65,7 +72,13 @@ class HeadPlan:
     - ``k_cap``: sequence plans, a bound on ``counts`` known before the call (from the budget policy:
       ``Budget.k_cap``), or None (H). The gathered executor's capturable path (``sequence.static``) computes
       ``k_cap`` heads per example, padded with gate 0, so its shapes never depend on the plan's values; a plan
-      that selects more heads than its ``k_cap`` is an error there.
+      that selects more heads than its ``k_cap`` is an error there. Token plans: a bound on every token's
+      ``counts`` (MoH: its shared heads plus the most routed heads a token may take).
+    - ``shared_heads``: token plans, how many of the first heads every real token is declared to choose (MoH's
+      shared heads; 0: none declared). The capturable token path (``token.static``, ``token.triton``) runs them as
+      one dense block and the other heads as routed (token, head) pairs, at most ``k_cap - shared_heads`` per
+      token; a token that chose more routed heads is an error there, one that skipped a shared head is still
+      exact (its gate is 0).
 
     Build one with :func:`condcomp.plan_from_active` or :func:`condcomp.plan_top_k`.
     """
@@ -77,11 +90,15 @@ class HeadPlan:
     order: Tensor
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     k_cap: int | None = None
+    shared_heads: int = 0
 
     def __post_init__(self) -> None:
         cap, H = self.k_cap, self.gates.shape[-1]
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= H):
             raise ValueError(f"HeadPlan.k_cap must be an int in [0, H={H}] or None, got {cap!r}")
+        shared = self.shared_heads
+        if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared <= H:
+            raise ValueError(f"HeadPlan.shared_heads must be an int in [0, H={H}], got {shared!r}")
 
     @property
     def num_heads(self) -> int:
@@ -95,7 +112,7 @@ class HeadPlan:
     def with_aux(self, extra: dict[str, Tensor]) -> HeadPlan:
         """A copy with more auxiliary losses (keys of ``extra`` win)."""
         return HeadPlan(self.granularity, self.gates, self.active, self.counts, self.order,
-                        {**self.aux_losses, **extra}, self.k_cap)
+                        {**self.aux_losses, **extra}, self.k_cap, self.shared_heads)
 
 
 @dataclass(frozen=True)

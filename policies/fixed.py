@@ -18,7 +18,8 @@ class FixedPolicy(nn.Module):
     """``s = fraction`` for every example; ``k = clamp(floor(s * H), k_min, H)`` (``rounding`` may be ``"ceil"``).
 
     ``per_token=True`` gives the same budget to every token (for token routers). The budget declares its k as
-    ``k_cap`` (known before any input: the gathered executor's capturable path computes exactly k heads per row).
+    ``k_cap`` and ``k_floor`` (known before any input: the gathered executor's capturable path computes exactly k
+    heads per row).
 
     >>> FixedPolicy(num_heads=8, fraction=0.3)(torch.randn(2, 3, 16), None).k.tolist()
     [2, 2]
@@ -50,4 +51,4 @@ class FixedPolicy(nn.Module):
         s = torch.full(shape, float(self.fraction), device=x.device)
         k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
         cap = budget_k_bound(float(self.fraction), self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
-        return Budget(s=s, k=k, k_cap=cap)
+        return Budget(s=s, k=k, k_cap=cap, k_floor=cap)  # every row's k is this one number

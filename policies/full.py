@@ -24,4 +24,4 @@ class FullPolicy(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None) -> Budget:
         B = x.shape[0]
         return Budget(s=torch.ones(B, device=x.device), k=torch.full((B,), self.num_heads, device=x.device),
-                      k_cap=self.num_heads)
+                      k_cap=self.num_heads, k_floor=self.num_heads)

@@ -69,6 +69,27 @@ def routed_counts(budget: Budget, shape: tuple[int, int], num_heads: int, shared
     return torch.where(k >= num_heads, torch.full_like(k, top_k), by_budget)
 
 
+def routed_bound(budget: Budget, num_heads: int, shared: int, top_k: int) -> int:
+    """The most routed heads :func:`routed_counts` can give one token under ``budget``, from what the budget declares
+    before the call (``k_cap``, ``k_floor``; a Python int, no device read).
+
+    >>> routed_bound(Budget(torch.ones(1), torch.full((1,), 8), k_cap=8, k_floor=8), 8, 4, 2)  # full: top_k
+    2
+    >>> routed_bound(Budget(torch.ones(1), torch.full((1,), 6), k_cap=6, k_floor=6), 8, 4, 2)  # fixed 0.75: 6 - 4
+    2
+    >>> routed_bound(Budget(torch.ones(1), torch.full((1,), 8), k_cap=8), 8, 4, 2)  # k may be 7: 3 routed
+    3
+    """
+    E = num_heads - shared
+    cap = num_heads if budget.k_cap is None else min(budget.k_cap, num_heads)
+    if budget.imposed:
+        return min(max(cap - shared, 0), E)
+    if budget.k_floor is not None and budget.k_floor >= num_heads:  # every row at k = H: MoH's own top_k
+        return top_k
+    below = min(max(min(cap, num_heads - 1) - shared, 0), E)  # rows with k < H take k - h_s
+    return max(top_k, below) if cap >= num_heads else below
+
+
 @register_router("moh")
 class MoHRouter(nn.Module):
     """Per-token routing of MoH (arXiv 2410.11842): the first ``shared_heads`` heads always on, Top-K of the rest.
@@ -95,6 +116,11 @@ class MoHRouter(nn.Module):
     K = ``clamp(k - h_s, 0, E)`` per example or token, and in training a learned ``s`` gets the task gradient
     through a straight-through soft Top-K mask (all heads computed then). Padding tokens (mask False) get no
     heads. Defaults: ``h_s = H // 2``, ``K = (H - h_s) // 2`` (75 % of heads active, MoH-LLaMA3's ratio).
+
+    The plan declares its shape before the call (``HeadPlan.shared_heads = h_s``, ``HeadPlan.k_cap = h_s`` + the most
+    routed heads the budget allows, :func:`routed_bound`), so the gathered executor's capturable token path runs it
+    without a host read; the router itself reads nothing back either (no ``.item()``, ``nonzero`` or loop over rows).
+    With a learned budget in training every head of a real token is computed, so then every head is declared shared.
 
     >>> r = MoHRouter(d_model=16, num_heads=8, shared_heads=2, top_k=3)
     >>> r(torch.randn(2, 5, 16), None, Budget(torch.ones(2), torch.full((2,), 8)), None).counts.unique().tolist()
@@ -202,7 +228,10 @@ class MoHRouter(nn.Module):
         if self.gates == "binary":
             hard = selected.float()
             gates = hard + (gates - gates.detach()) if self.training else hard
-        return plan_from_active(active, gates, aux)
+        if learned:
+            return plan_from_active(active, gates, aux, self.num_heads, self.num_heads)
+        cap = hs + (routed_bound(budget, self.num_heads, hs, self.top_k) if E else 0)
+        return plan_from_active(active, gates, aux, cap, hs)
 
     @property
     def fewest_heads(self) -> int:

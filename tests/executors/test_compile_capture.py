@@ -1,10 +1,11 @@
-"""``torch.compile(fullgraph=True)`` captures a wrapped model with the gathered executor at sequence plans.
+"""``torch.compile(fullgraph=True)`` captures a wrapped model with the gathered executor at sequence and token plans.
 
 A graph break is a host read or a data-dependent shape: the check of the GPU discipline that needs no GPU. Models:
 condcomp's own HeadAttention stack (``condcomp bench compile``'s) and ``nn.TransformerEncoder``; policies ``fixed``,
 ``budgetformer`` and ``budgetformer`` with ``cap_at_s_max``; the ``topk`` router; eval and train. Each compiled model
 (the eager backend: no code generation) is compared with the same weights run eagerly by the per-head ``reference``
-executor, outputs and parameter gradients.
+executor, outputs and parameter gradients. Token plans: the ``moh`` router (shared heads + top-k routed heads, its
+load-balance loss in the gradients) at the ``full`` and ``fixed`` budgets, run by ``token.static``.
 """
 
 from __future__ import annotations
@@ -25,16 +26,19 @@ POLICIES: dict[str, Any] = {
     "budgetformer_capped": ("budgetformer", {"s_max": 0.5, "cap_at_s_max": True}),
 }
 ROUTER = ("topk", {"noise_std": 0.0})  # training without noise: the compiled and eager runs draw the same plan
+MOH = ("moh", {"shared_heads": 1, "top_k": 2})
+MOH_POLICIES: dict[str, Any] = {"full": "full", "fixed": ("fixed", {"fraction": 0.5, "per_token": True})}
 
 
-def build(kind: str, policy: str, executor: str, train: bool) -> nn.Module:
+def build(kind: str, policy: str, executor: str, train: bool, router: Any = ROUTER) -> nn.Module:
     torch.manual_seed(0)
     if kind == "stack":
         model: nn.Module = Stack(32, 4, 2)
     else:
         layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
         model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-    condcomp.apply_(model, condcomp.CondCompConfig(policy=POLICIES[policy], router=ROUTER, executor=executor))
+    policies = MOH_POLICIES if router is MOH else POLICIES
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=policies[policy], router=router, executor=executor))
     return model.train(train)
 
 
@@ -86,6 +90,40 @@ def test_fullgraph_capture_equals_the_reference(kind: str, policy: str, train: b
     assert got_g.keys() == want_g.keys() and got_g
     for name in want_g:
         torch.testing.assert_close(got_g[name], want_g[name], atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def check_capture(model: nn.Module, kind: str, train: bool, strategy: str) -> None:
+    """0 graph breaks; the compiled model equals the reference executor's, outputs and parameter gradients."""
+    reference = with_executor(model, "reference")
+    args = inputs(kind)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(*args).graph_break_count == 0
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    y = torch.compile(model, backend="eager", fullgraph=True)(*args)
+    want = reference(*args)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    usage = condcomp.head_usage(model)
+    assert usage and all(u.strategy == strategy for u in usage.values())
+    if not train:
+        return
+    got_g, want_g = grads(model, y), grads(reference, want)
+    assert got_g.keys() == want_g.keys() and any("router" in n for n in got_g)
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow  # 5-10 s a case; the fast suite captures one below
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("policy", list(MOH_POLICIES))
+@pytest.mark.parametrize("kind", ["stack", "encoder"])
+def test_moh_fullgraph_capture_equals_the_reference(kind: str, policy: str, train: bool) -> None:
+    check_capture(build(kind, policy, "gathered", train, MOH), kind, train, "token.static")
+
+
+def test_a_moh_stack_is_captured_in_training() -> None:
+    """MoH's token plans (router, load balance, token.static) in one graph, gradients equal to the reference's."""
+    check_capture(build("stack", "full", "gathered", True, MOH), "stack", True, "token.static")
 
 
 def test_a_capped_plan_computes_the_cap_under_compile() -> None:

@@ -27,7 +27,8 @@ SEQUENCE_CASES = [c for c in CASES if not c.startswith("token")]
 def test_strategy_matches_reference_on_every_case_it_supports(strategy: str) -> None:
     if strategy == "sequence.grouped" and not grouped_gemm.available(torch.zeros(1, dtype=torch.float64)):
         pytest.skip("this torch build exports no MKL cblas_?gemm_batch")
-    tuning = replace(TOY, pair_kernels_on_cpu=True) if strategy == "sequence.triton" else TOY  # its torch fallback
+    triton = strategy in ("sequence.triton", "token.triton")
+    tuning = replace(TOY, pair_kernels_on_cpu=True) if triton else TOY  # its torch fallback
     forced = GatheredExecutor(tuning=tuning, strategy=strategy)
     ran = 0
     for name in TOKEN_CASES if strategy.startswith("token") else SEQUENCE_CASES:

@@ -2,8 +2,8 @@
 
 Read it in this order: tuning.py (every threshold, per device), sizing.py (the one device -> host read), call.py
 (the sized call and what a strategy is), strategies.py (the dispatch table: which strategy runs which call), then
-the strategies: sequence.py (with sequence_grouped.py), sequence_static.py (the capturable path: no host read) and
-token.py, built from the shared blocks in blocks.py.
+the strategies: sequence.py (with sequence_grouped.py), sequence_static.py (the capturable path: no host read),
+token.py and token_static.py (its capturable paths), built from the shared blocks in blocks.py.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ class GatheredExecutor:
     Each call is sized once (one host synchronisation) and run by the first strategy of the dispatch table
     (:data:`condcomp.executors.gathered.STRATEGIES`) that can run it. A sequence plan under ``torch.compile`` (any
     device), or where ``tuning.static_sequence`` is set (CUDA), is not sized: it runs ``sequence.static``, which
-    reads nothing back and computes the plan's ``k_cap`` heads per example. Same semantics as the ``reference``
+    reads nothing back and computes the plan's ``k_cap`` heads per example; a token plan there
+    (``tuning.static_token`` on CUDA) runs ``token.static`` or ``token.triton``: its shared heads as one dense block,
+    its routed (token, head) pairs bounded by ``k_cap``. Same semantics as the ``reference``
     executor: outputs and gradients agree with it. ``tuning``: thresholds (default: those of the call's device);
     ``strategy``: run only this strategy (an error names why it cannot run a call), for tests and A/B timing;
     ``strategies``: the dispatch table (default :data:`STRATEGIES`; docs/extending.md adds a strategy).
@@ -94,16 +96,20 @@ class GatheredExecutor:
 
     def static(self, plan: HeadPlan, tuning: GatheredTuning) -> str | None:
         """Why this call is not sized (it runs a strategy that reads nothing back), or None when it is sized:
-        a sequence plan under ``torch.compile``, with ``tuning.static_sequence``, or with such a strategy forced."""
-        if plan.granularity != "sequence" or not any(not s.needs_sizes for s in self.strategies.get("sequence", ())):
+        under ``torch.compile``, with ``tuning.static_sequence`` (sequence plans) or ``tuning.static_token`` (token
+        plans), or with such a strategy forced."""
+        gran = plan.granularity
+        if not any(not s.needs_sizes for s in self.strategies.get(gran, ())):
             return None
         if self.strategy is not None:
             forced = get_strategy(self.strategy, self.strategies)
             return None if forced.needs_sizes else f"strategy {forced.name!r} was asked for"
         if torch.compiler.is_compiling():
             return "under torch.compile"
-        if tuning.static_sequence:
+        if gran == "sequence" and tuning.static_sequence:
             return f"tuning.static_sequence on {tuning.device}"
+        if gran == "token" and tuning.static_token:
+            return f"tuning.static_token on {tuning.device}"
         return None
 
     def sizes(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> GatherSizes:
@@ -147,9 +153,7 @@ class GatheredExecutor:
         tuning, gran, size = self.tuning_of(inputs.x), plan.granularity, inputs.x.numel()
         if tuning.prefers_dense(0.0, gran, size):  # decided without the host read
             return Estimate(DENSE_IS_FASTER, note=f"B*T*D = {size:,}: {_too_little_skipped(tuning, gran)}")
-        if gran == "token" and torch.compiler.is_compiling():  # sizing a token plan reads the host: a graph break
-            return Estimate(DENSE_IS_FASTER, note="under torch.compile: token plans have no capturable gathered path")
-        prepared = self.prepare(weights, inputs, plan)  # a sequence plan under compile: static sizes, no read
+        prepared = self.prepare(weights, inputs, plan)  # under compile: static sizes, no read
         share = prepared.call.sizes.work_fraction
         if tuning.prefers_dense(share, gran, size):
             dense_share = tuning.dense_work_token if gran == "token" else tuning.dense_work_sequence
@@ -158,7 +162,7 @@ class GatheredExecutor:
             return Estimate(DENSE_IS_FASTER, prepared, prepared.strategy,
                             note=f"keeps {share:.2f} of the dense work, {why}")
         note = f"keeps {share:.2f} of the dense work"
-        if not prepared.call.sizes.read:
+        if not prepared.call.sizes.read and gran == "sequence":
             note += f" (k_cap = {plan.head_cap} of {plan.num_heads} heads per example, padded)"
         return Estimate(share, prepared, prepared.strategy, note=note)
 
@@ -175,10 +179,18 @@ def static_note(plan: HeadPlan, why: str, tuning: GatheredTuning) -> str:
     """What ``explain`` says of the capturable strategy: why it runs, what its padding costs, and whether its
     timings on this device are measured."""
     cap, H = plan.head_cap, plan.num_heads
-    cost = (f"every example computes k_cap = {cap} of {H} heads (its selected heads padded with gate-0 heads)"
-            if plan.k_cap is not None and cap < H else
-            f"the plan declares no k_cap below H = {H}, so every example computes all {H} heads: dense cost (a "
-            "budget policy that declares a bound, e.g. fixed, or budgetformer with cap_at_s_max=True, sets one)")
+    if plan.granularity == "token":
+        shared = plan.shared_heads
+        routed = max(min(cap, H) - shared, 0)
+        cost = (f"the {shared} shared heads (HeadPlan.shared_heads) as one dense block, the other {H - shared} as "
+                f"at most {routed} routed (token, head) pairs per token (HeadPlan.k_cap = {cap}); token.static "
+                "computes every head's query and output projections (dense cost), token.triton only the pairs'; "
+                "both attend with every routed head's query slots")
+    elif plan.k_cap is not None and cap < H:
+        cost = f"every example computes k_cap = {cap} of {H} heads (its selected heads padded with gate-0 heads)"
+    else:
+        cost = (f"the plan declares no k_cap below H = {H}, so every example computes all {H} heads: dense cost (a "
+                "budget policy that declares a bound, e.g. fixed, or budgetformer with cap_at_s_max=True, sets one)")
     note = f"runs, reading nothing back ({why}): {cost}"
     if not tuning.measured:
         note += (f"; not timed on {tuning.device} yet (tuning.measured = False): auto's bounds for this device are "

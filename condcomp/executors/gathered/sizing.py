@@ -44,8 +44,11 @@ class GatherSizes:
 
 
 def static_sizes(plan: HeadPlan) -> GatherSizes:
-    """A sequence plan's sizes without a device read: ``k_cap`` heads for every example (H without a cap), so
-    ``work_fraction`` is ``k_cap / H``, the padded work the capturable path computes."""
+    """A plan's sizes without a device read. Sequence plans: ``k_cap`` heads for every example (H without a cap),
+    so ``work_fraction`` is ``k_cap / H``, the padded work the capturable path computes. Token plans: 1.0 (the
+    capturable token paths attend with every head's query slots: dense attention cost)."""
+    if plan.granularity == "token":
+        return GatherSizes("token", work_fraction=1.0, read=False)
     return GatherSizes("sequence", work_fraction=plan.head_cap / max(plan.num_heads, 1), read=False)
 
 

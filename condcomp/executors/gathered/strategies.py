@@ -7,15 +7,16 @@ tried before it are what ``condcomp.explain`` and the ``condcomp`` logger's debu
 
 from __future__ import annotations
 
-from condcomp.executors.gathered import sequence, sequence_static, sequence_triton, token
+from condcomp.executors.gathered import sequence, sequence_static, sequence_triton, token, token_static
 from condcomp.executors.gathered.call import GatheredCall, Strategy
 
-# sequence.static comes last: a sized call (sizes read back) always finds one of the sized strategies before it, and
-# a call sized without a read (under torch.compile, or tuning.static_sequence) only it can run.
+# sequence.static and token.static come last: a sized call (sizes read back) always finds one of the sized strategies
+# before them, and a call sized without a read (under torch.compile, or tuning.static_sequence / static_token) only
+# they and the Triton strategies before them can run.
 STRATEGIES: dict[str, tuple[Strategy, ...]] = {
     "sequence": (sequence.SharedSet(), sequence.Grouped(), sequence.OneBucket(), sequence.Buckets(),
                  sequence_triton.PairKernels(), sequence_static.Static()),
-    "token": (token.Dense(), token.BySet(), token.PerHead()),
+    "token": (token.Dense(), token.BySet(), token.PerHead(), token_static.Pairs(), token_static.Static()),
 }
 
 
@@ -60,6 +61,7 @@ def rejections(call: GatheredCall, table: Table | None = None) -> list[tuple[str
 def reasons_against(strategy: Strategy, call: GatheredCall) -> list[str]:
     """Why ``strategy`` cannot run ``call``: its own reasons, or that it needs sizes this call did not read."""
     if strategy.needs_sizes and not call.sizes.read:
+        last = f"{call.plan.granularity}.static"
         return ["needs the call's sizes read back from the device, and this call reads nothing (under "
-                "torch.compile, or tuning.static_sequence on this device): sequence.static runs it"]
+                f"torch.compile, or tuning.static_{call.plan.granularity} on this device): {last} runs it"]
     return strategy.supports(call)

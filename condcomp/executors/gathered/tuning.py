@@ -7,7 +7,8 @@ executor was 1.9-9.6x slower than dense at every budget, up to B*T*D = 33.5 mill
 calls were not measured there, so the threshold sits at about twice that and ``measured`` stays False; it will be
 replaced by the crossovers of a GPU record of the capturable path. On CUDA a sequence plan runs that capturable path
 (``static_sequence``: ``sequence.static``, no host read, shapes from the plan's ``k_cap``) whenever the gathered
-executor runs it, named (``executor="gathered"``) or chosen by ``auto``; on CPU only under ``torch.compile``. A
+executor runs it, named (``executor="gathered"``) or chosen by ``auto``; on CPU only under ``torch.compile``; token
+plans likewise (``static_token``: ``token.static``, or ``token.triton`` with the pair kernels on). A
 :class:`GatheredExecutor` holds one (``tuning=``) or picks the one of the call's device; tests pass their own instead
 of rewriting module globals.
 """
@@ -48,6 +49,10 @@ class GatheredTuning:
       ``k_cap`` heads per example padded with gate 0) in eager mode too; under ``torch.compile`` it runs on any
       device whatever this says. On for CUDA (a host read stalls the stream), off for CPU (the sized strategies
       are at the k-head floor there).
+    - ``static_token``: token plans run the capturable strategies (``token.triton`` where the pair kernels may run,
+      else ``token.static``: no device -> host read, shapes from the plan's ``shared_heads`` and ``k_cap``) in eager
+      mode too; under ``torch.compile`` on any device whatever this says. On for CUDA, off for CPU (the sized token
+      strategies are at the floor there).
     - ``pair_kernels``: let ``sequence.triton`` (the Triton pair ops) run calls sized without a host read on CUDA
       where triton is available, before ``sequence.static`` (False: ``sequence.static``). Off in the CUDA tuning
       until a GPU has timed the kernels.
@@ -71,6 +76,7 @@ class GatheredTuning:
     min_skipped_work_sequence: int = 60_000
     min_skipped_work_token: int = 300_000
     static_sequence: bool = False
+    static_token: bool = False
     pair_kernels: bool = True
     pair_kernels_on_cpu: bool = False
     options: ClassVar[tuple[Option, ...]] = (
@@ -82,7 +88,7 @@ class GatheredTuning:
         real("dense_work_token", at_least=0, at_most=1, meaning="a share of the dense work"),
         count("min_skipped_work_sequence", meaning="B*T*D skipped"), count("min_skipped_work_token",
                                                                            meaning="B*T*D skipped"),
-        flag("static_sequence"), flag("pair_kernels"), flag("pair_kernels_on_cpu"),
+        flag("static_sequence"), flag("static_token"), flag("pair_kernels"), flag("pair_kernels_on_cpu"),
     )
 
     def __post_init__(self) -> None:
@@ -103,7 +109,8 @@ CPU = GatheredTuning()
 # sequence.triton is opt-in on CUDA (pair_kernels=True) until a GPU record exists: its kernels have run only under
 # Triton's interpreter; sequence.static (torch ops only) is the default capturable path there
 CUDA = replace(CPU, device="cuda", measured=False, min_skipped_work_sequence=64_000_000,
-               min_skipped_work_token=64_000_000, static_sequence=True, pair_kernels=False)
+               min_skipped_work_token=64_000_000, static_sequence=True, static_token=True,
+               pair_kernels=False)
 
 
 def tuning_for(device: torch.device) -> GatheredTuning:
