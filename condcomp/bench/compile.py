@@ -3,11 +3,14 @@
 A residual stack of :class:`~condcomp.HeadAttention` layers is routed with ``condcomp.apply_`` (``fixed``
 budget s, ``topk`` router, eval mode) and run with every registered executor, plus the unrouted dense stack; the
 gathered executor also at BudgetFormer plans (``budgetformer``: untrained, no declared cap, so its capturable path
-computes every head; ``budgetformer_capped``: ``s_max = s`` with ``cap_at_s_max``, k_cap = floor(s * H)).
+computes every head; ``budgetformer_capped``: ``s_max = s`` with ``cap_at_s_max``, k_cap = floor(s * H)) and at MoH's
+token plans (``moh``: the ``full`` policy and the ``moh`` router with ``H // 4`` shared heads and top-``H // 4`` routed
+heads, half the heads per token; under compile it runs ``token.static``).
 For each: whether ``fullgraph=True`` capture succeeds, the graphs and graph breaks ``torch._dynamo.explain``
 reports (with the first break reasons), the first-call compile time, the largest difference from eager, and
 the median forward time eager vs compiled (inductor), interleaved repetition by repetition because the
-machine may be shared. Writes ``metrics.json`` and ``table.md`` into ``--out``.
+machine may be shared. ``--device cuda`` runs it on the GPU (timings synchronised). Writes ``metrics.json`` and
+``table.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -44,11 +47,20 @@ class Stack(nn.Module):
         return x
 
 
-POLICIES = ("fixed", "budgetformer", "budgetformer_capped")
+POLICIES = ("fixed", "budgetformer", "budgetformer_capped", "moh")
+
+
+def router_spec(policy: str, H: int) -> tuple[str, dict[str, Any]]:
+    """The router of a benchmark policy name: MoH's for ``moh`` (``H // 4`` shared, top-``H // 4``), else ``topk``."""
+    if policy == "moh":
+        return "moh", {"shared_heads": max(1, H // 4), "top_k": max(1, H // 4)}
+    return "topk", {}
 
 
 def policy_spec(policy: str, s: float) -> tuple[str, dict[str, Any]]:
     """The config entry of a benchmark policy name (:data:`POLICIES`) at budget fraction ``s``."""
+    if policy == "moh":
+        return "full", {}
     if policy == "fixed":
         return "fixed", {"fraction": s}
     if policy == "budgetformer":
@@ -67,7 +79,7 @@ def build(executor: str | None, D: int, H: int, layers: int, s: float, seed: int
     torch.manual_seed(seed)
     model = Stack(D, H, layers)
     if executor is not None:
-        cfg = condcomp.CondCompConfig(policy=policy_spec(policy, s), router="topk", executor=executor)
+        cfg = condcomp.CondCompConfig(policy=policy_spec(policy, s), router=router_spec(policy, H), executor=executor)
         condcomp.apply_(model, cfg)
     return model.eval()
 
@@ -100,51 +112,68 @@ def _bind(fn: Callable[..., Tensor], x: Tensor, mask: Tensor) -> Callable[[], Te
     return lambda: fn(x, mask)
 
 
-def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int) -> dict[str, float]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int,
+                  device: torch.device = torch.device("cpu")) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for key, fn in fns.items():  # interleaved: a noisy neighbour slows every variant alike
+            _sync(device)
             t0 = time.perf_counter()
             fn()
+            _sync(device)
             times[key].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
 def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
-        executors: list[str] | None = None) -> list[dict[str, Any]]:
+        executors: list[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
     """One record per executor (and ``dense``) at the fixed policy, and the gathered executor at BudgetFormer
-    plans; see the module docstring."""
+    and MoH plans; see the module docstring."""
     import condcomp
 
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench compile: --device cuda asked for, but torch sees no CUDA device here; use --device cpu")
     torch.set_num_threads(threads)
     B, T, D, H, layers = QUICK_SHAPE if quick else SHAPE
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(B, T, D, generator=gen)
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[:, T - T // 4:] = torch.rand(B, 1, generator=gen) < 0.5  # half the examples end in padding
+    x, mask = x.to(dev), mask.to(dev)
     records = []
     names = ["dense", *(executors or condcomp.list_executors())]
     runs = [(name, "fixed") for name in names]
     runs += [("gathered", p) for p in POLICIES[1:] if "gathered" in names]
     for name, policy in runs:
-        model = build(None if name == "dense" else name, D, H, layers, s, policy=policy)
+        model = build(None if name == "dense" else name, D, H, layers, s, policy=policy).to(dev)
         record: dict[str, Any] = {"executor": name, "policy": "-" if name == "dense" else policy, "B": B, "T": T,
-                                  "D": D, "H": H, "layers": layers, "s": s, "threads": threads, "reps": reps}
+                                  "D": D, "H": H, "layers": layers, "s": s, "threads": threads, "reps": reps,
+                                  "device": dev.type, "router": "-" if name == "dense" else router_spec(policy, H)[0]}
         record["fullgraph"], record["fullgraph_error"] = fullgraph_ok(model, x, mask)
         record.update(explain(model, x, mask))
         torch._dynamo.reset()
         compiled = torch.compile(model)
         with torch.no_grad():
             want = model(x, mask)
+            _sync(dev)
             t0 = time.perf_counter()
             got = compiled(x, mask)
+            _sync(dev)
             record["compile_s"] = time.perf_counter() - t0
             record["max_abs_diff"] = float((got - want).abs().max())
+            usage = condcomp.head_usage(model)  # the strategy the compiled forward ran (gathered)
+            record["strategy"] = ",".join(sorted({u.strategy for u in usage.values() if u.strategy})) or "-"
             for _ in range(2):
                 model(x, mask)
                 compiled(x, mask)
             fns = {"eager": _bind(model, x, mask), "compiled": _bind(compiled, x, mask)}
-            med = _median_times(fns, reps)
+            med = _median_times(fns, reps, dev)
         record["eager_ms"], record["compiled_ms"] = med["eager"] * 1e3, med["compiled"] * 1e3
         record["speedup"] = med["eager"] / med["compiled"]
         records.append(record)
@@ -158,12 +187,13 @@ def table(records: list[dict[str, Any]]) -> str:
     """Markdown table of the records (medians; speedup = eager / compiled)."""
     r0 = records[0]
     lines = [f"B={r0['B']} T={r0['T']} D={r0['D']} H={r0['H']} layers={r0['layers']} s={r0['s']}, forward, eval, "
-             f"{r0['threads']} threads, median of {r0['reps']}", "",
-             "| executor | policy | fullgraph=True | graphs | breaks | compile (s) | eager (ms) | compiled (ms) "
-             "| speedup | max abs diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{r0.get('device', 'cpu')}, {r0['threads']} threads, median of {r0['reps']}; moh: the full policy and "
+             f"the moh router, {max(1, r0['H'] // 4)} shared heads + top-{max(1, r0['H'] // 4)} routed", "",
+             "| executor | policy | strategy (compiled) | fullgraph=True | graphs | breaks | compile (s) | eager (ms) "
+             "| compiled (ms) | speedup | max abs diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['executor']} | {r.get('policy', 'fixed')} | {'yes' if r['fullgraph'] else 'no'} | "
-                     f"{r['graphs']} | "
+        lines.append(f"| {r['executor']} | {r.get('policy', 'fixed')} | {r.get('strategy', '-')} | "
+                     f"{'yes' if r['fullgraph'] else 'no'} | {r['graphs']} | "
                      f"{r['graph_breaks']} | {r['compile_s']:.1f} | {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} | "
                      f"{r['speedup']:.2f} | {r['max_abs_diff']:.1e} |")
     reasons = [(f"{r['executor']} ({r.get('policy', 'fixed')})", reason) for r in records
@@ -176,7 +206,8 @@ def table(records: list[dict[str, Any]]) -> str:
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = run(quick=args.quick, reps=args.reps, threads=args.threads, s=args.s, executors=args.executors)
+    records = run(quick=args.quick, reps=args.reps, threads=args.threads, s=args.s, executors=args.executors,
+                  device=args.device)
     (out / "metrics.json").write_text(json.dumps({"benchmark": "compile", "torch": torch.__version__,
                                                    "records": records}, indent=1))
     text = table(records)
@@ -197,4 +228,6 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p.add_argument("--s", type=finite_float(above=0, at_most=1), default=0.25,
                    help="head budget fraction of the fixed policy")
     p.add_argument("--executors", nargs="*", default=None, help="subset of executors (default: every registered)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the models run (cuda: timings synchronised; an error without a CUDA device)")
     p.set_defaults(func=main)

@@ -84,4 +84,24 @@ def test_the_benchmark_table_names_the_policy() -> None:
               "s": 0.25, "threads": 1, "reps": 1, "fullgraph": True, "graphs": 1, "graph_breaks": 0,
               "break_reasons": [], "compile_s": 1.0, "eager_ms": 2.0, "compiled_ms": 1.0, "speedup": 2.0,
               "max_abs_diff": 0.0}
-    assert "| gathered | budgetformer_capped | yes | 1 | 0 |" in table([record])
+    assert "| gathered | budgetformer_capped | - | yes | 1 | 0 |" in table([record])
+    moh = {**record, "policy": "moh", "strategy": "token.static", "device": "cpu"}
+    assert "| gathered | moh | token.static | yes | 1 | 0 |" in table([moh]) and ", cpu, 1 threads" in table([moh])
+
+
+def test_the_benchmark_runs_moh_token_plans_on_the_capturable_path() -> None:
+    """The MoH row: gathered at MoH's token plans, captured whole and run by token.static under compile."""
+    model = build("gathered", D, H, LAYERS, s=0.5, policy="moh")
+    x, mask = _data()
+    torch.compile(model, fullgraph=True, backend="eager")(x, mask)
+    assert {u.strategy for u in condcomp.head_usage(model).values()} == {"token.static"}
+    plan = next(m.last.plan for m in model.modules() if isinstance(m, condcomp.RoutedAttention))
+    assert plan.shared_heads == 1 and plan.k_cap == 2  # H = 4: one shared head, top-1 routed
+
+
+def test_the_benchmark_refuses_cuda_without_a_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from condcomp.bench.compile import run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        run(quick=True, reps=1, threads=1, executors=["masked"], device="cuda")
