@@ -112,13 +112,12 @@ def _bind(fn: Callable[..., Tensor], x: Tensor, mask: Tensor) -> Callable[[], Te
     return lambda: fn(x, mask)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int,
-                  device: torch.device = torch.device("cpu")) -> dict[str, float]:
+def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int, device: torch.device | None = None) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for key, fn in fns.items():  # interleaved: a noisy neighbour slows every variant alike
