@@ -117,7 +117,8 @@ def _sync(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int, device: torch.device | None = None) -> dict[str, float]:
+def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int,
+                  device: torch.device | None = None) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for key, fn in fns.items():  # interleaved: a noisy neighbour slows every variant alike
