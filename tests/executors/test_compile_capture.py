@@ -146,6 +146,15 @@ def test_auto_is_captured_too(policy: str) -> None:
     assert torch._dynamo.explain(model)(*inputs("stack")).graph_break_count == 0
 
 
+def test_auto_runs_moh_masked_under_compile() -> None:
+    """auto at MoH's token plans under compile: the capturable token path costs dense attention, so auto runs
+    masked, captured whole too."""
+    model = build("stack", "full", "auto", False, MOH)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(*inputs("stack")).graph_break_count == 0
+    assert {u.executor for u in condcomp.head_usage(model).values()} == {"masked"}
+
+
 @pytest.mark.slow
 def test_inductor_compiles_the_static_path() -> None:
     """The default backend (inductor: generated C++ on CPU), forward and backward, against the reference."""
