@@ -23,13 +23,14 @@ from condcomp.policies.full import FullPolicy
 from condcomp.routers.moh import MoHRouter, routed_counts
 from core_helpers import TOLERANCES, run_and_grads
 from test_against_reference import Case, build_case
+from test_triton_pairs import assert_matches, leaf, output_loop, project_loop
 from torch import Tensor
 
 import condcomp
 from condcomp.executors import gathered
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import CPU, CUDA, GatheredExecutor, pairs
-from condcomp.executors.gathered.pairs import fallback
+from condcomp.executors.gathered.pairs import fallback, ops
 from condcomp.plans import plan_from_active
 from condcomp.types import Budget
 
@@ -175,6 +176,64 @@ def test_token_triton_weight_gradients_are_deterministic() -> None:
     runs = [run_and_grads(ex, case.weights, case.inputs, case.plan, case.leaves, probe)[1] for _ in range(2)]
     for name in runs[0]:
         assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+def check_one_row_ops(C: int, with_bias: bool, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    n, E, D, Dh = 70, 4, 20, 8
+    counts = torch.randint(0, C + 1, (n,))
+    counts[0], counts[1] = 0, C
+    heads = torch.stack([torch.randperm(E)[:C] for _ in range(n)])
+    if C == 2:
+        heads[:, 0], heads[:, 1] = 0, torch.randint(1, E, (n,))
+        counts[2:] = 2
+    project = {"x": leaf(n, 1, D), "weight": leaf(E, Dh, D), "heads": heads, "counts": counts}
+    output = {"a": leaf(n, C, 1, Dh), "weight": leaf(D, E * Dh), "gates": (torch.rand(n, C) + 0.5).requires_grad_(),
+              "heads": heads, "counts": counts}
+    if with_bias:
+        project["bias"], output["bias"] = leaf(E, Dh), leaf(D)
+
+    def p_op(x: Tensor, weight: Tensor, heads: Tensor, counts: Tensor, bias: Tensor | None = None) -> Tensor:
+        return ops.pair_project(x, weight, bias, heads, counts)
+
+    def p_loop(x: Tensor, weight: Tensor, heads: Tensor, counts: Tensor, bias: Tensor | None = None) -> Tensor:
+        return project_loop(x, weight, bias, heads, counts)
+
+    def o_op(a: Tensor, weight: Tensor, gates: Tensor, heads: Tensor, counts: Tensor,
+             bias: Tensor | None = None) -> Tensor:
+        return ops.pair_output(a, weight, gates, heads, counts, bias)
+
+    def o_loop(a: Tensor, weight: Tensor, gates: Tensor, heads: Tensor, counts: Tensor,
+               bias: Tensor | None = None) -> Tensor:
+        return output_loop(a, weight, gates, heads, counts, bias)
+
+    assert_matches(p_op, p_loop, {k: v.to(device) for k, v in project.items()}, device, dtype)
+    assert_matches(o_op, o_loop, {k: v.to(device) for k, v in output.items()}, device, dtype)
+
+
+@pytest.mark.parametrize(("C", "with_bias"), [(2, True), (4, False)])
+def test_one_row_pair_ops_match_the_loop(C: int, with_bias: bool) -> None:
+    """The pair ops with one row per pair (``T == 1``, how token.triton calls them; under the interpreter the
+    sorted-block kernels): 70 rows, head 0 in 70 pairs with C = 2 (two blocks of 64 for one head), tokens with no
+    head and with C heads, odd sizes (D = 20) at tile edges; outputs and every gradient against a float64 loop."""
+    check_one_row_ops(C, with_bias)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and pairs.triton_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_kernels_on_cuda(dtype: torch.dtype) -> None:
+    """The compiled sorted-block kernels (not the interpreter)."""
+    check_one_row_ops(2, True, "cuda", dtype)
+    check_one_row_ops(4, False, "cuda", dtype)
+
+
+def test_token_triton_compiles_with_no_graph_break() -> None:
+    """The strategy under ``fullgraph=True`` (the pair ops are opaque custom ops with fake implementations)."""
+    case = moh_case("causal_padding", 1, 2, torch.float32)
+    w, inputs, plan = case.weights, case.inputs, case.plan
+    ex = GatheredExecutor(tuning=PAIRS)
+    torch._dynamo.reset()
+    y = torch.compile(lambda: ex(w, inputs, plan), backend="eager", fullgraph=True)()
+    torch.testing.assert_close(y, get_executor("reference")(w, inputs, plan), atol=2e-5, rtol=1e-4)
 
 
 def hand_routed(budget: Budget, H: int, hs: int, top_k: int) -> int:

@@ -1,5 +1,6 @@
 """Launching the Triton kernels of kernels.py: grids, pinned block sizes, strides, and the one sort of the weight
-gradient. Same signatures and semantics as fallback.py (the ops pick one of the two modules per call).
+gradient. Same signatures and semantics as fallback.py (the ops pick one of the two modules per call). Calls with one
+row per pair (``T == 1``: token plans) go to row_launch.py (sorted blocks of pairs, ScatterMoE's pattern).
 
 One configuration per kernel, no autotuning (the interpreter runs none, and a fixed launch is what CUDA graphs
 replay): 64-wide tiles along rows and outputs, 32 along the reduction, each shrunk to the next power of two of a
@@ -36,6 +37,10 @@ def _optional(t: Tensor | None, like: Tensor, dims: int) -> tuple[Tensor, tuple[
 def pair_matmul(x: Tensor, w: Tensor, bias: Tensor | None, scale: Tensor | None, heads: Tensor, counts: Tensor,
                 out_dtype: torch.dtype) -> Tensor:
     B, T, D = x.shape
+    if T == 1:  # one row per pair (token plans): sorted blocks of pairs
+        from condcomp.executors.gathered.pairs import row_launch
+
+        return row_launch.pair_matmul(x, w, bias, scale, heads, counts, out_dtype)
     F, C = w.shape[1], heads.shape[1]
     out = x.new_empty(B, C, T, F, dtype=out_dtype)  # (B, C, T, F): every element written, zeros off the plan
     if out.numel() == 0:
@@ -54,6 +59,10 @@ def pair_matmul(x: Tensor, w: Tensor, bias: Tensor | None, scale: Tensor | None,
 def pair_sum(a: Tensor, w: Tensor, scale: Tensor | None, bias: Tensor | None, heads: Tensor, counts: Tensor,
              out_dtype: torch.dtype) -> Tensor:
     B, C, T, K = a.shape
+    if T == 1:
+        from condcomp.executors.gathered.pairs import row_launch
+
+        return row_launch.pair_sum(a, w, scale, bias, heads, counts, out_dtype)
     N = w.shape[2]
     y = a.new_empty(B, T, N, dtype=out_dtype)  # (B, T, N)
     if y.numel() == 0:
@@ -82,6 +91,10 @@ def sorted_pairs(heads: Tensor, counts: Tensor, num_heads: int) -> tuple[Tensor,
 def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts: Tensor, num_heads: int,
               with_bias: bool, out_dtype: torch.dtype, dw_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     B, C, T, F = g.shape
+    if T == 1:
+        from condcomp.executors.gathered.pairs import row_launch
+
+        return row_launch.group_xty(g, x, scale, heads, counts, num_heads, with_bias, out_dtype, dw_out)
     D = x.shape[2]
     dw = g.new_empty(num_heads, F, D, dtype=out_dtype) if dw_out is None else dw_out  # (E, F, D), every element
     db = g.new_empty(num_heads, F, dtype=out_dtype) if with_bias else None

@@ -1,0 +1,91 @@
+"""Triton kernels of the pair ops for one row per pair (``T == 1``: token plans, each token an "example" with its
+``C`` head slots); imported only when one launches (it imports triton).
+
+ScatterMoE's pattern (``scatter2scatter`` / ``groupXtY``): the selected pairs are sorted by head once on the device;
+the forward grid is a fixed number of blocks, ``cdiv(B*C, BM) + E`` (a bound on the blocks the heads' segments need
+whatever their lengths), each block ``BM`` sorted pairs of one head, so a tile of that head's weights serves ``BM``
+rows; blocks past the last segment exit. Rows and weights are read in place through their strides. No atomics:
+every sum has a fixed order, so results are deterministic.
+
+- :func:`rows_matmul`: ``out[b, j] = scale[b, j] * (a[b, j] @ w[h]^T + bias[h])`` for each selected pair
+  (``h = heads[b, j]``; ``a[b, j]`` is ``x[b]`` for a projection, whose ``C`` stride is 0); ``out`` is zero elsewhere
+  (the launcher zero-fills it).
+- :func:`rows_xty`: ``dw[e] = sum over head e's pairs of scale * g[b, j]^T @ x[b]`` and ``db[e]``: one program per
+  head tile, its pairs in chunks of ``BT`` sorted rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rows_matmul(a_ptr, w_ptr, bias_ptr, scale_ptr, pairs_ptr, block_head_ptr, block_start_ptr, offsets_ptr, out_ptr,
+                F, D, C, E,
+                sab, sac, sad, swe, swf, swd, sbe, sbf, ssb, ssc, sob, soc, sof,
+                HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # grid (NB, cdiv(F, BN)); a (B, C|1, D) as strides, w (E, F, D), out (B, C, F); pairs sorted by head
+    h = tl.load(block_head_ptr + tl.program_id(0)).to(tl.int64)
+    if h < E:
+        start = tl.load(block_start_ptr + tl.program_id(0))
+        end = tl.load(offsets_ptr + h + 1)
+        offs_p = start + tl.arange(0, BM)
+        valid = offs_p < end
+        pair = tl.load(pairs_ptr + offs_p, mask=valid, other=0).to(tl.int64)
+        b = pair // C
+        j = pair % C
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            kk = k0 + offs_k
+            at = tl.load(a_ptr + b[:, None] * sab + j[:, None] * sac + kk[None, :] * sad,
+                         mask=valid[:, None] & (kk[None, :] < D), other=0.0)  # (BM, BK)
+            wt = tl.load(w_ptr + h * swe + offs_n[None, :] * swf + kk[:, None] * swd,
+                         mask=(offs_n[None, :] < F) & (kk[:, None] < D), other=0.0)  # (BK, BN)
+            acc = tl.dot(at, wt, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + h * sbe + offs_n * sbf, mask=offs_n < F, other=0.0).to(tl.float32)[None, :]
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + b * ssb + j * ssc, mask=valid, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + b[:, None] * sob + j[:, None] * soc + offs_n[None, :] * sof,
+                 acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < F))
+
+
+@triton.jit
+def rows_xty(g_ptr, x_ptr, scale_ptr, pairs_ptr, offsets_ptr, dw_ptr, db_ptr,
+             F, D, C,
+             sgb, sgc, sgf, sxb, sxd, ssb, ssc, swe, swf, swd, sbe, sbf,
+             HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+             BF: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+    # grid (E, cdiv(F, BF), cdiv(D, BD)); g (B, C, F), x (B, D) as strides, dw (E, F, D), db (E, F)
+    e = tl.program_id(0).to(tl.int64)
+    offs_f = tl.program_id(1) * BF + tl.arange(0, BF)
+    offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    acc = tl.zeros((BF, BD), dtype=tl.float32)
+    acc_b = tl.zeros((BF,), dtype=tl.float32)
+    for p0 in range(start, end, BT):  # the head's pairs in sorted order: a fixed summation order
+        offs_p = p0 + tl.arange(0, BT)
+        valid = offs_p < end
+        pair = tl.load(pairs_ptr + offs_p, mask=valid, other=0).to(tl.int64)
+        b = pair // C
+        j = pair % C
+        gt = tl.load(g_ptr + b[None, :] * sgb + j[None, :] * sgc + offs_f[:, None] * sgf,
+                     mask=valid[None, :] & (offs_f[:, None] < F), other=0.0)  # (BF, BT)
+        if HAS_SCALE:
+            s = tl.load(scale_ptr + b * ssb + j * ssc, mask=valid, other=0.0).to(tl.float32)
+            gt = (gt.to(tl.float32) * s[None, :]).to(gt.dtype)
+        xt = tl.load(x_ptr + b[:, None] * sxb + offs_d[None, :] * sxd,
+                     mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)  # (BT, BD)
+        acc = tl.dot(gt, xt, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc_b += tl.sum(gt.to(tl.float32), axis=1)
+    tl.store(dw_ptr + e * swe + offs_f[:, None] * swf + offs_d[None, :] * swd, acc.to(dw_ptr.dtype.element_ty),
+             mask=(offs_f[:, None] < F) & (offs_d[None, :] < D))
+    if HAS_BIAS:
+        if tl.program_id(2) == 0:
+            tl.store(db_ptr + e * sbe + offs_f * sbf, acc_b.to(db_ptr.dtype.element_ty), mask=offs_f < F)

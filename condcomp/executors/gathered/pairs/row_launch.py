@@ -1,0 +1,101 @@
+"""Launching row_kernels.py: the pair ops' launches when every pair is one row (``T == 1``, token plans). Same
+signatures and semantics as launch.py's (which hands such calls here) and fallback.py's.
+
+The selected pairs are sorted by head once per call (:func:`launch.sorted_pairs`, on the device); the forward grid
+is ``cdiv(B*C, BM) + E`` blocks, each ``BM`` sorted pairs of one head (:func:`blocks`), whatever the plan selects.
+``pair_sum`` (a row's sum over its ``C`` heads) computes each pair's product in the sorted blocks, then sums the
+``C`` products of each row in torch: a fixed order, no atomics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from condcomp.executors.gathered.pairs import row_kernels
+from condcomp.executors.gathered.pairs.launch import COLS, REDUCE, _block, _optional, _precision, sorted_pairs
+
+ROWS = 64  # sorted pairs per block: the rows one weight tile serves
+
+
+def blocks(offsets: Tensor, pairs: int, rows: int) -> tuple[Tensor, Tensor]:
+    """``(head, start)`` of each of the ``cdiv(pairs, rows) + E`` blocks: block ``i`` covers sorted pairs
+    ``start[i] .. start[i] + rows - 1`` of head ``head[i]`` (cut at the head's segment end); ``head[i] == E`` past
+    the last segment (the block exits). On the device, fixed shapes."""
+    E = offsets.shape[0] - 1
+    lens = offsets[1:] - offsets[:-1]  # (E,)
+    per_head = torch.div(lens + rows - 1, rows, rounding_mode="floor")
+    ends = torch.cumsum(per_head, 0)  # (E,) blocks up to and including each head
+    index = torch.arange(triton.cdiv(max(pairs, 1), rows) + E, device=offsets.device)
+    head = torch.searchsorted(ends, index, right=True)  # (NB,) in [0, E]
+    h = head.clamp(max=E - 1)
+    start = offsets[h] + (index - (ends - per_head)[h]) * rows
+    return head, start
+
+
+def _launch_rows(a: Tensor, a_strides: tuple[int, int, int], w: Tensor, w_strides: tuple[int, int, int],
+                 bias: Tensor | None, scale: Tensor | None, heads: Tensor, counts: Tensor, E: int, F: int, D: int,
+                 out: Tensor) -> Tensor:
+    """``out (B, C, F)`` (zero-filled) gets ``scale * (a[b, j] @ w[h]^T + bias[h])`` on each selected pair."""
+    C = heads.shape[1]
+    pairs, offsets = sorted_pairs(heads, counts, E)
+    BM, BN, BK = _block(heads.numel(), ROWS), _block(F, COLS), _block(D, REDUCE)
+    head, start = blocks(offsets, heads.numel(), BM)
+    b_arg, b_strides = _optional(bias, a, 2)
+    s_arg, s_strides = _optional(scale, a, 2)
+    grid = (head.shape[0], triton.cdiv(F, BN))
+    row_kernels.rows_matmul[grid](a, w, b_arg, s_arg, pairs, head, start, offsets, out, F, D, C, E,
+                                  *a_strides, *w_strides, *b_strides, *s_strides, *out.stride(),
+                                  HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+                                  PRECISION=_precision(a.dtype), BM=BM, BN=BN, BK=BK)
+    return out
+
+
+def pair_matmul(x: Tensor, w: Tensor, bias: Tensor | None, scale: Tensor | None, heads: Tensor, counts: Tensor,
+                out_dtype: torch.dtype) -> Tensor:
+    B, _, D = x.shape  # (B, 1, D)
+    E, F = w.shape[:2]
+    out = x.new_zeros(B, heads.shape[1], 1, F, dtype=out_dtype)  # zeros off the plan
+    if out.numel() == 0 or x.numel() == 0:
+        return out
+    ws = w.stride()
+    _launch_rows(x, (x.stride(0), 0, x.stride(2)), w, (ws[0], ws[1], ws[2]), bias, scale, heads, counts, E, F, D,
+                 out.view(B, heads.shape[1], F))  # x's C stride 0: every head slot of a row reads the same row
+    return out
+
+
+def pair_sum(a: Tensor, w: Tensor, scale: Tensor | None, bias: Tensor | None, heads: Tensor, counts: Tensor,
+             out_dtype: torch.dtype) -> Tensor:
+    B, C, _, K = a.shape  # (B, C, 1, K), w (E, K, N)
+    E, _, N = w.shape
+    wide = torch.promote_types(out_dtype, torch.float32)  # the C products summed in float32 at least
+    parts = a.new_zeros(B, C, N, dtype=wide)
+    if parts.numel() and a.numel():
+        ws = w.stride()
+        _launch_rows(a, (a.stride(0), a.stride(1), a.stride(3)), w, (ws[0], ws[2], ws[1]), None, scale, heads,
+                     counts, E, N, K, parts)  # w[h]^T read through its strides: (N, K)
+    y = parts.sum(1, keepdim=True)  # (B, 1, N)
+    if bias is not None:
+        y = y + bias.to(wide) * (counts > 0).to(wide)[:, None, None]
+    return y.to(out_dtype)
+
+
+def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts: Tensor, num_heads: int,
+              with_bias: bool, out_dtype: torch.dtype, dw_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    _, C, _, F = g.shape  # (B, C, 1, F), x (B, 1, D)
+    D = x.shape[2]
+    dw = g.new_empty(num_heads, F, D, dtype=out_dtype) if dw_out is None else dw_out  # (E, F, D), every element
+    db = g.new_empty(num_heads, F, dtype=out_dtype) if with_bias else None
+    if dw.numel() == 0:
+        return dw, None if db is None else db.zero_()
+    pairs, offsets = sorted_pairs(heads, counts, num_heads)
+    BF, BD, BT = _block(F, COLS), _block(D, COLS), _block(heads.numel(), REDUCE)
+    db_arg, db_strides = _optional(db, g, 2)
+    s_arg, s_strides = _optional(scale, g, 2)
+    grid = (num_heads, triton.cdiv(F, BF), triton.cdiv(D, BD))
+    row_kernels.rows_xty[grid](g, x, s_arg, pairs, offsets, dw, db_arg, F, D, C,
+                               g.stride(0), g.stride(1), g.stride(3), x.stride(0), x.stride(2), *s_strides,
+                               *dw.stride(), *db_strides, HAS_BIAS=with_bias, HAS_SCALE=scale is not None,
+                               PRECISION=_precision(g.dtype), BF=BF, BD=BD, BT=BT)
+    return dw, db
