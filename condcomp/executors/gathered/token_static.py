@@ -9,7 +9,7 @@ heads fails on the device (``torch._assert_async``), never silently; a token tha
 
 - ``token.triton`` (the Triton pair ops, opt-in as ``sequence.triton`` is): the shared heads as one dense block; the
   routed pairs' query projections through ``torch.ops.condcomp.pair_project`` with the tokens as its examples (one
-  row each, ``R`` head slots, head ids read inside the kernel, weights read in place), their queries placed in their
+  row each, ``R`` head slots; pairs/row_kernels.py: the pairs sorted by head, blocks of one head's pairs), their queries placed in their
   head's slot of a ``(B, E, T, Dh)`` block that one SDPA call attends with the routed heads' dense keys and values
   (slots no token chose hold zero queries: the attention is dense over the routed heads), and their gated output
   projection through ``torch.ops.condcomp.pair_output`` (the loop over the token's heads inside one program). Weight

@@ -2,7 +2,8 @@
 
 The ops (``torch.ops.condcomp.pair_project`` and ``torch.ops.condcomp.pair_output``, defined in ops.py) run Triton
 kernels (kernels.py, launched by launch.py) on CUDA, and on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1`` set before triton is imported: the tests); everywhere else the same semantics in torch
+(``TRITON_INTERPRET=1`` set before triton is imported: the tests), with row_kernels.py (launched by row_launch.py)
+where every pair is one row (token plans); everywhere else the same semantics in torch
 (fallback.py: gather + batched matmuls). Launch sizes come from the cap ``C`` (columns of ``heads``), never from data:
 nothing reads the device back, so ``torch.compile(fullgraph=True)`` and CUDA graphs capture them.
 
