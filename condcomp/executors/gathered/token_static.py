@@ -9,11 +9,11 @@ heads fails on the device (``torch._assert_async``), never silently; a token tha
 
 - ``token.triton`` (the Triton pair ops, opt-in as ``sequence.triton`` is): the shared heads as one dense block; the
   routed pairs' query projections through ``torch.ops.condcomp.pair_project`` with the tokens as its examples (one
-  row each, ``R`` head slots; pairs/row_kernels.py: the pairs sorted by head, blocks of one head's pairs), their queries placed in their
-  head's slot of a ``(B, E, T, Dh)`` block that one SDPA call attends with the routed heads' dense keys and values
-  (slots no token chose hold zero queries: the attention is dense over the routed heads), and their gated output
-  projection through ``torch.ops.condcomp.pair_output`` (the loop over the token's heads inside one program). Weight
-  gradients: pairs sorted by head once on the device, one program per head tile (no atomics: deterministic).
+  row each, ``R`` head slots; pairs/row_kernels.py sorts the pairs by head and gives each block of one head's pairs
+  one weight tile), their queries placed in their head's slot of a ``(B, E, T, Dh)`` block that one SDPA call
+  attends with the routed heads' dense keys and values (slots no token chose hold zero queries: the attention is
+  dense over the routed heads), and their gated output projection through ``torch.ops.condcomp.pair_output``.
+  Weight gradients: pairs sorted by head once on the device, one program per head tile (no atomics: deterministic).
 - ``token.static`` (torch only, where the kernels do not run): one dense block of the shared heads, plus every
   routed head when a token may choose one (``R > 0``), each (token, head) output multiplied by its gate (0 where the
   token did not choose the head): the masked executor's arithmetic, dense cost, capturable.
