@@ -109,7 +109,7 @@ def make_router(granularity: str, D: int, H: int, n: int, ks: Tensor, device: to
         active = torch.cat([torch.ones(*scores.shape[:2], shared, dtype=torch.bool, device=device), routed], -1)
         probs = torch.softmax(scores, -1) * (n - shared)
         gates = torch.cat([torch.ones_like(probs[..., :shared]), probs], -1)
-        return plan_from_active(active, gates)
+        return plan_from_active(active, gates, k_cap=n, shared_heads=shared)  # declared: n heads, shared first
 
     return sequence if granularity == "sequence" else token
 

@@ -123,7 +123,7 @@ def _leaf_gates(plan: HeadPlan) -> HeadPlan:
 def every_strategy_tuning(device: torch.device) -> GatheredTuning:
     """The device's tuning with every strategy allowed: calls sized (so the sized strategies are listed too) and the
     opt-in Triton pair kernels on; each strategy is then forced by name (an unsized one runs unsized)."""
-    return replace(tuning_for(device), static_sequence=False, pair_kernels=True, min_set_work=0)
+    return replace(tuning_for(device), static_sequence=False, static_token=False, pair_kernels=True, min_set_work=0)
 
 
 def _compiled(w: Any, x: Tensor, plan: HeadPlan, backend: str) -> Callable[[], Tensor]:
@@ -132,7 +132,7 @@ def _compiled(w: Any, x: Tensor, plan: HeadPlan, backend: str) -> Callable[[], T
 
     def block(x: Tensor, gates: Tensor, active: Tensor, counts: Tensor, order: Tensor) -> Tensor:
         return gathered(w, AttentionInputs(x=x), HeadPlan(plan.granularity, gates, active, counts, order,
-                                                          k_cap=plan.k_cap))
+                                                          k_cap=plan.k_cap, shared_heads=plan.shared_heads))
 
     torch._dynamo.reset()  # a fresh cache per cell: no recompile limit reached across cells
     kwargs: dict[str, Any] = {"mode": "reduce-overhead"} if backend == "inductor" else {}

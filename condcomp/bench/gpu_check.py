@@ -78,7 +78,9 @@ def case(name: str, dtype: torch.dtype, dev: torch.device, quick: bool = False) 
     else:
         active = top_k_mask(torch.rand(B, H, device=dev), torch.tensor([0, 1, H, 3, 2, 3], device=dev))
     gates = (torch.rand(active.shape, device=dev) + 0.5).requires_grad_()
-    plan = plan_from_active(active, gates)
+    # token plans declare their shape (two shared heads, at most two routed): token.static / token.triton use it
+    token = "token" in name
+    plan = plan_from_active(active, gates, k_cap=4 if token else None, shared_heads=2 if token else 0)
     inputs = AttentionInputs(x=x, mask=mask, key_mask=mask)
     return w, inputs, plan, [x, w.q_weight, w.k_weight, w.o_weight, w.o_bias, gates]  # type: ignore[list-item]
 
