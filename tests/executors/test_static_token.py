@@ -291,3 +291,15 @@ def test_budget_declares_a_floor_no_higher_than_its_cap() -> None:
     with pytest.raises(ValueError, match="HeadPlan.shared_heads"):
         plan_from_active(torch.ones(1, 2, 4, dtype=torch.bool), shared_heads=5)
     assert condcomp.Budget is Budget
+
+
+@pytest.mark.parametrize("strategy", ["token.static", "token.triton"])
+@pytest.mark.parametrize(("B", "T"), [(0, 5), (2, 0)])
+def test_empty_batches_and_sequences(strategy: str, B: int, T: int) -> None:
+    case = build_case("causal", torch.float64)
+    x = torch.randn(B, T, case.weights.layout.d_model, dtype=torch.float64, requires_grad=True)
+    active = torch.zeros(B, T, case.weights.layout.num_heads, dtype=torch.bool)
+    plan = plan_from_active(active, k_cap=2, shared_heads=1)
+    y = GatheredExecutor(tuning=PAIRS, strategy=strategy)(case.weights, replace(case.inputs, x=x), plan)
+    assert y.shape == (B, T, case.weights.layout.d_model)
+    y.sum().backward()

@@ -162,4 +162,4 @@ class Pairs(Strategy):
         gates = plan.gates.gather(-1, slot + S).reshape(B * T, R)  # zero past each token's count
         y_r = ops.pair_output(o.reshape(B * T, R, 1, Dh).to(dtype), w.o_weight.to(dtype), gates, heads, counts,
                               None)  # (B*T, 1, D)
-        return _finish(call, y + y_r.view(B, T, -1).to(y.dtype), mask)
+        return _finish(call, y + y_r.view(B, T, y.shape[-1]).to(y.dtype), mask)
