@@ -218,7 +218,8 @@ def check_policy(policy: Any, options: dict[str, Any] | None = None) -> None:
 
 
 def check_budget(budget: Any, what: str) -> None:
-    """A ``Budget`` with ``s`` in [0, 1] and ``k`` int64 in [0, H], both ``(B,)`` or ``(B, T)``."""
+    """A ``Budget`` with ``s`` in [0, 1] and ``k`` int64 in [0, H], both ``(B,)`` or ``(B, T)``, within the bounds
+    it declares (``k_cap``, ``k_floor``)."""
     require(isinstance(budget, Budget), f"{what}: returned {type(budget).__name__}, not a condcomp.Budget")
     require(tuple(budget.s.shape) in ((B,), (B, T)) and budget.k.shape == budget.s.shape, (
           f"{what}: s {tuple(budget.s.shape)} and k {tuple(budget.k.shape)} must both be ({B},) or ({B}, {T})"))
@@ -226,6 +227,10 @@ def check_budget(budget: Any, what: str) -> None:
           f"{what}: k must be int64 in [0, {H}], got {budget.k.dtype} {budget.k.tolist()}; use condcomp.budget_k"))
     require(torch.isfinite(budget.s).all() and bool(((budget.s >= 0) & (budget.s <= 1)).all()), (
           f"{what}: s must be finite and in [0, 1], got {budget.s.tolist()}"))
+    require(budget.k_cap is None or bool((budget.k <= budget.k_cap).all()), (
+          f"{what}: declared k_cap = {budget.k_cap} but k reaches {int(budget.k.max())}; declare a bound k keeps"))
+    require(budget.k_floor is None or bool((budget.k >= budget.k_floor).all()), (
+          f"{what}: declared k_floor = {budget.k_floor} but k falls to {int(budget.k.min())}; declare a bound k keeps"))
 
 
 def wrapped(policy: str, router: str, executor: str, policy_options: dict[str, Any] | None = None,

@@ -142,6 +142,24 @@ def test_a_policy_with_k_out_of_range_or_s_above_one_is_refused() -> None:
         check_policy("test_big_s")
 
 
+def test_a_policy_whose_declared_bounds_its_k_breaks_is_refused() -> None:
+    """``k_cap`` / ``k_floor`` size the gathered executor's capturable paths: a bound k leaves is a wrong answer."""
+    def low_cap(self: Any, x: Tensor, mask: Any) -> condcomp.Budget:
+        b = GoodPolicy.forward(self, x, mask)
+        return condcomp.Budget(s=b.s, k=torch.full_like(b.k, 5), k_cap=4)
+
+    def high_floor(self: Any, x: Tensor, mask: Any) -> condcomp.Budget:
+        b = GoodPolicy.forward(self, x, mask)
+        return condcomp.Budget(s=b.s, k=torch.full_like(b.k, 3), k_cap=8, k_floor=8)
+
+    condcomp.register_policy("test_low_cap")(type("LowCap", (GoodPolicy,), {"forward": low_cap}))
+    condcomp.register_policy("test_high_floor")(type("HighFloor", (GoodPolicy,), {"forward": high_floor}))
+    with pytest.raises(AssertionError, match="declared k_cap = 4 but k reaches 5"):
+        check_policy("test_low_cap")
+    with pytest.raises(AssertionError, match="declared k_floor = 8 but k falls to 3"):
+        check_policy("test_high_floor")
+
+
 def test_an_unregistered_class_or_unknown_name_says_how_to_register() -> None:
     with pytest.raises(TypeError, match=r"condcomp.register_router\(\"name\"\)"):
         check_router(GoodRouter)
