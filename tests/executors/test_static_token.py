@@ -46,7 +46,7 @@ SHAPES = [pytest.param(2, 1, id="S2R1"), pytest.param(0, 2, id="S0R2"), pytest.p
 def _kernels_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Under the interpreter, a float32 pair op that reached the torch fallback fails the test."""
     if INTERPRETER:
-        for name in ("pair_matmul", "pair_sum", "group_xty"):
+        for name in ("pair_matmul", "pair_sum", "group_xty", "row_attention"):
             original = getattr(fallback, name)
 
             def refuse(*args: object, _name: str = name, _orig: object = original, **kwargs: object) -> object:
@@ -114,6 +114,60 @@ def test_token_triton_matches_reference(name: str, S: int, R: int) -> None:
 def test_token_triton_kernels_match_reference(name: str, S: int, R: int) -> None:
     """float32 through the Triton kernels (a subset of the situations: the interpreter takes seconds a case)."""
     compare(GatheredExecutor(tuning=PAIRS), moh_case(name, S, R, torch.float32), torch.float32, "token.triton")
+
+
+@pytest.mark.parametrize(("S", "R"), SHAPES[:2])
+@pytest.mark.parametrize("name", ["causal_padding", "gqa", "cross", "rotary", "attn_bias", "kv_cache", "no_bias"])
+def test_token_triton_without_gradients_attends_only_the_pairs(name: str, S: int, R: int) -> None:
+    """No gradient asked for: the pairs' rows attend alone (``pair_row_attention``: the row kernel under the
+    interpreter in float32, else the op's torch fallback in float64), outputs against the reference executor."""
+    dtype = torch.float32 if INTERPRETER else torch.float64
+    case = moh_case(name, S, R, dtype)
+    with torch.no_grad():
+        want = get_executor("reference")(case.weights, case.inputs, case.plan)
+        got = GatheredExecutor(tuning=PAIRS)(case.weights, case.inputs, case.plan)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def check_row_attention(masking: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        tol: float = 1e-5) -> None:
+    B, T, H, Hkv, Dh, S_, R = 2, 80, 6, 3, 16, 2, 2
+    E = H - S_
+    q, keys, values = torch.randn(B, T, R, Dh), torch.randn(B, Hkv, T, Dh), torch.randn(B, Hkv, T, Dh)
+    slot = torch.stack([torch.randperm(E)[:R] for _ in range(B * T)]).view(B, T, R)
+    counts = torch.randint(0, R + 1, (B, T))
+    mask = None
+    if masking == "additive":
+        mask = torch.randn(B, H, T, T)
+        mask[0, :, 3] = float("-inf")  # a row whose every key is masked: zeros (no NaN) from the kernel
+    elif masking == "bool":
+        mask = torch.rand(B, 1, 1, T) > 0.3
+    args = (S_, E, H // Hkv, masking == "causal", Dh**-0.5)
+    on = [t if t is None else t.to(device, dtype if t.is_floating_point() else t.dtype)
+          for t in (q, keys, values, mask, slot, counts)]
+    got = ops.pair_row_attention(*on, *args).cpu()
+    want = fallback.row_attention(q.double(), keys.double(), values.double(),
+                                  None if mask is None else mask.double() if mask.is_floating_point() else mask,
+                                  slot, counts, *args)
+    if masking == "additive":
+        got, want = got[:, 4:], want[:, 4:]  # SDPA's rule gives NaN on the dead row; the executors zero it after
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("masking", ["causal", "additive", "bool"])
+def test_row_attention_op_over_several_key_blocks(masking: str) -> None:
+    """``pair_row_attention`` on 80 keys (two key blocks of 64: the running softmax), GQA groups of 2, tokens with
+    0 to R pairs, a causal flag, an additive mask with a dead row or a bool mask: against the op's dense float64
+    rule (fallback.py, SDPA over a block of the routed heads), in float32 (the row kernel under the interpreter)."""
+    check_row_attention(masking)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and pairs.triton_available()), reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_attention_kernel_on_cuda(dtype: torch.dtype) -> None:
+    for masking in ("causal", "additive", "bool"):
+        check_row_attention(masking, "cuda", dtype, 1e-4 if dtype == torch.float32 else 3e-2)
 
 
 def test_shared_heads_only() -> None:
@@ -299,7 +353,23 @@ def test_empty_batches_and_sequences(strategy: str, B: int, T: int) -> None:
     case = build_case("causal", torch.float64)
     x = torch.randn(B, T, case.weights.layout.d_model, dtype=torch.float64, requires_grad=True)
     active = torch.zeros(B, T, case.weights.layout.num_heads, dtype=torch.bool)
-    plan = plan_from_active(active, k_cap=2, shared_heads=1)
+    plan = plan_from_active(active, active.double(), k_cap=2, shared_heads=1)
     y = GatheredExecutor(tuning=PAIRS, strategy=strategy)(case.weights, replace(case.inputs, x=x), plan)
     assert y.shape == (B, T, case.weights.layout.d_model)
     y.sum().backward()
+
+
+def test_row_attention_op_registration_and_capture() -> None:
+    """``torch.library.opcheck`` (schema, fake tensor, dispatch) on the row-attention op, and token.triton without
+    gradients (the op in the graph) under ``fullgraph=True``."""
+    B, T, Dh = 2, 5, 8
+    q, kv = torch.randn(B, T, 2, Dh), torch.randn(B, 4, T, Dh)
+    slot, counts = torch.tensor([0, 1]).expand(B, T, 2).contiguous(), torch.ones(B, T, dtype=torch.long)
+    torch.library.opcheck(ops.pair_row_attention, (q, kv, kv.clone(), None, slot, counts, 1, 3, 1, True, 0.5))
+    case = moh_case("causal_padding", 1, 2, torch.float32)
+    w, inputs, plan = case.weights, case.inputs, case.plan
+    ex = GatheredExecutor(tuning=PAIRS)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        y = torch.compile(lambda: ex(w, inputs, plan), backend="eager", fullgraph=True)()
+        torch.testing.assert_close(y, get_executor("reference")(w, inputs, plan), atol=2e-5, rtol=1e-4)

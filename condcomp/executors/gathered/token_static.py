@@ -10,10 +10,11 @@ heads fails on the device (``torch._assert_async``), never silently; a token tha
 - ``token.triton`` (the Triton pair ops, opt-in as ``sequence.triton`` is): the shared heads as one dense block; the
   routed pairs' query projections through ``torch.ops.condcomp.pair_project`` with the tokens as its examples (one
   row each, ``R`` head slots; pairs/row_kernels.py sorts the pairs by head and gives each block of one head's pairs
-  one weight tile), their queries placed in their head's slot of a ``(B, E, T, Dh)`` block that one SDPA call
-  attends with the routed heads' dense keys and values (slots no token chose hold zero queries: the attention is
-  dense over the routed heads), and their gated output projection through ``torch.ops.condcomp.pair_output``.
-  Weight gradients: pairs sorted by head once on the device, one program per head tile (no atomics: deterministic).
+  one weight tile), their attention, and their gated output projection through ``torch.ops.condcomp.pair_output``.
+  Attention without gradients (inference, no dropout): only the pairs' rows, ``torch.ops.condcomp.pair_row_attention``
+  (no backward yet); with gradients: each pair's query in its head's slot of a ``(B, E, T, Dh)`` block that one SDPA
+  call attends (slots no token chose hold zero queries: dense over the routed heads). Weight gradients: pairs sorted
+  by head once on the device, one program per head tile (no atomics: deterministic).
 - ``token.static`` (torch only, where the kernels do not run): one dense block of the shared heads, plus every
   routed head when a token may choose one (``R > 0``), each (token, head) output multiplied by its gate (0 where the
   token did not choose the head): the masked executor's arithmetic, dense cost, capturable.
@@ -150,15 +151,24 @@ class Pairs(Strategy):
         if inputs.rotary is not None:
             cos, sin = (t.unsqueeze(2).to(q.dtype) for t in inputs.rotary)  # (B, T, 1, Dh)
             q = q * cos + rotate_half(q) * sin
-        ix = slot.unsqueeze(-1).expand(B, T, R, Dh)
-        q = q.new_zeros(B, T, E, Dh).scatter(2, ix, q).transpose(1, 2)  # (B, E, T, Dh): each pair in its head's slot
-        out = F.scaled_dot_product_attention(q, _kv_of(keys, S, E, G), _kv_of(values, S, E, G),
-                                             attn_mask=_heads_from(mask.mask, S, E), dropout_p=inputs.dropout_p,
-                                             is_causal=mask.is_causal, scale=w.layout.scale)  # (B, E, T, Dh)
+        full_mask = mask.mask
+        if full_mask is not None and full_mask.is_floating_point():
+            full_mask = full_mask.to(q.dtype)  # an additive mask in the computation's dtype, as SDPA needs
+        if inputs.dropout_p == 0.0 and not (torch.is_grad_enabled() and any(
+                t.requires_grad for t in (q, keys, values))):  # no gradient asked for: only the pairs' rows attend
+            o = ops.pair_row_attention(q, keys.to(q.dtype), values.to(q.dtype), full_mask, slot, counts.view(B, T),
+                                       S, E, G, mask.is_causal, w.layout.scale)  # (B, T, R, Dh)
+        else:  # each pair's query in its head's slot of one dense block over the routed heads
+            ix = slot.unsqueeze(-1).expand(B, T, R, Dh)
+            q = q.new_zeros(B, T, E, Dh).scatter(2, ix, q).transpose(1, 2)  # (B, E, T, Dh)
+            out = F.scaled_dot_product_attention(q, _kv_of(keys, S, E, G), _kv_of(values, S, E, G),
+                                                 attn_mask=_heads_from(full_mask, S, E), dropout_p=inputs.dropout_p,
+                                                 is_causal=mask.is_causal, scale=w.layout.scale)  # (B, E, T, Dh)
+            o = out.transpose(1, 2).gather(2, ix)  # (B, T, R, Dh): each pair's attention output
         dead = _heads_from(mask.dead, S, E)
-        if dead is not None:
-            out = out.masked_fill(dead.unsqueeze(-1), 0.0)
-        o = out.transpose(1, 2).gather(2, ix)  # (B, T, R, Dh): each pair's attention output
+        if dead is not None:  # (B|1, E|1, T|1): rows with no key to attend, exactly zero
+            dead = dead.expand(B, E, T).transpose(1, 2).gather(2, slot)  # (B, T, R)
+            o = o.masked_fill(dead.unsqueeze(-1), 0.0)
         gates = plan.gates.gather(-1, slot + S).reshape(B * T, R)  # zero past each token's count
         y_r = ops.pair_output(o.reshape(B * T, R, 1, Dh).to(dtype), w.o_weight.to(dtype), gates, heads, counts,
                               None)  # (B*T, 1, D)

@@ -58,3 +58,19 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
     dw = torch.einsum("betf,btd->efd", per_head, x.to(dtype)).to(out_dtype)
     db = per_head.sum((0, 2)).to(out_dtype) if with_bias else None
     return (dw if dw_out is None else dw_out.copy_(dw)), db
+
+
+def row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor,
+                  first: int, num_routed: int, group: int, is_causal: bool, scale: float) -> Tensor:
+    """Same semantics as row_launch.row_attention in torch: each pair's query in its head's slot of a ``(B, E, T,
+    Dh)`` block (dense over the routed heads), one SDPA call, each pair's row read back."""
+    B, T, R, Dh = q.shape
+    E = num_routed
+    chosen = (torch.arange(R, device=q.device) < counts.unsqueeze(-1)).unsqueeze(-1)  # (B, T, R, 1)
+    ix = slot.unsqueeze(-1).expand(B, T, R, Dh)
+    block = q.new_zeros(B, T, E, Dh).scatter(2, ix, torch.where(chosen, q, 0.0)).transpose(1, 2)  # (B, E, T, Dh)
+    kv = torch.div(torch.arange(first, first + E, device=q.device), group, rounding_mode="floor")
+    m = mask if mask is None or mask.shape[1] == 1 else mask[:, first:first + E]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        block, keys.index_select(1, kv), values.index_select(1, kv), attn_mask=m, is_causal=is_causal, scale=scale)
+    return torch.where(chosen, out.transpose(1, 2).gather(2, ix), 0.0)  # (B, T, R, Dh)

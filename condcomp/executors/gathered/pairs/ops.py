@@ -200,3 +200,26 @@ def _output_backward(ctx, grad: Tensor):  # type: ignore[no-untyped-def]
 
 
 pair_output.register_autograd(_output_backward, setup_context=_output_setup)
+
+
+# pair_row_attention: forward only (the token strategy calls it where no gradient is asked for)
+
+
+@torch.library.custom_op("condcomp::pair_row_attention", mutates_args=())
+def pair_row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor,
+                       first: int, num_routed: int, group: int, is_causal: bool, scale: float) -> Tensor:
+    """``(B, T, R, Dh)``: attention of each selected (token, routed head) pair's query row only (row_launch.py's
+    kernel where the kernels run, else fallback.py's dense routed block). No autograd formula: call it without
+    gradients."""
+    impl = _impl(q)
+    if impl is fallback:
+        return fallback.row_attention(q, keys, values, mask, slot, counts, first, num_routed, group, is_causal, scale)
+    from condcomp.executors.gathered.pairs import row_launch
+
+    return row_launch.row_attention(q, keys, values, mask, slot, counts, first, num_routed, group, is_causal, scale)
+
+
+@pair_row_attention.register_fake
+def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor, first: int,
+      num_routed: int, group: int, is_causal: bool, scale: float) -> Tensor:
+    return q.new_empty(q.shape)

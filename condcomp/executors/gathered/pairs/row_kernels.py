@@ -12,6 +12,9 @@ every sum has a fixed order, so results are deterministic.
   (the launcher zero-fills it).
 - :func:`rows_xty`: ``dw[e] = sum over head e's pairs of scale * g[b, j]^T @ x[b]`` and ``db[e]``: one program per
   head tile, its pairs in chunks of ``BT`` sorted rows.
+- :func:`row_attention`: each selected (token, routed head) pair's query row attends its example's keys of that
+  head (forward only): pairs sorted by (example, head), one program per ``BM`` sorted rows of one (example, head),
+  a running softmax over blocks of ``BN`` keys (FlashAttention's), causal flag and additive mask applied per row.
 """
 
 from __future__ import annotations
@@ -89,3 +92,54 @@ def rows_xty(g_ptr, x_ptr, scale_ptr, pairs_ptr, offsets_ptr, dw_ptr, db_ptr,
     if HAS_BIAS:
         if tl.program_id(2) == 0:
             tl.store(db_ptr + e * sbe + offs_f * sbf, acc_b.to(db_ptr.dtype.element_ty), mask=offs_f < F)
+
+
+@triton.jit
+def row_attention(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, block_seg_ptr, block_start_ptr, offsets_ptr, out_ptr,
+                  T, S, Dh, R, E, FIRST, G, NSEG, scale,
+                  sqn, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smh, smt, sms, son, sod,
+                  HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    # grid (NB,); rows: pair ids n = (b*T + t)*R + r sorted by (example, routed head) segment; q, out (N, Dh);
+    # keys, values (B, Hkv, S, Dh); mask additive (B, H, T, S) as strides (0 where broadcast)
+    seg = tl.load(block_seg_ptr + tl.program_id(0)).to(tl.int64)
+    if seg < NSEG:
+        b = seg // E
+        h = FIRST + seg % E
+        kvh = h // G
+        start = tl.load(block_start_ptr + tl.program_id(0))
+        end = tl.load(offsets_ptr + seg + 1)
+        offs_p = start + tl.arange(0, BM)
+        valid = offs_p < end
+        row = tl.load(rows_ptr + offs_p, mask=valid, other=0).to(tl.int64)
+        t = (row // R) % T
+        offs_d = tl.arange(0, BD)
+        q = tl.load(q_ptr + row[:, None] * sqn + offs_d[None, :] * sqd,
+                    mask=valid[:, None] & (offs_d[None, :] < Dh), other=0.0)  # (BM, BD)
+        m_i = tl.full((BM,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BM,), dtype=tl.float32)
+        acc = tl.zeros((BM, BD), dtype=tl.float32)
+        for s0 in range(0, S, BN):
+            offs_s = s0 + tl.arange(0, BN)
+            kt = tl.load(k_ptr + b * skb + kvh * skh + offs_s[None, :] * sks + offs_d[:, None] * skd,
+                         mask=(offs_s[None, :] < S) & (offs_d[:, None] < Dh), other=0.0)  # (BD, BN)
+            sc = tl.dot(q, kt, input_precision=PRECISION) * scale  # (BM, BN)
+            allowed = valid[:, None] & (offs_s[None, :] < S)
+            if IS_CAUSAL:
+                allowed = allowed & (offs_s[None, :] <= t[:, None])
+            if HAS_MASK:
+                sc += tl.load(mask_ptr + b * smb + h * smh + t[:, None] * smt + offs_s[None, :] * sms,
+                              mask=allowed, other=0.0).to(tl.float32)
+            sc = tl.where(allowed, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(sc - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(v_ptr + b * svb + kvh * svh + offs_s[:, None] * svs + offs_d[None, :] * svd,
+                         mask=(offs_s[:, None] < S) & (offs_d[None, :] < Dh), other=0.0)  # (BN, BD)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+            m_i = m_new
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no allowed key: zeros
+        tl.store(out_ptr + row[:, None] * son + offs_d[None, :] * sod, o.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (offs_d[None, :] < Dh))

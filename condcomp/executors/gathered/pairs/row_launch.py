@@ -99,3 +99,35 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
                                *dw.stride(), *db_strides, HAS_BIAS=with_bias, HAS_SCALE=scale is not None,
                                PRECISION=_precision(g.dtype), BF=BF, BD=BD, BT=BT)
     return dw, db
+
+
+def row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor,
+                  first: int, num_routed: int, group: int, is_causal: bool, scale: float) -> Tensor:
+    """Attention of the selected (token, routed head) pairs only: ``q (B, T, R, Dh)``, pair ``(b, t, r)`` is head
+    ``first + slot[b, t, r]`` for ``r < counts[b, t]``; keys/values ``(B, Hkv, S, Dh)``; ``mask`` additive float
+    or bool ``(B|1, H|1, T|1, S)``. Pairs sorted by (example, head) once; one block of ``BM`` sorted rows of one
+    (example, head) per program, a static grid of ``cdiv(B*T*R, BM) + B*E`` blocks. -> ``(B, T, R, Dh)``, zeros on
+    unselected pairs."""
+    B, T, R, Dh = q.shape
+    S, E = keys.shape[2], num_routed
+    out = q.new_zeros(B * T * R, Dh)
+    if out.numel() == 0 or S == 0:
+        return out.view(B, T, R, Dh)
+    chosen = torch.arange(R, device=q.device) < counts.unsqueeze(-1)  # (B, T, R)
+    b = torch.arange(B, device=q.device)[:, None, None]
+    key = torch.where(chosen, b * E + slot, B * E).reshape(-1)  # (N,) unselected: past the last segment
+    sorted_key, rows = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(sorted_key, torch.arange(B * E + 1, device=q.device, dtype=key.dtype))
+    BM, BN, BD = _block(B * T * R, ROWS), _block(S, COLS), _block(Dh, COLS)
+    seg, start = blocks(offsets, B * T * R, BM)
+    qf = q.reshape(B * T * R, Dh)
+    m_arg, m_strides = q, (0, 0, 0, 0)  # absent: never read
+    if mask is not None:
+        m = mask if mask.is_floating_point() else torch.where(mask, 0.0, float("-inf"))
+        m_arg = m.expand(B, first + E, T, S)  # broadcast dimensions: stride 0
+        m_strides = (m_arg.stride(0), m_arg.stride(1), m_arg.stride(2), m_arg.stride(3))
+    row_kernels.row_attention[(seg.shape[0],)](
+        qf, keys, values, m_arg, rows, seg, start, offsets, out, T, S, Dh, R, E, first, group, B * E, scale,
+        *qf.stride(), *keys.stride(), *values.stride(), *m_strides, *out.stride(),
+        HAS_MASK=mask is not None, IS_CAUSAL=is_causal, PRECISION=_precision(q.dtype), BM=BM, BN=BN, BD=BD)
+    return out.view(B, T, R, Dh)
