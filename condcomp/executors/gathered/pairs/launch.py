@@ -15,23 +15,7 @@ import triton
 from torch import Tensor
 
 from condcomp.executors.gathered.pairs import kernels
-from condcomp.executors.gathered.pairs.fallback import active_pairs
-
-ROWS, COLS, REDUCE = 64, 64, 32
-
-
-def _block(n: int, most: int) -> int:
-    return max(16, min(most, triton.next_power_of_2(max(n, 1))))
-
-
-def _precision(dtype: torch.dtype) -> str | None:
-    """IEEE float32 products unless torch allows TF32; None (the target's default) for half-precision inputs."""
-    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else None
-
-
-def _optional(t: Tensor | None, like: Tensor, dims: int) -> tuple[Tensor, tuple[int, ...]]:
-    """A pointer argument and its strides for an optional tensor (absent: any tensor, zero strides, never read)."""
-    return (like, (0,) * dims) if t is None else (t, t.stride())
+from condcomp.executors.gathered.pairs.tiles import COLS, REDUCE, ROWS, block, optional, precision, sorted_pairs
 
 
 def pair_matmul(x: Tensor, w: Tensor, bias: Tensor | None, scale: Tensor | None, heads: Tensor, counts: Tensor,
@@ -45,13 +29,13 @@ def pair_matmul(x: Tensor, w: Tensor, bias: Tensor | None, scale: Tensor | None,
     out = x.new_empty(B, C, T, F, dtype=out_dtype)  # (B, C, T, F): every element written, zeros off the plan
     if out.numel() == 0:
         return out
-    BM, BN, BK = _block(T, ROWS), _block(F, COLS), _block(D, REDUCE)
-    b_arg, b_strides = _optional(bias, x, 2)
-    s_arg, s_strides = _optional(scale, x, 2)
+    BM, BN, BK = block(T, ROWS), block(F, COLS), block(D, REDUCE)
+    b_arg, b_strides = optional(bias, x, 2)
+    s_arg, s_strides = optional(scale, x, 2)
     grid = (B * C, triton.cdiv(T, BM), triton.cdiv(F, BN))
     kernels.pair_matmul[grid](x, w, b_arg, s_arg, heads, counts.contiguous(), out, T, F, D, C,
                               *x.stride(), *w.stride(), *b_strides, *s_strides, *heads.stride(), *out.stride(),
-                              HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRECISION=_precision(x.dtype),
+                              HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRECISION=precision(x.dtype),
                               BM=BM, BN=BN, BK=BK)
     return out
 
@@ -67,25 +51,15 @@ def pair_sum(a: Tensor, w: Tensor, scale: Tensor | None, bias: Tensor | None, he
     y = a.new_empty(B, T, N, dtype=out_dtype)  # (B, T, N)
     if y.numel() == 0:
         return y
-    BM, BN, BK = _block(T, ROWS), _block(N, COLS), _block(K, REDUCE)
-    b_arg, _ = _optional(bias, a, 1)
-    s_arg, s_strides = _optional(scale, a, 2)
+    BM, BN, BK = block(T, ROWS), block(N, COLS), block(K, REDUCE)
+    b_arg, _ = optional(bias, a, 1)
+    s_arg, s_strides = optional(scale, a, 2)
     grid = (B, triton.cdiv(T, BM), triton.cdiv(N, BN))
     kernels.pair_sum[grid](a, w, s_arg, b_arg, heads, counts.contiguous(), y, T, K, N, C,
                            *a.stride(), *w.stride(), *s_strides, *heads.stride(), *y.stride(),
-                           HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRECISION=_precision(a.dtype),
+                           HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, PRECISION=precision(a.dtype),
                            BM=BM, BN=BN, BK=BK)
     return y
-
-
-def sorted_pairs(heads: Tensor, counts: Tensor, num_heads: int) -> tuple[Tensor, Tensor]:
-    """Flat pair ids ``b * C + j`` of the selected pairs sorted by head (stable: a fixed order, so deterministic
-    sums), then the unselected ones; and ``offsets (E + 1,)``: head ``e`` owns ``pairs[offsets[e]:offsets[e + 1]]``.
-    Fixed shapes, on the device: no host read."""
-    key = torch.where(active_pairs(heads, counts), heads, num_heads).reshape(-1)  # (B*C,) unselected: past the last
-    sorted_key, pairs = torch.sort(key, stable=True)
-    offsets = torch.searchsorted(sorted_key, torch.arange(num_heads + 1, device=heads.device, dtype=key.dtype))
-    return pairs, offsets
 
 
 def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts: Tensor, num_heads: int,
@@ -101,12 +75,12 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
     if dw.numel() == 0:
         return dw, None if db is None else db.zero_()
     pairs, offsets = sorted_pairs(heads, counts, num_heads)
-    BF, BD, BT = _block(F, COLS), _block(D, COLS), _block(T, REDUCE)
-    db_arg, db_strides = _optional(db, g, 2)
-    s_arg, s_strides = _optional(scale, g, 2)
+    BF, BD, BT = block(F, COLS), block(D, COLS), block(T, REDUCE)
+    db_arg, db_strides = optional(db, g, 2)
+    s_arg, s_strides = optional(scale, g, 2)
     grid = (num_heads, triton.cdiv(F, BF), triton.cdiv(D, BD))
     kernels.group_xty[grid](g, x, s_arg, pairs, offsets, dw, db_arg, T, F, D, C,
                             *g.stride(), *x.stride(), *s_strides, *dw.stride(), *db_strides,
-                            HAS_BIAS=with_bias, HAS_SCALE=scale is not None, PRECISION=_precision(g.dtype),
+                            HAS_BIAS=with_bias, HAS_SCALE=scale is not None, PRECISION=precision(g.dtype),
                             BF=BF, BD=BD, BT=BT)
     return dw, db

@@ -1,7 +1,7 @@
 """Launching row_kernels.py: the pair ops' launches when every pair is one row (``T == 1``, token plans). Same
 signatures and semantics as launch.py's (which hands such calls here) and fallback.py's.
 
-The selected pairs are sorted by head once per call (:func:`launch.sorted_pairs`, on the device); the forward grid
+The selected pairs are sorted by head once per call (:func:`tiles.sorted_pairs`, on the device); the forward grid
 is ``cdiv(B*C, BM) + E`` blocks, each ``BM`` sorted pairs of one head (:func:`blocks`), whatever the plan selects.
 ``pair_sum`` (a row's sum over its ``C`` heads) computes each pair's product in the sorted blocks, then sums the
 ``C`` products of each row in torch: a fixed order, no atomics.
@@ -14,7 +14,7 @@ import triton
 from torch import Tensor
 
 from condcomp.executors.gathered.pairs import row_kernels
-from condcomp.executors.gathered.pairs.launch import COLS, REDUCE, _block, _optional, _precision, sorted_pairs
+from condcomp.executors.gathered.pairs.tiles import COLS, REDUCE, block, optional, precision, sorted_pairs
 
 ROWS = 64  # sorted pairs per block: the rows one weight tile serves
 
@@ -40,15 +40,15 @@ def _launch_rows(a: Tensor, a_strides: tuple[int, int, int], w: Tensor, w_stride
     """``out (B, C, F)`` (zero-filled) gets ``scale * (a[b, j] @ w[h]^T + bias[h])`` on each selected pair."""
     C = heads.shape[1]
     pairs, offsets = sorted_pairs(heads, counts, E)
-    BM, BN, BK = _block(heads.numel(), ROWS), _block(F, COLS), _block(D, REDUCE)
+    BM, BN, BK = block(heads.numel(), ROWS), block(F, COLS), block(D, REDUCE)
     head, start = blocks(offsets, heads.numel(), BM)
-    b_arg, b_strides = _optional(bias, a, 2)
-    s_arg, s_strides = _optional(scale, a, 2)
+    b_arg, b_strides = optional(bias, a, 2)
+    s_arg, s_strides = optional(scale, a, 2)
     grid = (head.shape[0], triton.cdiv(F, BN))
     row_kernels.rows_matmul[grid](a, w, b_arg, s_arg, pairs, head, start, offsets, out, F, D, C, E,
                                   *a_strides, *w_strides, *b_strides, *s_strides, *out.stride(),
                                   HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-                                  PRECISION=_precision(a.dtype), BM=BM, BN=BN, BK=BK)
+                                  PRECISION=precision(a.dtype), BM=BM, BN=BN, BK=BK)
     return out
 
 
@@ -90,14 +90,14 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
     if dw.numel() == 0:
         return dw, None if db is None else db.zero_()
     pairs, offsets = sorted_pairs(heads, counts, num_heads)
-    BF, BD, BT = _block(F, COLS), _block(D, COLS), _block(heads.numel(), REDUCE)
-    db_arg, db_strides = _optional(db, g, 2)
-    s_arg, s_strides = _optional(scale, g, 2)
+    BF, BD, BT = block(F, COLS), block(D, COLS), block(heads.numel(), REDUCE)
+    db_arg, db_strides = optional(db, g, 2)
+    s_arg, s_strides = optional(scale, g, 2)
     grid = (num_heads, triton.cdiv(F, BF), triton.cdiv(D, BD))
     row_kernels.rows_xty[grid](g, x, s_arg, pairs, offsets, dw, db_arg, F, D, C,
                                g.stride(0), g.stride(1), g.stride(3), x.stride(0), x.stride(2), *s_strides,
                                *dw.stride(), *db_strides, HAS_BIAS=with_bias, HAS_SCALE=scale is not None,
-                               PRECISION=_precision(g.dtype), BF=BF, BD=BD, BT=BT)
+                               PRECISION=precision(g.dtype), BF=BF, BD=BD, BT=BT)
     return dw, db
 
 
@@ -118,7 +118,7 @@ def row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, 
     key = torch.where(chosen, b * E + slot, B * E).reshape(-1)  # (N,) unselected: past the last segment
     sorted_key, rows = torch.sort(key, stable=True)
     offsets = torch.searchsorted(sorted_key, torch.arange(B * E + 1, device=q.device, dtype=key.dtype))
-    BM, BN, BD = _block(B * T * R, ROWS), _block(S, COLS), _block(Dh, COLS)
+    BM, BN, BD = block(B * T * R, ROWS), block(S, COLS), block(Dh, COLS)
     seg, start = blocks(offsets, B * T * R, BM)
     qf = q.reshape(B * T * R, Dh)
     m_arg, m_strides = q, (0, 0, 0, 0)  # absent: never read
@@ -129,5 +129,5 @@ def row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, 
     row_kernels.row_attention[(seg.shape[0],)](
         qf, keys, values, m_arg, rows, seg, start, offsets, out, T, S, Dh, R, E, first, group, B * E, scale,
         *qf.stride(), *keys.stride(), *values.stride(), *m_strides, *out.stride(),
-        HAS_MASK=mask is not None, IS_CAUSAL=is_causal, PRECISION=_precision(q.dtype), BM=BM, BN=BN, BD=BD)
+        HAS_MASK=mask is not None, IS_CAUSAL=is_causal, PRECISION=precision(q.dtype), BM=BM, BN=BN, BD=BD)
     return out.view(B, T, R, Dh)
