@@ -90,6 +90,7 @@ def test_quick_run_scores_quotes_through_the_cache(tmp_path: Path) -> None:
     assert record["task"] == "quotes" and record["settings"]["cue_tokens"] == CUE_TOKENS
     assert record["settings"]["answer_words"] == ANSWER_WORDS and record["settings"]["haystack_sep"] == "blank"
     assert len(record["retrieval_correct"]) == record["retrieval_n"] == 2
+    assert "16 tokens of the context quoted" in (tmp_path / "summary.md").read_text()
     for sample in record["samples"]:  # the key is words, scored by their first words
         assert sample["correct"] == quote_correct(sample["answer"], sample["key"])
     refused = main(["bench", "kv", "--model", "tiny-llama", "--preset", "quick", "--task", "quotes", "--facts", "2",
