@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from condcomp.dense import grouped_sdpa
+from condcomp.kv.fixed_slots import SlotRegion, refuse_position_bias
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
 from condcomp.kv.snap_quant import QuantizedSnapState
@@ -153,6 +154,7 @@ class SnapKV(KVPolicy):
     options: ClassVar[tuple[Option, ...]] = SNAP_OPTIONS
     reads_slot_validity: ClassVar[bool] = True  # spare slots keep nothing
     reads_position_bias: ClassVar[bool] = True  # T5: scores and attention with each kept key's true-position bias
+    holds_fixed_slots: ClassVar[bool] = True  # the selection plus a region for the tokens to come (fixed_slots)
 
     def __post_init__(self) -> None:
         check_options("snapkv", self)
@@ -196,6 +198,10 @@ class SnapKV(KVPolicy):
                              "complete (this call is a question or a new turn), prefill it inside "
                              "condcomp.plan_from_prompt(model, width) with width at most the prefill's own (the "
                              "padded prompt width; a wider one says the prompt goes on, as a chunked prefill's does)")
+        if isinstance(state, SlotRegion):  # a static cache: every token appended in place
+            refuse_position_bias(position_bias, self.name)
+            out, dead = state.attend(q, k, v, query_mask, scale)
+            return out, dead, state
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
         key_pos = pos[:, None, :].expand(B, gw, T)  # (B, gw, T)
         if state is not None:
@@ -230,6 +236,8 @@ class SnapKV(KVPolicy):
 
     def keys_read(self, state: Any, T: int, S: int) -> int:
         # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own
+        if isinstance(state, SlotRegion):  # the whole region is read (its empty slots masked)
+            return int(state.keys.shape[2]) + (T if T > 1 else 0)
         return S if state is None else int(state.keys.shape[2]) + T
 
     def _choose(self, scores: Tensor, budgets: Tensor, slot_valid: Tensor) -> Tensor:
@@ -243,9 +251,15 @@ class SnapKV(KVPolicy):
                              "from (the evicted prompt tokens cannot come back): start the request again. Assisted "
                              "decoding: generate inside condcomp.plan_from_prompt(model, prompt width), so its first "
                              "call compresses the prompt alone and keeps the candidates after it")
+        if isinstance(state, SlotRegion):
+            return state.crop(tokens)
         positions = state.positions.masked_fill(state.positions >= seen[:, None, None], -1)
         # a verifier's: no more chunks (a quantized state keeps its codes)
         return dataclasses.replace(state, positions=positions, seen=seen, prefill_only=False)
+
+    def fixed_slots(self, state: Any, room: int) -> Any:
+        return SlotRegion.from_state(state.keys, state.values, state.positions, state.seen, state.prompt, room,
+                                     state.prefill_only)
 
     def stored(self, state: Any, codec: Any, before: Any) -> Any:
         if not isinstance(codec, WindowCodec) or not isinstance(state, SnapState):

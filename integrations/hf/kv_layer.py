@@ -130,6 +130,11 @@ class PlanLayer(CompactLayer, CacheLayerMixin):
     def state_codec(self) -> WindowCodec | None:
         return window_codec(self)
 
+    def fixed_slot_room(self) -> int | None:
+        if self.held_position() is None:
+            return None
+        return int(self.inner.get_max_length()) - layer_length(self)
+
 
 PlanCarrier = PlanLayer  # the name of the class-swapped carrier before 0.3: kept for code that checks isinstance
 
