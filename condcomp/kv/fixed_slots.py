@@ -91,7 +91,8 @@ def _write_many(pool: Tensor, slot: Tensor, new: Tensor, ok: Tensor) -> None:
 class RingWindow:
     """A streamed group's storage for the ``window`` policy on a static cache: ``keys``/``values (B, gw, C, Dh)``
     with ``C = sinks + recent`` (the first ``sinks`` slots hold positions ``0..sinks-1``, the rest a ring of the
-    last ``recent`` tokens), ``seen (B,)`` real tokens so far and ``length (B, gw)`` valid slots (``min(seen, C)``)."""
+    last ``recent`` tokens; fewer where the request can never hold ``C`` tokens: the ring then never wraps),
+    ``seen (B,)`` real tokens so far and ``length (B, gw)`` valid slots (``min(seen, C)``)."""
 
     keys: Tensor
     values: Tensor
@@ -101,11 +102,13 @@ class RingWindow:
     recent: int
 
     @classmethod
-    def from_cache(cls, state: WindowCache, window: StreamWindow) -> RingWindow:
-        """The ring holding what a prefill's :class:`~condcomp.kv.window.WindowCache` keeps (eager: at prefill)."""
+    def from_cache(cls, state: WindowCache, window: StreamWindow, room: int) -> RingWindow:
+        """The ring holding what a prefill's :class:`~condcomp.kv.window.WindowCache` keeps, for ``room`` tokens to
+        come (eager: at prefill)."""
         B, gw, _, Dh = state.keys.shape
         sinks, recent = window.sinks, window.recent
-        C = sinks + recent
+        most = int(state.seen.max()) + room if B else 0  # the most real tokens a row can ever hold
+        C = max(min(sinks + recent, most), 1)
         keys, values = state.keys.new_zeros(B, gw, C, Dh), state.values.new_zeros(B, gw, C, Dh)
         pos, seen = state.positions, state.seen  # (B, N), (B,)
         keep = (pos >= 0) & ((pos < sinks) | (pos >= (seen - recent).unsqueeze(-1)))  # what the ring holds
@@ -127,8 +130,7 @@ class RingWindow:
 
     def slot_positions(self) -> Tensor:
         """``(B, C)``: the real-token position each slot holds (``-1``: not written yet)."""
-        C = self.capacity
-        s = torch.arange(C, device=self.seen.device)  # (C,)
+        s = torch.arange(self.keys.shape[2], device=self.seen.device)  # (C,)
         last = (self.seen - 1).unsqueeze(-1)  # (B, 1)
         ring = last - (last - s).remainder(max(self.recent, 1))  # the latest position written to each ring slot
         pos = torch.where(s < self.sinks, s.expand_as(ring), ring)

@@ -189,7 +189,9 @@ class SnapKV(KVPolicy):
                 position_bias: RelativeBias | None) -> tuple[Tensor, Tensor, Any]:
         B, H, T, _ = q.shape
         gw = k.shape[1]
-        if state is not None and T > 1 and not after_prompt and state.prefill_only:
+        if state is not None and T > 1 and not after_prompt and state.prefill_only and (
+                not isinstance(state, SlotRegion) or bool((state.seen == state.prompt).all())):
+            # (a preallocated region is written in place: nothing happened since the prefill while seen = prompt)
             # a second prompt chunk (generate's prefill_chunk_size): the first chunk was compressed on its own
             # observation window and this one would be kept whole, which is not SnapKV's rule
             raise ValueError(f"{self.name}: the prompt must be prefilled in one call (a chunked prefill compresses "

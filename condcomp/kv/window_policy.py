@@ -100,7 +100,7 @@ class WindowKV(KVPolicy):
         return state.crop(tokens, self.window_spec)
 
     def fixed_slots(self, state: Any, room: int) -> Any:
-        return RingWindow.from_cache(state, self.window_spec)
+        return RingWindow.from_cache(state, self.window_spec, room)
 
     def stored(self, state: Any, codec: Any, before: Any) -> Any:
         if not isinstance(codec, WindowCodec) or not isinstance(state, WindowCache):
