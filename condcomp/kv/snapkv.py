@@ -11,8 +11,8 @@ does not keep in full are compressed this way.
 Its state (:class:`SnapState`, shared with :mod:`condcomp.kv.adakv`) holds each (row, group)'s kept prompt entries,
 padded to the largest such count in the batch (empty entries: position -1), and grows by one entry per later token,
 as a full group does. Inside a quantized cache (fp8, HQQ, quanto) the state's keys and values are stored by the
-layer's own rule (:mod:`condcomp.kv.snap_quant`); a static cache cannot hold it (use the default ``DynamicCache``).
-"""
+layer's own rule (:mod:`condcomp.kv.snap_quant`). On a static cache the prefill moves it into a region allocated
+once (:class:`~condcomp.kv.fixed_slots.SlotRegion`: the selection, then room for every token to come)."""
 
 from __future__ import annotations
 
