@@ -291,3 +291,18 @@ def test_an_fp8_cache_is_not_compileable_so_generate_runs_eager() -> None:
     assert counting.graphs == 0
     assert not out.past_key_values.is_compileable
     assert not any(isinstance(layer.condcomp_windows, (RingWindow, SlotRegion)) for layer in out.past_key_values.layers)
+
+
+@pytest.mark.slow
+def test_the_window_split_compiled_by_inductor_equals_the_eager_compact_decode() -> None:
+    """Inductor's code (the ring written in place by scatter into a graph input) gives the eager tokens; one
+    compilation. Inductor builds C++ on a CPU: minutes on a shared machine."""
+    model = _wrapped(WINDOW_KV)
+    ids, mask = prompts()
+    eager = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, **GREEDY)
+    torch._dynamo.reset()
+    before = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    out = _generate(model, ids, mask, "inductor")
+    assert torch.equal(out.sequences, eager)
+    assert int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - before == 1
+    assert _states(out.past_key_values) == ["RingWindow", "RingWindow"]
