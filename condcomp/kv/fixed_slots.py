@@ -41,6 +41,7 @@ def _static(*tensors: Tensor) -> None:
 
 
 def refuse_position_bias(position_bias: object, name: str) -> None:
+    """Refuse a relative position bias (T5) on a policy's preallocated slots, naming the policy ``name``."""
     if position_bias is not None:
         raise ValueError(f"the KV policy {name!r} on a static cache cannot add a relative position bias (T5) to its "
                          "slots: generate with the default DynamicCache on such a model")
