@@ -38,8 +38,9 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     yield ran
 
 
-def _wrapped(fraction: float, kv_heads: int, kernel: bool) -> Any:
+def _wrapped(fraction: float, kv_heads: int, kernel: bool, attention: str = "sdpa") -> Any:
     model = llama(kv_heads=kv_heads)
+    model.config._attn_implementation = attention  # eager: transformers' float masks (the dtype's minimum)
     policy = "full" if fraction == 1.0 else ("fixed", {"fraction": fraction})
     condcomp.apply_(model, condcomp.CondCompConfig(policy=policy, router=("topk", {"kv_groups": True}),
                                                    decode_kernel=kernel))
@@ -52,12 +53,14 @@ def _generate(model: Any, **extra: Any) -> Any:
                           output_logits=True, **GREEDY, **extra)
 
 
-@pytest.mark.parametrize("fraction,kv_heads", [(1 / 3, 8), (0.5, 4), (1.0, 2)])  # 4, 2: 2 and 4 heads per group
+@pytest.mark.parametrize("fraction,kv_heads,attention", [(1 / 3, 8, "sdpa"), (0.5, 4, "sdpa"), (1.0, 2, "sdpa"),
+                                                        (0.5, 4, "eager")])  # 4, 2: 2 and 4 heads per group
 def test_greedy_decoding_with_the_kernel_equals_the_eager_compact_decode(fraction: float, kv_heads: int,
+                                                                          attention: str,
                                                                           launches: list[str]) -> None:
-    eager = _generate(_wrapped(fraction, kv_heads, kernel=False))
+    eager = _generate(_wrapped(fraction, kv_heads, kernel=False, attention=attention))
     assert launches == []
-    out = _generate(_wrapped(fraction, kv_heads, kernel=True), cache_implementation="static")
+    out = _generate(_wrapped(fraction, kv_heads, kernel=True, attention=attention), cache_implementation="static")
     assert torch.equal(out.sequences, eager.sequences)
     for step, (got, want) in enumerate(zip(out.logits, eager.logits, strict=True)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"logits of generated token {step}")
