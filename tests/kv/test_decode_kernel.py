@@ -95,6 +95,16 @@ def test_matches_the_float64_loop(name: str) -> None:
     torch.testing.assert_close(y.double(), loop(q, k, v, lens, 0.3, kv_index, R, None), atol=ATOL, rtol=RTOL)
 
 
+def test_the_default_tiling_matches_the_float64_loop() -> None:
+    """64-key blocks, one split per block here (5 splits and the reduce), GQA through kv_index."""
+    q, k, v = inputs(2, 8, 2, 300, 16)
+    lens = torch.tensor([[300, 129], [64, 0]], dtype=torch.int32)
+    index = torch.tensor([[2, 0], [3, 3]])
+    assert tiling(2, 2, 300) == (64, 64)
+    y = compact_decode_attention(q, k, v, lens, 0.2, kv_index=index, group_size=2)
+    torch.testing.assert_close(y.double(), loop(q, k, v, lens, 0.2, index, 2, None), atol=ATOL, rtol=RTOL)
+
+
 def test_zero_length_slots_output_exact_zeros_and_others_do_not() -> None:
     q, k, v = inputs(2, 2, 2, 30, 8)
     lens = torch.tensor([[0, 30], [12, 0]], dtype=torch.int32)
