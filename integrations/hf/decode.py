@@ -212,9 +212,12 @@ def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, ca
     # no group kept in full: the full-length tensor is a placeholder that counts the tokens
     width = placeholder_width(layer, B, T, step.held is None) if sel.slots == 0 else 1
     visible = S if mask is None and not isinstance(step.query_start, Tensor) else None
+    # the split-K decode kernel, when the config asks, reads the full slots up to the static layer's count
+    asked = bool(getattr(getattr(routed, "condcomp_config", None), "decode_kernel", False))
+    held_after = step.query_start + T if asked and isinstance(step.query_start, Tensor) else None
     compact = CompactKV(sel, store, visible, windows,
                         functools.partial(layer.keep_policy_state, policy=sel.policy), call.projections, width,
-                        call.relative_bias)
+                        call.relative_bias, held_after)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if routed.training else 0.0, kv_cache=compact)
     weights = routed.weights()
