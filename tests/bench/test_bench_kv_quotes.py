@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from condcomp.bench.kv_cases import answer_check, answer_correct, haystack_stream, retrieval_cases
-from condcomp.bench.kv_quotes import ANSWER_WORDS, CUE_TOKENS, quote_cases, quote_correct
+from condcomp.bench.kv_cases import answer_correct, haystack_stream
+from condcomp.bench.kv_quotes import ANSWER_WORDS, CUE_TOKENS, answer_check, quote_cases, quote_correct, task_cases
 from condcomp.bench.kv_text import choose_texts
 
 SEP = 256  # the byte tokenizer's document separator
@@ -72,8 +72,10 @@ def test_refusals_name_what_to_change() -> None:
     tiny_docs = haystack_stream(["ab cd"] * 4000, encode, SEP, min_tokens=20_000)  # every quote crosses documents
     with pytest.raises(ValueError, match="longer documents"):
         quote_cases(tiny_docs, encode, decode, 600, n=1, seed=0, sep_ids=[SEP])
-    with pytest.raises(ValueError, match="decode"):
-        retrieval_cases("quotes", stream(), encode, 600, 1, 0, [], None)
+    with pytest.raises(ValueError, match="unknown retrieval task"):
+        task_cases("quote", stream(), encode, decode, 600, 1, 0, [], None, [SEP])
+    assert task_cases("quotes", stream(), encode, decode, 600, 2, 0, [], None, [SEP]) == quote_cases(
+        stream(), encode, decode, 600, n=2, seed=0, sep_ids=[SEP])
     with pytest.raises(ValueError, match="not a staged corpus"):
         choose_texts(corpora=("wikipedia",))
     with pytest.raises(ValueError, match="give one text source"):
