@@ -100,3 +100,23 @@ def test_the_switch_round_trips_and_refuses_a_string() -> None:
     assert condcomp.CondCompConfig.from_dict(config.to_dict()) == config
     with pytest.raises(TypeError, match="decode_kernel must be True or False"):
         condcomp.CondCompConfig(decode_kernel="false")
+
+
+def test_a_window_split_with_the_kernel_equals_the_eager_compact_decode(launches: list[str]) -> None:
+    """Kept groups through the kernel, the other groups in their window ring (the policy's own attention) in the
+    same step: the DuoAttention-style split, its tokens and logits as the eager decode on the default cache."""
+    def split(kernel: bool, window: int = 5) -> Any:
+        model = llama(kv_heads=4)
+        condcomp.apply_(model, condcomp.CondCompConfig(
+            policy=("fixed", {"fraction": 0.5}), router=("topk", {"kv_groups": True}),
+            kv=("window", {"sinks": 2, "window": window}), decode_kernel=kernel))
+        return model.eval()
+
+    eager = _generate(split(False))
+    # the window binds: with room for every token, the streamed groups' last logits differ
+    assert not torch.allclose(_generate(split(False, window=64)).logits[-1], eager.logits[-1])
+    out = _generate(split(True), cache_implementation="static")
+    assert torch.equal(out.sequences, eager.sequences)
+    for got, want in zip(out.logits, eager.logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert len(launches) == (NEW - 1) * 2  # the kept groups of both layers at every decode step
