@@ -57,6 +57,11 @@ class CondCompConfig:
     - ``kv``: KV policy key or ``(key, kwargs)``: what a decoder request's cache keeps of the key/value groups its
       plan does not keep: ``"drop"`` (the default: nothing), ``"full"``, ``("window", {"sinks": 4, "window": 64})``
       (see :mod:`condcomp.kv`; ``condcomp.list_kv_policies()``).
+    - ``decode_kernel``: a decoder request's decode steps on a static cache (``cache_implementation="static"``)
+      attend its compact cache with one split-K kernel launch per layer over the kept groups' tokens
+      (:func:`condcomp.kv.kernels.compact_decode_attention`: Triton on CUDA, its torch fallback elsewhere) instead
+      of SDPA over the padded storage and a mask. Off by default: it has not been timed on a GPU
+      (docs/llm-compiled.md).
     - ``share_policy``: one budget policy for all wrapped layers (one budget per example for the whole model).
     - ``check_inputs``: reject NaN/inf inputs with a clear error instead of letting them propagate.
 
@@ -73,7 +78,8 @@ class CondCompConfig:
     share_policy: bool = False
     check_inputs: bool = False
     kv: Any = "drop"
-    options: ClassVar[tuple[Option, ...]] = (flag("share_policy"), flag("check_inputs"))
+    decode_kernel: bool = False
+    options: ClassVar[tuple[Option, ...]] = (flag("share_policy"), flag("check_inputs"), flag("decode_kernel"))
 
     def __post_init__(self) -> None:
         check_fields(self, "CondCompConfig")  # "false" would be a true flag

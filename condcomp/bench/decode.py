@@ -8,7 +8,9 @@ of the prefill (process RSS on Linux; the CUDA allocator's peak on a GPU), wheth
 model's, and the ratios to dense (prefill: per repetition; decode: per step index, each variant's step against
 dense's step of the same index; then the median). Writes ``metrics.json`` and ``table.md`` into ``--out``.
 
-``--compile`` decodes every variant on a static cache, eagerly and compiled (:mod:`condcomp.bench.decode_compiled`).
+``--compile`` decodes every variant on a static cache, eagerly and compiled (:mod:`condcomp.bench.decode_compiled`);
+there a variant ``full+kernel`` / ``keep_<f>+kernel`` is that variant with ``CondCompConfig(decode_kernel=True)``: its
+decode steps attend the compact cache with the split-K kernel (:mod:`condcomp.kv.kernels`), one launch per layer.
 
 Variants: ``dense`` (the model as loaded), ``full`` (wrapped with ``condcomp.apply_`` at the full budget: the cost
 of the wrapper itself) and ``keep_<f>``: per-request plans (decided at prefill, held while decoding) keeping the
@@ -72,15 +74,37 @@ def default_variants(model_name: str) -> list[str]:
     return ["dense", "full", *[f"keep_{f:.2f}" for f in KEPT_FRACTIONS.get(model_name, ())]]
 
 
+KERNEL = "+kernel"  # suffix of a variant whose decode steps attend through the split-K kernel (with --compile)
+
+
+def parse_variant(name: str, compiled: bool) -> tuple[str, float, bool]:
+    """``(kind, fraction, kernel)`` of a variant name (:func:`parse_decode_variant`, plus the ``+kernel`` suffix,
+    which only ``full`` and ``keep_<f>`` take, and only on the static cache of ``--compile``)."""
+    base = name.removesuffix(KERNEL)
+    kind, f = parse_decode_variant(base)
+    kernel = base != name
+    if kernel and kind not in ("full", "keep"):
+        raise ValueError(f"decode variant {name!r}: {KERNEL} applies to condcomp's compact cache (full+kernel, "
+                         "keep_<f>+kernel)")
+    if kernel and not compiled:
+        raise ValueError(f"decode variant {name!r}: the split-K kernel attends a static cache, which the runs "
+                         "use with --compile only; add --compile")
+    return kind, f, kernel
+
+
 def variant_config(name: str, num_heads: int) -> Any:
     """The CondCompConfig of a variant name (None for ``dense``): ``full``; ``keep_<f>`` (fixed budget f, topk
     router choosing whole KV groups: a per-request plan; the others are dropped); ``stream_<f>`` (the same, the
     other groups keep a streaming window of :data:`STREAM_SINKS` + :data:`STREAM_WINDOW` tokens); ``moh_<f>``
     (MoH's conversion keeping the fraction f of the heads per token, as ``condcomp tune-llm``'s ``moh_75`` /
-    ``moh_50``)."""
+    ``moh_50``); ``full+kernel``, ``keep_<f>+kernel``: with ``decode_kernel=True``."""
+    import dataclasses
+
     import condcomp
 
-    kind, f = parse_decode_variant(name)
+    kind, f, kernel = parse_variant(name, compiled=True)
+    if kernel:
+        return dataclasses.replace(variant_config(name.removesuffix(KERNEL), num_heads), decode_kernel=True)
     if kind == "dense":
         return None
     if kind == "full":
@@ -207,7 +231,7 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
     from condcomp.bench import decode_compiled as dc
     from condcomp.experiments.llm.evaluation import usage_summary
 
-    parsed = [parse_decode_variant(name) for name in names or ()]  # a typo fails now, not after loading the model
+    parsed = [parse_variant(name, compile_backend is not None) for name in names or ()]  # fails before any load
     if len(set(parsed)) < len(parsed):
         raise ValueError(f"--variants names one variant twice: {' '.join(names or ())}")
     torch.set_num_threads(threads)
@@ -299,8 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=integer(at_least=1), default=2)
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                         help="dense, full, keep_<f> (per-request plan keeping the fraction f of the KV groups), "
-                             "moh_<f> (MoH conversion keeping f of the heads per token); default: dense, full and "
-                             "the model's keep_<f>; dense is always run")
+                             "moh_<f> (MoH conversion keeping f of the heads per token); with --compile also "
+                             "full+kernel, keep_<f>+kernel (decode attention through the split-K kernel); default: "
+                             "dense, full and the model's keep_<f>; dense is always run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: RSS on CPU, allocator on CUDA)")
     parser.add_argument("--compile", action="store_true",
                         help="every variant on a static cache, decoded eagerly and under torch.compile(fullgraph=True) "

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from condcomp.bench import kv_press, kv_report, kv_user
 from condcomp.bench.decode import device_clock
-from condcomp.bench.kv_cases import RetrievalCase, answer_check, continuation_cases, haystack_stream, retrieval_cases
+from condcomp.bench.kv_cases import RetrievalCase, continuation_cases, haystack_stream
 from condcomp.bench.kv_presets import (
     CORPORA,
     PASSKEY_FORMATS,
@@ -51,6 +51,7 @@ from condcomp.bench.kv_presets import (
     separator_ids,
     with_overrides,
 )
+from condcomp.bench.kv_quotes import answer_check, task_cases
 from condcomp.bench.kv_text import add_text_arguments, choose_texts, staged_texts
 from condcomp.bench.kv_variants import (
     MODELS,
@@ -324,8 +325,8 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         n_passkey, n_ppl = preset.cases(P)
         haystack = stream_for(P)
         cont = continuation_cases(haystack, P, preset.cont_len, n_ppl, seed)
-        keys = retrieval_cases(preset.task, haystack, encode, P, n_passkey, seed, prefix, fmt, preset.facts,
-                               preset.question_in_context, preset.question_form, tok.decode, sep_ids)
+        keys = task_cases(preset.task, haystack, encode, tok.decode, P, n_passkey, seed, prefix, fmt, sep_ids,
+                          preset.facts, preset.question_in_context, preset.question_form)
         res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
         dense_ref = res["dense"] if "dense" in res else dense_done[P]
         assert dense_ref is not None  # measured now unless read back

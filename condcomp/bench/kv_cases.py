@@ -105,7 +105,7 @@ def corpus_texts(data_dir: Path, datasets: Sequence[str], seed: int) -> list[str
     return [doc for group in zip(*per) for doc in group]
 
 
-def _offsets(stream_len: int, window: int, n: int, rng: random.Random) -> list[int]:
+def draw_offsets(stream_len: int, window: int, n: int, rng: random.Random) -> list[int]:
     if stream_len < window:
         raise ValueError(f"the haystack holds {stream_len} tokens, fewer than one case's {window}: add documents "
                          "(more --datasets) or shorten the prompt")
@@ -116,7 +116,7 @@ def continuation_cases(stream: Sequence[int], prompt_len: int, cont_len: int, n:
     """``n`` windows of ``prompt_len + cont_len + 1`` stream tokens at offsets drawn from ``seed`` and the lengths."""
     rng = random.Random(f"continuation/{seed}/{prompt_len}/{cont_len}")
     window = prompt_len + cont_len + 1
-    return [list(stream[o:o + window]) for o in _offsets(len(stream), window, n, rng)]
+    return [list(stream[o:o + window]) for o in draw_offsets(len(stream), window, n, rng)]
 
 
 def passkey_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int,
@@ -140,23 +140,13 @@ def passkey_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int
         if H < 1:
             raise ValueError(f"a passkey prompt of {prompt_len} tokens leaves no room for haystack text "
                              f"(instruction, needle and question take {prompt_len - H}); use a longer prompt")
-        (offset,) = _offsets(len(stream), H, 1, rng)
+        (offset,) = draw_offsets(len(stream), H, 1, rng)
         hay = list(stream[offset:offset + H])
         cut = round(depth * H)
         start = len(head) + cut
         ids = head + hay[:cut] + needle + hay[cut:] + question
         cases.append(PasskeyCase(ids, key, depth, start, start + len(needle)))
     return cases
-
-
-def answer_check(task: str) -> Callable[[str, str], bool]:
-    """How a greedy answer is scored against a case's ``key``: its first number (facts, passkey: :func:`answer_correct`)
-    or its first words (quotes: :func:`condcomp.bench.kv_quotes.quote_correct`)."""
-    if task == "quotes":
-        from condcomp.bench.kv_quotes import quote_correct
-
-        return quote_correct
-    return answer_correct
 
 
 def answer_correct(answer: str, key: str) -> bool:
@@ -264,7 +254,7 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
             raise ValueError(f"a facts context of {prompt_len} tokens leaves no room for haystack text "
                              f"({n_facts} facts, head and question take {prompt_len - H}); use a longer prompt or "
                              "fewer facts")
-        (offset,) = _offsets(len(stream), H, 1, rng)
+        (offset,) = draw_offsets(len(stream), H, 1, rng)
         hay = list(stream[offset:offset + H])
         ids, starts, prev = list(head), [], 0
         for d, fact in zip(depths, facts):
@@ -285,20 +275,13 @@ def as_retrieval(case: PasskeyCase) -> RetrievalCase:
 
 def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int,
                     prefix_ids: Sequence[int], fmt: PasskeyFormat | None, n_facts: int = 4, in_context: bool = False,
-                    question_form: str = "completion", decode: Callable[[list[int]], str] | None = None,
-                    sep_ids: Sequence[int] = ()) -> list[RetrievalCase]:
-    """The retrieval cases of ``task`` at one prompt length: ``facts`` (:func:`facts_cases`), ``passkey`` or
-    ``quotes`` (:mod:`condcomp.bench.kv_quotes`, which needs ``decode`` and the documents' separator ``sep_ids``)."""
+                    question_form: str = "completion") -> list[RetrievalCase]:
+    """The retrieval cases of ``task`` at one prompt length: ``facts`` (:func:`facts_cases`) or ``passkey`` (the
+    quotes task's are :func:`condcomp.bench.kv_quotes.quote_cases`)."""
     if task == "passkey":
         return [as_retrieval(c) for c in passkey_cases(stream, encode, prompt_len, n, seed, prefix_ids=prefix_ids,
                                                        fmt=fmt or RAW)]
-    if task == "quotes":
-        from condcomp.bench.kv_quotes import quote_cases
-
-        if decode is None:
-            raise ValueError("the quotes task reads its answers' words: pass the tokenizer's decode")
-        return quote_cases(stream, encode, decode, prompt_len, n, seed, sep_ids)
     if task != "facts":
-        raise ValueError(f"unknown retrieval task {task!r}; choose facts, passkey or quotes")
+        raise ValueError(f"unknown retrieval task {task!r}; choose facts or passkey (quotes: kv_quotes.quote_cases)")
     return facts_cases(stream, encode, prompt_len, n, seed, n_facts=n_facts, in_context=in_context,
                        prefix_ids=prefix_ids, question_form=question_form)

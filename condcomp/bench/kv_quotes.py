@@ -19,7 +19,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
-from condcomp.bench.kv_cases import Encode, RetrievalCase, _offsets
+from condcomp.bench.kv_cases import Encode, PasskeyFormat, RetrievalCase, answer_correct, draw_offsets, retrieval_cases
 
 Decode = Callable[[list[int]], str]
 
@@ -78,7 +78,7 @@ def quote_cases(stream: Sequence[int], encode: Encode, decode: Decode, prompt_le
     cases: list[RetrievalCase] = []
     for i in range(n):
         for _ in range(200):
-            (offset,) = _offsets(len(stream), prompt_len, 1, rng)
+            (offset,) = draw_offsets(len(stream), prompt_len, 1, rng)
             ids = list(stream[offset:offset + prompt_len])
             depth = 0.05 + width * (i % SLICES + rng.random())
             start = min(round(depth * prompt_len), prompt_len - span)
@@ -95,4 +95,22 @@ def quote_cases(stream: Sequence[int], encode: Encode, decode: Decode, prompt_le
     return cases
 
 
-__all__ = ["ANSWER_WORDS", "CUE_TOKENS", "answer_words", "quote_cases", "quote_correct", "whole_words"]
+def task_cases(task: str, stream: Sequence[int], encode: Encode, decode: Decode, prompt_len: int, n: int, seed: int,
+               prefix_ids: Sequence[int], fmt: PasskeyFormat | None, sep_ids: Sequence[int], n_facts: int = 4,
+               in_context: bool = False, question_form: str = "completion") -> list[RetrievalCase]:
+    """The retrieval cases of any ``bench kv`` task: the quotes task's here, the others'
+    :func:`~condcomp.bench.kv_cases.retrieval_cases`."""
+    if task == "quotes":
+        return quote_cases(stream, encode, decode, prompt_len, n, seed, sep_ids)
+    return retrieval_cases(task, stream, encode, prompt_len, n, seed, prefix_ids, fmt, n_facts, in_context,
+                           question_form)
+
+
+def answer_check(task: str) -> Callable[[str, str], bool]:
+    """How a greedy answer is scored against a case's ``key``: its first number (facts, passkey:
+    :func:`~condcomp.bench.kv_cases.answer_correct`) or its first words (quotes: :func:`quote_correct`)."""
+    return quote_correct if task == "quotes" else answer_correct
+
+
+__all__ = ["ANSWER_WORDS", "CUE_TOKENS", "answer_check", "answer_words", "quote_cases", "quote_correct", "task_cases",
+           "whole_words"]

@@ -155,11 +155,16 @@ def summary(result: dict[str, Any]) -> str:
     timing = next((r for r in records if r["decode_prompt"] is not None), None)
     task = p.get("task", "passkey")
     asked = ("inside the context" if p.get("question_in_context") else "after the context, through the cache") if (
-        task == "facts") else "inside the prompt"
+        task in ("facts", "quotes")) else "inside the prompt"
     sep = {"blank": "a blank line", "eos": "<|endoftext|>"}[p.get("haystack_sep") or (
-        "blank" if task == "facts" and "haystack_sep" in p else "eos")]  # runs before the option: eos
+        "blank" if task in ("facts", "quotes") and "haystack_sep" in p else "eos")]  # runs before the option: eos
     facts = (f"{p.get('facts', 4)} facts per context, question form {p.get('question_form', 'qa')}, documents "
              f"separated by {sep}, ") if task == "facts" else ""
+    if task == "quotes":
+        from condcomp.bench.kv_quotes import ANSWER_WORDS, CUE_TOKENS
+
+        facts = (f"{CUE_TOKENS} tokens of the context quoted, found when the answer's first {ANSWER_WORDS} words "
+                 f"follow them, documents separated by {sep}; ")
     lines = ["# condcomp bench kv", "",
              f"Prompts {', '.join(map(str, p['prompts']))} tokens; retrieval task {task} ({facts}the question "
              f"{asked}); retrieval cases {p['passkey_cases']} and continuations {p['ppl_cases']} of {p['cont_len']} "

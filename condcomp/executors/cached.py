@@ -27,6 +27,7 @@ from torch import Tensor
 from condcomp.dense import grouped_sdpa, project_kv
 from condcomp.executors.base import keep_gates_in_graph
 from condcomp.host import LastForward
+from condcomp.kv.kernels.compact import compact_decode, per_request
 from condcomp.kv.policy import KV_FULL, KV_WINDOW
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection, select_kv
@@ -90,6 +91,10 @@ class CompactKV:
       that only counts the tokens (a quantized cache layer that quantizes in groups of ``n`` values needs ``n``).
     - ``position_bias``: a relative position bias the model adds to its scores (T5), which the KV policy's groups
       add at their kept keys' true positions (the full slots get it in ``attn_bias``); None without one.
+    - ``kernel_held``: set when the split-K decode kernel is asked for (``CondCompConfig.decode_kernel`` on a
+      static cache layer): the tokens the full slots hold after this call's write, a device scalar. A decode step
+      (one query token, a mask the same for every head) then attends with one launch over slots ``[0,
+      kernel_held)`` (:mod:`condcomp.kv.kernels`) instead of SDPA over the whole storage; None: SDPA.
     """
 
     selection: KVSelection
@@ -100,6 +105,7 @@ class CompactKV:
     projections: Projections | None = None
     placeholder_width: int = 1
     position_bias: RelativeBias | None = None  # the model's relative position bias of every query head (T5)
+    kernel_held: Tensor | None = None
 
 
 def _heads_of_slots(index: Tensor, r: int) -> Tensor:
@@ -180,7 +186,10 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
     parts: list[tuple[Tensor, Tensor]] = []
     dead: Tensor | None = None
     if g > 0:
-        q = _queries(_slots(q_all, sel.kv_index, sel.identity), proj, inputs.rotary)  # (B, g*r, T, Dh)
+        kernel = (cache.kernel_held is not None and T == 1 and inputs.dropout_p == 0.0
+                  and per_request(inputs.attn_bias))
+        # the kernel reads each slot's query heads through kv_index: every head's query, no gather
+        q = _queries(q_all if kernel else _slots(q_all, sel.kv_index, sel.identity), proj, inputs.rotary)
         k = _keys(_slots(k_all, sel.kv_index, sel.identity), proj, inputs.rotary)  # (B, g, T, Dh)
         k, v = cache.store(k, _slots(v_all, sel.kv_index, sel.identity).transpose(1, 2))  # (B, g, S, Dh)
         if cache.visible is not None and k.shape[2] > cache.visible:
@@ -191,7 +200,11 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         # the slots' query heads are gathered only for a per-head mask (none at a decode step: no index built)
         per_head = any(t is not None and t.shape[1] > 1 for t in (am.mask, am.dead))
         mask, slot_dead = _slot_mask(am, _heads_of_slots(sel.kv_index, r)) if per_head else (am.mask, am.dead)
-        out = grouped_sdpa(q, k, v, mask, am.is_causal, layout.scale, inputs.dropout_p)  # (B, g*r, T, Dh)
+        if kernel:
+            assert cache.kernel_held is not None
+            out = compact_decode(q, k, v, am, sel, cache.kernel_held, r, layout.scale)  # (B, g*r, 1, Dh)
+        else:
+            out = grouped_sdpa(q, k, v, mask, am.is_causal, layout.scale, inputs.dropout_p)  # (B, g*r, T, Dh)
         gated = out if sel.unit_gates and slot_dead is None else _gated(out, sel.slot_gates, slot_dead)
         parts.append((gated, sel.kv_index))
         dead = dead_rows(am, B, T)

@@ -67,6 +67,11 @@ class CompactLayer:
         :mod:`condcomp.kv.static`), or None where the count is not kept on the device."""
         return None
 
+    def fixed_slot_room(self) -> int | None:
+        """Tokens the layer's preallocated storage can still take (a static cache), or None where it grows: a KV
+        policy's state is then preallocated too (:meth:`~condcomp.kv.policy.KVPolicy.fixed_slots`)."""
+        return None
+
     def state_codec(self) -> Any:
         """How the KV policy's state is stored in this layer (a ``WindowCodec``), or None: full precision."""
         return None
@@ -87,11 +92,17 @@ class CompactLayer:
 
     def keep_policy_state(self, state: Any, policy: KVPolicy | None = None) -> None:
         """Keep ``state`` of ``policy`` (default: the held plan's) as the policy stores it in this layer: a window
-        quantized when the layer quantizes its keys, so it is held as compactly as they are."""
+        quantized when the layer quantizes its keys, so it is held as compactly as they are; in a preallocated
+        layer, in storage allocated once at the prefill (written in place later: kept as it is)."""
+        if state is not None and state is self.condcomp_windows:  # preallocated state, written in place
+            return
         policy = policy if policy is not None else held_policy(self)
         if state is None or policy is None:
             self.condcomp_windows = state
             return
+        room = self.fixed_slot_room()
+        if room is not None:  # a static cache: the prefill's state moves into slots allocated once
+            state = policy.fixed_slots(state, room)
         self.condcomp_windows = policy.stored(state, self.state_codec(), self.__dict__.get("condcomp_windows"))
 
     # ---- the cache operations, on the plan and the policy's state too -------------------------------------------

@@ -50,6 +50,10 @@ class KVPolicy:
     # heads) on a model that adds a relative position bias to its scores (T5's decoder); a policy that cannot add it
     # is refused on such a model
     reads_position_bias: ClassVar[bool] = False
+    # its groups hold a fixed number of slots once the prefill is done (a window, a selection plus room for the
+    # tokens to come): on a static cache its state is preallocated at prefill (:meth:`fixed_slots`) and a decode
+    # step compiles; a policy without it is refused on a static cache by name
+    holds_fixed_slots: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -108,6 +112,12 @@ class KVPolicy:
             f"apply this layer's own sliding window ({sliding_window} tokens): its groups would read keys the model "
             "never attends. On a sliding-window model use kv='window', 'full' or 'drop', or give the policy a "
             "within_model_window method")
+
+    def fixed_slots(self, state: Any, room: int) -> Any:
+        """The prefill's ``state`` moved into storage allocated once (:mod:`condcomp.kv.fixed_slots`), with room for
+        ``room`` more tokens, written in place by every later call: how a static cache holds it (only for a policy
+        with ``holds_fixed_slots``)."""
+        raise NotImplementedError(f"the KV policy {self.name!r} cannot hold its groups in preallocated slots")
 
     def stored(self, state: Any, codec: Any, before: Any) -> Any:
         """The state as a quantized cache layer should hold it (``codec``: the layer's

@@ -11,8 +11,8 @@ does not keep in full are compressed this way.
 Its state (:class:`SnapState`, shared with :mod:`condcomp.kv.adakv`) holds each (row, group)'s kept prompt entries,
 padded to the largest such count in the batch (empty entries: position -1), and grows by one entry per later token,
 as a full group does. Inside a quantized cache (fp8, HQQ, quanto) the state's keys and values are stored by the
-layer's own rule (:mod:`condcomp.kv.snap_quant`); a static cache cannot hold it (use the default ``DynamicCache``).
-"""
+layer's own rule (:mod:`condcomp.kv.snap_quant`). On a static cache the prefill moves it into a region allocated
+once (:class:`~condcomp.kv.fixed_slots.SlotRegion`: the selection, then room for every token to come)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from condcomp.dense import grouped_sdpa
+from condcomp.kv.fixed_slots import SlotRegion, refuse_position_bias
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
 from condcomp.kv.snap_quant import QuantizedSnapState
@@ -153,6 +154,7 @@ class SnapKV(KVPolicy):
     options: ClassVar[tuple[Option, ...]] = SNAP_OPTIONS
     reads_slot_validity: ClassVar[bool] = True  # spare slots keep nothing
     reads_position_bias: ClassVar[bool] = True  # T5: scores and attention with each kept key's true-position bias
+    holds_fixed_slots: ClassVar[bool] = True  # the selection plus a region for the tokens to come (fixed_slots)
 
     def __post_init__(self) -> None:
         check_options("snapkv", self)
@@ -187,7 +189,9 @@ class SnapKV(KVPolicy):
                 position_bias: RelativeBias | None) -> tuple[Tensor, Tensor, Any]:
         B, H, T, _ = q.shape
         gw = k.shape[1]
-        if state is not None and T > 1 and not after_prompt and state.prefill_only:
+        if state is not None and T > 1 and not after_prompt and state.prefill_only and (
+                not isinstance(state, SlotRegion) or bool((state.seen == state.prompt).all())):
+            # (a preallocated region is written in place: nothing happened since the prefill while seen = prompt)
             # a second prompt chunk (generate's prefill_chunk_size): the first chunk was compressed on its own
             # observation window and this one would be kept whole, which is not SnapKV's rule
             raise ValueError(f"{self.name}: the prompt must be prefilled in one call (a chunked prefill compresses "
@@ -196,6 +200,10 @@ class SnapKV(KVPolicy):
                              "complete (this call is a question or a new turn), prefill it inside "
                              "condcomp.plan_from_prompt(model, width) with width at most the prefill's own (the "
                              "padded prompt width; a wider one says the prompt goes on, as a chunked prefill's does)")
+        if isinstance(state, SlotRegion):  # a static cache: every token appended in place
+            refuse_position_bias(position_bias, self.name)
+            out, dead = state.attend(q, k, v, query_mask, scale)
+            return out, dead, state
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
         key_pos = pos[:, None, :].expand(B, gw, T)  # (B, gw, T)
         if state is not None:
@@ -230,6 +238,8 @@ class SnapKV(KVPolicy):
 
     def keys_read(self, state: Any, T: int, S: int) -> int:
         # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own
+        if isinstance(state, SlotRegion):  # the whole region is read (its empty slots masked)
+            return int(state.keys.shape[2]) + (T if T > 1 else 0)
         return S if state is None else int(state.keys.shape[2]) + T
 
     def _choose(self, scores: Tensor, budgets: Tensor, slot_valid: Tensor) -> Tensor:
@@ -243,9 +253,15 @@ class SnapKV(KVPolicy):
                              "from (the evicted prompt tokens cannot come back): start the request again. Assisted "
                              "decoding: generate inside condcomp.plan_from_prompt(model, prompt width), so its first "
                              "call compresses the prompt alone and keeps the candidates after it")
+        if isinstance(state, SlotRegion):
+            return state.crop(tokens)
         positions = state.positions.masked_fill(state.positions >= seen[:, None, None], -1)
         # a verifier's: no more chunks (a quantized state keeps its codes)
         return dataclasses.replace(state, positions=positions, seen=seen, prefill_only=False)
+
+    def fixed_slots(self, state: Any, room: int) -> Any:
+        return SlotRegion.from_state(state.keys, state.values, state.positions, state.seen, state.prompt, room,
+                                     state.prefill_only)
 
     def stored(self, state: Any, codec: Any, before: Any) -> Any:
         if not isinstance(codec, WindowCodec) or not isinstance(state, SnapState):

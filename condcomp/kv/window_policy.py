@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from condcomp.dense import grouped_sdpa
+from condcomp.kv.fixed_slots import RingWindow, refuse_position_bias
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
 from condcomp.kv.window import (
@@ -51,6 +52,7 @@ class WindowKV(KVPolicy):
     model_window: int | None = None
     stores: ClassVar[str] = "own"
     reads_position_bias: ClassVar[bool] = True  # T5: each kept key's bias at its true position
+    holds_fixed_slots: ClassVar[bool] = True  # sinks + window slots (a ring, condcomp.kv.fixed_slots)
     options: ClassVar[tuple[Option, ...]] = WINDOW_OPTIONS
 
     @property
@@ -66,6 +68,10 @@ class WindowKV(KVPolicy):
                keep: bool, position_bias: RelativeBias | None = None) -> tuple[Tensor, Tensor, Any]:
         window = self.window_spec
         B, _, T, _ = q.shape
+        if isinstance(state, RingWindow):  # a static cache: the ring is written in place
+            refuse_position_bias(position_bias, self.name)
+            out, dead = state.attend(q, k, v, query_mask, scale, window)
+            return out, dead, state
         if position_bias is not None:
             check_contiguous(self.name, query_mask, state is None)
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
@@ -92,6 +98,9 @@ class WindowKV(KVPolicy):
 
     def crop(self, state: Any, tokens: int) -> Any:
         return state.crop(tokens, self.window_spec)
+
+    def fixed_slots(self, state: Any, room: int) -> Any:
+        return RingWindow.from_cache(state, self.window_spec, room)
 
     def stored(self, state: Any, codec: Any, before: Any) -> Any:
         if not isinstance(codec, WindowCodec) or not isinstance(state, WindowCache):

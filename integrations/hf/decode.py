@@ -31,6 +31,7 @@ from condcomp.executors.auto import resolve_executor
 from condcomp.executors.cached import CompactKV, Projections
 from condcomp.host import LastForward
 from condcomp.kv.choose import kv_policy_of
+from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection, pad_slots, select_kv
 from condcomp.kv.static import written_bias
@@ -159,15 +160,25 @@ def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep
     layer = cache_layer(step.cache, step.layer_idx)
     static = is_static_cache(step.cache, layer)
     if selection.window_index is not None and static:
-        raise ValueError(f"the KV policy {policy.name!r} keeps the groups a plan does not keep in a state of its own "
-                         "(streamed key/value groups: a trimmed window) beside the cache, which a static cache cannot "
-                         "hold: generate with the default DynamicCache")
+        refuse_on_static(policy)
     slots = getattr(layer, "num_heads", None) if layer_initialized(layer) else None
     if isinstance(slots, int) and hasattr(layer, "max_cache_len"):  # static: (B, slots, max_len, Dh) allocated
         if selection.slots <= slots:
             return pad_slots(selection, slots)
         reallocate_static_layer(layer)  # an empty static layer too small for this plan: allocated again
     return selection
+
+
+def refuse_on_static(policy: KVPolicy) -> None:
+    """Refuse, by name, a KV policy whose groups a static cache cannot hold: one whose state does not stay a fixed
+    number of slots after the prefill (``holds_fixed_slots``), or a window inside the model's own sliding window."""
+    if not policy.holds_fixed_slots:
+        raise ValueError(f"the KV policy {policy.name!r} keeps the groups a plan does not keep in a state of its own "
+                         "that does not hold a fixed number of slots after the prefill, which a static cache cannot "
+                         "hold: generate with the default DynamicCache (it then runs eagerly)")
+    if getattr(policy, "model_window", None) is not None:
+        raise ValueError(f"the KV policy {policy.name!r} on a layer with the model's own sliding window cannot be "
+                         "preallocated in a static cache: generate with the default DynamicCache")
 
 
 def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, call: DecoderCall,
@@ -201,9 +212,12 @@ def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, ca
     # no group kept in full: the full-length tensor is a placeholder that counts the tokens
     width = placeholder_width(layer, B, T, step.held is None) if sel.slots == 0 else 1
     visible = S if mask is None and not isinstance(step.query_start, Tensor) else None
+    # the split-K decode kernel, when the config asks, reads the full slots up to the static layer's count
+    asked = bool(getattr(getattr(routed, "condcomp_config", None), "decode_kernel", False))
+    held_after = step.query_start + T if asked and isinstance(step.query_start, Tensor) else None
     compact = CompactKV(sel, store, visible, windows,
                         functools.partial(layer.keep_policy_state, policy=sel.policy), call.projections, width,
-                        call.relative_bias)
+                        call.relative_bias, held_after)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if routed.training else 0.0, kv_cache=compact)
     weights = routed.weights()

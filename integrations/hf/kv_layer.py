@@ -11,7 +11,8 @@ storage and quantization of the kept groups' keys and values. Beside it, it hold
 
 A static layer (transformers' ``StaticLayer``) counts its tokens in a device scalar, which a decode step reads
 and advances on the device (:mod:`condcomp.kv.static`): such a layer says ``is_compileable``, and a compiled
-decode step of a wrapped model reads no host counter.
+decode step of a wrapped model reads no host counter. There the KV policy's state is allocated once at the prefill
+too, sized by the room the static layer has left (:meth:`PlanLayer.fixed_slot_room`, :mod:`condcomp.kv.fixed_slots`).
 
 Every cache operation transformers offers acts on both: ``reset()`` drops the plan (the next call is a new request's
 prefill), ``crop(n)`` keeps it while tokens remain, ``reorder_cache`` (beams), ``batch_select_indices`` and
@@ -129,6 +130,11 @@ class PlanLayer(CompactLayer, CacheLayerMixin):
 
     def state_codec(self) -> WindowCodec | None:
         return window_codec(self)
+
+    def fixed_slot_room(self) -> int | None:
+        if self.held_position() is None:
+            return None
+        return int(self.inner.get_max_length()) - layer_length(self)
 
 
 PlanCarrier = PlanLayer  # the name of the class-swapped carrier before 0.3: kept for code that checks isinstance

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,3 +67,55 @@ def test_compiled_decode_benchmark_runs_each_variant_eager_and_compiled_on_a_sta
     assert by["dense+compiled"]["kv_bytes"] == 4 * (8 * per_head + count)
     assert by["keep_0.25+compiled"]["kv_bytes"] == 4 * (2 * per_head + count)
     assert "| compiles |" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_compiled_decode_benchmark_runs_a_window_split_compiled(tmp_path: Path) -> None:
+    """``stream_0.25`` (a quarter of the groups in full, the others a window of 4 + 252 tokens, as the DuoAttention
+    split) decodes compiled on the static cache: the window's slots preallocated at prefill, one compilation."""
+    assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--compile", "--compile-backend", "eager",
+                 "--variants", "stream_0.25", "--out", str(tmp_path)]) == 0
+    by = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
+    assert list(by) == ["dense", "stream_0.25", "dense+compiled", "stream_0.25+compiled"]
+    run = by["stream_0.25+compiled"]
+    assert run["compiles"] == 1 and run["tokens_equal_eager"]
+    # per layer (4): 2 of 8 groups in the static layer, (B=2) x 20 positions x 64 dims x (K and V) x 4 bytes each,
+    # + its int64 count; the 6 others in a ring of min(4 + 252, 20) slots (a request never holds more than the
+    # static cache's 20 tokens) + the int64 tokens seen per row and valid slots per (row, group)
+    per_head = 2 * 20 * 64 * 2 * 4
+    assert run["kv_bytes"] == 4 * (2 * per_head + 8 + 6 * per_head + 2 * 8 + 2 * 6 * 8)
+
+
+@pytest.mark.slow
+def test_a_kernel_variant_decodes_through_the_split_k_kernel_eager_and_compiled(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep_<f>+kernel``: the same plans with ``decode_kernel=True`` (the op's torch fallback on a CPU, the Triton
+    kernels under ``TRITON_INTERPRET=1``): compiled once, its compiled tokens equal to its eager ones."""
+    import importlib.util
+
+    from condcomp.kv.kernels import fallback
+
+    ran = []
+    modules = [fallback] + ([importlib.import_module("condcomp.kv.kernels.launch")]
+                            if importlib.util.find_spec("triton") else [])
+    for module in modules:
+        def counted(*args: object, _run: Any = module.decode_attention) -> Any:
+            ran.append(1)
+            return _run(*args)
+
+        monkeypatch.setattr(module, "decode_attention", counted)
+    assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--compile", "--compile-backend", "eager",
+                 "--variants", "keep_0.25", "keep_0.25+kernel", "--out", str(tmp_path)]) == 0
+    by = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
+    assert list(by) == ["dense", "keep_0.25", "keep_0.25+kernel", "dense+compiled", "keep_0.25+compiled",
+                        "keep_0.25+kernel+compiled"]
+    assert by["keep_0.25+kernel+compiled"]["compiles"] == 1 and by["keep_0.25+kernel+compiled"]["tokens_equal_eager"]
+    assert by["keep_0.25+kernel"]["kv_bytes"] == by["keep_0.25"]["kv_bytes"]
+    assert ran, "the kernel variant never reached the decode attention op"
+    for bad in ("dense+kernel", "moh_0.5+kernel"):
+        assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--compile", "--out", str(tmp_path / "x"),
+                     "--variants", bad]) != 0
+        assert "applies to condcomp's compact cache" in capsys.readouterr().err
+    assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--out", str(tmp_path / "x"),
+                 "--variants", "keep_0.25+kernel"]) != 0
+    assert "add --compile" in capsys.readouterr().err

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from condcomp.bench.kv_cases import answer_check, answer_correct, haystack_stream, retrieval_cases
-from condcomp.bench.kv_quotes import ANSWER_WORDS, CUE_TOKENS, quote_cases, quote_correct
+from condcomp.bench.kv_cases import answer_correct, haystack_stream
+from condcomp.bench.kv_quotes import ANSWER_WORDS, CUE_TOKENS, answer_check, quote_cases, quote_correct, task_cases
 from condcomp.bench.kv_text import choose_texts
 
 SEP = 256  # the byte tokenizer's document separator
@@ -72,8 +72,10 @@ def test_refusals_name_what_to_change() -> None:
     tiny_docs = haystack_stream(["ab cd"] * 4000, encode, SEP, min_tokens=20_000)  # every quote crosses documents
     with pytest.raises(ValueError, match="longer documents"):
         quote_cases(tiny_docs, encode, decode, 600, n=1, seed=0, sep_ids=[SEP])
-    with pytest.raises(ValueError, match="decode"):
-        retrieval_cases("quotes", stream(), encode, 600, 1, 0, [], None)
+    with pytest.raises(ValueError, match="unknown retrieval task"):
+        task_cases("quote", stream(), encode, decode, 600, 1, 0, [], None, [SEP])
+    assert task_cases("quotes", stream(), encode, decode, 600, 2, 0, [], None, [SEP]) == quote_cases(
+        stream(), encode, decode, 600, n=2, seed=0, sep_ids=[SEP])
     with pytest.raises(ValueError, match="not a staged corpus"):
         choose_texts(corpora=("wikipedia",))
     with pytest.raises(ValueError, match="give one text source"):
@@ -90,6 +92,7 @@ def test_quick_run_scores_quotes_through_the_cache(tmp_path: Path) -> None:
     assert record["task"] == "quotes" and record["settings"]["cue_tokens"] == CUE_TOKENS
     assert record["settings"]["answer_words"] == ANSWER_WORDS and record["settings"]["haystack_sep"] == "blank"
     assert len(record["retrieval_correct"]) == record["retrieval_n"] == 2
+    assert "16 tokens of the context quoted" in (tmp_path / "summary.md").read_text()
     for sample in record["samples"]:  # the key is words, scored by their first words
         assert sample["correct"] == quote_correct(sample["answer"], sample["key"])
     refused = main(["bench", "kv", "--model", "tiny-llama", "--preset", "quick", "--task", "quotes", "--facts", "2",

@@ -1,7 +1,7 @@
 """``generate()`` compiled the way transformers users ask (``cache_implementation="static"`` and a
 ``CompileConfig``) on a wrapped model: its greedy tokens equal the eager compact decode's (the default dynamic
-cache, no compile), the decode forward is compiled once, and a KV policy that cannot hold its groups in a static
-cache is refused by name (it runs eager, on the default cache)."""
+cache, no compile) and the decode forward is compiled once. The KV policies with a state of their own (``window``,
+``snapkv``, ``adakv``) and the policy a static cache refuses: ``test_compiled_kv_policies.py``."""
 
 from __future__ import annotations
 
@@ -53,13 +53,3 @@ def test_compiled_static_generate_equals_the_eager_compact_decode(fraction: floa
     compact = fraction < 1 and kv == "drop"  # kv="full" holds the groups the plan does not keep too
     assert all(k < 8 for k in kept) if compact else all(k == 8 for k in kept)
     assert [int(layer.keys.shape[1]) for layer in out.past_key_values.layers] == kept  # what the cache holds
-
-
-def test_a_kv_policy_holding_a_state_beside_the_cache_is_refused_by_name_and_runs_eager() -> None:
-    model = _wrapped(1 / 3, kv=("window", {"sinks": 1, "window": 4}))
-    ids, mask = prompts()
-    with pytest.raises(ValueError, match="KV policy 'window'.*static cache"):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="static",
-                       compile_config=_compile_config("eager"), **GREEDY)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, **GREEDY)  # eager, dynamic cache
-    assert out.shape == (ids.shape[0], ids.shape[1] + 3)
