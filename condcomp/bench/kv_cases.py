@@ -171,8 +171,9 @@ def answer_correct(answer: str, key: str) -> bool:
 
 @dataclass(frozen=True)
 class RetrievalCase:
-    """One retrieval prompt: ``ids`` (the context, exactly the prompt length, prefilled into the cache), then
-    ``question`` (fed through that cache; empty when the question is inside the context), the asked ``key``, its
+    """One retrieval prompt: ``ids`` (the context, exactly the prompt length, prefilled into the cache; question-aware:
+    followed by the question), then ``question`` (fed through that cache; empty when the question is inside the
+    context), the asked ``key``, its
     relative depth, and the start of every planted fact in ``ids``."""
 
     ids: list[int]
@@ -216,8 +217,8 @@ def facts_question(example: tuple[str, str] | None, asked: str, form: str = "qa"
 
 
 def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int, n_facts: int = 4,
-                in_context: bool = False, prefix_ids: Sequence[int] = (), question_form: str = "completion"
-                ) -> list[RetrievalCase]:
+                in_context: bool = False, prefix_ids: Sequence[int] = (), question_form: str = "completion",
+                question_aware: bool = False) -> list[RetrievalCase]:
     """``n`` contexts of exactly ``prompt_len`` tokens with ``n_facts`` facts each (distinct names and keys);
     case i asks fact ``i % n_facts`` (in depth order), so every depth slice is asked equally often. The question
     reads as ``question_form`` (:func:`facts_question`).
@@ -225,7 +226,15 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
     Fact j starts after ``round(d_j * H)`` haystack tokens (H: the haystack tokens in the context), ``d_j`` drawn
     uniformly in the j-th of ``n_facts`` equal slices of [0.05, 0.95]. The question of every case has the same
     token count (names and keys are redrawn until it does), so that a batch feeds its questions in one step.
+
+    ``in_context``: the question ends the ``prompt_len`` tokens (the haystack is shorter by it) and is not fed
+    again. ``question_aware``: the same context as without it, followed by the question (``prompt_len`` plus the
+    question's tokens are compressed together), and the question fed again after them, so the selection sees it and
+    every answer token is still read through the compressed cache (kvpress's question-aware setting).
     """
+    if in_context and question_aware:
+        raise ValueError("--question-in-context and --question-aware are two ways to put the question in the "
+                         "compressed context: give one (--question-aware also asks it again after the context)")
     if question_form not in QUESTION_FORMS:
         raise ValueError(f"unknown facts question form {question_form!r} (--question-form); choose from "
                          f"{', '.join(QUESTION_FORMS)}")
@@ -273,7 +282,7 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
             starts.append(len(ids))
             ids += fact
             prev = cut
-        ids += hay[prev:] + tail
+        ids += hay[prev:] + tail + (question if question_aware else [])
         cases.append(RetrievalCase(ids, [] if in_context else question, keys[asked], depths[asked], tuple(starts)))
     return cases
 
@@ -286,7 +295,7 @@ def as_retrieval(case: PasskeyCase) -> RetrievalCase:
 def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int,
                     prefix_ids: Sequence[int], fmt: PasskeyFormat | None, n_facts: int = 4, in_context: bool = False,
                     question_form: str = "completion", decode: Callable[[list[int]], str] | None = None,
-                    sep_ids: Sequence[int] = ()) -> list[RetrievalCase]:
+                    sep_ids: Sequence[int] = (), question_aware: bool = False) -> list[RetrievalCase]:
     """The retrieval cases of ``task`` at one prompt length: ``facts`` (:func:`facts_cases`), ``passkey`` or
     ``quotes`` (:mod:`condcomp.bench.kv_quotes`, which needs ``decode`` and the documents' separator ``sep_ids``)."""
     if task == "passkey":
@@ -301,4 +310,4 @@ def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len
     if task != "facts":
         raise ValueError(f"unknown retrieval task {task!r}; choose facts, passkey or quotes")
     return facts_cases(stream, encode, prompt_len, n, seed, n_facts=n_facts, in_context=in_context,
-                       prefix_ids=prefix_ids, question_form=question_form)
+                       prefix_ids=prefix_ids, question_form=question_form, question_aware=question_aware)
