@@ -172,8 +172,8 @@ def answer_correct(answer: str, key: str) -> bool:
 @dataclass(frozen=True)
 class RetrievalCase:
     """One retrieval prompt: ``ids`` (the context, exactly the prompt length, prefilled into the cache; question-aware:
-    followed by the question), then ``question`` (fed through that cache; empty when the question is inside the
-    context), the asked ``key``, its
+    followed by the question but its last token), then ``question`` (fed through that cache: the question, its last
+    token when question-aware, nothing when the question is inside the context), the asked ``key``, its
     relative depth, and the start of every planted fact in ``ids``."""
 
     ids: list[int]
@@ -228,9 +228,10 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
     token count (names and keys are redrawn until it does), so that a batch feeds its questions in one step.
 
     ``in_context``: the question ends the ``prompt_len`` tokens (the haystack is shorter by it) and is not fed
-    again. ``question_aware``: the same context as without it, followed by the question (``prompt_len`` plus the
-    question's tokens are compressed together), and the question fed again after them, so the selection sees it and
-    every answer token is still read through the compressed cache (kvpress's question-aware setting).
+    again. ``question_aware``: the same context as without it, followed by the question but its last token (all
+    compressed together, so the selection sees the question), that last token fed after the compressed context:
+    the text is the question-agnostic case's, and every answer token is still read through the compressed cache
+    (kvpress's question-aware setting; asking the whole question twice makes SmolLM2 repeat it).
     """
     if in_context and question_aware:
         raise ValueError("--question-in-context and --question-aware are two ways to put the question in the "
@@ -282,8 +283,9 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
             starts.append(len(ids))
             ids += fact
             prev = cut
-        ids += hay[prev:] + tail + (question if question_aware else [])
-        cases.append(RetrievalCase(ids, [] if in_context else question, keys[asked], depths[asked], tuple(starts)))
+        ids += hay[prev:] + tail + (question[:-1] if question_aware else [])
+        asked_after = [] if in_context else question[-1:] if question_aware else question
+        cases.append(RetrievalCase(ids, asked_after, keys[asked], depths[asked], tuple(starts)))
     return cases
 
 

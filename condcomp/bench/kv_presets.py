@@ -246,6 +246,6 @@ def add_task_arguments(parser: Any) -> None:
                              "it) instead of being fed after it")
     parser.add_argument("--question-aware", action="store_const", const=True, default=None,
                         help="facts task, question-aware mode (kvpress's): the same context followed by the "
-                             "question is compressed (the selection sees it), then the question is asked again "
-                             "after it, so every answer token reads the compressed cache; refused for tasks without "
-                             "a question after the context (passkey, quotes)")
+                             "question but its last token is compressed (the selection sees the question), that "
+                             "token is fed after it, so every answer token reads the compressed cache; refused for "
+                             "tasks without a question after the context (passkey, quotes)")

@@ -155,7 +155,7 @@ def summary(result: dict[str, Any]) -> str:
     timing = next((r for r in records if r["decode_prompt"] is not None), None)
     task = p.get("task", "passkey")
     asked = ("inside the context" if p.get("question_in_context") else
-             "question-aware: at the end of the compressed context, and again after it, through the cache"
+             "question-aware: compressed with the context but its last token, fed after it through the cache"
              if p.get("question_aware") else "after the context, through the cache") if (
         task == "facts") else "inside the prompt"
     sep = {"blank": "a blank line", "eos": "<|endoftext|>"}[p.get("haystack_sep") or (

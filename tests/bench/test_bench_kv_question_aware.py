@@ -1,6 +1,6 @@
-"""``bench kv --question-aware``: the question-agnostic case's context followed by its question is compressed, the
-question is asked again after it through the cache; recorded in the settings and the summary's first line; refused
-with the tasks that ask no question after the context, and with ``--question-in-context``."""
+"""``bench kv --question-aware``: the question-agnostic case's context followed by its question but the last token
+is compressed, that token fed after it through the cache; recorded in the settings and the summary's first line;
+refused with the tasks that ask no question after the context, and with ``--question-in-context``."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ from test_bench_kv_facts import _NoBar, byte_encode, gqa_llama, stream  # noqa: 
 
 
 @pytest.mark.parametrize("form", ["completion", "qa"])
-def test_the_aware_case_is_the_agnostic_context_then_its_question_asked_again(form: str) -> None:
+def test_the_aware_case_is_the_agnostic_text_with_only_the_questions_last_token_after_the_cut(form: str) -> None:
     agnostic = facts_cases(stream(), byte_encode, 400, n=5, seed=3, n_facts=2, question_form=form)
     aware = facts_cases(stream(), byte_encode, 400, n=5, seed=3, n_facts=2, question_form=form, question_aware=True)
     for a, q in zip(agnostic, aware):
-        assert len(a.ids) == 400 and q.ids == a.ids + a.question  # the same facts, depths and haystack
-        assert q.question == a.question and bytes(q.question).decode().rstrip().endswith(" is")
+        assert len(a.ids) == 400 and q.ids == a.ids + a.question[:-1]  # the same facts, depths and haystack
+        assert q.question == a.question[-1:] and q.ids + q.question == a.ids + a.question  # the same text
+        assert bytes(a.question).decode().endswith(" is") and len(a.question) > 10
         assert (q.key, q.depth, q.fact_starts) == (a.key, a.depth, a.fact_starts)
 
 
@@ -54,14 +55,14 @@ def test_the_mode_is_in_the_settings_and_the_summarys_first_line() -> None:
     result = {"preset": asdict(aware), "records": [], "device": "cpu", "threads": 1, "skipped": {}}
     lines = summary(result).splitlines()
     assert lines[0] == "# condcomp bench kv: question-aware"
-    assert "the question question-aware: at the end of the compressed context, and again after it" in lines[2]
+    assert "the question question-aware: compressed with the context but its last token, fed after it" in lines[2]
     assert summary({**result, "preset": asdict(agnostic)}).splitlines()[0] == "# condcomp bench kv"
 
 
 def test_the_answer_reads_the_cache_after_the_question_was_compressed_with_the_context(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first step feeds the question on a cache holding context + question; the answer equals a float64 greedy
-    decode of context + question + question with no cache (the reference)."""
+    """The first step feeds the question's last token on a cache holding the context and the rest of the question;
+    the answer equals a float64 greedy decode of context + question with no cache (the reference)."""
     transformers = pytest.importorskip("transformers")
     from condcomp.bench import kv
 
@@ -79,9 +80,9 @@ def test_the_answer_reads_the_cache_after_the_question_was_compressed_with_the_c
     preset = replace(PRESETS["quick"], batch=2, answer_tokens=3, facts=1, question_aware=True)
     res = kv.measure_length(bench, ["dense"], [], cases, preset, ByteTokenizer().decode, _NoBar())
     first_ids, cached = fed[0]
-    Q = len(cases[0].question)
-    assert cached == 300 + Q  # the context and the question in the cache
-    assert first_ids == [c.question for c in cases]
+    Q = len(facts_cases(stream(), byte_encode, 300, n=1, seed=1, n_facts=1)[0].question)
+    assert cached == 300 + Q - 1  # the context and the question but its last token in the cache
+    assert first_ids == [c.question for c in cases] and all(len(c.question) == 1 for c in cases)
     reference = model.to(torch.float64)
     for case, sample in zip(cases, res["dense"]["samples"]):
         ids = torch.tensor([case.ids + case.question])
