@@ -56,6 +56,11 @@ def kv_kept(policy: Any, T: int, groups: int) -> list[int] | int:
     if name == "WindowKV":
         recent = policy.window if policy.model_window is None else min(policy.window, policy.model_window)
         return [min(T, policy.sinks + recent)] * groups
+    if name == "HeadKV":  # without shares: fraction of the prompt in all, else sinks + recent + budget
+        if policy.fraction is not None:
+            return [math.floor(T * policy.fraction + 1e-9)] * groups
+        extra = 64 if policy.budget is None else policy.budget
+        return [min(T, policy.sinks + (policy.observe if policy.window is None else policy.window) + extra)] * groups
     window = getattr(policy, "window", None)  # adakv's recent tokens (None: the observation window)
     recent = min(policy.observe if window is None else window, T)
     if policy.fraction is not None:

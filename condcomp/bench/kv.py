@@ -151,7 +151,7 @@ def measure_length(bench: Bench, names: list[str], cont: list[list[int]], keys: 
     """Every variant of ``names`` on one prompt length's continuation and retrieval cases."""
     res: dict[str, dict[str, Any]] = {n: {"nll_sum": 0.0, "tokens": 0, "token_nll": [], "hits": [], "by_depth": {},
                                           "samples": [], "kv_bytes": None} for n in names}
-    P = len(keys[0].ids)
+    P = len(cont[0]) - p.cont_len - 1 if cont else 0  # the prompt length (a question-aware case adds its question)
     for start in range(0, len(cont), p.batch):
         ids = torch.tensor(cont[start:start + p.batch])  # (b, P + C + 1)
         for key, group in by_model(names).items():
@@ -326,7 +326,7 @@ def run(model_name: str, out: Path, preset: Preset, names: list[str], device: st
         haystack = stream_for(P)
         cont = continuation_cases(haystack, P, preset.cont_len, n_ppl, seed)
         keys = task_cases(preset.task, haystack, encode, tok.decode, P, n_passkey, seed, prefix, fmt, sep_ids,
-                          preset.facts, preset.question_in_context, preset.question_form)
+                          preset.facts, preset.question_in_context, preset.question_form, preset.question_aware)
         res = measure_length(bench, todo, cont, keys, preset, tok.decode, bar)
         dense_ref = res["dense"] if "dense" in res else dense_done[P]
         assert dense_ref is not None  # measured now unless read back

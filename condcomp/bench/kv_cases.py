@@ -161,8 +161,9 @@ def answer_correct(answer: str, key: str) -> bool:
 
 @dataclass(frozen=True)
 class RetrievalCase:
-    """One retrieval prompt: ``ids`` (the context, exactly the prompt length, prefilled into the cache), then
-    ``question`` (fed through that cache; empty when the question is inside the context), the asked ``key``, its
+    """One retrieval prompt: ``ids`` (the context, exactly the prompt length, prefilled into the cache; question-aware:
+    followed by the question but its last token), then ``question`` (fed through that cache: the question, its last
+    token when question-aware, nothing when the question is inside the context), the asked ``key``, its
     relative depth, and the start of every planted fact in ``ids``."""
 
     ids: list[int]
@@ -206,8 +207,8 @@ def facts_question(example: tuple[str, str] | None, asked: str, form: str = "qa"
 
 
 def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int, n_facts: int = 4,
-                in_context: bool = False, prefix_ids: Sequence[int] = (), question_form: str = "completion"
-                ) -> list[RetrievalCase]:
+                in_context: bool = False, prefix_ids: Sequence[int] = (), question_form: str = "completion",
+                question_aware: bool = False) -> list[RetrievalCase]:
     """``n`` contexts of exactly ``prompt_len`` tokens with ``n_facts`` facts each (distinct names and keys);
     case i asks fact ``i % n_facts`` (in depth order), so every depth slice is asked equally often. The question
     reads as ``question_form`` (:func:`facts_question`).
@@ -215,7 +216,16 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
     Fact j starts after ``round(d_j * H)`` haystack tokens (H: the haystack tokens in the context), ``d_j`` drawn
     uniformly in the j-th of ``n_facts`` equal slices of [0.05, 0.95]. The question of every case has the same
     token count (names and keys are redrawn until it does), so that a batch feeds its questions in one step.
+
+    ``in_context``: the question ends the ``prompt_len`` tokens (the haystack is shorter by it) and is not fed
+    again. ``question_aware``: the same context as without it, followed by the question but its last token (all
+    compressed together, so the selection sees the question), that last token fed after the compressed context:
+    the text is the question-agnostic case's, and every answer token is still read through the compressed cache
+    (kvpress's question-aware setting; asking the whole question twice makes SmolLM2 repeat it).
     """
+    if in_context and question_aware:
+        raise ValueError("--question-in-context and --question-aware are two ways to put the question in the "
+                         "compressed context: give one (--question-aware also asks it again after the context)")
     if question_form not in QUESTION_FORMS:
         raise ValueError(f"unknown facts question form {question_form!r} (--question-form); choose from "
                          f"{', '.join(QUESTION_FORMS)}")
@@ -263,8 +273,9 @@ def facts_cases(stream: Sequence[int], encode: Encode, prompt_len: int, n: int, 
             starts.append(len(ids))
             ids += fact
             prev = cut
-        ids += hay[prev:] + tail
-        cases.append(RetrievalCase(ids, [] if in_context else question, keys[asked], depths[asked], tuple(starts)))
+        ids += hay[prev:] + tail + (question[:-1] if question_aware else [])
+        asked_after = [] if in_context else question[-1:] if question_aware else question
+        cases.append(RetrievalCase(ids, asked_after, keys[asked], depths[asked], tuple(starts)))
     return cases
 
 
@@ -275,7 +286,7 @@ def as_retrieval(case: PasskeyCase) -> RetrievalCase:
 
 def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len: int, n: int, seed: int,
                     prefix_ids: Sequence[int], fmt: PasskeyFormat | None, n_facts: int = 4, in_context: bool = False,
-                    question_form: str = "completion") -> list[RetrievalCase]:
+                    question_form: str = "completion", question_aware: bool = False) -> list[RetrievalCase]:
     """The retrieval cases of ``task`` at one prompt length: ``facts`` (:func:`facts_cases`) or ``passkey`` (the
     quotes task's are :func:`condcomp.bench.kv_quotes.quote_cases`)."""
     if task == "passkey":
@@ -284,4 +295,4 @@ def retrieval_cases(task: str, stream: Sequence[int], encode: Encode, prompt_len
     if task != "facts":
         raise ValueError(f"unknown retrieval task {task!r}; choose facts or passkey (quotes: kv_quotes.quote_cases)")
     return facts_cases(stream, encode, prompt_len, n, seed, n_facts=n_facts, in_context=in_context,
-                       prefix_ids=prefix_ids, question_form=question_form)
+                       prefix_ids=prefix_ids, question_form=question_form, question_aware=question_aware)

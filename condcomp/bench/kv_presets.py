@@ -41,6 +41,7 @@ class Preset:
     task: str = "facts"
     facts: int = 4
     question_in_context: bool = False
+    question_aware: bool = False
     question_form: str = "completion"
     haystack_sep: str | None = None  # None: the task's own (:meth:`separator`)
 
@@ -62,6 +63,9 @@ class Preset:
         if self.haystack_sep not in (None, *HAYSTACK_SEPS):
             raise ValueError(f"unknown haystack separator {self.haystack_sep!r} (--haystack-sep); choose from "
                              f"{', '.join(HAYSTACK_SEPS)}")
+        if self.question_in_context and self.question_aware:
+            raise ValueError("--question-in-context and --question-aware both put the question in the compressed "
+                             "context: give one (--question-aware also asks it again after the context)")
         if self.task == "facts" and self.question_form == "qa" and self.facts < 2:
             raise ValueError(f"--question-form qa shows another fact as an example: it needs --facts 2 or more, got "
                              f"{self.facts}")
@@ -83,8 +87,9 @@ class Preset:
 
             return {"task": "quotes", "cue_tokens": CUE_TOKENS, "answer_words": ANSWER_WORDS,
                     "haystack_sep": self.separator()}
+        aware = {"question_aware": True} if self.question_aware else {}  # absent when off: older records read back
         return {"task": self.task, "facts": self.facts, "question_in_context": self.question_in_context,
-                "question_form": self.question_form, "haystack_sep": self.separator()}
+                **aware, "question_form": self.question_form, "haystack_sep": self.separator()}
 
     def cases(self, prompt_len: int) -> tuple[int, int]:
         """``(passkey cases, continuation cases)`` at one prompt length."""
@@ -159,7 +164,8 @@ def separator_ids(preset: Preset, sep_id: int, tok: Any) -> list[int]:
 
 # bench kv's retrieval flags that apply to one task only: (Preset field, the task it applies to, the flag)
 TASK_ONLY = (("passkey_format", "passkey", "--passkey-format"), ("facts", "facts", "--facts"),
-             ("question_form", "facts", "--question-form"), ("question_in_context", "facts", "--question-in-context"))
+             ("question_form", "facts", "--question-form"), ("question_in_context", "facts", "--question-in-context"),
+             ("question_aware", "facts", "--question-aware"))
 
 
 def refuse_other_task_options(task: str, given: Iterable[str]) -> None:
@@ -176,7 +182,7 @@ def refuse_other_task_options(task: str, given: Iterable[str]) -> None:
 
 # the Preset fields bench kv's flags override (None: not given)
 OVERRIDES = ("decode_prompt", "decode_batch", "passkey_format", "task", "facts", "question_form", "question_in_context",
-             "haystack_sep", "ppl_cases")
+             "question_aware", "haystack_sep", "ppl_cases")
 
 
 def with_overrides(preset: Preset, args: Any) -> Preset:
@@ -238,3 +244,8 @@ def add_task_arguments(parser: Any) -> None:
     parser.add_argument("--question-in-context", action="store_const", const=True, default=None,
                         help="facts task: the question ends the prefilled context (the cache is compressed knowing "
                              "it) instead of being fed after it")
+    parser.add_argument("--question-aware", action="store_const", const=True, default=None,
+                        help="facts task, question-aware mode (kvpress's): the same context followed by the "
+                             "question but its last token is compressed (the selection sees the question), that "
+                             "token is fed after it, so every answer token reads the compressed cache; refused for "
+                             "tasks without a question after the context (passkey, quotes)")

@@ -97,13 +97,14 @@ def quote_cases(stream: Sequence[int], encode: Encode, decode: Decode, prompt_le
 
 def task_cases(task: str, stream: Sequence[int], encode: Encode, decode: Decode, prompt_len: int, n: int, seed: int,
                prefix_ids: Sequence[int], fmt: PasskeyFormat | None, sep_ids: Sequence[int], n_facts: int = 4,
-               in_context: bool = False, question_form: str = "completion") -> list[RetrievalCase]:
+               in_context: bool = False, question_form: str = "completion", question_aware: bool = False
+               ) -> list[RetrievalCase]:
     """The retrieval cases of any ``bench kv`` task: the quotes task's here, the others'
     :func:`~condcomp.bench.kv_cases.retrieval_cases`."""
     if task == "quotes":
         return quote_cases(stream, encode, decode, prompt_len, n, seed, sep_ids)
     return retrieval_cases(task, stream, encode, prompt_len, n, seed, prefix_ids, fmt, n_facts, in_context,
-                           question_form)
+                           question_form, question_aware)
 
 
 def answer_check(task: str) -> Callable[[str, str], bool]:

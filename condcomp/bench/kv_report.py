@@ -82,7 +82,7 @@ def table(records: list[dict[str, Any]]) -> str:
 FAMILIES = (("dense", "dense"), ("quantized-", "quantized cache"), ("kvpress-", "kvpress"),
             ("streaming", "window (StreamingLLM)"), ("drop-", "condcomp drop"), ("split-", "condcomp split"),
             ("router-", "condcomp router"), ("snapkv-", "condcomp token selection"),
-            ("adakv-", "condcomp token selection"))
+            ("adakv-", "condcomp token selection"), ("headkv-", "condcomp per-group budgets"))
 
 
 def family(name: str) -> str:
@@ -154,7 +154,9 @@ def summary(result: dict[str, Any]) -> str:
     records = result["records"]
     timing = next((r for r in records if r["decode_prompt"] is not None), None)
     task = p.get("task", "passkey")
-    asked = ("inside the context" if p.get("question_in_context") else "after the context, through the cache") if (
+    asked = ("inside the context" if p.get("question_in_context") else
+             "question-aware: compressed with the context but its last token, fed after it through the cache"
+             if p.get("question_aware") else "after the context, through the cache") if (
         task in ("facts", "quotes")) else "inside the prompt"
     sep = {"blank": "a blank line", "eos": "<|endoftext|>"}[p.get("haystack_sep") or (
         "blank" if task in ("facts", "quotes") and "haystack_sep" in p else "eos")]  # runs before the option: eos
@@ -165,7 +167,7 @@ def summary(result: dict[str, Any]) -> str:
 
         facts = (f"{CUE_TOKENS} tokens of the context quoted, found when the answer's first {ANSWER_WORDS} words "
                  f"follow them, documents separated by {sep}; ")
-    lines = ["# condcomp bench kv", "",
+    lines = ["# condcomp bench kv" + (": question-aware" if task == "facts" and p.get("question_aware") else ""), "",
              f"Prompts {', '.join(map(str, p['prompts']))} tokens; retrieval task {task} ({facts}the question "
              f"{asked}); retrieval cases {p['passkey_cases']} and continuations {p['ppl_cases']} of {p['cont_len']} "
              f"scored tokens (per length where a list); haystack text {result.get('text', 'staged')}; device "

@@ -94,6 +94,16 @@ for _frac in (0.5, 0.25):  # token selection in every KV group, at kvpress's Sna
         f"adakv-{_frac:.2f}", note=f"condcomp kv='adakv' in every KV group: {_frac:.2f} of each prompt's tokens per "
         "group on average, shared over a layer's groups by SnapKV's scores (each group at least 0.2 of its share), "
         "stored padded to the layer's largest group")
+for _frac in (0.5, 0.25):  # per-group budgets (HeadKV) from the DuoAttention gates, one byte budget
+    VARIANTS[f"headkv-{_frac:.2f}"] = KVVariant(
+        f"headkv-duo-{_frac:.2f}", note=f"condcomp per-group budgets (condcomp.kv.headkv_budget): {_frac:.2f} of the "
+        "dense cache's bytes allocated over every (layer, KV group) by the DuoAttention gates (results/kv/"
+        "duo_gates.json), each group 1/32 of the prompt plus a pool in proportion to its gate above the smallest; "
+        "groups that reach the whole prompt full, the others kv='headkv' (4 sinks, 64 recent, the rest by SnapKV's "
+        "scores from the last 64 queries, pooled over 5), padded to the layer's largest")
+    VARIANTS[f"headkv-window-{_frac:.2f}"] = KVVariant(
+        f"headkv-window-duo-{_frac:.2f}", note=f"as headkv-{_frac:.2f}, each group's tokens beyond its 4 sinks the "
+        "most recent ones (kv='headkv', select='window'): per-group windows, no selection")
 DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
                     "drop-keep2of3+fp8")
 # Variants still to build (listed under the table): none at present.
@@ -267,6 +277,16 @@ def request_split(path: Path) -> Prepare:
     return prepare
 
 
+def group_budgets(path: Path, fraction: float, select: str = "snapkv") -> Prepare:
+    """Per-group budgets from a gates file within ``fraction`` of the dense cache's bytes
+    (:func:`condcomp.kv.headkv_budget.headkv_split`, observation window 64 as the ``snapkv-*`` variants)."""
+    def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
+        from condcomp.kv.headkv_budget import headkv_split
+
+        return headkv_split(copy.deepcopy(dense), path, fraction, observe=64, pool=5, select=select)
+    return prepare
+
+
 def token_selection(kv: str, fraction: float) -> Prepare:
     """Every KV group of every layer held by KV policy ``kv`` (``snapkv``, ``adakv``) keeping ``fraction`` of each
     prompt's tokens, with kvpress's SnapKV press settings (observation window 64, pool 5): the plan keeps no group
@@ -295,6 +315,8 @@ MODELS: dict[str, Prepare] = {
     "request-1of3-w252": request_split(REQUEST_ROUTERS[0]),
     "request-1of3-w252-seed1": request_split(REQUEST_ROUTERS[1]),
     **{f"{kv}-{f:.2f}": token_selection(kv, f) for kv in ("snapkv", "adakv") for f in (0.5, 0.25)},
+    **{f"headkv-duo-{f:.2f}": group_budgets(DUO_GATES, f) for f in (0.5, 0.25)},
+    **{f"headkv-window-duo-{f:.2f}": group_budgets(DUO_GATES, f, "window") for f in (0.5, 0.25)},
 }
 
 

@@ -217,6 +217,8 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         v = _slots(v_all, sel.window_index, False).transpose(1, 2)
         keep = cache.keep_windows is not None
         joint: dict[str, Any] = {"slot_valid": sel.window_valid} if sel.policy.reads_slot_validity else {}
+        if sel.policy.reads_slot_groups:  # per-group options (headkv's shares): which group each slot holds
+            joint["slot_groups"] = sel.window_index
         if cache.position_bias is not None:  # opt-in arguments, as slot_valid
             if not sel.policy.reads_position_bias:
                 raise ValueError(f"the KV policy {sel.policy.name!r} cannot add this model's relative position bias "

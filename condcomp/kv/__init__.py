@@ -9,7 +9,8 @@ Read it in this order:
    block-banded prefill; window_quant.py: the same window stored quantized inside a quantized cache.
 3. window_policy.py: the ``window`` policy itself (StreamingLLM / DuoAttention's streaming heads); snapkv.py:
    ``snapkv``, the prompt tokens its last queries attend to most (SnapKV); adakv.py: ``adakv``, one token budget
-   per layer shared by its groups by those scores (AdaKV).
+   per layer shared by its groups by those scores (AdaKV); headkv.py: ``headkv``, each group its own share of the
+   prompt (HeadKV), and headkv_budget.py: those shares from one byte budget over the model by importance scores.
 4. selection.py: per request and layer, which groups the plan keeps in full and which its policy holds, in the
    compact slot order the cache stores them (:class:`KVSelection`), the plan held with the cache
    (:class:`HeldPlan`) and its public view (:class:`RequestPlan`).
@@ -27,7 +28,7 @@ that holds it is condcomp's own (:mod:`condcomp.integrations.hf.kv_layer`, insta
 :func:`adopt`), and :mod:`condcomp.integrations.hf.cache`'s ``cache_bytes`` counts it.
 
 >>> import condcomp
->>> {'drop', 'full', 'window', 'snapkv', 'adakv'} <= set(condcomp.list_kv_policies())
+>>> {'drop', 'full', 'window', 'snapkv', 'adakv', 'headkv'} <= set(condcomp.list_kv_policies())
 True
 """
 
@@ -35,6 +36,7 @@ from typing import Any
 
 from condcomp.kv.adakv import AdaKV
 from condcomp.kv.choose import build_kv_policy, kv_policy_of
+from condcomp.kv.headkv import HeadKV
 from condcomp.kv.policy import KV_FULL, KV_MODE_NAMES, KV_NONE, KV_WINDOW, DropKV, FullKV, KVPolicy
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import HeldPlan, KVSelection, RequestPlan, as_kv_policy, decision_mask, pad_slots, select_kv
@@ -65,8 +67,7 @@ def adopt(cache: Any) -> Any:
     return adopt_cache(cache)
 
 
-__all__ = ["AdaKV", "KV_FULL", "KV_MODE_NAMES", "KV_NONE", "KV_WINDOW", "DropKV", "FullKV", "HeldPlan", "KVPolicy",
-           "KVSelection", "QuantizedWindowCache", "RelativeBias", "RequestPlan", "SnapKV", "SnapState", "StreamWindow",
-           "WindowCache", "WindowCodec", "WindowKV", "adopt", "as_kv_policy", "build_kv_policy", "decision_mask",
-           "kv_policy_of",
-           "pad_slots", "select_kv"]
+__all__ = ["AdaKV", "HeadKV", "KV_FULL", "KV_MODE_NAMES", "KV_NONE", "KV_WINDOW", "DropKV", "FullKV", "HeldPlan",
+           "KVPolicy", "KVSelection", "QuantizedWindowCache", "RelativeBias", "RequestPlan", "SnapKV", "SnapState",
+           "StreamWindow", "WindowCache", "WindowCodec", "WindowKV", "adopt", "as_kv_policy", "build_kv_policy",
+           "decision_mask", "kv_policy_of", "pad_slots", "select_kv"]

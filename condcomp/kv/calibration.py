@@ -49,7 +49,8 @@ __all__ = ["DuoGates", "DuoSettings", "RequestSettings", "RequestSplit", "contin
            "save_router", "split_from_scores", "static_split", "train_gates", "train_router", "warm_start_scores"]
 
 
-def _attention_layers(model: nn.Module) -> list[str]:
+def attention_layers(model: nn.Module) -> list[str]:
+    """The names of a Llama-family decoder's attention modules (``*self_attn``), in order."""
     layers = [name for name, _ in model.named_modules() if name.endswith("self_attn")]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no modules named '*self_attn' (a Llama-family decoder's "
@@ -57,7 +58,8 @@ def _attention_layers(model: nn.Module) -> list[str]:
     return layers
 
 
-def _groups(model: nn.Module) -> tuple[int, int]:
+def head_groups(model: nn.Module) -> tuple[int, int]:
+    """``(query heads, key/value groups)`` of a transformers decoder's config."""
     cfg: Any = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "num_key_value_heads"):
         raise ValueError(f"{type(model).__name__} has no config.num_key_value_heads: the KV splits are for "
@@ -68,7 +70,7 @@ def _groups(model: nn.Module) -> tuple[int, int]:
 def _apply_layers(model: nn.Module, kept_counts: list[int], scores: list[list[float]] | None, G: int,
                   sinks: int, window: int) -> None:
     inits: list[list[float] | None] = list(scores) if scores is not None else [None] * len(kept_counts)
-    layers = _attention_layers(model)
+    layers = attention_layers(model)
     wrapped = [name for name in layers if name in routed_modules(model)]
     if wrapped:  # refused before any layer is wrapped (it failed at the first wrapped one, the earlier ones split)
         more = " ..." if len(wrapped) > 3 else ""
@@ -92,8 +94,8 @@ def duo_split(model: nn.Module, path: str | Path, fraction: float, *, window: in
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"duo_split: fraction must be in [0, 1] (the share of (layer, group) pairs kept in full), "
                          f"got {fraction}")
-    _, G = _groups(model)
-    record = load_gates(path, len(_attention_layers(model)), G)
+    _, G = head_groups(model)
+    record = load_gates(path, len(attention_layers(model)), G)
     kept = split_from_scores(record["scores"], fraction)
     _apply_layers(model, [len(k) for k in kept], warm_start_scores(record["scores"]), G,
                   int(record["sinks"] if sinks is None else sinks), int(record["window"] if window is None else window))
@@ -107,8 +109,8 @@ def static_split(model: nn.Module, importance: Tensor, fraction: float, *, windo
     (``fraction`` 0: every group streams, StreamingLLM). Returns ``model``, in eval mode."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"static_split: fraction must be in [0, 1], got {fraction}")
-    _, G = _groups(model)
-    layers = _attention_layers(model)
+    _, G = head_groups(model)
+    layers = attention_layers(model)
     if tuple(importance.shape) != (len(layers), G):
         raise ValueError(f"static_split: importance has shape {tuple(importance.shape)}, this model needs "
                          f"({len(layers)}, {G}) (one score per layer and KV group)")
@@ -131,7 +133,7 @@ def request_split(model: nn.Module, path: str | Path) -> nn.Module:
     prompt the file's ``keep`` KV groups kept in full; the others stream the file's sinks + window. Returns
     ``model``, in eval mode."""
     split = load_request_split(path, model)
-    _apply_layers(model, [split.keep] * len(_attention_layers(model)), None, split.groups, split.sinks, split.window)
+    _apply_layers(model, [split.keep] * len(attention_layers(model)), None, split.groups, split.sinks, split.window)
     for host, trained in zip(routing_hosts(model).values(), split.routers, strict=True):  # in layer order
         host.condcomp_router.scorer.load_state_dict(trained.scorer.state_dict())  # type: ignore[union-attr]
     return model.eval()

@@ -46,6 +46,9 @@ class KVPolicy:
     # attend gets ``slot_valid=`` (B, gw) bool, which of its slots hold a group of the row (the others are spare
     # slots repeating one, gate 0): a policy that chooses across a row's groups jointly must skip spare slots
     reads_slot_validity: ClassVar[bool] = False
+    # attend gets ``slot_groups=`` (B, gw) int64, the KV group each of its slots holds
+    # (:attr:`~condcomp.kv.selection.KVSelection.window_index`): a policy whose options differ per group reads it
+    reads_slot_groups: ClassVar[bool] = False
     # attend gets ``position_bias=`` (a :class:`~condcomp.kv.position_bias.RelativeBias` narrowed to its slots'
     # heads) on a model that adds a relative position bias to its scores (T5's decoder); a policy that cannot add it
     # is refused on such a model
@@ -77,6 +80,7 @@ class KVPolicy:
         Returns ``(out (B, gw*r, T, Dh), dead (B, 1, T) queries that see no key, new state or None if not keep)``.
         A policy with ``reads_slot_validity = True`` is also given the keyword ``slot_valid (B, gw)`` bool (see
         :attr:`~condcomp.kv.selection.KVSelection.window_valid`); others are called without it. One with
+        ``reads_slot_groups = True`` is given ``slot_groups (B, gw)`` int64, the KV group of each slot. One with
         ``reads_position_bias = True`` is given ``position_bias`` (a
         :class:`~condcomp.kv.position_bias.RelativeBias` of its ``gw*r`` query heads, or None): it adds the bias of
         each query's and kept key's true positions to their score."""

@@ -165,28 +165,29 @@ class SnapKV(KVPolicy):
         return self.observe
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
-               keep: bool, slot_valid: Tensor | None = None, position_bias: RelativeBias | None = None
-               ) -> tuple[Tensor, Tensor, Any]:
+               keep: bool, slot_valid: Tensor | None = None, position_bias: RelativeBias | None = None,
+               slot_groups: Tensor | None = None) -> tuple[Tensor, Tensor, Any]:
         T = q.shape[2]
         if position_bias is not None:
             check_contiguous(self.name, query_mask, state is None)
         tail = min(first_call_tail(), T - 1) if state is None else 0
         if tail <= 0:
-            return self._attend(q, k, v, state, query_mask, scale, keep, slot_valid, False, position_bias)
+            return self._attend(q, k, v, state, query_mask, scale, keep, slot_valid, False, position_bias,
+                                slot_groups)
         # a first call that carries tokens after the prompt (assisted decoding's candidates, revertible_tail): the
         # prompt is compressed on its own observation window, then the tail is a later call on it, as when
         # decoded one by one (and a verifier can take it back)
         P = T - tail
         head_mask, tail_mask = (None, None) if query_mask is None else (query_mask[:, :P], query_mask[:, P:])
         out, dead, prompt = self._attend(q[:, :, :P], k[:, :, :P], v[:, :, :P], None, head_mask, scale, True,
-                                         slot_valid, False, position_bias)
+                                         slot_valid, False, position_bias, slot_groups)
         out2, dead2, new = self._attend(q[:, :, P:], k[:, :, P:], v[:, :, P:], prompt, tail_mask, scale, keep,
-                                        slot_valid, True, position_bias)
+                                        slot_valid, True, position_bias, slot_groups)
         return torch.cat([out, out2], 2), torch.cat([dead, dead2], -1), new
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
                 keep: bool, slot_valid: Tensor | None, after_prompt: bool,
-                position_bias: RelativeBias | None) -> tuple[Tensor, Tensor, Any]:
+                position_bias: RelativeBias | None, slot_groups: Tensor | None = None) -> tuple[Tensor, Tensor, Any]:
         B, H, T, _ = q.shape
         gw = k.shape[1]
         if state is not None and T > 1 and not after_prompt and state.prefill_only and (
@@ -224,17 +225,22 @@ class SnapKV(KVPolicy):
                              "observation window is its last real tokens; pad prompts on the left (tokenizer "
                              "padding_side='left')")
         valid = torch.ones(B, gw, dtype=torch.bool, device=k.device) if slot_valid is None else slot_valid
+        # a spare slot (it repeats a group of a row holding fewer of the policy's groups, at gate 0) keeps nothing,
+        # so the state is padded to what the held groups keep, not to a spare slot's own selection
+        kept = self._prompt_kept(q, k, pos, seen, scale, bias, valid.to(k.device), slot_groups)  # (B, gw, T)
+        # the prompt may go on in the next call unless the caller said this call holds all of it (plan_from_prompt)
+        return out, dead.unsqueeze(1), kept_state(k, v, pos, kept, seen, not first_call_completes_prompt())
+
+    def _prompt_kept(self, q: Tensor, k: Tensor, pos: Tensor, seen: Tensor, scale: float, bias: Tensor | None,
+                     valid: Tensor, slot_groups: Tensor | None) -> Tensor:
+        """``(B, gw, T)`` bool: the prompt tokens each valid slot keeps (``pos (B, T)``, -1: padding; ``seen (B,)``
+        the real prompt tokens): the ``recent`` ones and the scored ones :meth:`_choose` picks."""
         observed = (pos >= (seen - self.observe).unsqueeze(-1)) & (pos >= 0)  # (B, T): the window's queries
         recent = (pos >= (seen - self.recent).unsqueeze(-1)) & (pos >= 0)  # (B, T): kept whole
         scores = observation_scores(q, k, pos, observed, (pos >= 0) & ~recent, self.pool, scale, bias)  # (B, gw, T)
         budgets = prompt_budgets(seen, recent.sum(-1), self.budget, self.fraction)  # (B,)
-        valid = valid.to(k.device)
         chosen = self._choose(scores, budgets, valid)
-        # a spare slot (it repeats a group of a row holding fewer of the policy's groups, at gate 0) keeps nothing,
-        # so the state is padded to what the held groups keep, not to a spare slot's own selection
-        kept = (chosen | recent[:, None, :]) & valid[:, :, None]  # (B, gw, T)
-        # the prompt may go on in the next call unless the caller said this call holds all of it (plan_from_prompt)
-        return out, dead.unsqueeze(1), kept_state(k, v, pos, kept, seen, not first_call_completes_prompt())
+        return (chosen | recent[:, None, :]) & valid[:, :, None]
 
     def keys_read(self, state: Any, T: int, S: int) -> int:
         # the prefill attends the whole prompt; later calls the kept entries (padded: computed too) and their own

@@ -16,9 +16,9 @@ import pytest
 from condcomp import cli
 from condcomp.bench.kv_presets import refuse_other_task_options
 
-READS = {"passkey": {"passkey_format"}, "facts": {"facts", "question_form", "question_in_context"}}
+READS = {"passkey": {"passkey_format"}, "facts": {"facts", "question_form", "question_in_context", "question_aware"}}
 FLAGS = {"passkey_format": "--passkey-format", "facts": "--facts", "question_form": "--question-form",
-         "question_in_context": "--question-in-context"}
+         "question_in_context": "--question-in-context", "question_aware": "--question-aware"}
 
 
 @pytest.mark.parametrize("task", ["facts", "passkey"])
@@ -49,6 +49,7 @@ def refused_before_the_run(argv: list[str], tmp_path: Path, capsys: pytest.Captu
     (["--task", "facts", "--passkey-format", "raw"], "--passkey-format"),
     (["--task", "passkey", "--facts", "3"], "--facts"),
     (["--task", "passkey", "--question-in-context"], "--question-in-context"),
+    (["--task", "quotes", "--question-aware"], "--question-aware"),
 ])
 def test_the_command_refuses_them_before_any_model_is_loaded(argv: list[str], flag: str, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str],

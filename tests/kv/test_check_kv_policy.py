@@ -50,7 +50,7 @@ def test_the_builtin_window_policy_passes_against_its_rule() -> None:
     check_kv_policy("window", {"sinks": 1, "window": 3}, rule=lambda p, j: j < 1 or p - j < 3)
 
 
-@pytest.mark.parametrize("name", ["adakv", "drop", "full", "snapkv", "window"])
+@pytest.mark.parametrize("name", ["adakv", "drop", "full", "headkv", "snapkv", "window"])
 def test_every_builtin_policy_passes_with_its_defaults(name: str) -> None:
     assert name in condcomp.list_kv_policies()
     check_kv_policy(name)

@@ -1,0 +1,106 @@
+"""Per-group budgets from one byte budget (condcomp.kv.headkv_budget): the allocation against the rule solved by hand,
+the refusals, and a model split by it whose cache bytes are counted by hand, alone and inside an fp8 cache."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import condcomp
+from condcomp.kv.headkv_budget import allocate_group_budgets, headkv_split, stored_fraction
+
+
+def test_the_allocation_is_the_rule_solved_by_hand() -> None:
+    # importance above the smallest score: w = (0, .4, .1 | 0, .05, 0) / .55; floor 1/8; (0, 1) reaches the full
+    # cache; the pool p spends the budget with each layer's other groups padded to their largest share:
+    # (1 + 2 a + 3 b) / 6 = 0.5 with a = 1/8 + p .1/.55, b = 1/8 + p .05/.55
+    got = allocate_group_budgets(torch.tensor([[0.5, 0.9, 0.6], [0.5, 0.55, 0.5]]), 0.5, floor=0.125)
+    p = (2 - 5 * 0.125) / ((2 * 0.1 + 3 * 0.05) / 0.55)
+    a, b = 0.125 + p * 0.1 / 0.55, 0.125 + p * 0.05 / 0.55
+    want = torch.tensor([[0.125, 1.0, a], [0.125, b, 0.125]], dtype=torch.float64)
+    torch.testing.assert_close(got.shares, want, atol=1e-9, rtol=0)
+    assert 0.125 + p * 0.4 / 0.55 >= 1 and got.full.tolist() == [[False, True, False], [False, False, False]]
+    assert math.isclose(got.stored, 0.5, abs_tol=1e-9) and got.stored <= 0.5
+
+
+def test_a_layer_whose_padding_would_cost_more_than_its_full_group_is_still_found() -> None:
+    # (0, 1) alone at 0.9 of the prompt pads its layer to 3 x 0.9; full, it costs 1 + 2 floors: the pool that
+    # fits lies past that point, where the stored bytes drop
+    got = allocate_group_budgets(torch.tensor([[0.5, 0.9, 0.5], [0.5, 0.6, 0.5]]), 0.5, floor=0.125)
+    assert got.full.tolist() == [[False, True, False], [False, True, False]]
+    assert math.isclose(got.stored, (2 * (1 + 2 * 0.125)) / 6)  # the zero-importance groups keep their floor only
+
+
+def test_equal_scores_share_equally_and_the_overheads_are_paid_from_the_budget() -> None:
+    got = allocate_group_budgets(torch.full((2, 4), 0.7), 0.25, floor=0.0625, entry_overhead=0.25, empty_layer=0.5)
+    share = (0.25 * 8 - 2 * 0.5) / (8 * 1.25)  # 8 groups at (1 + 1/4) per entry, 2 placeholders of half a group
+    torch.testing.assert_close(got.shares, torch.full((2, 4), share, dtype=torch.float64), atol=1e-9, rtol=0)
+    assert stored_fraction(torch.tensor([[1.0, 0.5, 0.25]])) == (1 + 2 * 0.5) / 3
+
+
+@pytest.mark.parametrize("scores, fraction, match", [
+    (torch.tensor([[0.5, float("nan")]]), 0.5, r"non-finite values \(NaN or inf\) at \(layer, group\) \[\[0, 1\]\]"),
+    (torch.tensor([0.5, 0.6]), 0.5, r"must be a \(layers, KV groups\) matrix, got shape \(2,\)"),
+    (torch.ones(2, 2), 0.0, r"in \(0, 1\], got 0.0"),
+    (torch.ones(2, 2), 1.5, r"in \(0, 1\], got 1.5"),
+    (torch.ones(2, 2), float("nan"), r"in \(0, 1\], got nan"),
+    (torch.ones(2, 2), 0.01, "cannot give every group its floor share"),
+])
+def test_bad_budgets_and_scores_are_refused_by_name(scores: torch.Tensor, fraction: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        allocate_group_budgets(scores, fraction)
+
+
+def tiny_llama() -> torch.nn.Module:
+    t = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = t.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=6, num_key_value_heads=3)
+    return t.LlamaForCausalLM(config).eval()
+
+
+SCORES = torch.tensor([[0.5, 0.9, 0.6], [0.5, 0.55, 0.5]])
+
+
+def test_a_score_matrix_of_the_wrong_shape_is_refused_before_any_layer_is_wrapped() -> None:
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"scores has shape \(3, 3\), this model needs \(2, 3\)"):
+        headkv_split(model, torch.rand(3, 3), 0.5)
+    assert not condcomp.routed_modules(model)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_split_holds_what_the_allocation_says_counted_by_hand(quantized: bool) -> None:
+    t = pytest.importorskip("transformers")
+    from condcomp.integrations.hf.cache import cache_bytes
+
+    model = headkv_split(tiny_llama(), SCORES, 0.5, floor=0.125, observe=4, pool=3)
+    Dh, G, T = 8, 3, 64
+    budgets = allocate_group_budgets(SCORES, 0.5, floor=0.125, entry_overhead=8 / (2 * Dh * 4), empty_layer=1 / Dh)
+    ids = torch.randint(1, 64, (1, T), generator=torch.Generator().manual_seed(1))
+    cache = t.QuantizedCache("fp8", model.config) if quantized else t.DynamicCache(config=model.config)
+    with condcomp.plan_from_prompt(model, T):
+        out = model(input_ids=ids, cache=cache, use_cache=True)
+    plans = list(condcomp.request_plans(model, out.cache).values())
+    per_value = 1 if quantized else 4  # fp8 codes or float32
+    for layer, plan, shares, got in zip(out.cache.layers, plans, budgets.shares, cache_bytes(out.cache), strict=True):
+        full = shares >= 1
+        assert plan.group_modes()[0] == ["full" if f else "headkv" for f in full.tolist()]
+        counts = [int(T * float(s) + 1e-9) for s, f in zip(shares, full) if not f]
+        N = max(counts)
+        # keys, values, positions; seen and prompt (one tensor until a later token); fp8: a scale per keys, values
+        state = 2 * len(counts) * N * Dh * per_value + len(counts) * N * 8 + 8 + (2 * 4 if quantized else 0)
+        if full.any():  # the full groups in the layer's own tensors (fp8: codes and one scale per tensor)
+            kept = 2 * int(full.sum()) * T * Dh * per_value + (2 * 4 if quantized else 0)
+        else:  # a (1, 1, T, 1) placeholder for keys and values counts the tokens
+            kept = 2 * T * per_value + (2 * 4 if quantized else 0)
+        assert got == kept + state, (plan.group_modes(), got, kept + state)
+        windows = getattr(layer, "condcomp_windows", None)
+        assert windows is not None and tuple(windows.positions.shape) == (1, len(counts), N)
+    dense_bytes = 2 * 2 * G * T * Dh * 4
+    if not quantized:  # the allocation's own count is the bytes but for seen / prompt (16 bytes per layer)
+        assert abs(sum(cache_bytes(out.cache)) - budgets.stored * dense_bytes) <= 2 * 16 + 2 * 2 * 3 * Dh * 4
+    follow = model(input_ids=ids[:, :2], cache=out.cache, use_cache=True)  # a question after the prompt
+    assert follow.logits.isfinite().all()
