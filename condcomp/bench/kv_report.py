@@ -110,6 +110,25 @@ def best_kvpress(rows: list[dict[str, Any]], at_least: float = 0.0, tol: float =
     return max(presses, key=lambda r: sum(correct(r) or []), default=None)
 
 
+def pareto(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records no other of the same prompt length dominates in retrieval per measured byte: none holds at most
+    its bytes (``kv_frac``) and finds at least as many cases, one of the two strictly. Per length, in bytes order;
+    records without retrieval results are left out.
+
+    >>> rows = [{"variant": v, "prompt_len": 8, "kv_frac": f, "retrieval_acc": a}
+    ...         for v, f, a in (("a", 1.0, 0.8), ("b", 0.5, 0.6), ("c", 0.5, 0.4), ("d", 0.25, 0.6))]
+    >>> [r["variant"] for r in pareto(rows)]
+    ['d', 'a']
+    """
+    out = []
+    for P in dict.fromkeys(r["prompt_len"] for r in records):
+        rows = [r for r in records if r["prompt_len"] == P and not math.isnan(accuracy(r))]
+        out += sorted((r for r in rows if not any(
+            o["kv_frac"] <= r["kv_frac"] and accuracy(o) >= accuracy(r)
+            and (o["kv_frac"], accuracy(o)) != (r["kv_frac"], accuracy(r)) for o in rows)), key=lambda r: r["kv_frac"])
+    return out
+
+
 def statistics_table(records: list[dict[str, Any]], cfg: Any = None) -> str:
     """Markdown, per prompt length and variant: retrieval with its Wilson interval, the exact McNemar test against
     dense and against the best kvpress press, the non-inferiority bound against dense, and perplexity / dense's with
@@ -183,7 +202,11 @@ def summary(result: dict[str, Any]) -> str:
                   "(windows' tokens are not independent: the token-level part of the uncertainty).", ""]
     except ImportError:
         lines += ["(Paired statistics need scipy: pip install 'condcomp[report]'.)", ""]
-    lines += ["## Variants", ""]
+    lines += ["## Pareto set", "", "Retrieval per measured byte: no other variant holds at most the bytes and finds at "
+              "least as many cases (one of the two strictly).", ""]
+    lines += [f"- {r['prompt_len']}: `{r['variant']}` {r['kv_frac']:.3f}x, {accuracy(r):.2f} "
+              f"({len(correct(r) or [])} cases)" for r in pareto(records)]
+    lines += ["", "## Variants", ""]
     lines += [f"- `{n}`: {note}" for n, note in dict.fromkeys((r["variant"], r.get("note", "")) for r in records)]
     if result["skipped"]:
         lines += ["", "## Skipped", ""] + [f"- {reason}" for reason in result["skipped"].values()]
@@ -218,6 +241,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
             if r.get("nominal_frac") is not None:  # a head-wise press: hollow at the bytes it would hold if freed
                 ax.scatter(r["nominal_frac"], y, marker=m, facecolors="none", edgecolors=c)
                 ax.plot([r["nominal_frac"], r["kv_frac"]], [y, y], ls=":", color=c, lw=0.8)
+        if (ci := _wilson_or_none(r)) is not None:  # retrieval's 95 % Wilson interval
+            axes[0].plot([r["kv_frac"]] * 2, ci, color=c, lw=0.8, alpha=0.6)
+    front = pareto(records)
+    for P in dict.fromkeys(r["prompt_len"] for r in front):
+        pts = [(r["kv_frac"], accuracy(r)) for r in front if r["prompt_len"] == P]
+        axes[0].step(*zip(*pts), where="post", color="black", lw=0.8, ls="--")
     axes[0].set(xlabel="KV bytes held / dense (measured)", ylabel="retrieval accuracy", ylim=(-0.05, 1.05))
     axes[1].set(xlabel="KV bytes held / dense (measured)", ylabel="continuation perplexity / dense")
     handles = [plt.Line2D([], [], ls="", marker="o", color=color[f], label=f) for f in families]
@@ -225,12 +254,27 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
                 for P, m in markers.items()]
     handles.append(plt.Line2D([], [], ls=":", marker="o", mfc="none", color="grey",
                               label="hollow: nominal bytes (masked, not freed)"))
+    handles.append(plt.Line2D([], [], ls="--", color="black", lw=0.8, label="Pareto set (retrieval per byte)"))
+    handles.append(plt.Line2D([], [], ls="-", color="grey", lw=0.8, label="bar: 95 % Wilson interval"))
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.81, 0.5), fontsize=8, frameon=False)
     fig.suptitle("Quality per KV byte")
     fig.tight_layout(rect=(0, 0, 0.8, 1))  # the legend's column right of the panels, outside the data
     fig.savefig(path, dpi=120, bbox_inches="tight")  # the figure grows to hold the legend's longest label
     plt.close(fig)
     return True
+
+
+def _wilson_or_none(r: dict[str, Any]) -> tuple[float, float] | None:
+    """A record's retrieval Wilson interval, or None without per-case results or scipy."""
+    hits = correct(r)
+    if not hits:
+        return None
+    try:
+        from condcomp.bench.kv_stats import wilson
+
+        return wilson(sum(hits), len(hits))
+    except ImportError:
+        return None
 
 
 def write(out: Path, result: dict[str, Any]) -> None:

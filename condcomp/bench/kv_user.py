@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from condcomp.bench.kv_variants import DEFAULT_VARIANTS, MODELS, VARIANTS, KVVariant, ModelContext
+from condcomp.bench.kv_variants import DEFAULT_VARIANTS, MODELS, SPLIT_GRAMMAR, VARIANTS, KVVariant, ModelContext
 from condcomp.user_spec import is_spec, load_attribute
 
 EXAMPLE = "my_kv.py:FirstTokensKV"
@@ -35,7 +35,8 @@ def variant_name(spec: str) -> str:
 def add_variants_argument(parser: Any) -> None:
     """``bench kv --variants``: registered variant names (dense is always run) or a user's specs."""
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
-                        help=f"of: {', '.join(VARIANTS)} (dense is always run); or your KV policy as "
+                        help=f"of: {', '.join(VARIANTS)} (dense is always run); or a split named "
+                             f"{SPLIT_GRAMMAR}; or your KV policy as "
                              "module:Class or path/to/file.py:Class (a KVPolicy subclass holding every KV group, "
                              "or a function factory(model) -> model), named user-<name>; see docs/extending-kv.md")
 

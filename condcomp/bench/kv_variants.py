@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,12 +112,59 @@ DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3",
 PLANNED_VARIANTS: tuple[str, ...] = ()
 
 
+SPLIT_GRAMMAR = ("split-duo-<a>of<b>-w<W>[+fp8|+hqq4]: the fraction a/b (0 < a < b, in lowest terms) of all "
+                 "(layer, KV group) pairs with the highest gates of results/kv/duo_gates.json kept in full, the "
+                 "others 4 sinks + W recent tokens (W >= 1), optionally inside the fp8 or HQQ 4-bit cache; e.g. "
+                 "split-duo-1of2-w124+fp8")
+_SPLIT_NAME = re.compile(r"split-duo-(?P<a>[0-9]+)of(?P<b>[0-9]+)-w(?P<w>[0-9]+)(?:\+(?P<cache>[a-z0-9]+))?")
+
+
+def split_variant(name: str) -> KVVariant | None:
+    """The variant a name of :data:`SPLIT_GRAMMAR` means (its model added to :data:`MODELS`), or None for a name
+    outside the ``split-duo-`` family. A ``split-duo-`` name that is not a table entry and breaks the grammar raises
+    a ValueError quoting it. The table's own names (``split-duo-1of3``: windows of 252) keep their meaning.
+
+    >>> v = split_variant("split-duo-1of2-w124+fp8")
+    >>> v.model, v.cache
+    ('duo-1of2-w124', 'fp8')
+    """
+    if name in VARIANTS or not name.startswith("split-duo-"):
+        return VARIANTS.get(name)
+    m = _SPLIT_NAME.fullmatch(name)
+    a, b, w = (int(m[k]) for k in "abw") if m else (0, 0, 0)
+    why = ("it does not read as the grammar" if m is None else
+           "the fraction must be 0 < a < b" if not 0 < a < b else
+           f"write the fraction in lowest terms (split-duo-{a // math.gcd(a, b)}of{b // math.gcd(a, b)}-w{w}...)"
+           if math.gcd(a, b) != 1 else "the window W must be at least 1" if w < 1 else
+           f"the cache must be fp8 or hqq4, got +{m['cache']}" if m["cache"] not in (None, *CACHES) else "")
+    if why:
+        raise ValueError(f"kv variant {name!r}: {why}; a split is named {SPLIT_GRAMMAR}")
+    assert m is not None
+    key = f"duo-{a}of{b}-w{w}"
+    MODELS.setdefault(key, gate_split(DUO_GATES, a / b, w))
+    cache = m["cache"]
+    quantized = {"fp8": ", inside an fp8 QuantizedCache", "hqq4": ", inside a 4-bit (HQQ) cache"}.get(cache or "", "")
+    return KVVariant(key, cache, note=f"condcomp static split from DuoAttention gates ({DUO_GATES}): the "
+                     f"{a}/{b} of all (layer, group) pairs with the highest gates in full, the others 4 sink + {w} "
+                     f"recent tokens{quantized}")
+
+
+def add_split_variants(names: list[str]) -> None:
+    """Add every name of :data:`SPLIT_GRAMMAR` among ``names`` to :data:`VARIANTS` (and its model to
+    :data:`MODELS`); a malformed ``split-duo-`` name raises (:func:`split_variant`), other names are left."""
+    for name in names:
+        if name not in VARIANTS and (v := split_variant(name)) is not None:
+            VARIANTS[name] = v
+
+
 def check_names(names: list[str], timed: list[str] | None) -> None:
     """Refuse variant names no entry of :data:`VARIANTS` has, and ``--time-decode`` names the run does not measure
-    (they would time nothing, without a word)."""
+    (they would time nothing, without a word). Names of :data:`SPLIT_GRAMMAR` are added to the tables first."""
+    add_split_variants([*names, *(timed or [])])
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        raise ValueError(f"unknown kv variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+        raise ValueError(f"unknown kv variant(s) {unknown}; choose from {', '.join(VARIANTS)}; or name a split "
+                         f"{SPLIT_GRAMMAR}")
     untimed = [n for n in timed or [] if n not in names and n != "dense"]
     if untimed:
         raise ValueError(f"--time-decode names {untimed}, which this run does not measure (--variants: "

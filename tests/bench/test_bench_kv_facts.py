@@ -254,3 +254,11 @@ def test_haystack_separator_is_a_blank_line_for_facts_and_eos_for_passkey() -> N
                                      "question_form": "completion", "haystack_sep": "blank"}
     with pytest.raises(ValueError, match="--haystack-sep"):
         replace(facts, haystack_sep="tab")
+
+
+def test_a_shorter_run_answers_the_first_cases_of_a_longer_one() -> None:
+    """A 20-case screen answers the first 20 cases of the 100-case run (the cases are drawn one after the other
+    from one generator), so its records pair with the longer run's first 20."""
+    long = facts_cases(stream(), byte_encode, 600, n=100, seed=0, n_facts=4)
+    short = facts_cases(stream(), byte_encode, 600, n=20, seed=0, n_facts=4)
+    assert short == long[:20]

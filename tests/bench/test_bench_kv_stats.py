@@ -135,3 +135,29 @@ def test_a_variant_is_tested_against_the_best_press_holding_at_least_its_bytes()
     rows = {line.split(" | ")[1]: line for line in statistics_table(records).splitlines()[2:]}
     assert "5 / 0 (kvpress-snapkv-0.50), p 0.062" in rows["split-duo-1of3"]  # 2 * 0.5**5
     assert "2 / 0 (kvpress-streaming-0.25), p 0.500" in rows["split-duo-1of6-w92"]
+
+
+def test_the_pareto_set_is_the_undominated_records_by_hand(tmp_path: Path) -> None:
+    """Dense (1.0, 9), a split at 0.5 (7) and a press at 0.5 (4, dominated), a split at 0.248 with 7 (dominates the
+    0.5 split: fewer bytes, as many keys), a tie at 0.248 / 7 (both stay), a quantized split at 0.127 (5) and a
+    variant with no retrieval results (left out); at another length a lone record is its own set."""
+    from condcomp.bench.kv_report import pareto, plot, summary
+
+    records = [_record("dense", [True] * 9 + [False], 2.0, 1.0),
+               _record("split-duo-1of3", [True] * 7 + [False] * 3, 2.02, 0.5),
+               _record("kvpress-snapkv-0.50", [True] * 4 + [False] * 6, 2.1, 0.5),
+               _record("split-duo-1of6-w92", [True] * 7 + [False] * 3, 2.05, 0.248),
+               _record("split-duo-1of12-w180", [False] * 3 + [True] * 7, 2.05, 0.248),
+               _record("split-duo-1of3+fp8", [True] * 5 + [False] * 5, 2.03, 0.127),
+               {**_record("streaming", [True], 2.0, 0.2), "retrieval_acc": math.nan, "retrieval_correct": None},
+               {**_record("dense", [True, False], 2.0, 1.0), "prompt_len": 2048}]
+    got = [(r["prompt_len"], r["variant"]) for r in pareto(records)]
+    assert got == [(1024, "split-duo-1of3+fp8"), (1024, "split-duo-1of6-w92"), (1024, "split-duo-1of12-w180"),
+                   (1024, "dense"), (2048, "dense")]
+    result = {"preset": {"prompts": [1024], "passkey_cases": 10, "ppl_cases": 1, "cont_len": 8, "task": "facts",
+                         "facts": 4, "decode_prompt": 0, "decode_batch": 0, "decode_tokens": 0},
+              "device": "cpu", "threads": 1, "records": records[:6], "skipped": {}, "text": "builtin"}
+    text = summary(result)
+    assert "- 1024: `split-duo-1of3+fp8` 0.127x, 0.50 (10 cases)" in text and "`kvpress-snapkv-0.50` 0.500x" not in text
+    pytest.importorskip("matplotlib")
+    assert plot(records[:6], tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
