@@ -94,6 +94,17 @@ for _frac in (0.5, 0.25):  # token selection in every KV group, at kvpress's Sna
         f"adakv-{_frac:.2f}", note=f"condcomp kv='adakv' in every KV group: {_frac:.2f} of each prompt's tokens per "
         "group on average, shared over a layer's groups by SnapKV's scores (each group at least 0.2 of its share), "
         "stored padded to the layer's largest group")
+# DuoAttention gates trained at 1024 tokens on calibrate-kv --mix's rows (train split, other wordings), two seeds
+VARIANTS.update({
+    "split-duo1024-1of3": KVVariant("duomix1024-1of3-w252", note="condcomp static split from DuoAttention gates "
+                                    "trained at 1024 tokens on the calibration mixture "
+                                    "(results/kv/duo_gates_mix1024_seed0.json): the highest third in full, the "
+                                    "others 4 sink + 252 recent tokens"),
+    "split-duo1024-1of3-seed1": KVVariant("duomix1024-1of3-w252-seed1", note="the same from training seed 1 "
+                                          "(results/kv/duo_gates_mix1024_seed1.json)"),
+    "split-duo1024-1of6-w92": KVVariant("duomix1024-1of6-w92", note="the 1024-token mixture gates' highest sixth "
+                                        "in full, the others 4 sink + 92 recent tokens"),
+})
 DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
                     "drop-keep2of3+fp8")
 # Variants still to build (listed under the table): none at present.
@@ -296,6 +307,14 @@ MODELS: dict[str, Prepare] = {
     "request-1of3-w252-seed1": request_split(REQUEST_ROUTERS[1]),
     **{f"{kv}-{f:.2f}": token_selection(kv, f) for kv in ("snapkv", "adakv") for f in (0.5, 0.25)},
 }
+
+
+MIX_GATES = tuple(Path(f"results/kv/duo_gates_mix1024_seed{s}.json") for s in (0, 1))
+MODELS.update({
+    "duomix1024-1of3-w252": gate_split(MIX_GATES[0], 1 / 3, 252),
+    "duomix1024-1of3-w252-seed1": gate_split(MIX_GATES[1], 1 / 3, 252),
+    "duomix1024-1of6-w92": gate_split(MIX_GATES[0], 1 / 6, 92),
+})
 
 
 def saved_importance(path: Path, layers: int, groups: int) -> Tensor | None:
