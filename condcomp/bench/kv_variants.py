@@ -106,6 +106,17 @@ for _frac in (0.5, 0.25):  # per-group budgets (HeadKV) from the DuoAttention ga
     VARIANTS[f"headkv-window-{_frac:.2f}"] = KVVariant(
         f"headkv-window-duo-{_frac:.2f}", note=f"as headkv-{_frac:.2f}, each group's tokens beyond its 4 sinks the "
         "most recent ones (kv='headkv', select='window'): per-group windows, no selection")
+# DuoAttention gates trained at 1024 tokens on calibrate-kv --mix's rows (train split, other wordings), two seeds
+VARIANTS.update({
+    "split-duo1024-1of3": KVVariant("duomix1024-1of3-w252", note="condcomp static split from DuoAttention gates "
+                                    "trained at 1024 tokens on the calibration mixture "
+                                    "(results/kv/duo_gates_mix1024_seed0.json): the highest third in full, the "
+                                    "others 4 sink + 252 recent tokens"),
+    "split-duo1024-1of3-seed1": KVVariant("duomix1024-1of3-w252-seed1", note="the same from training seed 1 "
+                                          "(results/kv/duo_gates_mix1024_seed1.json)"),
+    "split-duo1024-1of6-w92": KVVariant("duomix1024-1of6-w92", note="the 1024-token mixture gates' highest sixth "
+                                        "in full, the others 4 sink + 92 recent tokens"),
+})
 DEFAULT_VARIANTS = ("dense", "quantized-fp8", "quantized-hqq4", "drop-keep2of3", "drop-keep1of3",
                     "drop-keep2of3+fp8")
 # Variants still to build (listed under the table): none at present.
@@ -367,6 +378,14 @@ MODELS: dict[str, Prepare] = {
     **{f"headkv-duo-{f:.2f}": group_budgets(DUO_GATES, f) for f in (0.5, 0.25)},
     **{f"headkv-window-duo-{f:.2f}": group_budgets(DUO_GATES, f, "window") for f in (0.5, 0.25)},
 }
+
+
+MIX_GATES = tuple(Path(f"results/kv/duo_gates_mix1024_seed{s}.json") for s in (0, 1))
+MODELS.update({
+    "duomix1024-1of3-w252": gate_split(MIX_GATES[0], 1 / 3, 252),
+    "duomix1024-1of3-w252-seed1": gate_split(MIX_GATES[1], 1 / 3, 252),
+    "duomix1024-1of6-w92": gate_split(MIX_GATES[0], 1 / 6, 92),
+})
 
 
 def saved_importance(path: Path, layers: int, groups: int) -> Tensor | None:

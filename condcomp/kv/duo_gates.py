@@ -35,11 +35,14 @@ from condcomp.kv.duo_attention import DuoGates, attention_modules, gated
 
 FORMAT = "condcomp-kv-gates/1"
 HISTORY_EVERY = 5  # steps between the recorded (step, distill, mean gate) points
+ROW_KINDS = ("passkey", "mix")  # the calibration text a run names in its settings
 
 
 @dataclass(frozen=True)
 class DuoSettings:
-    """One gate training run. ``l1``: lambda, the price per unit of mean gate; ``lr``: Adam's (DuoAttention's)."""
+    """One gate training run. ``l1``: lambda, the price per unit of mean gate; ``lr``: Adam's (DuoAttention's);
+    ``rows``: the calibration text it was given (``passkey``: pass-key prompts; ``mix``: ``calibrate-kv --mix``'s
+    facts, quotes and plain text), recorded with the gates and checked on resume."""
 
     steps: int = 100
     seq_len: int = 1024
@@ -48,8 +51,11 @@ class DuoSettings:
     sinks: int = 4
     window: int = 252
     seed: int = 0
+    rows: str = "passkey"
 
     def check(self) -> None:
+        if self.rows not in ROW_KINDS:
+            raise ValueError(f"unknown calibration rows {self.rows!r}; choose from {', '.join(ROW_KINDS)}")
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if self.seq_len <= self.sinks + self.window:

@@ -48,3 +48,22 @@ def test_a_missing_gates_file_says_how_to_make_it(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="condcomp calibrate-kv --method duo"):
         gate_split(tmp_path / "none.json", 1 / 3, 252)(llama(), ModelContext(importance=unused))
     assert VARIANTS["split-duo-1of3"].model in MODELS
+
+
+def test_the_mixture_gates_variants_read_the_committed_1024_token_gates() -> None:
+    """split-duo1024-*: gates files trained by `calibrate-kv --mix` at 1024 tokens (SmolLM2: 30 layers x 3 groups),
+    one per seed, the split a third (or a sixth) of the 90 groups."""
+    from condcomp.bench.kv_variants import MIX_GATES
+    from condcomp.experiments.llm.duo_gates import load_gates, split_from_scores
+
+    root = Path(__file__).resolve().parents[2]
+    seeds = []
+    for path in MIX_GATES:
+        record = load_gates(root / path, 30, 3)
+        assert record["settings"]["rows"] == "mix" and record["settings"]["seq_len"] == 1024
+        assert (record["sinks"], record["window"]) == (4, 252)
+        seeds.append(record["settings"]["seed"])
+        assert sum(map(len, split_from_scores(record["scores"], 1 / 3))) == 30
+    assert seeds == [0, 1]
+    for name in ("split-duo1024-1of3", "split-duo1024-1of3-seed1", "split-duo1024-1of6-w92"):
+        assert VARIANTS[name].model in MODELS and VARIANTS[name].cache is None

@@ -22,14 +22,26 @@ METHODS = ("duo", "importance", "request")
 DEFAULT_LR = {"duo": 0.02, "importance": 0.02, "request": 1e-3}
 
 
-def _calibration(args: argparse.Namespace, texts: list[str] | None, seed: int) -> tuple[Any, list[Any]]:
-    """``(model, calibration rows)`` for the command's model, from the local corpora (or ``texts``)."""
+def _calibration(args: argparse.Namespace, texts: list[str] | None, seed: int,
+                 held_out: bool = False) -> tuple[Any, list[Any]]:
+    """``(model, calibration rows)`` for the command's model, from the local corpora (or ``texts``). ``--mix``:
+    the mixture of :mod:`condcomp.experiments.llm.kv_mixture` from the train split (``held_out``: its screen's
+    documents); else pass-key rows."""
     from condcomp.bench.kv import CORPORA, load
     from condcomp.bench.kv_cases import corpus_texts, haystack_stream
     from condcomp.experiments.llm.duo_gates import calibration_rows
 
     model, tok, sep, _ = load(args.model)
     encode = getattr(tok, "encode_plain", None) or tok.encode
+    if args.mix:
+        from condcomp.experiments.llm.kv_mixture import mixture_rows, mixture_texts
+
+        if texts is None:
+            from condcomp.experiments.data import LLM_DATA_ADVICE, resolve_data_dir
+
+            texts = mixture_texts(resolve_data_dir(args.data_dir, LLM_DATA_ADVICE), CORPORA, seed, held_out)
+        stream = haystack_stream(texts, encode, sep, min_tokens=64 * args.seq_len)
+        return model, mixture_rows(stream, encode, tok.decode, args.seq_len, args.steps, seed=seed, sep_ids=[sep])
     if texts is None:
         from condcomp.experiments.data import LLM_DATA_ADVICE, resolve_data_dir
 
@@ -46,13 +58,16 @@ def run(args: argparse.Namespace, texts: list[str] | None = None) -> Path:
 
     if args.lr is None:
         args.lr = DEFAULT_LR[args.method]
+    if args.mix and args.method == "request":
+        raise ValueError("--mix calibrates DuoAttention gates (--method duo or importance, and their --evaluate); "
+                         "--method request has its own rows (docs/kv-calibration.md): leave --mix out")
     if args.method == "request" and not args.evaluate:
         from condcomp.experiments.llm import calibrate_request
 
         return calibrate_request.run(args, texts)
     torch.set_num_threads(args.threads)
     settings = DuoSettings(steps=args.steps, seq_len=args.seq_len, lr=args.lr, l1=args.l1, sinks=args.sinks,
-                           window=args.window, seed=args.seed)
+                           window=args.window, seed=args.seed, rows="mix" if args.mix else "passkey")
     settings.check()
     out: Path = args.out
     if args.evaluate:
@@ -108,8 +123,8 @@ def evaluate(args: argparse.Namespace, texts: list[str] | None) -> Path:
         from condcomp.experiments.llm.calibrate_request import calibration
 
         model, rows = calibration(args, texts, seed=2000 + args.seed, held_out=True)
-    else:
-        model, rows = _calibration(args, texts, seed=2000 + args.seed)  # rows no gate training saw
+    else:  # rows no gate training saw (--mix: documents the training rows never read)
+        model, rows = _calibration(args, texts, seed=2000 + args.seed, held_out=True)
     cfg: Any = model.config
     L, G = int(cfg.num_hidden_layers), int(cfg.num_key_value_heads)
     keep = max(1, round(args.fraction * G))
@@ -181,6 +196,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--evaluate", nargs="+", default=None, metavar="GATES",
                    help="instead of calibrating: screen the splits these gates files give (and static pruning's, "
                         "and StreamingLLM) against the dense model on --steps held-out rows; --out gets the JSON")
+    p.add_argument("--mix", action="store_true",
+                   help="duo, importance and --evaluate: calibrate on a mixture from the corpora's train split "
+                        "(made-up facts in other wordings than bench kv's, quoted passages, plain text; "
+                        "docs/kv-calibration.md) instead of pass-key prompts on the test split's text")
     p.add_argument("--fraction", type=finite_float(above=0, at_most=1), default=1 / 3,
                    help="--evaluate: the share of groups kept in full")
     p.add_argument("--importance", type=importance_file, default=Path("results/llm/static_importance.json"),

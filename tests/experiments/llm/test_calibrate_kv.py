@@ -107,3 +107,29 @@ def test_request_method_trains_a_router_file_and_the_screen_reads_it(tmp_path: P
     assert 0.0 <= request["differs_from_static"] <= 1.0 and "importance per layer, 3 of 8" in results
     model = __import__("condcomp.bench.kv", fromlist=["load"]).load("tiny-llama")[0]
     assert len(load_router(out, model).routers) == 4
+
+
+def test_mix_is_refused_with_the_request_method(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["calibrate-kv", "--model", "tiny-llama", "--method", "request", "--mix",
+                                      "--out", str(tmp_path / "r.pt")])
+    with pytest.raises(ValueError, match="--mix calibrates DuoAttention gates"):
+        run(args, texts=TEXTS)
+
+
+@pytest.mark.slow
+def test_mix_trains_gates_that_record_their_rows_and_screens_them(tmp_path: Path) -> None:
+    import json
+
+    rng = random.Random(5)
+    texts = [" ".join("".join(rng.choice("abcdefghijklmnop") for _ in range(6)) for _ in range(60))
+             for _ in range(30)]  # varied enough that a quoted passage occurs once
+    out = tmp_path / "mix.json"
+    common = ["--model", "tiny-llama", "--mix", "--steps", "3", "--seq-len", "400", "--window", "60"]
+    run(build_parser().parse_args(["calibrate-kv", *common, "--out", str(out)]), texts=texts)
+    record = load_gates(out, 4, 8)
+    assert record["settings"]["rows"] == "mix" and record["settings"]["steps"] == 3
+    screen = tmp_path / "screen.json"
+    run(build_parser().parse_args(["calibrate-kv", *common, "--evaluate", str(out), "--out", str(screen),
+                                   "--importance", str(tmp_path / "absent.json")]), texts=texts)
+    results = json.loads(screen.read_text())
+    assert results["rows"] == 3 and set(results["results"]) == {"dense", "streaming (none full)", "mix global 0.333"}
