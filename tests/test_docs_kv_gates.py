@@ -1,4 +1,4 @@
-"""docs/kv-calibration.md's section on the mixture gates, recomputed from the committed records with scipy (not
+"""docs/kv-frontier.md's section on the mixture gates, recomputed from the committed records with scipy (not
 condcomp's code): the screen table's cells (``results/kv/duo_mix_screen/screen.json``), the groups the gate files
 share, and the counts and exact McNemar p-values of ``results/kv_gates_1024``'s facts and quotes records."""
 
@@ -24,7 +24,7 @@ ROWS = {  # the table's first cell -> the split name in the screens' records
 
 
 def _section() -> str:
-    return (ROOT / "docs" / "kv-calibration.md").read_text().split(SECTION)[1]
+    return (ROOT / "docs" / "kv-frontier.md").read_text().split(SECTION)[1]
 
 
 def _correct(task: str, variant: str) -> list[bool]:
