@@ -73,7 +73,7 @@ def _importance(path: Path) -> None:
 
 
 def _read_importance(path: Path) -> Any:
-    from condcomp.bench.kv_variants import saved_importance
+    from condcomp.kv.importance import saved_importance
 
     return saved_importance(path, 2, 2)
 

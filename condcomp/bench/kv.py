@@ -64,12 +64,12 @@ from condcomp.bench.kv_variants import (
     computed_importance,
     missing_packages,
     quantized_cache,
-    saved_importance,
 )
 from condcomp.cli_args import integer, output_folder
 from condcomp.experiments.llm.importance_file import importance_file
 from condcomp.experiments.progress import progress_bar
 from condcomp.kv.continuation import prompt_plans
+from condcomp.kv.importance import saved_importance
 
 kv_press.register(VARIANTS, MODELS, KVVariant)  # kvpress's presses beside condcomp's variants (optional extra)
 

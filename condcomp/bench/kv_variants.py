@@ -388,19 +388,6 @@ MODELS.update({
 })
 
 
-def saved_importance(path: Path, layers: int, groups: int) -> Tensor | None:
-    """``group_importance`` from a ``static_importance.json`` (``condcomp tune-llm``'s), if it fits the model."""
-    from condcomp.files import field, float_matrix, read_json_object
-
-    if not path.is_file():
-        return None
-    hint = "write it with `condcomp tune-llm` (static_importance.json) or leave it out to compute the importance"
-    record = read_json_object(path, "static pruning's group importance", hint)
-    scores = float_matrix(field(record, "group_importance", path, hint), path, "group_importance", hint)
-    # another model's ranking (the default path holds SmolLM2's): the callers compute this model's instead
-    return scores if tuple(scores.shape) == (layers, groups) else None
-
-
 def computed_importance(model: nn.Module, calibration: Tensor, prompt_len: int, batch_size: int = 4) -> Tensor:
     """Michel et al.'s gradient importance per KV group ``(L, G)`` on ``calibration`` rows (continuation loss after
     ``prompt_len`` tokens), as ``condcomp tune-llm`` computes static pruning's ranking."""

@@ -12,6 +12,7 @@ absolute per example, then averaged. The gates are applied at the input of each 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -117,3 +118,16 @@ def continuation_importance(model: nn.Module, calibration: Tensor, prompt_len: i
     grads = head_gradients(model, list(calibration.split(batch_size)),
                            lambda m, ids: continuation_nll(m, ids, prompt_len).mean(-1), int(cfg.num_attention_heads))
     return group_importance(grads, int(cfg.num_key_value_heads))
+
+
+def saved_importance(path: Path, layers: int, groups: int) -> Tensor | None:
+    """``group_importance`` from a ``static_importance.json`` (``condcomp tune-llm``'s), if it fits the model."""
+    from condcomp.files import field, float_matrix, read_json_object
+
+    if not path.is_file():
+        return None
+    hint = "write it with `condcomp tune-llm` (static_importance.json) or leave it out to compute the importance"
+    record = read_json_object(path, "static pruning's group importance", hint)
+    scores = float_matrix(field(record, "group_importance", path, hint), path, "group_importance", hint)
+    # another model's ranking (the default path holds SmolLM2's): the callers compute this model's instead
+    return scores if tuple(scores.shape) == (layers, groups) else None

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from condcomp.executors.base import per_head, zero_dead_rows
 from condcomp.executors.gathered.call import GatheredCall, Strategy
-from condcomp.executors.gathered.pairs import KERNEL_DTYPES, ops, triton_available
+from condcomp.executors.gathered.pairs import call_rejections, ops
 from condcomp.executors.gathered.sequence import bucket_mask
 from condcomp.masks import build_attention_mask, dead_rows
 from condcomp.plans import kv_groups_used
@@ -65,23 +65,11 @@ class PairKernels(Strategy):
 
     @override
     def supports(self, call: GatheredCall) -> list[str]:
-        x, w, i = call.inputs.x, call.weights, call.inputs
-        reasons = []
         if not call.tuning.pair_kernels:
             return ["tuning.pair_kernels is off"]
         if call.plan.head_cap == 0:
             return ["the plan's k_cap is 0: no head anywhere (sequence.static returns the exact zeros)"]
-        if x.device.type != "cuda" and not call.tuning.pair_kernels_on_cpu:
-            reasons.append(f"the Triton pair kernels run on CUDA only (this call is on {x.device.type}; "
-                           "tuning.pair_kernels_on_cpu runs them here for tests)")
-        elif x.device.type == "cuda" and not triton_available():
-            reasons.append("triton is not installed (pip install 'condcomp[gpu]')")
-        if x.device.type == "cuda" and x.dtype not in KERNEL_DTYPES:
-            reasons.append(f"the Triton pair kernels run float16, bfloat16 and float32, not {x.dtype}")
-        tensors = [i.key, i.value, i.key_states, i.value_states, w.q_weight, w.k_weight, w.v_weight, w.o_weight]
-        if not all(t.dtype == x.dtype and t.device == x.device for t in tensors if t is not None):
-            reasons.append("inputs, cache and weights differ in dtype or device")
-        return reasons
+        return call_rejections(call)
 
     def cap(self, call: GatheredCall) -> int:
         """``C``, the head slots per example: the plan's ``k_cap`` (the bound its budget policy declares; H without

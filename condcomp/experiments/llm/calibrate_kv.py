@@ -113,11 +113,11 @@ def evaluate(args: argparse.Namespace, texts: list[str] | None) -> Path:
 
     import torch
 
-    from condcomp.bench.kv_variants import saved_importance
     from condcomp.experiments.llm.duo_gates import load_gates, split_from_scores
     from condcomp.experiments.llm.head_importance import keep_groups
     from condcomp.experiments.llm.request_split import RequestSplit, load_router
     from condcomp.experiments.llm.split_eval import Split, differing, evaluate_splits, table
+    from condcomp.kv.importance import saved_importance
 
     if args.method == "request":  # rows no router training saw, plain text among them
         from condcomp.experiments.llm.calibrate_request import calibration

@@ -82,10 +82,10 @@ def calibration(args: argparse.Namespace, texts: list[str] | None, seed: int, he
 
 def init_scores(args: argparse.Namespace, model: Any) -> list[list[float]]:
     """The warm start per layer: static pruning's ranking (``--init importance``) or the DuoAttention gates'."""
-    from condcomp.bench.kv_variants import saved_importance
     from condcomp.experiments.llm.duo_gates import load_gates
     from condcomp.experiments.llm.head_importance import warm_start_scores
     from condcomp.experiments.llm.request_split import model_shape
+    from condcomp.kv.importance import saved_importance
 
     L, _, G, _ = model_shape(model)
     if args.init == "duo":

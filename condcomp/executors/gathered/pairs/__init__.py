@@ -15,9 +15,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from condcomp.executors.gathered.call import GatheredCall
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -41,3 +45,22 @@ def kernel_runs(t: Tensor) -> bool:
     if t.device.type == "cuda":
         return t.dtype in KERNEL_DTYPES
     return t.device.type == "cpu" and t.dtype == torch.float32 and interpreting()
+
+
+def call_rejections(call: GatheredCall) -> list[str]:
+    """Why a call cannot run the Triton pair kernels (empty: it can), for the strategies that use them
+    (``sequence.triton``, ``token.triton``): CUDA only unless ``tuning.pair_kernels_on_cpu``, triton installed, a
+    kernel dtype, and inputs, cache and weights of one dtype and device."""
+    x, w, i = call.inputs.x, call.weights, call.inputs
+    reasons = []
+    if x.device.type != "cuda" and not call.tuning.pair_kernels_on_cpu:
+        reasons.append(f"the Triton pair kernels run on CUDA only (this call is on {x.device.type}; "
+                       "tuning.pair_kernels_on_cpu runs them here for tests)")
+    elif x.device.type == "cuda" and not triton_available():
+        reasons.append("triton is not installed (pip install 'condcomp[gpu]')")
+    if x.device.type == "cuda" and x.dtype not in KERNEL_DTYPES:
+        reasons.append(f"the Triton pair kernels run float16, bfloat16 and float32, not {x.dtype}")
+    tensors = [i.key, i.value, i.key_states, i.value_states, w.q_weight, w.k_weight, w.v_weight, w.o_weight]
+    if not all(t.dtype == x.dtype and t.device == x.device for t in tensors if t is not None):
+        reasons.append("inputs, cache and weights differ in dtype or device")
+    return reasons
