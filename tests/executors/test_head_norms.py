@@ -69,7 +69,8 @@ def test_reference_executor_equals_an_independent_computation(granularity: str) 
 def test_every_executor_and_strategy_applies_the_norms_like_the_reference(executor: str) -> None:
     if executor == "sequence.grouped" and not grouped_gemm.available(torch.zeros(1, dtype=torch.float64)):
         pytest.skip("this torch build exports no MKL cblas_?gemm_batch")
-    tuning = replace(TOY, pair_kernels_on_cpu=True) if executor == "sequence.triton" else TOY  # its torch fallback
+    tuning = (replace(TOY, pair_kernels_on_cpu=True) if executor in ("sequence.triton", "token.triton")
+              else TOY)  # their torch fallback
     run = get_executor(executor) if executor in ("masked", "gathered") else GatheredExecutor(tuning=tuning,
                                                                                              strategy=executor)
     ran = 0
