@@ -15,7 +15,16 @@ import triton
 from torch import Tensor
 
 from condcomp.executors.gathered.pairs import kernels
-from condcomp.executors.gathered.pairs.tiles import COLS, REDUCE, ROWS, block, optional, precision, sorted_pairs
+from condcomp.executors.gathered.pairs.tiles import (
+    COLS,
+    REDUCE,
+    ROWS,
+    block,
+    optional,
+    precision,
+    sorted_pairs,
+    weight_grads,
+)
 
 
 def pair_matmul(x: Tensor, w: Tensor, bias: Tensor | None, scale: Tensor | None, heads: Tensor, counts: Tensor,
@@ -70,8 +79,7 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
 
         return row_launch.group_xty(g, x, scale, heads, counts, num_heads, with_bias, out_dtype, dw_out)
     D = x.shape[2]
-    dw = g.new_empty(num_heads, F, D, dtype=out_dtype) if dw_out is None else dw_out  # (E, F, D), every element
-    db = g.new_empty(num_heads, F, dtype=out_dtype) if with_bias else None
+    dw, db = weight_grads(g, num_heads, F, D, with_bias, out_dtype, dw_out)  # (E, F, D), (E, F) | None
     if dw.numel() == 0:
         return dw, None if db is None else db.zero_()
     pairs, offsets = sorted_pairs(heads, counts, num_heads)

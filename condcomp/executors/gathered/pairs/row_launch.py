@@ -14,7 +14,7 @@ import triton
 from torch import Tensor
 
 from condcomp.executors.gathered.pairs import row_kernels
-from condcomp.executors.gathered.pairs.tiles import COLS, REDUCE, block, optional, precision, sorted_pairs
+from condcomp.executors.gathered.pairs.tiles import COLS, REDUCE, block, optional, precision, sorted_pairs, weight_grads
 
 ROWS = 64  # sorted pairs per block: the rows one weight tile serves
 
@@ -85,8 +85,7 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
               with_bias: bool, out_dtype: torch.dtype, dw_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     _, C, _, F = g.shape  # (B, C, 1, F), x (B, 1, D)
     D = x.shape[2]
-    dw = g.new_empty(num_heads, F, D, dtype=out_dtype) if dw_out is None else dw_out  # (E, F, D), every element
-    db = g.new_empty(num_heads, F, dtype=out_dtype) if with_bias else None
+    dw, db = weight_grads(g, num_heads, F, D, with_bias, out_dtype, dw_out)  # (E, F, D), (E, F) | None
     if dw.numel() == 0:
         return dw, None if db is None else db.zero_()
     pairs, offsets = sorted_pairs(heads, counts, num_heads)

@@ -34,3 +34,12 @@ def sorted_pairs(heads: Tensor, counts: Tensor, num_heads: int) -> tuple[Tensor,
     sorted_key, pairs = torch.sort(key, stable=True)
     offsets = torch.searchsorted(sorted_key, torch.arange(num_heads + 1, device=heads.device, dtype=key.dtype))
     return pairs, offsets
+
+
+def weight_grads(g: Tensor, num_heads: int, F: int, D: int, with_bias: bool, out_dtype: torch.dtype,
+                 dw_out: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The weight-gradient buffers a ``group_xty`` launch fills: ``dw (E, F, D)`` (``dw_out`` when given) and ``db
+    (E, F)`` or None, every element written by the kernel."""
+    dw = g.new_empty(num_heads, F, D, dtype=out_dtype) if dw_out is None else dw_out
+    db = g.new_empty(num_heads, F, dtype=out_dtype) if with_bias else None
+    return dw, db
