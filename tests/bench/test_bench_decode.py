@@ -119,3 +119,16 @@ def test_a_kernel_variant_decodes_through_the_split_k_kernel_eager_and_compiled(
     assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--out", str(tmp_path / "x"),
                  "--variants", "keep_0.25+kernel"]) != 0
     assert "add --compile" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_dtype_casts_every_variant_and_its_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--dtype", "bfloat16", "--out", str(tmp_path),
+                 "--variants", "keep_0.25"]) == 0
+    by = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
+    assert {r["dtype"] for r in by.values()} == {"bfloat16"}
+    # the float32 count of test_quick_decode_benchmark_writes_every_variant, at 2 bytes a value
+    assert by["dense"]["kv_bytes"] == 2 * 19 * 4 * 8 * 64 * 2 * 2 and by["keep_0.25"]["kv_ratio"] == 0.25
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", "--model", "tiny-llama", "--quick", "--dtype", "fp8", "--out", str(tmp_path / "x")])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err

@@ -18,48 +18,9 @@
 # --no-build-isolation --target` builds it with the machine's setuptools; where that fails, the package is assembled
 # the same way by copying. gpu-check needs nothing beyond torch (no transformers, no numpy, no data, no wheels).
 set -u
-cd "$(dirname "$0")/../../.."
-ROOT=$(pwd)
-OUT=${OUT:?set OUT to the folder to write into (the device tool sets it)}
-PY=${PYTHON:-python3}
-DEVICE=${DEVICE:-cuda}
 BUDGET=${BUDGET:-530}
 GPU_CHECK_S=${GPU_CHECK_S:-450}
-QUICK_FLAG=$([ "${QUICK:-0}" = 1 ] && echo --quick || true)
-case "$PY" in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # it runs from another folder
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-W=$(mktemp -d)
-start=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - start) )); }
-mkdir -p "$OUT" "$W/site" "$W/run"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-CONDCOMP_COMMIT=$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo "unknown (no .git in the copied tree)")
-[ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null)" ] && CONDCOMP_COMMIT="$CONDCOMP_COMMIT+dirty"
-export CONDCOMP_COMMIT
-
-{ date -u; nvidia-smi 2>&1 | head -15; echo "nproc $(nproc)"; echo "commit $CONDCOMP_COMMIT"
-  "$PY" -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
-    torch.cuda.is_available() and torch.cuda.get_device_name())"
-  "$PY" -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1; } > "$OUT/machine.txt" 2>&1
-
-# install condcomp from this tree into $W/site (no network); where pip fails or its result does not import, copy
-assemble() {
-  rm -rf "$W/site" && mkdir -p "$W/site"
-  cp -r "$ROOT/condcomp" "$W/site/condcomp"
-  for d in routers policies integrations; do cp -r "$ROOT/$d" "$W/site/condcomp/$d"; done
-  echo "assembled by copying condcomp/ with routers/ policies/ integrations/ inside" >> "$OUT/install.log"
-}
-imports() { (cd "$W/run" && "$PY" -c "import condcomp.bench.gpu_check as m; print('condcomp from', m.__file__)") \
-  >> "$OUT/install.log" 2>&1; }
-export PYTHONPATH=$W/site${PYTHONPATH:+:$PYTHONPATH}
-if [ "${INSTALL:-pip}" = pip ] && "$PY" -m pip install --no-deps --no-index --no-build-isolation --target "$W/site" \
-    "$ROOT" > "$OUT/install.log" 2>&1 && imports; then
-  echo "installed with pip --target" >> "$OUT/install.log"
-else
-  assemble
-  imports || { echo "condcomp does not import; see $OUT/install.log"; tail -20 "$OUT/install.log"; exit 3; }
-fi
-cd "$W/run"  # an empty working directory: the installed package is imported, not the checkout's folder
+source "$(dirname "$0")/setup.sh"
 
 # 1. gpu-check: the checks, then the cells in priority order within its own budget
 gc_budget=$(( $(left) - 40 < GPU_CHECK_S ? $(left) - 40 : GPU_CHECK_S )); [ "$gc_budget" -lt 30 ] && gc_budget=30
