@@ -92,6 +92,20 @@ def host_length(layer: Any) -> int | None:
     return counted if isinstance(counted, int) else None
 
 
+def held_count(layer: Any) -> int | torch.Tensor:
+    """The tokens a transformers cache layer holds, read once: the device scalar of an allocated (non-sliding)
+    static layer (:func:`static_held`), else an int on the host (:func:`host_length`, or ``get_seq_length()``); 0
+    when it holds none (:func:`layer_initialized`). Relies on the contacts of those three; ``layer``: transformers'
+    own layer (condcomp's wrapper passes the one it wraps)."""
+    if not layer_initialized(layer):
+        return 0
+    held = static_held(layer)
+    if held is not None:
+        return held
+    counted = host_length(layer)
+    return int(layer.get_seq_length()) if counted is None else counted
+
+
 def is_paged_cache(cache: Any) -> bool:
     """Whether ``cache`` is transformers' continuous-batching ``PagedAttentionCache`` (every request packed into one
     row). Relies on the class name: importing it (``transformers.generation.continuous_batching``) costs an import
