@@ -22,7 +22,6 @@ from condcomp.executors.auto import resolve_executor
 from condcomp.executors.cached import CompactKV, Projections
 from condcomp.host import LastForward
 from condcomp.kv.choose import kv_policy_of
-from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection
 from condcomp.kv.static import query_rows, written_bias
@@ -32,18 +31,27 @@ from condcomp.versions import tensor_version
 
 
 class StepLayer(Protocol):
-    """What a call asks of the cache layer it writes (:class:`~condcomp.kv.layer.CompactLayer` has it all)."""
+    """What a call asks of the cache layer it writes (:class:`~condcomp.kv.layer.CompactLayer` has it all): the
+    kept groups' writer, and the KV policy's state as data (read and kept by the policy,
+    :meth:`~condcomp.kv.policy.KVPolicy.state_in` / :meth:`~condcomp.kv.policy.KVPolicy.keep_in`)."""
+
+    condcomp_windows: Any  # the policy's state as the policy stores it here
+    condcomp_preallocated: bool | None  # False: the storage grows (None: ask fixed_slot_room)
 
     def store(self, k: Tensor, v: Tensor, cache_kwargs: Any = None) -> tuple[Tensor, Tensor]:
         """Append the kept groups' ``(B, g, T, Dh)``; their whole history ``(B, g, S, Dh)``."""
         ...
 
-    def policy_state(self, policy: KVPolicy | None = None) -> Any:
-        """The KV policy's state held before this call."""
+    def hold_state(self, stored: Any) -> None:
+        """Hold the policy's state (as stored)."""
         ...
 
-    def keep_policy_state(self, state: Any, policy: KVPolicy | None = None) -> None:
-        """Keep the KV policy's state after this call."""
+    def state_codec(self) -> Any:
+        """How the policy's state is stored here (a ``WindowCodec``), or None."""
+        ...
+
+    def fixed_slot_room(self) -> int | None:
+        """Tokens preallocated storage can still take, or None where it grows."""
         ...
 
 
@@ -121,11 +129,12 @@ def attend_compact(host: Any, plan: HeadPlan, sel: KVSelection, call: CompactCal
     else:
         query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, call.query_start)
         bias = score_terms(call, T, S, bias)
-    # the KV policy's state before the call (none at the prefill, none without groups the policy holds)
-    windows = None if call.prefill or sel.policy is None else call.layer.policy_state(sel.policy)
+    # the KV policy's state before the call, read and kept by the policy in the layer (none without its groups)
+    policy = sel.policy
+    windows = None if call.prefill or policy is None else policy.state_in(call.layer)
+    keep = None if policy is None else functools.partial(policy.keep_in, call.layer)
     held_after = call.query_start + T if call.decode_kernel and isinstance(call.query_start, Tensor) else None
-    compact = CompactKV(sel, store, S if mask is None and not on_device else None, windows,
-                        functools.partial(call.layer.keep_policy_state, policy=sel.policy), call.projections,
+    compact = CompactKV(sel, store, S if mask is None and not on_device else None, windows, keep, call.projections,
                         call.placeholder_width, call.relative_bias, held_after)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if host.training else 0.0, kv_cache=compact)

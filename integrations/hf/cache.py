@@ -167,21 +167,10 @@ def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bo
         if past and not cross and hasattr(inner, "get_mask_sizes"):
             query_start = past - int(inner.get_mask_sizes(T)[1])  # sliding layers: the mask starts at an offset
         held = held if past else None
-    if held is not None:
-        L = routed.adapter.layout
-        if held.num_kv_heads != L.num_kv_heads or held.plan.num_heads != L.num_heads:
-            raise ValueError(f"layer {layer_idx}: the KV cache holds a plan for {held.plan.num_heads} heads / "
-                             f"{held.num_kv_heads} key/value heads, this layer has {L.num_heads} / {L.num_kv_heads}: "
-                             "it was filled by another model; start the request with a fresh cache")
-        if held.rows != B:
-            raise ValueError(f"layer {layer_idx}: the KV cache holds plans for {held.rows} request(s) but the call "
-                             f"has {B} rows; select or repeat the cache's rows with its own methods "
-                             "(batch_select_indices, batch_repeat_interleave, reorder_cache), which carry the plans")
+    if held is not None:  # a cache of another model or batch is refused by the plan it holds
         keys = getattr(inner, "keys", None)
-        if held.selection is not None and isinstance(keys, Tensor) and keys.dim() == 4 and (
-                keys.shape[1] != max(held.selection.slots, 1 if held.selection.window_index is not None else 0)):
-            raise ValueError(f"layer {layer_idx}: the KV cache holds {keys.shape[1]} key/value heads per row but its "
-                             f"plan keeps {held.selection.slots}: its tensors were replaced by another model's")
+        held.check(layer_idx, routed.adapter.layout, B,
+                   int(keys.shape[1]) if isinstance(keys, Tensor) and keys.dim() == 4 else None)
     prompt_len = getattr(routed, "prompt_len", None)
     after_prompt = T - prompt_len if past == 0 and prompt_len is not None and T > prompt_len else 0
     return RequestStep(cache, layer_idx, cross, past, query_start, held, after_prompt,

@@ -3,10 +3,12 @@
 A family (:mod:`.projection` for Llama, Qwen2/3, Mistral, Gemma; :mod:`.gpt2`; :mod:`.t5`'s decoder; :mod:`.bert`
 as a decoder) only translates its arguments into a :class:`DecoderCall` (its projections, rotary, extra per-head
 score terms such as T5's position bias, the layer's own sliding window) and calls :func:`decoder_attention`, which
-reads top-down: open the step (what the cache holds) -> the plan (held, or decided now) -> project, store, attend
-and project out on the compact cache (:func:`held_attention`: the executor ``resolve_executor`` picks, ``kv_cache``,
-then the KV policy, then the cache layer) -> or, where a request's plan cannot be held (a per-token plan, a plan
-decided in training), every head cached and attended with the plan (:func:`every_head_attention`).
+reads top-down: open the step (what the cache holds, read once) -> the plan (held, or decided now) -> the call
+translated once into plain tensors and the cache layer (:func:`held_attention`) and handed to the base decoder
+sequence on the compact cache, :func:`condcomp.kv.decoder.attend_compact` (the executor ``resolve_executor`` picks,
+``kv_cache``, then the KV policy, then the cache layer, with no call back up here) -> or, where a request's plan
+cannot be held (a per-token plan, a plan decided in training), every head cached and attended with the plan
+(:func:`every_head_attention`).
 
 At inference with a cache, a sequence plan is decided once, at the request's prefill, and held for its later
 calls (:mod:`condcomp.kv.selection`). The key/value heads the plan keeps are the only ones cached and read: the
@@ -187,7 +189,10 @@ def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, ca
     on_device = isinstance(step.query_start, Tensor)
     pool = int(layer.get_max_length()) if on_device and call.mask is None else None  # a static pool read whole
     # no group kept in full: the full-length tensor is a placeholder that counts the tokens
-    width = placeholder_width(layer, B, T, step.held is None) if sel.slots == 0 and B else 1
+    # (fixed at a request's prefill for every layer, held by it since; only a layer with no full group writes one)
+    width = int(layer.condcomp_placeholder)
+    if step.held is None and B:
+        width = placeholder_width(layer, B, T, True)
     # the split-K decode kernel, when the config asks, reads the full slots up to the static layer's count
     kernel = bool(getattr(getattr(routed, "condcomp_config", None), "decode_kernel", False))
     weights = call.weights if call.weights is not None else routed.adapter.weights(routed)

@@ -72,6 +72,13 @@ def reallocate_static_layer(layer: Any) -> None:
     layer.is_initialized = False
 
 
+def counts_on_device(layer: Any) -> bool:
+    """Whether a cache layer is a (non-sliding) static one, whose token count is the device scalar
+    :func:`static_held` reads: it has ``max_cache_len`` and is not ``is_sliding`` (both class-level facts of
+    ``StaticLayer`` and ``StaticSlidingWindowLayer``). No public hook: ``Cache`` has no "static" flag."""
+    return hasattr(layer, "max_cache_len") and not getattr(layer, "is_sliding", False)
+
+
 def static_held(layer: Any) -> Any:
     """The tokens a (non-sliding) static cache layer holds as its device scalar, or None for any other layer.
 
@@ -79,7 +86,7 @@ def static_held(layer: Any) -> Any:
     writes go to ``arange(T) + cumulative_length``) and lowers in place at ``crop``; ``StaticSlidingWindowLayer``
     counts on the host too (``cumulative_length_int``), so it is left out. No public hook: ``get_seq_length()``
     returns the same tensor, but also returns an int for the other layers and 0 before allocation."""
-    if not hasattr(layer, "max_cache_len") or getattr(layer, "is_sliding", False):
+    if not counts_on_device(layer):
         return None
     held = getattr(layer, "cumulative_length", None)
     return held if isinstance(held, torch.Tensor) else None

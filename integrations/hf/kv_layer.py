@@ -34,7 +34,7 @@ from transformers.cache_utils import CacheLayerMixin
 from condcomp.kv.layer import CompactLayer, compact_write, held_policy
 from condcomp.kv.window_quant import WindowCodec
 
-from .internals import held_count, is_paged_cache, new_layer_factory
+from .internals import counts_on_device, held_count, is_paged_cache, new_layer_factory
 
 _OWN = ("inner", "condcomp_")  # attribute names a PlanLayer keeps itself; every other one is the wrapped layer's
 
@@ -62,6 +62,18 @@ class PlanLayer(CompactLayer, CacheLayerMixin):
             raise TypeError(f"PlanLayer wraps a transformers cache layer (a CacheLayerMixin), not "
                             f"{type(inner).__name__}")
         self.__dict__["inner"] = inner
+        self._resolve()
+
+    def _resolve(self) -> None:
+        # what a decode step reads as data, resolved once from the wrapped layer's class and settings
+        inner = self.__dict__["inner"]
+        self.__dict__["condcomp_codec"] = window_codec(inner)
+        self.__dict__["condcomp_preallocated"] = counts_on_device(inner)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a layer pickled before these were resolved gets them
+        self.__dict__.update(state)
+        if "inner" in state:
+            self._resolve()
 
     # ---- the wrapped layer's data and flags, read and written through ------------------------------------------
     def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper itself
@@ -126,9 +138,6 @@ class PlanLayer(CompactLayer, CacheLayerMixin):
     def held_position(self) -> Tensor | None:
         held = held_count(self.inner)
         return held if isinstance(held, Tensor) else None
-
-    def state_codec(self) -> WindowCodec | None:
-        return window_codec(self)
 
     def fixed_slot_room(self) -> int | None:
         if self.held_position() is None:

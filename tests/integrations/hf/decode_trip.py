@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 # weights): calling one is never a climb, one calling up is.
 HELPERS = ("condcomp/types.py", "condcomp/rotary.py", "condcomp/masks.py", "condcomp/dense.py",
            "condcomp/plans.py", "condcomp/notices.py", "condcomp/kv/kernels/", "condcomp/kv/static.py",
-           "condcomp/registry.py", "condcomp/protocols.py", "condcomp/attention.py", "condcomp/projections.py")
+           "condcomp/registry.py", "condcomp/protocols.py", "condcomp/attention.py", "condcomp/projections.py",
+           "condcomp/options.py")
 
 
 def rank(path: str) -> int:
@@ -117,11 +118,12 @@ def trace(call: Any) -> tuple[list[LayerTrip], Any]:
     return trips, out
 
 
-def tiny_llama_keep_quarter() -> Any:
-    """The trip's model: the bench's tiny Llama keeping 1/4 of its KV groups (``keep_0.25``)."""
+def tiny_llama(variant: str = "keep_0.25") -> Any:
+    """The trip's model: the bench's tiny Llama as ``variant`` (``keep_0.25``: keeping 1/4 of its KV groups, the
+    others dropped; ``stream_0.25``: the others in a streaming window)."""
     from condcomp.bench.decode import load_model, variants
 
-    return variants(load_model("tiny-llama"), "tiny-llama", ["keep_0.25"])["keep_0.25"]
+    return variants(load_model("tiny-llama"), "tiny-llama", [variant])[variant]
 
 
 def decode_step_trips(model: Any, static: bool = False) -> list[LayerTrip]:
@@ -157,7 +159,8 @@ def report(trips: list[LayerTrip]) -> str:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    model = tiny_llama_keep_quarter()
-    for static in (False, True):
-        print("StaticCache" if static else "DynamicCache")
-        print(report(decode_step_trips(model, static)))
+    for variant in sys.argv[1:] or ["keep_0.25"]:
+        model = tiny_llama(variant)
+        for static in (False, True):
+            print(variant, "StaticCache" if static else "DynamicCache")
+            print(report(decode_step_trips(model, static)))
