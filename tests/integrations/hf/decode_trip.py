@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 HELPERS = ("condcomp/types.py", "condcomp/rotary.py", "condcomp/masks.py", "condcomp/dense.py",
            "condcomp/plans.py", "condcomp/notices.py", "condcomp/kv/kernels/", "condcomp/kv/static.py",
            "condcomp/registry.py", "condcomp/protocols.py", "condcomp/attention.py", "condcomp/projections.py",
-           "condcomp/options.py")
+           "condcomp/options.py", "condcomp/versions.py")
 
 
 def rank(path: str) -> int:
@@ -140,6 +140,24 @@ def decode_step_trips(model: Any, static: bool = False) -> list[LayerTrip]:
         nxt = out.logits[:, -1:].argmax(-1)
         position = torch.full((2, 1), 16)
         trips, _ = trace(lambda: model(input_ids=nxt, position_ids=position, past_key_values=cache, use_cache=True))
+    return trips
+
+
+def family_step_trips(arch: str) -> list[LayerTrip]:
+    """The trips of one decode step of the tiny ``arch`` model of ``arch_models`` (a decoder: ``gpt2``, ``qwen3``,
+    ``mixtral``, ``gemma``) keeping half its heads (KV groups where it has them), after a prefill of 2 x 8 tokens."""
+    import transformers
+    from arch_models import build
+    from decode_helpers import wrap
+
+    model = wrap(build(arch).float(), 0.5)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 90, (2, 8))
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        trips, _ = trace(lambda: model(input_ids=nxt, past_key_values=cache, use_cache=True))
     return trips
 
 
