@@ -82,8 +82,11 @@ class HeadAttention(nn.Module):
 
 def linear_weights(owner: Any, layout: HeadLayout) -> AttentionWeights:
     """Canonical weights of a module with ``q_proj``/``k_proj``/``v_proj``/``o_proj`` linear children."""
-    (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_parts(getattr(owner, n), n)
-                                              for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    # children read from the module table: a wrapper's attribute fallback is not on every decode step's path
+    children: dict[str, Any] = owner._modules if isinstance(owner, nn.Module) else {}
+    (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (
+        linear_parts(children[n] if children.get(n) is not None else getattr(owner, n), n)
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
     return AttentionWeights(layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
 

@@ -90,6 +90,8 @@ class RoutingHost(nn.Module):
                                                           tensor_version(self.condcomp_progress))
         self.last: LastForward | None = None
         self._last_aux: dict[str, Tensor] = {}
+        # the warnings already given (apply_ shares one among a model's layers), held as data: a decode step reads it
+        self.__dict__["condcomp_notices"] = Notices()
         self.condcomp_disabled = False  # set by condcomp.disabled(model): run the original module instead
         self.prompt_len: int | None = None  # set by condcomp.plan_from_prompt: sequence plans see the prompt only
         self.budget_fraction: float | None = None  # set by condcomp.budget: every row keeps this fraction
@@ -110,6 +112,7 @@ class RoutingHost(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("prompt_len", None)
         self.__dict__.setdefault("budget_fraction", None)
+        self.__dict__.setdefault("condcomp_notices", Notices())
 
     # --------------------------------------------------------------------------------------------- progress
     def set_progress(self, progress: float, stepped: set[int] | None = None) -> None:

@@ -35,6 +35,8 @@ class RoutedAttention(RoutingHost):
     torch.Size([2, 5, 32])
     """
 
+    base: nn.Module  # the original module (its parameters are the ones this module trains)
+
     def __init__(self, base: nn.Module, adapter: AttentionAdapter, policy: Any, router: Any,
                  executor: str = "auto", check_inputs: bool = False) -> None:
         super().__init__()
@@ -55,7 +57,14 @@ class RoutedAttention(RoutingHost):
         # Set last, and deliberately not as a submodule (its parts are registered above): before this line the
         # attribute fallback below is off, so registration cannot mistake the original's attributes for ours.
         object.__setattr__(self, "_base", base)
+        # the original module (its parameters are the ones this module trains), held as data so reading it calls
+        # nothing (adapters read it on every call)
+        object.__setattr__(self, "base", base)
         self.train(base.training)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("base", self.__dict__.get("_base"))  # pickled when `base` was a property
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -71,11 +80,6 @@ class RoutedAttention(RoutingHost):
     def wrap(cls, module: nn.Module, config: Any = None, policy: Any = None) -> RoutedAttention:
         """Wrap one supported attention module (``policy`` lets several layers share one)."""
         return wrap_module(module, config or CondCompConfig(), policy)
-
-    @property
-    def base(self) -> nn.Module:
-        """The original module (its parameters are the ones this module trains)."""
-        return self._base  # type: ignore[no-any-return]
 
     def weights(self) -> AttentionWeights:
         return self.adapter.weights(self)

@@ -56,6 +56,13 @@ class CompactLayer:
     # the state of the groups the plan's KV policy holds (a streaming window: trimmed keys/values), as the policy
     # stores it in this layer (quantized in a quantized layer, see state_codec)
     condcomp_windows: Any = None
+    # resolved once when the library's layer is wrapped (a decode step reads them as data, calling nothing back):
+    # how the policy's state is stored in this layer (a WindowCodec, None: full precision), and whether its
+    # storage is preallocated (False: it grows, so a policy's state never moves into fixed slots; None: ask
+    # fixed_slot_room)
+    condcomp_placeholder: int = 1  # the width of the token-counting placeholder of a layer with no full group
+    condcomp_codec: Any = None
+    condcomp_preallocated: bool | None = None
     inner: Any
 
     def held_tokens(self) -> int:
@@ -74,7 +81,7 @@ class CompactLayer:
 
     def state_codec(self) -> Any:
         """How the KV policy's state is stored in this layer (a ``WindowCodec``), or None: full precision."""
-        return None
+        return self.condcomp_codec
 
     # ---- how the kv_cache executor writes it --------------------------------------------------------------------
     def store(self, k: Tensor, v: Tensor, cache_kwargs: Any = None) -> tuple[Tensor, Tensor]:
@@ -85,25 +92,23 @@ class CompactLayer:
 
     def policy_state(self, policy: KVPolicy | None = None) -> Any:
         """The KV policy's state held before this call, as the executor reads it (a window dequantized if stored
-        so); ``policy``: the policy that stored it (default: the held plan's)."""
-        state = self.condcomp_windows
+        so); ``policy``: the policy that stored it (default: the held plan's; :meth:`KVPolicy.state_in`)."""
         policy = policy if policy is not None else held_policy(self)
-        return state if state is None or policy is None else policy.loaded(state)
+        return self.condcomp_windows if policy is None else policy.state_in(self)
 
     def keep_policy_state(self, state: Any, policy: KVPolicy | None = None) -> None:
-        """Keep ``state`` of ``policy`` (default: the held plan's) as the policy stores it in this layer: a window
-        quantized when the layer quantizes its keys, so it is held as compactly as they are; in a preallocated
-        layer, in storage allocated once at the prefill (written in place later: kept as it is)."""
-        if state is not None and state is self.condcomp_windows:  # preallocated state, written in place
-            return
+        """Keep ``state`` of ``policy`` (default: the held plan's) as the policy stores it in this layer
+        (:meth:`KVPolicy.keep_in`: a window quantized when the layer quantizes its keys, so it is held as compactly
+        as they are; in a preallocated layer, in storage allocated once at the prefill)."""
         policy = policy if policy is not None else held_policy(self)
-        if state is None or policy is None:
-            self.condcomp_windows = state
-            return
-        room = self.fixed_slot_room()
-        if room is not None:  # a static cache: the prefill's state moves into slots allocated once
-            state = policy.fixed_slots(state, room)
-        self.condcomp_windows = policy.stored(state, self.state_codec(), self.__dict__.get("condcomp_windows"))
+        if policy is None:
+            self.hold_state(state)
+        else:
+            policy.keep_in(self, state)
+
+    def hold_state(self, stored: Any) -> None:
+        """Hold ``stored`` (the policy's state as the policy stores it here) as this layer's own data."""
+        self.__dict__["condcomp_windows"] = stored  # (a library wrapper's __setattr__ not called)
 
     # ---- the cache operations, on the plan and the policy's state too -------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:

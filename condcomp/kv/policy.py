@@ -132,6 +132,27 @@ class KVPolicy:
         """The state an executor reads from what :meth:`stored` returned."""
         return stored
 
+    # ---- this policy's state in a cache layer (condcomp.kv.layer.CompactLayer): the decode step calls these, so
+    # it reads down (executor -> policy -> cache layer); the layer's policy_state / keep_policy_state do the same
+    def state_in(self, layer: Any) -> Any:
+        """The state ``layer`` holds for this policy before a call, as :meth:`attend` reads it (None: none yet)."""
+        held = layer.condcomp_windows
+        return None if held is None else self.loaded(held)
+
+    def keep_in(self, layer: Any, state: Any) -> None:
+        """Keep ``state`` in ``layer`` as this policy stores it there: quantized when the layer quantizes its keys
+        (:meth:`stored` with the layer's ``state_codec()``), moved into fixed slots in preallocated storage (the
+        prefill's, :meth:`fixed_slots`; later calls write those slots in place and keep them as they are)."""
+        before = layer.condcomp_windows
+        if state is not None and state is before:  # preallocated state, written in place
+            return
+        if state is not None:
+            room = None if layer.condcomp_preallocated is False else layer.fixed_slot_room()
+            if room is not None:  # a static cache: the prefill's state moves into slots allocated once
+                state = self.fixed_slots(state, room)
+            state = self.stored(state, layer.state_codec(), before)
+        layer.hold_state(state)
+
 
 @register_kv_policy("drop")
 @dataclass(frozen=True)

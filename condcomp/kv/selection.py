@@ -225,6 +225,25 @@ class HeldPlan:
         index = torch.arange(self.rows, device=self.plan.gates.device).repeat_interleave(repeats)
         return self.take_rows(index)
 
+    def check(self, layer_idx: int, layout: HeadLayout, rows: int, stored_heads: int | None) -> None:
+        """Refuse to continue from this plan when the cache was filled by another model (``layout``: the layer's),
+        holds another batch (``rows``: the call's), or had its tensors replaced (``stored_heads``: the key/value
+        heads per row the layer's key tensor holds, None when it holds none)."""
+        if self.num_kv_heads != layout.num_kv_heads or self.plan.num_heads != layout.num_heads:
+            raise ValueError(f"layer {layer_idx}: the KV cache holds a plan for {self.plan.num_heads} heads / "
+                             f"{self.num_kv_heads} key/value heads, this layer has {layout.num_heads} / "
+                             f"{layout.num_kv_heads}: it was filled by another model; start the request with a fresh "
+                             "cache")
+        if self.rows != rows:
+            raise ValueError(f"layer {layer_idx}: the KV cache holds plans for {self.rows} request(s) but the call "
+                             f"has {rows} rows; select or repeat the cache's rows with its own methods "
+                             "(batch_select_indices, batch_repeat_interleave, reorder_cache), which carry the plans")
+        sel = self.selection
+        if sel is not None and stored_heads is not None and (
+                stored_heads != max(sel.slots, 1 if sel.window_index is not None else 0)):
+            raise ValueError(f"layer {layer_idx}: the KV cache holds {stored_heads} key/value heads per row but its "
+                             f"plan keeps {sel.slots}: its tensors were replaced by another model's")
+
     def with_slots(self, slots: int) -> HeldPlan:
         """The same plan over ``slots`` cache slots per row (see :func:`pad_slots`)."""
         assert self.selection is not None

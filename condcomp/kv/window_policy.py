@@ -9,6 +9,7 @@ window where the layer has one (``model_window``: a streamed group never reads a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,9 +56,10 @@ class WindowKV(KVPolicy):
     holds_fixed_slots: ClassVar[bool] = True  # sinks + window slots (a ring, condcomp.kv.fixed_slots)
     options: ClassVar[tuple[Option, ...]] = WINDOW_OPTIONS
 
-    @property
+    @functools.cached_property
     def window_spec(self) -> StreamWindow:
-        """The same window as a :class:`~condcomp.kv.window.StreamWindow`."""
+        """The same window as a :class:`~condcomp.kv.window.StreamWindow` (built and checked once per policy, not
+        at every decode step)."""
         return StreamWindow(self.sinks, self.window, self.model_window)
 
     def within_model_window(self, sliding_window: int) -> WindowKV:

@@ -76,9 +76,10 @@ class BertStyleAttentionAdapter(TransformersAdapter):
         self.module_cls = type(module)
 
     def weights(self, owner: Any) -> AttentionWeights:
-        core = owner.self
+        m: dict[str, Any] = owner._modules  # the module table (no attribute fallback of a wrapper)
+        core, output = m["self"], m["output"]
         (qw, qb), (kw, kb), (vw, vb) = (linear_parts(getattr(core, n), f"self.{n}") for n in ("query", "key", "value"))
-        ow, ob = linear_parts(owner.output.dense, "output.dense")
+        ow, ob = linear_parts(output.dense, "output.dense")
         return AttentionWeights(self.layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
     def _kv(self, core: Any, source: Tensor) -> tuple[Tensor, Tensor]:
@@ -112,14 +113,16 @@ class BertStyleAttentionAdapter(TransformersAdapter):
         else:
             mask = a.get("attention_mask")
             if cache is not None and self.layer_idx is not None:  # a request's call: the base decoder sequence
-                core = routed.self
-                proj = Projections(core.query, core.key, core.value, routed.output.dense)  # exact for LoRA
-                y = decoder_attention(routed, DecoderCall(x, cache, self.layer_idx, mask, extra, proj))
+                core: Any = routed._modules["self"]
+                output: Any = routed._modules["output"]
+                proj = Projections(core.query, core.key, core.value, output.dense)  # exact for LoRA
+                y = decoder_attention(routed, DecoderCall(x, cache, self.layer_idx, mask, extra, proj,
+                                                          weights=self.weights(routed)))
             else:
                 if cache is not None:  # a cache on a layer without layer_idx: every head appended, no request plan
                     key_states, value_states = cache_every_head(cache, self.layer_idx, *self._kv(routed.self, x),
                                                                 extra)
                 y = attend_call(routed, x, mask, decoder=self.layout.causal, key_states=key_states,
                                 value_states=value_states)  # (B, T, D), output bias on active rows
-        out = routed.output
+        out: Any = routed._modules["output"]
         return out.LayerNorm(out.dropout(y) + x), None

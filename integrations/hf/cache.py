@@ -29,7 +29,7 @@ from condcomp.kv.selection import HeldPlan, KVSelection, decision_mask
 from condcomp.types import HeadPlan
 
 from .generation_check import check_cache_free_generation
-from .internals import build_missing_layers, is_paged_cache
+from .internals import build_missing_layers, held_count, is_paged_cache
 from .kv_layer import (
     PlanCarrier,
     PlanLayer,
@@ -127,6 +127,7 @@ class RequestStep:
     query_start: int | Tensor  # the attention mask's column of this call's first query
     held: HeldPlan | None  # the request's plan, when the cache holds one
     after_prompt: int = 0  # a first call's tokens after the prompt (plan_from_prompt): revertible_tail keeps them
+    layer: PlanLayer | None = None  # condcomp's cache layer, when it holds the request's compact cache
 
     def keep(self, routed: Any, plan: HeadPlan, selection: KVSelection | None) -> None:
         """Store a plan decided now with the cache layer (after the call's update created it)."""
@@ -145,43 +146,35 @@ class RequestStep:
 
 def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bool = False) -> RequestStep:
     """Read, before the call updates it, what ``cache`` holds for this layer; a held plan is checked against the
-    layer's layout and the call's batch (a cache of another model or batch is refused by its data)."""
-    if is_paged_cache(cache):
+    layer's layout and the call's batch (a cache of another model or batch is refused by its data). Each fact is
+    read once, from transformers' own layer (``inner`` of condcomp's), so the step goes down from here."""
+    layer = cache_layer(cache, layer_idx, cross)
+    held = getattr(layer, "condcomp_plan", None)
+    if held is None and is_paged_cache(cache):  # (a cache holding a plan was adopted, which refuses paged caches)
         raise ValueError("condcomp does not support transformers' continuous batching (generate_batch, a "
                          "PagedAttentionCache): it packs every request into one row, while a request's plan needs "
                          "a cache row of its own; use generate() with a batch of requests")
-    layer = cache_layer(cache, layer_idx, cross)
-    held = getattr(layer, "condcomp_plan", None)
-    position = (layer.held_position() if is_carrier(layer) and not cross and held is not None
-                and held.selection is not None else None)
+    inner = getattr(layer, "inner", layer)  # transformers' layer (condcomp's PlanLayer wraps it)
+    count = held_count(inner)
     past: int | None
     query_start: int | Tensor
-    if position is not None:  # a static layer holding a request's compact cache: its count stays on the device
-        past, query_start = None, position.clone()  # (the write advances the layer's own scalar in place)
+    compact = not cross and held is not None and held.selection is not None and isinstance(layer, PlanLayer)
+    if compact and isinstance(count, Tensor):  # a static layer holding a request's compact cache: its count stays
+        past, query_start = None, count.clone()  # on the device (the write advances the layer's own scalar in place)
     else:
-        past = layer_length(layer) if layer is not None else 0
+        past = int(count)
         query_start = past
-        if past and not cross and hasattr(layer, "get_mask_sizes"):
-            query_start = past - int(layer.get_mask_sizes(T)[1])  # sliding layers: the mask starts at an offset
+        if past and not cross and hasattr(inner, "get_mask_sizes"):
+            query_start = past - int(inner.get_mask_sizes(T)[1])  # sliding layers: the mask starts at an offset
         held = held if past else None
-    if held is not None:
-        L = routed.layout
-        if held.num_kv_heads != L.num_kv_heads or held.plan.num_heads != L.num_heads:
-            raise ValueError(f"layer {layer_idx}: the KV cache holds a plan for {held.plan.num_heads} heads / "
-                             f"{held.num_kv_heads} key/value heads, this layer has {L.num_heads} / {L.num_kv_heads}: "
-                             "it was filled by another model; start the request with a fresh cache")
-        if held.rows != B:
-            raise ValueError(f"layer {layer_idx}: the KV cache holds plans for {held.rows} request(s) but the call "
-                             f"has {B} rows; select or repeat the cache's rows with its own methods "
-                             "(batch_select_indices, batch_repeat_interleave, reorder_cache), which carry the plans")
-        keys = getattr(layer, "keys", None)
-        if held.selection is not None and isinstance(keys, Tensor) and keys.dim() == 4 and (
-                keys.shape[1] != max(held.selection.slots, 1 if held.selection.window_index is not None else 0)):
-            raise ValueError(f"layer {layer_idx}: the KV cache holds {keys.shape[1]} key/value heads per row but its "
-                             f"plan keeps {held.selection.slots}: its tensors were replaced by another model's")
+    if held is not None:  # a cache of another model or batch is refused by the plan it holds
+        keys = getattr(inner, "keys", None)
+        held.check(layer_idx, routed.adapter.layout, B,
+                   int(keys.shape[1]) if isinstance(keys, Tensor) and keys.dim() == 4 else None)
     prompt_len = getattr(routed, "prompt_len", None)
     after_prompt = T - prompt_len if past == 0 and prompt_len is not None and T > prompt_len else 0
-    return RequestStep(cache, layer_idx, cross, past, query_start, held, after_prompt)
+    return RequestStep(cache, layer_idx, cross, past, query_start, held, after_prompt,
+                       layer if compact and held is not None else None)
 
 
 def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: Tensor | None, num_keys: int,

@@ -1,7 +1,7 @@
 """What every transformers adapter shares, in the order a forward uses it: argument binding
-(:func:`bind_arguments`), mask reading (:func:`mask_parts`), every head's keys and values into the cache
-(:func:`cache_every_head`, :func:`cross_attention_states`), and the step every forward ends with
-(:func:`attend_call`); the class tables and the base adapter (:class:`TransformersAdapter`).
+(:func:`bind_arguments`), mask reading (:func:`mask_parts`, from :mod:`condcomp.kv.decoder`), every head's keys and
+values into the cache (:func:`cache_every_head`, :func:`cross_attention_states`), and the step every forward ends
+with (:func:`attend_call`); the class tables and the base adapter (:class:`TransformersAdapter`).
 
 Every family module (:mod:`.bert`, :mod:`.projection`, :mod:`.gpt2`, :mod:`.t5`, :mod:`.plain`) imports these
 helpers from here, so the families never import each other.
@@ -19,10 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from condcomp.adapters import AttentionAdapter
-from condcomp.kv.static import query_rows
-from condcomp.masks import additive_bias, attended_keys, check_mask_dtype
+from condcomp.kv.decoder import mask_parts as mask_parts  # re-exported: read here by every adapter
+from condcomp.kv.decoder import sliding_window_bias as sliding_window_bias
 from condcomp.types import HeadPlan
-from condcomp.versions import tensor_version
 
 from .cache import RequestStep, held_record, request_plan
 
@@ -47,67 +46,6 @@ def parameter_names(module: nn.Module) -> set[str]:
     return {n for n, _ in module.named_parameters()}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Masks: transformers hands attention modules a 4-D bool (sdpa) or additive float (eager) mask, a 2-D padding
-# mask (flash attention) or None. The derived forms are cached for the last mask seen, because every layer of a
-# forward receives the same tensor and the reduction below is O(B*T*S).
-_LAST_MASK: list[Any] = [None]  # one (mask, key, parts) tuple, replaced whole (safe if threads share the model)
-
-
-def mask_parts(mask: Any, B: int, T: int, S: int, self_attention: bool, query_start: int | Tensor | None = None
-               ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(query_mask (B,T) | None, key_mask (B,S) | None, attn_bias | None)`` from a transformers attention mask.
-
-    ``query_start``: the mask column of the first query (default ``S - T``: the queries are the last keys; a static
-    cache places them after the cached tokens, before its empty slots), an int or a device scalar (a static layer
-    holding a request's compact cache: read on the device, :mod:`condcomp.kv.static`).
-    """
-    if mask is None:
-        return None, None, None
-    q0 = S - T if query_start is None else query_start
-    on_device = isinstance(q0, Tensor)
-    # Keyed by identity and version: a mask edited in place between forwards is derived again. Under torch.compile
-    # the parts are derived in the graph (a traced tensor has no version to read), as with a device query_start.
-    compiling = torch.compiler.is_compiling() or on_device
-    key = (T, S, self_attention, None if on_device else q0,
-           None if on_device or not isinstance(mask, Tensor) else tensor_version(mask))  # None under compile
-    cached = None if compiling else _LAST_MASK[0]  # (read under compile, it would be guarded on)
-    if cached is not None and cached[0] is mask and cached[1] == key and key[4] is not None:
-        return cached[2]  # type: ignore[no-any-return]
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"condcomp received an attention mask of type {type(mask).__name__} (flex attention's "
-                        "BlockMask?); load or set the model with attn_implementation='sdpa' or 'eager'")
-    if mask.dim() == 2:  # flash-attention style (B, S) padding mask, 1 = real token
-        if tuple(mask.shape) != (B, S):
-            raise ValueError(f"2-D attention mask must be (B, S) = {(B, S)}, got {tuple(mask.shape)}")
-        key_mask = mask.bool()
-        parts: tuple[Tensor | None, ...] = (_query_rows(key_mask, q0, T) if self_attention else None, key_mask, None)
-    elif mask.dim() == 4:
-        check_mask_dtype(mask, "a 4-D attention_mask")
-        if mask.dtype == torch.bool:
-            allowed = mask
-            bias = additive_bias(mask)
-        else:
-            # eager masks use the dtype's most negative finite number, not -inf (rows stay finite, as in HF)
-            allowed = mask > torch.finfo(mask.dtype).min / 2
-            bias = mask
-        key_ok = attended_keys(allowed, B, S)  # (B, S)
-        query_mask = _query_rows(key_ok, q0, T) if self_attention else None
-        parts = (query_mask, None, bias)
-    else:
-        raise ValueError(f"attention mask must be 2-D (B, S) or 4-D (B, 1, T, S), got shape {tuple(mask.shape)}")
-    if not compiling:
-        _LAST_MASK[0] = (mask, key, parts)
-    return parts  # type: ignore[return-value]
-
-
-def _query_rows(key_ok: Tensor, q0: int | Tensor, T: int) -> Tensor | None:
-    """``(B, T)``: the call's queries' columns of ``key_ok (B, S)``; None where they fall outside it."""
-    if isinstance(q0, Tensor):
-        return query_rows(key_ok, q0, T)
-    return key_ok[:, q0:q0 + T] if 0 <= q0 <= key_ok.shape[1] - T else None
-
-
 def decoder_request_plan(routed: Any, step: RequestStep, x: Tensor, mask: Any) -> Any:
     """A decoder self-attention call's plan on a KV cache, before the cache grows: the request's plan stored in
     the cache, or one decided now from the call's real tokens (``mask``: transformers' attention mask, or None)."""
@@ -126,13 +64,6 @@ def visible_keys(k: Tensor, v: Tensor, mask: Any, query_start: int | Tensor, T: 
     if mask is None and isinstance(query_start, int) and k.shape[2] > query_start + T:
         return k[:, :, :query_start + T], v[:, :, :query_start + T]
     return k, v
-
-
-def sliding_window_bias(T: int, S: int, window: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Additive ``(1, 1, T, S)`` bias forbidding keys more than ``window`` positions back (bottom-right aligned)."""
-    i = torch.arange(T, device=device).unsqueeze(1) + (S - T)
-    j = torch.arange(S, device=device).unsqueeze(0)
-    return additive_bias(j > i - window, dtype)[None, None]
 
 
 @functools.cache

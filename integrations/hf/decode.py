@@ -3,10 +3,12 @@
 A family (:mod:`.projection` for Llama, Qwen2/3, Mistral, Gemma; :mod:`.gpt2`; :mod:`.t5`'s decoder; :mod:`.bert`
 as a decoder) only translates its arguments into a :class:`DecoderCall` (its projections, rotary, extra per-head
 score terms such as T5's position bias, the layer's own sliding window) and calls :func:`decoder_attention`, which
-reads top-down: open the step (what the cache holds) -> the plan (held, or decided now) -> project, store, attend
-and project out on the compact cache (:func:`held_attention`: the executor ``resolve_executor`` picks, ``kv_cache``,
-then the KV policy, then the cache layer) -> or, where a request's plan cannot be held (a per-token plan, a plan
-decided in training), every head cached and attended with the plan (:func:`every_head_attention`).
+reads top-down: open the step (what the cache holds, read once) -> the plan (held, or decided now) -> the call
+translated once into plain tensors and the cache layer (:func:`held_attention`) and handed to the base decoder
+sequence on the compact cache, :func:`condcomp.kv.decoder.attend_compact` (the executor ``resolve_executor`` picks,
+``kv_cache``, then the KV policy, then the cache layer, with no call back up here) -> or, where a request's plan
+cannot be held (a per-token plan, a plan decided in training), every head cached and attended with the plan
+(:func:`every_head_attention`).
 
 At inference with a cache, a sequence plan is decided once, at the request's prefill, and held for its later
 calls (:mod:`condcomp.kv.selection`). The key/value heads the plan keeps are the only ones cached and read: the
@@ -27,19 +29,17 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from condcomp.dense import split_heads
-from condcomp.executors.auto import resolve_executor
-from condcomp.executors.cached import CompactKV, Projections
-from condcomp.host import LastForward
+from condcomp.executors.cached import Projections
 from condcomp.kv.choose import kv_policy_of
+from condcomp.kv.decoder import CompactCall, attend_compact, score_terms
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection, pad_slots, select_kv
-from condcomp.kv.static import written_bias
 from condcomp.kv.window import revertible_tail
-from condcomp.types import AttentionInputs, HeadPlan
+from condcomp.types import AttentionWeights, HeadPlan
 
 from .cache import RequestStep, cache_layer, compact_layer, offloaded_store, open_step, placeholder_width
-from .common import attend_call, cache_every_head, decoder_request_plan, mask_parts, sliding_window_bias
+from .common import attend_call, cache_every_head, decoder_request_plan
 from .internals import is_static_cache, layer_initialized, reallocate_static_layer
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class DecoderCall:
       half) and the layer's index in it.
     - ``projections``: the layer's q/k/v/o as the module runs them (its own forwards: exact for LoRA).
     - ``rotary``: ``(cos, sin)``, each ``(B, T, Dh)``, or None; ``sliding_window``: the layer's own window or None.
+    - ``weights``: the layer's canonical weights, when the family has them at hand (else read from the layer).
     - ``score_bias``: a per-head term added to the scores, ``(B|1, H, T, S)`` over the ``S`` keys after the call
       (T5's relative position bias), or None; ``relative_bias``: the same bias as a function of the distance from
       query to key (:class:`~condcomp.kv.position_bias.RelativeBias`), which a KV policy's groups add at their kept
@@ -72,6 +73,7 @@ class DecoderCall:
     sliding_window: int | None = None
     score_bias: Tensor | None = None
     relative_bias: RelativeBias | None = None
+    weights: AttentionWeights | None = None  # the layer's canonical weights (default: read from the layer)
 
     @property
     def self_cache(self) -> Any:
@@ -135,17 +137,7 @@ def every_head_attention(routed: RoutedAttention, call: DecoderCall, step: Reque
                                     split_heads(v, Dh), call.extra, call.mask, step)  # (B, Hkv, S, Dh) each
     return attend_call(routed, call.x, call.mask, step=step, plan=plan, decoder=True, key_states=keys,
                        value_states=values, rotary=call.rotary,
-                       extra_bias=_score_terms(call, call.x.shape[1], keys.shape[2], None))
-
-
-def _score_terms(call: DecoderCall, T: int, S: int, bias: Tensor | None) -> Tensor | None:
-    """``bias`` (the mask's, or None) plus the layer's own window band (without a mask) and ``score_bias``."""
-    if call.mask is None and call.sliding_window is not None and S > call.sliding_window:
-        band = sliding_window_bias(T, S, int(call.sliding_window), call.x.device, call.x.dtype)  # (1, 1, T, S)
-        bias = band if bias is None else bias + band
-    if call.score_bias is not None:
-        bias = call.score_bias if bias is None else bias + call.score_bias  # (B|1, H, T, S)
-    return bias
+                       extra_bias=score_terms(call, call.x.shape[1], keys.shape[2], None))
 
 
 def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep,
@@ -183,50 +175,28 @@ def refuse_on_static(policy: KVPolicy) -> None:
 
 def held_attention(routed: RoutedAttention, plan: HeadPlan, sel: KVSelection, call: DecoderCall,
                    step: RequestStep) -> Tensor:
-    """One call under a request's plan: ``call.x (B, T, D)`` -> ``(B, T, D)``. Translates the call (mask, cache,
-    projections, score terms) into an executor call whose inputs carry the compact cache; the executor is the one
-    ``resolve_executor`` picks for it (``kv_cache``) and gives the call's usage record."""
-    cache, layer_idx, x, mask = step.cache, step.layer_idx, call.x, call.mask
-    L = routed.layout
-    B, T, _ = x.shape
-    layer = compact_layer(cache, layer_idx)  # condcomp's cache layer: the executor writes the kept groups through it
-    store = functools.partial(layer.store, cache_kwargs=call.extra)
+    """One call under a request's plan: ``call.x (B, T, D)`` -> ``(B, T, D)``. Translates the call once (the cache
+    layer, where the queries start, how the layer is written, the weights) into a
+    :class:`~condcomp.kv.decoder.CompactCall`, which :func:`~condcomp.kv.decoder.attend_compact` runs down: the
+    executor ``resolve_executor`` picks (``kv_cache``), the KV policy, the cache layer."""
+    cache, layer_idx, x = step.cache, step.layer_idx, call.x
+    B, T = x.shape[:2]
+    # condcomp's cache layer: the executor writes the kept groups through it (read by open_step at a decode step)
+    layer = step.layer if step.layer is not None else compact_layer(cache, layer_idx)
+    store = None
     if getattr(cache, "offloading", False):  # transformers prefetches and offloads the layer around its update
         store = functools.partial(offloaded_store, cache, layer_idx, call.extra)
-    if B == 0:  # an empty batch: nothing to attend, the cache still learns the call's length
-        empty = x.new_zeros(B, 0, T, L.head_dim)
-        store(empty, empty)
-        return x.new_zeros(B, T, L.d_model)
-    query_mask: Tensor | None = None
-    key_mask: Tensor | None = None
-    bias: Tensor | None
-    if isinstance(step.query_start, Tensor) and mask is None:  # a static pool read whole: unwritten keys masked
-        S = int(layer.get_max_length())
-        bias = written_bias(step.query_start, T, S, x.dtype, call.sliding_window)
-        bias = bias if call.score_bias is None else bias + call.score_bias
-    else:
-        S = call.num_keys(step.query_start)  # keys after this call's update
-        query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, step.query_start)
-        bias = _score_terms(call, T, S, bias)
-    windows = layer.policy_state(sel.policy) if step.held is not None else None
+    on_device = isinstance(step.query_start, Tensor)
+    pool = int(layer.get_max_length()) if on_device and call.mask is None else None  # a static pool read whole
     # no group kept in full: the full-length tensor is a placeholder that counts the tokens
-    width = placeholder_width(layer, B, T, step.held is None) if sel.slots == 0 else 1
-    visible = S if mask is None and not isinstance(step.query_start, Tensor) else None
+    # (fixed at a request's prefill for every layer, held by it since; only a layer with no full group writes one)
+    width = int(layer.condcomp_placeholder)
+    if step.held is None and B:
+        width = placeholder_width(layer, B, T, True)
     # the split-K decode kernel, when the config asks, reads the full slots up to the static layer's count
-    asked = bool(getattr(getattr(routed, "condcomp_config", None), "decode_kernel", False))
-    held_after = step.query_start + T if asked and isinstance(step.query_start, Tensor) else None
-    compact = CompactKV(sel, store, visible, windows,
-                        functools.partial(layer.keep_policy_state, policy=sel.policy), call.projections, width,
-                        call.relative_bias, held_after)
-    inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
-                             dropout_p=L.dropout_p if routed.training else 0.0, kv_cache=compact)
-    weights = routed.weights()
-    run = resolve_executor(routed.executor, weights, inputs, plan, notices=routed.notices)
-    y: Tensor = run(weights, inputs, plan)
-    # head_usage reports this call (a decode step's T and keys), not the prefill's
-    last = routed.last
-    s = last.s if last is not None and tuple(last.s.shape) == (B,) else plan.counts.float() / plan.num_heads
-    usage = getattr(run, "usage", None)
-    routed.last = (usage(s, plan, query_mask, T, S, kv_policy_of(routed).needs_cache) if callable(usage) else
-                   LastForward(s, plan, query_mask, T, S, getattr(run, "name", None), getattr(run, "strategy", None)))
-    return y
+    kernel = bool(getattr(getattr(routed, "condcomp_config", None), "decode_kernel", False))
+    weights = call.weights if call.weights is not None else routed.adapter.weights(routed)
+    compact = CompactCall(x, call.mask, weights, call.projections, layer, step.query_start, step.held is None, pool,
+                          width, call.extra, store, call.rotary, call.sliding_window, call.score_bias,
+                          call.relative_bias, kernel)
+    return attend_compact(routed, plan, sel, compact)

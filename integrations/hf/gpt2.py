@@ -82,12 +82,13 @@ class GPT2AttentionAdapter(TransformersAdapter):
         self.module_cls = type(module)
 
     def weights(self, owner: Any) -> AttentionWeights:
-        w, b = linear_parts(owner.c_attn, "c_attn")  # (3D, D) self-attention (q, k, v), (2D, D) cross (k, v)
-        ow, ob = linear_parts(owner.c_proj, "c_proj")
+        m: dict[str, Any] = owner._modules  # the table: no wrapper's attribute fallback on a decode step
+        w, b = linear_parts(m["c_attn"], "c_attn")  # (3D, D) self-attention (q, k, v), (2D, D) cross (k, v)
+        ow, ob = linear_parts(m["c_proj"], "c_proj")
         n = 2 if self.cross else 3
         ws, bs = w.chunk(n), [None] * n if b is None else b.chunk(n)  # row blocks: views
         if self.cross:
-            qw, qb = linear_parts(owner.q_attn, "q_attn")
+            qw, qb = linear_parts(m["q_attn"], "q_attn")
             return AttentionWeights(self.layout, qw, ws[0], ws[1], ow, qb, bs[0], bs[1], ob)
         return AttentionWeights(self.layout, ws[0], ws[1], ws[2], ow, bs[0], bs[1], bs[2], ob)
 
@@ -118,10 +119,11 @@ class GPT2AttentionAdapter(TransformersAdapter):
         else:
             mask = a.get("attention_mask")
             if cache is not None:  # a request's call: the base decoder sequence (the compact cache, a KV policy)
+                m: dict[str, Any] = routed._modules  # the modules (from the table): exact for LoRA
                 D = self.layout.d_model
-                proj = Projections.fused(routed.c_attn, routed.c_proj, (D, D, D))  # the modules: exact for LoRA
-                call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj)
-                return routed.resid_dropout(decoder_attention(routed, call)), None
+                proj = Projections.fused(m["c_attn"], m["c_proj"], (D, D, D))
+                call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj, weights=self.weights(routed))
+                return m["resid_dropout"](decoder_attention(routed, call)), None
         y = attend_call(routed, x, mask, self_attention=not self.cross, step=step, decoder=True,
                         key=enc if key_states is None else None, key_states=key_states, value_states=value_states)
         return routed.resid_dropout(y), None

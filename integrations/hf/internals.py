@@ -72,6 +72,13 @@ def reallocate_static_layer(layer: Any) -> None:
     layer.is_initialized = False
 
 
+def counts_on_device(layer: Any) -> bool:
+    """Whether a cache layer is a (non-sliding) static one, whose token count is the device scalar
+    :func:`static_held` reads: it has ``max_cache_len`` and is not ``is_sliding`` (both class-level facts of
+    ``StaticLayer`` and ``StaticSlidingWindowLayer``). No public hook: ``Cache`` has no "static" flag."""
+    return hasattr(layer, "max_cache_len") and not getattr(layer, "is_sliding", False)
+
+
 def static_held(layer: Any) -> Any:
     """The tokens a (non-sliding) static cache layer holds as its device scalar, or None for any other layer.
 
@@ -79,7 +86,7 @@ def static_held(layer: Any) -> Any:
     writes go to ``arange(T) + cumulative_length``) and lowers in place at ``crop``; ``StaticSlidingWindowLayer``
     counts on the host too (``cumulative_length_int``), so it is left out. No public hook: ``get_seq_length()``
     returns the same tensor, but also returns an int for the other layers and 0 before allocation."""
-    if not hasattr(layer, "max_cache_len") or getattr(layer, "is_sliding", False):
+    if not counts_on_device(layer):
         return None
     held = getattr(layer, "cumulative_length", None)
     return held if isinstance(held, torch.Tensor) else None
@@ -90,6 +97,20 @@ def host_length(layer: Any) -> int | None:
     or None. Relies on that attribute; no public hook: ``get_seq_length()`` reads its device tensor instead."""
     counted = getattr(layer, "cumulative_length_int", None)
     return counted if isinstance(counted, int) else None
+
+
+def held_count(layer: Any) -> int | torch.Tensor:
+    """The tokens a transformers cache layer holds, read once: the device scalar of an allocated (non-sliding)
+    static layer (:func:`static_held`), else an int on the host (:func:`host_length`, or ``get_seq_length()``); 0
+    when it holds none (:func:`layer_initialized`). Relies on the contacts of those three; ``layer``: transformers'
+    own layer (condcomp's wrapper passes the one it wraps)."""
+    if not layer_initialized(layer):
+        return 0
+    held = static_held(layer)
+    if held is not None:
+        return held
+    counted = host_length(layer)
+    return int(layer.get_seq_length()) if counted is None else counted
 
 
 def is_paged_cache(cache: Any) -> bool:

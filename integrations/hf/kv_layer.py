@@ -34,7 +34,7 @@ from transformers.cache_utils import CacheLayerMixin
 from condcomp.kv.layer import CompactLayer, compact_write, held_policy
 from condcomp.kv.window_quant import WindowCodec
 
-from .internals import host_length, is_paged_cache, layer_initialized, new_layer_factory, static_held
+from .internals import counts_on_device, held_count, is_paged_cache, new_layer_factory
 
 _OWN = ("inner", "condcomp_")  # attribute names a PlanLayer keeps itself; every other one is the wrapped layer's
 
@@ -42,16 +42,14 @@ _OWN = ("inner", "condcomp_")  # attribute names a PlanLayer keeps itself; every
 def layer_length(layer: Any) -> int:
     """Tokens a cache layer holds (0 when it holds none): on the host. A static layer's count is a device scalar,
     read here with a device sync: a decode step on a request's compact cache reads :func:`device_length` instead."""
-    if not layer_initialized(layer):
-        return 0
-    counted = host_length(layer)
-    return int(layer.get_seq_length()) if counted is None else counted
+    return int(held_count(layer.inner if isinstance(layer, PlanLayer) else layer))
 
 
 def device_length(layer: Any) -> Tensor | None:
     """The tokens a static cache layer holds as a device scalar (advanced in place by each write), or None for a
     layer that holds none allocated or counts on the host."""
-    return static_held(layer) if layer_initialized(layer) else None
+    held = held_count(layer.inner if isinstance(layer, PlanLayer) else layer)
+    return held if isinstance(held, Tensor) else None
 
 
 class PlanLayer(CompactLayer, CacheLayerMixin):
@@ -64,6 +62,18 @@ class PlanLayer(CompactLayer, CacheLayerMixin):
             raise TypeError(f"PlanLayer wraps a transformers cache layer (a CacheLayerMixin), not "
                             f"{type(inner).__name__}")
         self.__dict__["inner"] = inner
+        self._resolve()
+
+    def _resolve(self) -> None:
+        # what a decode step reads as data, resolved once from the wrapped layer's class and settings
+        inner = self.__dict__["inner"]
+        self.__dict__["condcomp_codec"] = window_codec(inner)
+        self.__dict__["condcomp_preallocated"] = counts_on_device(inner)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a layer pickled before these were resolved gets them
+        self.__dict__.update(state)
+        if "inner" in state:
+            self._resolve()
 
     # ---- the wrapped layer's data and flags, read and written through ------------------------------------------
     def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper itself
@@ -123,18 +133,16 @@ class PlanLayer(CompactLayer, CacheLayerMixin):
 
     # ---- what CompactLayer asks of the library's layer -----------------------------------------------------------
     def held_tokens(self) -> int:
-        return layer_length(self)
+        return int(held_count(self.inner))
 
     def held_position(self) -> Tensor | None:
-        return device_length(self)
-
-    def state_codec(self) -> WindowCodec | None:
-        return window_codec(self)
+        held = held_count(self.inner)
+        return held if isinstance(held, Tensor) else None
 
     def fixed_slot_room(self) -> int | None:
         if self.held_position() is None:
             return None
-        return int(self.inner.get_max_length()) - layer_length(self)
+        return int(self.inner.get_max_length()) - self.held_tokens()
 
 
 PlanCarrier = PlanLayer  # the name of the class-swapped carrier before 0.3: kept for code that checks isinstance

@@ -118,9 +118,11 @@ class ProjectionAttentionAdapter(TransformersAdapter):
             rotary = (cos.expand(B, T, L.head_dim), sin.expand(B, T, L.head_dim))  # (B, T, Dh), views
         mask = a.get("attention_mask")
         if cache is not None and self.layer_idx is not None:  # a request's call: the base decoder sequence
-            proj = Projections(routed.q_proj, routed.k_proj, routed.v_proj, routed.o_proj,  # modules: exact for LoRA
-                               _child(routed, "q_norm"), _child(routed, "k_norm"))
-            call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj, rotary, self.sliding_window)
+            m: dict[str, Any] = routed._modules  # from the module table (PEFT's LoRA layers too): exact for LoRA
+            proj = Projections(m["q_proj"], m["k_proj"], m["v_proj"], m["o_proj"], _child(routed, "q_norm"),
+                               _child(routed, "k_norm"))
+            call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj, rotary, self.sliding_window,
+                               weights=self.weights(routed))
             return decoder_attention(routed, call), None
         key_states = value_states = None
         if cache is not None:  # a cache on a layer without layer_idx: every head appended, no request plan

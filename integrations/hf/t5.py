@@ -79,17 +79,19 @@ class T5AttentionAdapter(TransformersAdapter):
         return not self.layout.causal  # a decoder's non-causal T5Attention is its cross-attention
 
     def weights(self, owner: Any) -> AttentionWeights:
-        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_parts(getattr(owner, n), n) for n in "qkvo")
+        m: dict[str, Any] = owner._modules  # the table: no wrapper's attribute fallback on a decode step
+        (qw, qb), (kw, kb), (vw, vb), (ow, ob) = (linear_parts(m[n], n) for n in "qkvo")
         return AttentionWeights(self.layout, qw, kw, vw, ow, qb, kb, vb, ob)
 
     def _kv(self, routed: Any, source: Tensor) -> tuple[Tensor, Tensor]:
         """Every head's keys and values ``(B, H, S, Dh)`` of ``source``: the projections' own forward."""
         Dh = self.layout.head_dim
-        return split_heads(routed.k(source), Dh), split_heads(routed.v(source), Dh)
+        m: dict[str, Any] = routed._modules  # the table: no wrapper's attribute fallback on a decode step
+        return split_heads(m["k"](source), Dh), split_heads(m["v"](source), Dh)
 
     def _position_bias(self, routed: Any, T: int, S: int, x: Tensor, past: Any) -> Tensor:
         """What T5Attention computes when no layer before it did: ``(1, H, T, S)``."""
-        if not routed.has_relative_attention_bias:
+        if not routed.base.has_relative_attention_bias:  # the original's flag (read as data)
             return torch.zeros(1, self.layout.num_heads, T, S, device=x.device, dtype=x.dtype)
         # T5's own method on the wrapper: it reads the relative_attention_bias child the wrapper holds
         bias: Tensor = self.module_cls.compute_bias(routed, T, S, device=x.device, past_seen_tokens=past)
@@ -112,8 +114,9 @@ class T5AttentionAdapter(TransformersAdapter):
         past = past.clone() if isinstance(past, Tensor) else past
         position_bias = a.get("position_bias")
         if not cross and cache is not None:  # a request's call: the base decoder sequence (the compact cache)
-            proj = Projections(routed.q, routed.k, routed.v, routed.o)  # the modules: exact for LoRA
-            call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj)
+            m: dict[str, Any] = routed._modules  # the modules (from the table): exact for LoRA
+            proj = Projections(m["q"], m["k"], m["v"], m["o"])
+            call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj, weights=self.weights(routed))
             if position_bias is None:
                 position_bias = self._position_bias(routed, T, call.num_keys(int(past)), x, past)
             relative = RelativeBias.from_scores(position_bias, int(past) + T - 1)  # its last query's distances

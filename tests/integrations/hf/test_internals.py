@@ -147,3 +147,12 @@ def test_a_static_layer_counts_its_tokens_in_a_device_scalar_it_advances_and_cro
     sliding.update(k, k)
     assert internals.static_held(sliding) is None and internals.host_length(sliding) == 3, changed(
         "host_length", "StaticSlidingWindowLayer no longer counts its tokens in cumulative_length_int")
+    assert internals.counts_on_device(layer) and not internals.counts_on_device(sliding), changed(
+        "counts_on_device", "StaticLayer / StaticSlidingWindowLayer no longer tell max_cache_len and is_sliding apart")
+    dynamic = cache_utils.DynamicLayer()
+    assert not internals.counts_on_device(dynamic) and internals.held_count(dynamic) == 0
+    dynamic.update(k, k)
+    # held_count: the same scalar for a static layer, the host counts for the others (one read, any layer)
+    assert internals.held_count(layer) is held and internals.held_count(sliding) == 3, changed(
+        "held_count", "the static layers' counts moved")
+    assert internals.held_count(dynamic) == 3, changed("held_count", "DynamicLayer.get_seq_length changed")
