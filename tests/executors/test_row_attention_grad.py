@@ -206,6 +206,11 @@ def test_several_key_blocks_and_row_blocks(monkeypatch: pytest.MonkeyPatch) -> N
     check(make("causal", B=1, T=16, H=3, Hkv=1, first=0, R=3, Dh=16))
 
 
+def test_a_head_dim_above_one_tile_of_64() -> None:
+    """Dh = 80: the whole head dimension in one tile (a tile of 64 would drop the last 16 columns of every dot)."""
+    check(make("causal", T=4, Dh=80))
+
+
 @pytest.mark.parametrize(("B", "T", "S"), [(0, 4, 4), (2, 0, 4), (2, 4, 0)])
 def test_empty_batches_sequences_and_keys(B: int, T: int, S: int) -> None:
     """No example, no token, no key: zeros of the right shapes, forward and backward."""

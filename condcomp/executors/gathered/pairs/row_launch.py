@@ -102,6 +102,11 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
     return dw, db
 
 
+def head_tile(Dh: int) -> int:
+    """The row attention's tile over the head dimension: all of it (a row's scores need its whole dot product)."""
+    return max(16, triton.next_power_of_2(Dh))
+
+
 class _Rows(NamedTuple):
     """The row attention's launch plan: pair rows sorted by (example, routed head) segment, once per call."""
 
@@ -142,7 +147,7 @@ def row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, 
     if out.numel() == 0 or S == 0:
         return out.view(B, T, R, Dh), lse.view(B, T, R)
     plan = _rows(q, keys, mask, slot, counts, first, E)
-    BM, BN, BD = block(B * T * R, ROWS), block(S, COLS), block(Dh, COLS)
+    BM, BN, BD = block(B * T * R, ROWS), block(S, COLS), head_tile(Dh)
     seg, start = blocks(plan.offsets, B * T * R, BM)
     qf = q.reshape(B * T * R, Dh)
     row_kernels.row_attention[(seg.shape[0],)](
@@ -169,7 +174,7 @@ def row_attention_backward(grad: Tensor, q: Tensor, keys: Tensor, values: Tensor
     qf, do, of = q.reshape(-1, Dh), grad.reshape(-1, Dh).contiguous(), out.reshape(-1, Dh)
     delta = (do.float() * of.float()).sum(-1)  # (N,): each row's do . o
     lse_f = lse.reshape(-1).float()
-    BM, BN, BD = block(B * T * R, ROWS), block(S, COLS), block(Dh, COLS)
+    BM, BN, BD = block(B * T * R, ROWS), block(S, COLS), head_tile(Dh)
     seg, start = blocks(plan.offsets, B * T * R, BM)
     common = dict(HAS_MASK=mask is not None, IS_CAUSAL=is_causal, PRECISION=precision(q.dtype), BM=BM, BN=BN, BD=BD)
     strides = (*qf.stride(), *keys.stride(), *values.stride(), *plan.mask_strides, *do.stride())
