@@ -6,6 +6,11 @@
 - ``pair_output(a (B, C, T, Dh), weight (D, E*Dh), gates (B, C), heads (B, C), counts (B,), bias (D,) | None) ->
   (B, T, D)``: ``y[b] = sum_{j < counts[b]} gates[b, j] * a[b, j] @ weight[:, h*Dh:(h+1)*Dh]^T`` with
   ``h = heads[b, j]``, plus ``bias`` on the rows of examples with ``counts[b] > 0``.
+- ``pair_row_attention(q (B, T, R, Dh), keys, values (B, Hkv, S, Dh), mask, slot (B, T, R), counts (B, T), first,
+  num_routed, group, is_causal, scale) -> (out (B, T, R, Dh), lse (B, T, R))``: each selected (token, routed head)
+  pair's query row attends the keys of its head (token plans): pair ``(b, t, r)``, ``r < counts[b, t]``, is head
+  ``first + slot[b, t, r]`` (a token's ``R`` slots distinct, in ``[0, num_routed)``); its backward recomputes the
+  probabilities from ``lse`` on the same rows.
 
 ``heads`` and ``counts`` are int64 on the same device; ``heads[b, j]`` must lie in ``[0, E)`` for ``j < counts[b]``
 and ``counts[b] <= C`` (pairs past ``C`` are not computed). Those values are not checked on CUDA (that would read

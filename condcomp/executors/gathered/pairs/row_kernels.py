@@ -213,8 +213,8 @@ def row_attention_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, row_seg_ptr, off
     # grid (B*HKV, cdiv(S, BN)): one (example, KV head, key block) per program; its group's routed heads' sorted rows
     # (one contiguous range: the segments of heads kvh*G .. kvh*G + G - 1 of example b) in chunks of BM, the sums in
     # registers in that fixed order (no atomics); row_seg (N,): each sorted row's segment b*E + slot
-    b = tl.program_id(0) // HKV
-    kvh = tl.program_id(0) % HKV
+    b = (tl.program_id(0) // HKV).to(tl.int64)
+    kvh = (tl.program_id(0) % HKV).to(tl.int64)
     offs_s = tl.program_id(1) * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     kv_mask = (offs_s[:, None] < S) & (offs_d[None, :] < Dh)
