@@ -288,11 +288,22 @@ def model_grads(model: torch.nn.Module, compile_it: bool) -> tuple[Tensor, dict[
 
 
 @pytest.mark.slow  # dynamo tracing of a two-layer model: 5-10 s
-def test_a_moh_model_trains_through_token_triton(pairs_executor: str) -> None:
-    """A MoH-wrapped model in train mode: ``fullgraph=True`` captures it (0 graph breaks), token.triton runs, and
-    its output and parameter gradients equal the per-head reference executor's."""
+def test_a_moh_model_trains_through_token_triton(pairs_executor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MoH-wrapped model in train mode: ``fullgraph=True`` captures it (0 graph breaks), token.triton runs with
+    the row attention's backward (not a dense SDPA), and its output and parameter gradients equal the per-head
+    reference executor's."""
+    calls = []
+    for module in (fallback, row_launch):
+        original = module.row_attention_backward
+
+        def counted(*args: object, _orig: object = original) -> object:
+            calls.append(1)
+            return _orig(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(module, "row_attention_backward", counted)
     model = moh_model(pairs_executor)
     y, got = model_grads(model, compile_it=True)
+    assert len(calls) == 2  # one backward per layer
     assert {u.strategy for u in condcomp.head_usage(model).values()} == {"token.triton"}
     want_y, want = model_grads(moh_model("reference"), compile_it=False)
     torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
