@@ -11,10 +11,11 @@ heads fails on the device (``torch._assert_async``), never silently; a token tha
   routed pairs' query projections through ``torch.ops.condcomp.pair_project`` with the tokens as its examples (one
   row each, ``R`` head slots; pairs/row_kernels.py sorts the pairs by head and gives each block of one head's pairs
   one weight tile), their attention, and their gated output projection through ``torch.ops.condcomp.pair_output``.
-  Attention without gradients (inference, no dropout): only the pairs' rows, ``torch.ops.condcomp.pair_row_attention``
-  (no backward yet); with gradients: each pair's query in its head's slot of a ``(B, E, T, Dh)`` block that one SDPA
-  call attends (slots no token chose hold zero queries: dense over the routed heads). Weight gradients: pairs sorted
-  by head once on the device, one program per head tile (no atomics: deterministic).
+  Attention (no dropout): only the pairs' rows, ``torch.ops.condcomp.pair_row_attention``, in training too (its
+  backward recomputes the probabilities from the saved log-sum-exp: ``dq`` per block of sorted rows, ``dk``/``dv``
+  per (example, KV head, key block)); with dropout or an attention bias that asks for a gradient: each pair's query
+  in its head's slot of a ``(B, E, T, Dh)`` block that one SDPA call attends (dense over the routed heads). Weight
+  gradients: pairs sorted by head once on the device, one program per head tile (no atomics: deterministic).
 - ``token.static`` (torch only, where the kernels do not run): one dense block of the shared heads, plus every
   routed head when a token may choose one (``R > 0``), each (token, head) output multiplied by its gate (0 where the
   token did not choose the head): the masked executor's arithmetic, dense cost, capturable.
@@ -142,11 +143,11 @@ class Pairs(Strategy):
         full_mask = mask.mask
         if full_mask is not None and full_mask.is_floating_point():
             full_mask = full_mask.to(q.dtype)  # an additive mask in the computation's dtype, as SDPA needs
-        if inputs.dropout_p == 0.0 and not (torch.is_grad_enabled() and any(
-                t.requires_grad for t in (q, keys, values))):  # no gradient asked for: only the pairs' rows attend
-            o = ops.pair_row_attention(q, keys.to(q.dtype), values.to(q.dtype), full_mask, slot, counts.view(B, T),
-                                       S, E, G, mask.is_causal, w.layout.scale)  # (B, T, R, Dh)
-        else:  # each pair's query in its head's slot of one dense block over the routed heads
+        mask_grad = full_mask is not None and full_mask.requires_grad and torch.is_grad_enabled()
+        if inputs.dropout_p == 0.0 and not mask_grad:  # only the pairs' rows attend, forward and backward
+            o, _ = ops.pair_row_attention(q, keys.to(q.dtype), values.to(q.dtype), full_mask, slot,
+                                          counts.view(B, T), S, E, G, mask.is_causal, w.layout.scale)  # (B, T, R, Dh)
+        else:  # dropout or a trained attention bias: each pair's query in its head's slot of one dense block
             ix = slot.unsqueeze(-1).expand(B, T, R, Dh)
             q = q.new_zeros(B, T, E, Dh).scatter(2, ix, q).transpose(1, 2)  # (B, E, T, Dh)
             out = F.scaled_dot_product_attention(q, _kv_of(keys, S, E, G), _kv_of(values, S, E, G),

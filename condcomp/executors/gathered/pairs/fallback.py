@@ -60,17 +60,72 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
     return (dw if dw_out is None else dw_out.copy_(dw)), db
 
 
-def row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor,
-                  first: int, num_routed: int, group: int, is_causal: bool, scale: float) -> Tensor:
-    """Same semantics as row_launch.row_attention in torch: each pair's query in its head's slot of a ``(B, E, T,
-    Dh)`` block (dense over the routed heads), one SDPA call, each pair's row read back."""
+def _routed_scores(q: Tensor, keys: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor, first: int,
+                   num_routed: int, group: int, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The routed block's scores in ``wide`` (float32 at least): ``(B, E, T, S)``, ``-inf`` where a key is not
+    allowed; with ``chosen (B, T, R, 1)``, the slot index ``ix (B, T, R, Dh)`` and each routed head's key head."""
     B, T, R, Dh = q.shape
-    E = num_routed
+    E, S = num_routed, keys.shape[2]
+    wide = torch.promote_types(q.dtype, torch.float32)
     chosen = (torch.arange(R, device=q.device) < counts.unsqueeze(-1)).unsqueeze(-1)  # (B, T, R, 1)
     ix = slot.unsqueeze(-1).expand(B, T, R, Dh)
-    block = q.new_zeros(B, T, E, Dh).scatter(2, ix, torch.where(chosen, q, 0.0)).transpose(1, 2)  # (B, E, T, Dh)
+    block = _to_block(torch.where(chosen, q, 0.0).to(wide), ix, E)  # (B, E, T, Dh)
     kv = torch.div(torch.arange(first, first + E, device=q.device), group, rounding_mode="floor")
-    m = mask if mask is None or mask.shape[1] == 1 else mask[:, first:first + E]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        block, keys.index_select(1, kv), values.index_select(1, kv), attn_mask=m, is_causal=is_causal, scale=scale)
-    return torch.where(chosen, out.transpose(1, 2).gather(2, ix), 0.0)  # (B, T, R, Dh)
+    sc = torch.matmul(block, keys.index_select(1, kv).to(wide).transpose(-1, -2)) * scale  # (B, E, T, S)
+    allowed = torch.ones(T, S, dtype=torch.bool, device=q.device)
+    if is_causal:
+        allowed = torch.ones_like(allowed).tril()  # key s <= row t (top-left aligned, as SDPA's is_causal)
+    if mask is not None:
+        m = mask if mask.shape[1] == 1 else mask[:, first:first + E]
+        if m.is_floating_point():
+            sc = sc + m.to(wide)
+        else:
+            allowed = allowed & m
+    return sc.masked_fill(~allowed, float("-inf")), chosen, ix, kv
+
+
+def _to_block(rows: Tensor, ix: Tensor, E: int) -> Tensor:
+    """``(B, T, R, Dh)`` rows in their heads' slots of a ``(B, E, T, Dh)`` block (zeros in the other slots)."""
+    B, T, _, Dh = rows.shape
+    return rows.new_zeros(B, T, E, Dh).scatter(2, ix, rows).transpose(1, 2)
+
+
+def _from_block(block: Tensor, ix: Tensor, chosen: Tensor) -> Tensor:
+    """Each pair's row of a ``(B, E, T, Dh)`` block: ``(B, T, R, Dh)``, zeros on unselected pairs."""
+    return torch.where(chosen, block.transpose(1, 2).gather(2, ix), 0.0)
+
+
+def row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor,
+                  first: int, num_routed: int, group: int, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Same semantics as row_launch.row_attention in torch: each pair's query in its head's slot of a ``(B, E, T,
+    Dh)`` block (dense over the routed heads), softmax in float32 at least, each pair's row read back. ->
+    ``(B, T, R, Dh)`` (zeros on unselected pairs and rows with no allowed key) and the rows' log-sum-exp ``(B, T, R)``
+    (``+inf`` there, so that ``exp(score - lse)`` is 0)."""
+    sc, chosen, ix, kv = _routed_scores(q, keys, mask, slot, counts, first, num_routed, group, is_causal, scale)
+    lse = torch.logsumexp(sc, -1)  # (B, E, T)
+    lse = torch.where(torch.isfinite(lse), lse, float("inf"))  # no allowed key: +inf, the row's output 0
+    out = torch.matmul(torch.exp(sc - lse.unsqueeze(-1)), values.index_select(1, kv).to(sc.dtype))  # (B, E, T, Dh)
+    lse_rows = torch.where(chosen.squeeze(-1), lse.transpose(1, 2).gather(2, slot), float("inf"))  # (B, T, R)
+    return _from_block(out, ix, chosen).to(q.dtype).contiguous(), lse_rows.contiguous()
+
+
+def row_attention_backward(grad: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor,
+                           counts: Tensor, out: Tensor, lse: Tensor, first: int, num_routed: int, group: int,
+                           is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`row_attention` from its output's gradient, the probabilities recomputed from the
+    saved log-sum-exp (FlashAttention's backward, on the routed block): zeros for unselected pairs, the key/value
+    gradients of each KV head summed over the routed heads of its group (shapes of ``keys``/``values``)."""
+    sc, chosen, ix, kv = _routed_scores(q, keys, mask, slot, counts, first, num_routed, group, is_causal, scale)
+    wide, E = sc.dtype, num_routed
+    B, T, R, _ = q.shape
+    lse_b = lse.new_full((B, T, E), float("inf")).scatter(2, slot, torch.where(chosen.squeeze(-1), lse, float("inf")))
+    p = torch.exp(sc - lse_b.transpose(1, 2).to(wide).unsqueeze(-1))  # (B, E, T, S)
+    d_out = _to_block(torch.where(chosen, grad, 0.0).to(wide), ix, E)  # (B, E, T, Dh)
+    delta = (d_out * _to_block(out.to(wide), ix, E)).sum(-1, keepdim=True)  # (B, E, T, 1)
+    ds = p * (torch.matmul(d_out, values.index_select(1, kv).to(wide).transpose(-1, -2)) - delta)
+    dq = _from_block(torch.matmul(ds, keys.index_select(1, kv).to(wide)) * scale, ix, chosen)
+    group_of = (kv[:, None] == torch.arange(keys.shape[1], device=kv.device)).to(wide)  # (E, Hkv): a fixed sum order
+    dk = torch.einsum("besd,ek->bksd", torch.matmul(ds.transpose(-1, -2), _to_block(
+        torch.where(chosen, q, 0.0).to(wide), ix, E)) * scale, group_of)
+    dv = torch.einsum("besd,ek->bksd", torch.matmul(p.transpose(-1, -2), d_out), group_of)
+    return dq.to(q.dtype).contiguous(), dk.to(keys.dtype).contiguous(), dv.to(values.dtype).contiguous()

@@ -6,6 +6,11 @@
 - ``pair_output(a (B, C, T, Dh), weight (D, E*Dh), gates (B, C), heads (B, C), counts (B,), bias (D,) | None) ->
   (B, T, D)``: ``y[b] = sum_{j < counts[b]} gates[b, j] * a[b, j] @ weight[:, h*Dh:(h+1)*Dh]^T`` with
   ``h = heads[b, j]``, plus ``bias`` on the rows of examples with ``counts[b] > 0``.
+- ``pair_row_attention(q (B, T, R, Dh), keys, values (B, Hkv, S, Dh), mask, slot (B, T, R), counts (B, T), first,
+  num_routed, group, is_causal, scale) -> (out (B, T, R, Dh), lse (B, T, R))``: each selected (token, routed head)
+  pair's query row attends the keys of its head (token plans): pair ``(b, t, r)``, ``r < counts[b, t]``, is head
+  ``first + slot[b, t, r]`` (a token's ``R`` slots distinct, in ``[0, num_routed)``); its backward recomputes the
+  probabilities from ``lse`` on the same rows.
 
 ``heads`` and ``counts`` are int64 on the same device; ``heads[b, j]`` must lie in ``[0, E)`` for ``j < counts[b]``
 and ``counts[b] <= C`` (pairs past ``C`` are not computed). Those values are not checked on CUDA (that would read
@@ -202,24 +207,65 @@ def _output_backward(ctx, grad: Tensor):  # type: ignore[no-untyped-def]
 pair_output.register_autograd(_output_backward, setup_context=_output_setup)
 
 
-# pair_row_attention: forward only (the token strategy calls it where no gradient is asked for)
+# pair_row_attention and its backward
+
+
+def _rows_impl(t: Tensor) -> ModuleType:
+    """row_launch.py where the kernels run on ``t``, else the torch fallback."""
+    if kernel_runs(t):
+        from condcomp.executors.gathered.pairs import row_launch
+
+        return row_launch
+    return fallback
 
 
 @torch.library.custom_op("condcomp::pair_row_attention", mutates_args=())
 def pair_row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor,
-                       first: int, num_routed: int, group: int, is_causal: bool, scale: float) -> Tensor:
-    """``(B, T, R, Dh)``: attention of each selected (token, routed head) pair's query row only (row_launch.py's
-    kernel where the kernels run, else fallback.py's dense routed block). No autograd formula: call it without
-    gradients."""
-    impl = _impl(q)
-    if impl is fallback:
-        return fallback.row_attention(q, keys, values, mask, slot, counts, first, num_routed, group, is_causal, scale)
-    from condcomp.executors.gathered.pairs import row_launch
-
-    return row_launch.row_attention(q, keys, values, mask, slot, counts, first, num_routed, group, is_causal, scale)
+                       first: int, num_routed: int, group: int, is_causal: bool,
+                       scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of each selected (token, routed head) pair's query row only (row_launch.py's kernel where the
+    kernels run, else fallback.py's dense routed block): ``(B, T, R, Dh)`` and the rows' log-sum-exp ``(B, T, R)``
+    (float32 at least; ``+inf`` on unselected pairs and rows with no allowed key; not differentiable). Gradients
+    flow to ``q``, ``keys`` and ``values`` (row_launch.py's backward kernels, no atomics), never to ``mask``."""
+    return _rows_impl(q).row_attention(q, keys, values, mask, slot, counts, first, num_routed, group, is_causal,
+                                       scale)
 
 
 @pair_row_attention.register_fake
 def _(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor, first: int,
-      num_routed: int, group: int, is_causal: bool, scale: float) -> Tensor:
-    return q.new_empty(q.shape)
+      num_routed: int, group: int, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+@torch.library.custom_op("condcomp::pair_row_attention_backward", mutates_args=())
+def pair_row_attention_backward(grad: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None,
+                                slot: Tensor, counts: Tensor, out: Tensor, lse: Tensor, first: int, num_routed: int,
+                                group: int, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _rows_impl(q).row_attention_backward(grad, q, keys, values, mask, slot, counts, out, lse, first,
+                                                num_routed, group, is_causal, scale)
+
+
+@pair_row_attention_backward.register_fake
+def _(grad: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor,
+      out: Tensor, lse: Tensor, first: int, num_routed: int, group: int, is_causal: bool,
+      scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), keys.new_empty(keys.shape), values.new_empty(values.shape)
+
+
+def _rows_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, keys, values, mask, slot, counts, *ctx.args = inputs
+    if mask is not None and mask.requires_grad:
+        raise ValueError("pair_row_attention: no gradient flows to the attention mask; pass mask.detach()")
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, keys, values, mask, slot, counts, out, lse)
+
+
+def _rows_backward(ctx, grad: Tensor, _grad_lse: Tensor | None):  # type: ignore[no-untyped-def]
+    q, keys, values, mask, slot, counts, out, lse = ctx.saved_tensors
+    dq, dk, dv = pair_row_attention_backward(grad, q, keys, values, mask, slot, counts, out, lse, *ctx.args)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None) + (None,) * 8
+
+
+pair_row_attention.register_autograd(_rows_backward, setup_context=_rows_setup)

@@ -9,6 +9,8 @@ is ``cdiv(B*C, BM) + E`` blocks, each ``BM`` sorted pairs of one head (:func:`bl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 from torch import Tensor
@@ -100,33 +102,86 @@ def group_xty(g: Tensor, x: Tensor, scale: Tensor | None, heads: Tensor, counts:
     return dw, db
 
 
+def head_tile(Dh: int) -> int:
+    """The row attention's tile over the head dimension: all of it (a row's scores need its whole dot product)."""
+    return max(16, triton.next_power_of_2(Dh))
+
+
+class _Rows(NamedTuple):
+    """The row attention's launch plan: pair rows sorted by (example, routed head) segment, once per call."""
+
+    rows: Tensor  # (N,) pair ids (b*T + t)*R + r, the selected ones sorted by segment b*E + slot, then the others
+    row_seg: Tensor  # (N,) each sorted row's segment (B*E past the last)
+    offsets: Tensor  # (B*E + 1,) segment i owns rows[offsets[i]:offsets[i + 1]]
+    mask: Tensor  # the additive mask as (B, H, T, S) strides (q, never read, without one)
+    mask_strides: tuple[int, int, int, int]
+
+
+def _rows(q: Tensor, keys: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor, first: int, E: int) -> _Rows:
+    B, T, R, _ = q.shape
+    chosen = torch.arange(R, device=q.device) < counts.unsqueeze(-1)  # (B, T, R)
+    b = torch.arange(B, device=q.device)[:, None, None]
+    key = torch.where(chosen, b * E + slot, B * E).reshape(-1)  # (N,) unselected: past the last segment
+    row_seg, rows = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(row_seg, torch.arange(B * E + 1, device=q.device, dtype=key.dtype))
+    m_arg, m_strides = q, (0, 0, 0, 0)  # absent: never read
+    if mask is not None:
+        m = mask if mask.is_floating_point() else torch.where(mask, 0.0, float("-inf"))
+        m_arg = m.expand(B, first + E, T, keys.shape[2])  # broadcast dimensions: stride 0
+        m_strides = (m_arg.stride(0), m_arg.stride(1), m_arg.stride(2), m_arg.stride(3))
+    return _Rows(rows, row_seg, offsets, m_arg, m_strides)
+
+
 def row_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor, counts: Tensor,
-                  first: int, num_routed: int, group: int, is_causal: bool, scale: float) -> Tensor:
+                  first: int, num_routed: int, group: int, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Attention of the selected (token, routed head) pairs only: ``q (B, T, R, Dh)``, pair ``(b, t, r)`` is head
     ``first + slot[b, t, r]`` for ``r < counts[b, t]``; keys/values ``(B, Hkv, S, Dh)``; ``mask`` additive float
     or bool ``(B|1, H|1, T|1, S)``. Pairs sorted by (example, head) once; one block of ``BM`` sorted rows of one
     (example, head) per program, a static grid of ``cdiv(B*T*R, BM) + B*E`` blocks. -> ``(B, T, R, Dh)``, zeros on
-    unselected pairs."""
+    unselected pairs and rows with no allowed key, and each row's log-sum-exp ``(B, T, R)`` float32 (``+inf`` on
+    those; what the backward recomputes the probabilities from)."""
     B, T, R, Dh = q.shape
     S, E = keys.shape[2], num_routed
     out = q.new_zeros(B * T * R, Dh)
+    lse = q.new_full((B * T * R,), float("inf"), dtype=torch.float32)
     if out.numel() == 0 or S == 0:
-        return out.view(B, T, R, Dh)
-    chosen = torch.arange(R, device=q.device) < counts.unsqueeze(-1)  # (B, T, R)
-    b = torch.arange(B, device=q.device)[:, None, None]
-    key = torch.where(chosen, b * E + slot, B * E).reshape(-1)  # (N,) unselected: past the last segment
-    sorted_key, rows = torch.sort(key, stable=True)
-    offsets = torch.searchsorted(sorted_key, torch.arange(B * E + 1, device=q.device, dtype=key.dtype))
-    BM, BN, BD = block(B * T * R, ROWS), block(S, COLS), block(Dh, COLS)
-    seg, start = blocks(offsets, B * T * R, BM)
+        return out.view(B, T, R, Dh), lse.view(B, T, R)
+    plan = _rows(q, keys, mask, slot, counts, first, E)
+    BM, BN, BD = block(B * T * R, ROWS), block(S, COLS), head_tile(Dh)
+    seg, start = blocks(plan.offsets, B * T * R, BM)
     qf = q.reshape(B * T * R, Dh)
-    m_arg, m_strides = q, (0, 0, 0, 0)  # absent: never read
-    if mask is not None:
-        m = mask if mask.is_floating_point() else torch.where(mask, 0.0, float("-inf"))
-        m_arg = m.expand(B, first + E, T, S)  # broadcast dimensions: stride 0
-        m_strides = (m_arg.stride(0), m_arg.stride(1), m_arg.stride(2), m_arg.stride(3))
     row_kernels.row_attention[(seg.shape[0],)](
-        qf, keys, values, m_arg, rows, seg, start, offsets, out, T, S, Dh, R, E, first, group, B * E, scale,
-        *qf.stride(), *keys.stride(), *values.stride(), *m_strides, *out.stride(),
+        qf, keys, values, plan.mask, plan.rows, seg, start, plan.offsets, out, lse, T, S, Dh, R, E, first, group,
+        B * E, scale, *qf.stride(), *keys.stride(), *values.stride(), *plan.mask_strides, *out.stride(),
         HAS_MASK=mask is not None, IS_CAUSAL=is_causal, PRECISION=precision(q.dtype), BM=BM, BN=BN, BD=BD)
-    return out.view(B, T, R, Dh)
+    return out.view(B, T, R, Dh), lse.view(B, T, R)
+
+
+def row_attention_backward(grad: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, slot: Tensor,
+                           counts: Tensor, out: Tensor, lse: Tensor, first: int, num_routed: int, group: int,
+                           is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`row_attention` (FlashAttention-2's backward on the sorted rows, probabilities
+    recomputed from ``lse``): ``dq`` per block of sorted rows (the forward's grid), ``dk``/``dv`` one program per
+    (example, KV head, key block) over the sorted rows of its group's routed heads, summed in registers in that
+    fixed order (no atomics: deterministic). KV heads no routed head reads get zeros."""
+    B, T, R, Dh = q.shape
+    S, E, Hkv = keys.shape[2], num_routed, keys.shape[1]
+    dq = q.new_zeros(B * T * R, Dh)
+    dk, dv = keys.new_empty(keys.shape), values.new_empty(values.shape)
+    if dq.numel() == 0 or S == 0 or Hkv == 0:
+        return dq.view(q.shape), dk.zero_(), dv.zero_()
+    plan = _rows(q, keys, mask, slot, counts, first, E)
+    qf, do, of = q.reshape(-1, Dh), grad.reshape(-1, Dh).contiguous(), out.reshape(-1, Dh)
+    delta = (do.float() * of.float()).sum(-1)  # (N,): each row's do . o
+    lse_f = lse.reshape(-1).float()
+    BM, BN, BD = block(B * T * R, ROWS), block(S, COLS), head_tile(Dh)
+    seg, start = blocks(plan.offsets, B * T * R, BM)
+    common = dict(HAS_MASK=mask is not None, IS_CAUSAL=is_causal, PRECISION=precision(q.dtype), BM=BM, BN=BN, BD=BD)
+    strides = (*qf.stride(), *keys.stride(), *values.stride(), *plan.mask_strides, *do.stride())
+    row_kernels.row_attention_dq[(seg.shape[0],)](
+        qf, keys, values, plan.mask, plan.rows, seg, start, plan.offsets, do, lse_f, delta, dq,
+        T, S, Dh, R, E, first, group, B * E, scale, *strides, **common)
+    row_kernels.row_attention_dkdv[(B * Hkv, triton.cdiv(S, BN))](
+        qf, keys, values, plan.mask, plan.rows, plan.row_seg, plan.offsets, do, lse_f, delta, dk, dv,
+        T, S, Dh, R, E, first, group, Hkv, scale, *strides, *dk.stride(), *dv.stride(), **common)
+    return dq.view(q.shape), dk, dv
