@@ -114,3 +114,17 @@ def test_report_only_on_a_folder_without_results_says_so(tmp_path: Path, monkeyp
     assert code == 2 and err.count("\n") == 1
     assert f"--report-only: no tune-llm results in {tmp_path / 'absent'}, {empty}" in err
     assert list(empty.iterdir()) == []  # no empty summary table written
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench", "compile", "--quick", "--executors", "gathered", "nope"], "unknown executor 'nope'; pass registered"),
+    (["bench", "compile", "--quick", "--executors"], "expected at least one argument"),
+])
+def test_bench_compile_refuses_an_unknown_executor_before_timing_dense(argv: list[str], match: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # it built and timed the dense model first, then failed on the name (an empty --executors ran every executor)
+    _refuse_work(monkeypatch)
+    err = _one_line_error([*argv, "--out", str(tmp_path / "out")], capsys)
+    assert "argument --executors" in err and match in err, err
+    assert not (tmp_path / "out").exists()
