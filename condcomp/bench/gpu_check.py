@@ -39,7 +39,7 @@ import torch
 from condcomp.bench.gpu_cells import COMPILED, Cell, cells, every_strategy_tuning, time_cell
 from condcomp.bench.gpu_report import table
 from condcomp.bench.gpu_tuning import tuning_lines, tuning_record
-from condcomp.cli_args import finite_float, integer, output_folder
+from condcomp.cli_args import compile_backend, finite_float, integer, output_folder
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor
 from condcomp.plans import plan_from_active, top_k_mask
@@ -283,7 +283,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=("targets", "all", "off"), default="targets",
                         help="cells whose dense and gathered calls are also run under torch.profiler (host vs device "
                         "time, the top operators, in profiles/): the target cells (default), all or none")
-    parser.add_argument("--compile-backend", default="inductor",
+    parser.add_argument("--compile-backend", default="inductor", type=compile_backend,
                         help="torch.compile backend for those cells (default inductor; eager: a quick capture check)")
 
 
