@@ -259,7 +259,7 @@ def write(out: Path, header: dict[str, Any], records: list[dict[str, Any]], summ
             "cells_failed": sum("cell" in c["not_run"] for c in summaries), "wrong_answers": wrong_answers(records)}
     meta["complete"] = meta["cells_done"] == header["cells_total"] and not meta["cells_failed"]
     (out / "metrics.json").write_text(json.dumps({**meta, "cells": summaries, "records": records}, indent=1))
-    tuning = tuning_record(records)
+    tuning = tuning_record(records, on_cuda=header.get("cuda") is not None)
     (out / "tuning.json").write_text(json.dumps({**header, **tuning}, indent=1))
     (out / "table.md").write_text(table(meta, records, summaries) + "\n\n" + "\n".join(tuning_lines(tuning)) + "\n")
     return meta
