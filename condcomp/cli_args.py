@@ -16,6 +16,7 @@ PosixPath('runs/new')
 - ``finite_float`` / ``integer``: a number in a range (``nan`` and ``inf`` refused), e.g.
   ``type=finite_float(above=0)`` for a learning rate, ``type=integer(at_least=1)`` for a count.
 - ``component(role)``: a user's router or policy, a registered name or ``module:Class`` (imported and registered).
+- ``compile_backend``: a ``torch.compile`` backend torch knows; ``COMPILE_MODES``: the modes of its inductor backend.
 - ``OneLineParser``: the ``argparse`` parser that reports any of these (and every other usage mistake) in one line.
 """
 
@@ -182,3 +183,20 @@ def component(role: str) -> Callable[[str], str]:
 
     check.__name__ = role  # argparse names the type in its messages
     return check
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's modes
+
+
+def compile_backend(value: str) -> str:
+    """An argparse ``type``: a ``torch.compile`` backend torch knows (``torch._dynamo.list_backends``), checked when
+    parsed: a misspelt backend failed only once the model was loaded and decoded eagerly."""
+    if value in ("inductor", "eager", "aot_eager"):
+        return value
+    import torch._dynamo
+
+    known = sorted(torch._dynamo.list_backends(exclude_tags=()))
+    if value not in known:
+        raise argparse.ArgumentTypeError(f"unknown torch.compile backend {value!r}; pass one of {', '.join(known)}")
+    return value
+

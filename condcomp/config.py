@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from condcomp.executors.auto import executor_key_error
 from condcomp.kv.choose import build_kv_policy
 from condcomp.options import Option, check_fields, flag
 from condcomp.registry import EXECUTORS, KV_POLICIES, POLICIES, ROUTERS
@@ -94,9 +95,7 @@ class CondCompConfig:
             raise ValueError(f"the router's stream_window and kv={self.kv[0]!r} both say what the groups a plan does "
                              "not keep hold: set kv=('window', {'sinks': s, 'window': n}) and drop stream_window")
         if not isinstance(self.executor, str):
-            raise TypeError(f"executor must be a string key, got {self.executor!r}; to use an executor object of "
-                            "your own (e.g. GatheredExecutor with another tuning), register a class that builds it "
-                            "with @condcomp.register_executor('name') and pass executor='name' (docs/extending.md)")
+            raise TypeError(executor_key_error(self.executor))
         self.executor = self.executor.lower()
         if self.executor != "auto":
             EXECUTORS.get(self.executor)

@@ -25,6 +25,7 @@ GATE_MODES = ("binary", "weighted", "renormalized")
 DEFAULT_TEMPERATURE: dict[str, Any] = {"kind": "exponential", "start": 2.0, "end": 0.5}
 DEFAULT_NOISE: dict[str, Any] = {"kind": "linear", "start": 0.5, "end": 0.0}
 DEFAULT_ENTROPY_BETA: dict[str, Any] = {"kind": "linear", "start": -0.01, "end": 0.01}
+DEFAULT_STREAM_SINKS = 4  # sinks a streamed group keeps when stream_window is set and stream_sinks is not
 
 
 @register_router("topk")
@@ -52,11 +53,11 @@ class TopKRouter(nn.Module):
     head; MHA: single heads): one score per group, ``ceil(k / r)`` groups kept, every head of a kept group on.
     Budgets then translate into KV-cache savings (a held plan caches kept groups only, :mod:`condcomp.kv.selection`).
 
-    ``stream_window=n`` (with ``stream_sinks``, default 4; deprecated: set ``CondCompConfig(kv=("window",
-    {"sinks": s, "window": n}))``, the KV policy it stands for): at inference with a KV cache, the key/value groups a
-    request's plan does not keep are not dropped but streamed: their query heads attend to the request's first
-    ``stream_sinks`` tokens and its last ``n`` tokens (gate 1), and the cache holds only those for them
-    (:class:`~condcomp.kv.window.StreamWindow`). Without a cache (training) the plan is unchanged.
+    ``stream_window=n`` (with ``stream_sinks``, default 4, which is refused without ``stream_window``; deprecated:
+    set ``CondCompConfig(kv=("window", {"sinks": s, "window": n}))``, the KV policy it stands for): at inference with
+    a KV cache, the key/value groups a request's plan does not keep are not dropped but streamed: their query heads
+    attend to the request's first ``stream_sinks`` tokens and its last ``n`` tokens (gate 1), and the cache holds
+    only those for them (:class:`~condcomp.kv.window.StreamWindow`). Without a cache (training) the plan is unchanged.
 
     ``init_scores`` warm-starts the scorer from a prior ranking (one score per scored unit: a head, or a KV group
     with ``kv_groups``): the scorer's output bias starts at these scores and its output weights at zero, so the
@@ -79,7 +80,7 @@ class TopKRouter(nn.Module):
         real("mask_temperature", above=0, meaning="the soft top-k mask's temperature"),
         flag("kv_groups", meaning="score whole key/value groups"),
         count("stream_window", at_least=1, optional=True, meaning="recent tokens a streamed group keeps"),
-        count("stream_sinks", meaning="first tokens a streamed group keeps"),
+        count("stream_sinks", optional=True, meaning="first tokens a streamed group keeps (default 4)"),
     )
 
     def __init__(self, d_model: int, num_heads: int, hidden: int | None = None,
@@ -87,7 +88,7 @@ class TopKRouter(nn.Module):
                  entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA, train_mode: TrainMode = "straight_through",
                  mask_temperature: float = 0.25, gates: str = "binary", kv_groups: bool = False,
                  num_kv_heads: int | None = None, init_scores: Sequence[float] | None = None,
-                 stream_window: int | None = None, stream_sinks: int = 4) -> None:
+                 stream_window: int | None = None, stream_sinks: int | None = None) -> None:
         super().__init__()
         self.validate_options(hidden=hidden, temperature=temperature, noise_std=noise_std, entropy_beta=entropy_beta,
                               train_mode=train_mode, mask_temperature=mask_temperature, gates=gates,
@@ -95,6 +96,7 @@ class TopKRouter(nn.Module):
         self.d_model, self.num_heads = d_model, num_heads
         self.kv_groups = bool(kv_groups)
         # groups a request's plan does not keep get a streaming window in its KV cache instead of nothing
+        stream_sinks = DEFAULT_STREAM_SINKS if stream_sinks is None else stream_sinks
         self.stream = None if stream_window is None else StreamWindow(stream_sinks, stream_window)
         if self.stream is not None:
             warnings.warn("topk(stream_window=, stream_sinks=) is a shorthand for the window KV policy: set "
@@ -121,7 +123,7 @@ class TopKRouter(nn.Module):
                          noise_std: ScheduleSpec = DEFAULT_NOISE, entropy_beta: ScheduleSpec = DEFAULT_ENTROPY_BETA,
                          train_mode: str = "straight_through", mask_temperature: float = 0.25, gates: str = "binary",
                          init_scores: Sequence[float] | None = None, stream_window: int | None = None,
-                         stream_sinks: int = 4, **_: Any) -> None:
+                         stream_sinks: int | None = None, **_: Any) -> None:
         check_options("topk router", TopKRouter.options, {
             "hidden": hidden, "temperature": temperature, "noise_std": noise_std, "entropy_beta": entropy_beta,
             "mask_temperature": mask_temperature})
@@ -131,7 +133,7 @@ class TopKRouter(nn.Module):
             raise ValueError(f"topk router: gates must be one of {GATE_MODES}, got {gates!r}")
         if init_scores is not None:
             _check_scores(init_scores)
-        if stream_window is None and stream_sinks != 4:  # it would be ignored: without a window nothing streams
+        if stream_window is None and stream_sinks is not None:  # ignored otherwise: without a window nothing streams
             raise ValueError(f"topk router: stream_sinks={stream_sinks} applies only with stream_window (without it "
                              "the groups a plan does not keep are dropped); set kv=('window', {'sinks': s, 'window': "
                              "n}) instead")

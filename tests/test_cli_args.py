@@ -114,3 +114,51 @@ def test_report_only_on_a_folder_without_results_says_so(tmp_path: Path, monkeyp
     assert code == 2 and err.count("\n") == 1
     assert f"--report-only: no tune-llm results in {tmp_path / 'absent'}, {empty}" in err
     assert list(empty.iterdir()) == []  # no empty summary table written
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench", "compile", "--quick", "--executors", "gathered", "nope"], "unknown executor 'nope'; pass registered"),
+    (["bench", "compile", "--quick", "--executors"], "expected at least one argument"),
+])
+def test_bench_compile_refuses_an_unknown_executor_before_timing_dense(argv: list[str], match: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # it built and timed the dense model first, then failed on the name (an empty --executors ran every executor)
+    _refuse_work(monkeypatch)
+    err = _one_line_error([*argv, "--out", str(tmp_path / "out")], capsys)
+    assert "argument --executors" in err and match in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench", "decode", "--model", "tiny-llama", "--quick", "--compile", "--compile-backend", "nonsense"],
+     "argument --compile-backend: unknown torch.compile backend 'nonsense'; pass one of"),
+    (["bench", "gpu-check", "--device", "cpu", "--quick", "--compile-backend", "indcutor"],
+     "argument --compile-backend: unknown torch.compile backend 'indcutor'"),
+    (["bench", "decode", "--model", "tiny-llama", "--quick", "--compile", "--compile-mode", "fast"],
+     "argument --compile-mode: invalid choice: 'fast'"),
+])
+def test_a_compile_backend_or_mode_torch_does_not_know_is_refused_when_parsed(
+        argv: list[str], match: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # bench decode loaded the model and decoded eagerly before torch.compile refused the backend; gpu-check on a
+    # CPU never compiles (--compile auto), so a misspelt backend went unnoticed until the GPU run
+    _refuse_work(monkeypatch)
+    err = _one_line_error([*argv, "--out", str(tmp_path / "out")], capsys)
+    assert match in err, err
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--compile", "--compile-backend", "eager"], "--compile-backend eager ignores it"),
+    ([], "nothing is compiled without --compile"),
+])
+def test_bench_decode_refuses_a_compile_mode_nothing_reads(extra: list[str], match: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # torch.compile passes a mode to the eager backend, which ignores it: the record said a mode that never applied
+    _refuse_work(monkeypatch)
+    argv = ["bench", "decode", "--model", "tiny-llama", "--quick", "--compile-mode", "max-autotune", *extra]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--compile-mode max-autotune is a mode of torch.compile's inductor backend" in err and match in err, err
+    assert not (tmp_path / "out").exists()

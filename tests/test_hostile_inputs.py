@@ -207,3 +207,20 @@ def test_k_zero_everywhere_gives_exact_zeros_and_the_residual(executor: str) -> 
     y = routed(torch.randn(3, 5, 16), torch.ones(3, 5, dtype=torch.bool))
     assert torch.equal(y, torch.zeros_like(y))
     assert condcomp.head_usage(nn.Sequential(routed))["0"].k_frac == 0.0
+
+
+@pytest.mark.parametrize("bad", [None, 3, "instance"])
+def test_explain_and_get_executor_name_an_executor_that_is_not_a_name(bad: object) -> None:
+    # explain(..., executor=GatheredExecutor(...)) failed with AttributeError: 'GatheredExecutor' object has no
+    # attribute 'lower' (CondCompConfig already said what to do)
+    from condcomp.executors.gathered import GatheredExecutor
+
+    value = GatheredExecutor() if bad == "instance" else bad
+    layout = make_layout(H=2)
+    weights = make_weights(layout, torch.float32)
+    plan = plan_from_active(torch.tensor([[True, False]]))
+    inputs = AttentionInputs(x=torch.randn(1, 3, layout.d_model))
+    with pytest.raises(TypeError, match=r"executor must be a string key, got .*register_executor\('name'\)"):
+        condcomp.explain(weights, inputs, plan, executor=value)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="executor must be a string key"):
+        get_executor(value)  # type: ignore[arg-type]

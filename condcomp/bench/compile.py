@@ -217,6 +217,16 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def executor_name(value: str) -> str:
+    """An argparse ``type``: a registered executor's name (checked before any model is built)."""
+    import condcomp
+
+    names = condcomp.list_executors()
+    if value not in names:
+        raise argparse.ArgumentTypeError(f"unknown executor {value!r}; pass registered ones: {', '.join(names)}")
+    return value
+
+
 def add_bench_commands(bench_subparsers: Any) -> None:
     """Register ``condcomp bench compile``."""
     p = bench_subparsers.add_parser("compile", help="eager vs torch.compile per executor (graph breaks, speedup)")
@@ -227,7 +237,8 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p.add_argument("--threads", type=integer(at_least=1), default=2, help="torch CPU threads")
     p.add_argument("--s", type=finite_float(above=0, at_most=1), default=0.25,
                    help="head budget fraction of the fixed policy")
-    p.add_argument("--executors", nargs="*", default=None, help="subset of executors (default: every registered)")
+    p.add_argument("--executors", nargs="+", type=executor_name, default=None,
+                   help="subset of executors (default: every registered)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the models run (cuda: timings synchronised; an error without a CUDA device)")
     p.set_defaults(func=main)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from condcomp.cli_args import integer, output_folder
+from condcomp.cli_args import COMPILE_MODES, compile_backend, integer, output_folder
 from condcomp.experiments.llm.variants import parse_decode_variant
 from condcomp.experiments.progress import progress_bar
 
@@ -316,8 +316,12 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     out = output_folder(args.out)  # parsing checked it; a direct call is checked here, before the benchmark runs
-    out.mkdir(parents=True, exist_ok=True)
     backend = args.compile_backend if args.compile else None
+    if args.compile_mode is not None and backend != "inductor":  # nothing else reads a mode
+        raise ValueError(f"--compile-mode {args.compile_mode} is a mode of torch.compile's inductor backend, and "
+                         + ("nothing is compiled without --compile: add it" if backend is None else
+                            f"--compile-backend {backend} ignores it: drop --compile-mode or use the inductor backend"))
+    out.mkdir(parents=True, exist_ok=True)
     if args.quick:
         records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads,
                       device=args.device, names=args.variants, compile_backend=backend, compile_mode=args.compile_mode,
@@ -355,9 +359,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="every variant on a static cache, decoded eagerly and under torch.compile(fullgraph=True) "
                              "(<name>+compiled, paired with compiled dense); records the compilations per run")
-    parser.add_argument("--compile-backend", default="inductor",
+    parser.add_argument("--compile-backend", default="inductor", type=compile_backend,
                         help="torch.compile backend with --compile (default inductor; eager: the capture alone)")
-    parser.add_argument("--compile-mode", default=None,
+    parser.add_argument("--compile-mode", default=None, choices=COMPILE_MODES,
                         help="torch.compile mode with --compile (default: reduce-overhead, i.e. CUDA graphs, on cuda; "
                              "torch's default elsewhere)")
     parser.add_argument("--quick", action="store_true",

@@ -39,7 +39,7 @@ import torch
 from condcomp.bench.gpu_cells import COMPILED, Cell, cells, every_strategy_tuning, time_cell
 from condcomp.bench.gpu_report import table
 from condcomp.bench.gpu_tuning import tuning_lines, tuning_record
-from condcomp.cli_args import finite_float, integer, output_folder
+from condcomp.cli_args import compile_backend, finite_float, integer, output_folder
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor
 from condcomp.plans import plan_from_active, top_k_mask
@@ -259,7 +259,7 @@ def write(out: Path, header: dict[str, Any], records: list[dict[str, Any]], summ
             "cells_failed": sum("cell" in c["not_run"] for c in summaries), "wrong_answers": wrong_answers(records)}
     meta["complete"] = meta["cells_done"] == header["cells_total"] and not meta["cells_failed"]
     (out / "metrics.json").write_text(json.dumps({**meta, "cells": summaries, "records": records}, indent=1))
-    tuning = tuning_record(records)
+    tuning = tuning_record(records, on_cuda=header.get("cuda") is not None)
     (out / "tuning.json").write_text(json.dumps({**header, **tuning}, indent=1))
     (out / "table.md").write_text(table(meta, records, summaries) + "\n\n" + "\n".join(tuning_lines(tuning)) + "\n")
     return meta
@@ -283,7 +283,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=("targets", "all", "off"), default="targets",
                         help="cells whose dense and gathered calls are also run under torch.profiler (host vs device "
                         "time, the top operators, in profiles/): the target cells (default), all or none")
-    parser.add_argument("--compile-backend", default="inductor",
+    parser.add_argument("--compile-backend", default="inductor", type=compile_backend,
                         help="torch.compile backend for those cells (default inductor; eager: a quick capture check)")
 
 

@@ -68,10 +68,11 @@ def fit(cells: list[dict[str, Any]]) -> dict[str, Any] | None:
             "disagree": [c for c in cells if _prefers_dense(c, m, d) == c["gathered_wins"]]}
 
 
-def tuning_fields(fits: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+def tuning_fields(fits: dict[str, dict[str, Any] | None], on_cuda: bool = True) -> dict[str, Any]:
     """``GatheredTuning`` keyword arguments from the fits (a granularity with no cells keeps its current value):
-    infinite thresholds become the largest value the options accept, 2**40 (never gathered) and 1.0."""
-    fields: dict[str, Any] = {"measured": True}
+    infinite thresholds become the largest value the options accept, 2**40 (never gathered) and 1.0. ``measured``
+    is False unless the cells were timed on CUDA (a CPU dry run fits CPU timings, not the CUDA tuning's)."""
+    fields: dict[str, Any] = {"measured": on_cuda}
     for granularity, f in fits.items():
         if f is None:
             continue
@@ -81,18 +82,23 @@ def tuning_fields(fits: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
     return fields
 
 
-def tuning_record(records: list[dict[str, Any]], dtype: str = "bfloat16") -> dict[str, Any]:
-    """What ``tuning.json`` holds: the dtype fitted, each granularity's cells and fit, and the proposed fields."""
+def tuning_record(records: list[dict[str, Any]], dtype: str = "bfloat16", on_cuda: bool = True) -> dict[str, Any]:
+    """What ``tuning.json`` holds: the dtype fitted, each granularity's cells and fit, and the proposed fields
+    (``on_cuda``: whether the cells were timed on CUDA, which the CUDA tuning needs)."""
     cells = cell_wins(records, dtype)
     fits = {g: fit(c) for g, c in cells.items()}
-    return {"dtype": dtype, "fields": tuning_fields(fits), "fits": fits, "cells": cells,
+    return {"dtype": dtype, "on_cuda": on_cuda, "fields": tuning_fields(fits, on_cuda), "fits": fits, "cells": cells,
             "rule": "auto runs masked when (1 - s) * B*T*D < min_skipped_work or s >= dense_work"}
 
 
 def tuning_lines(record: dict[str, Any]) -> list[str]:
     """``table.md``'s section: the proposed CUDA fields and how many cells each fit reproduces."""
-    lines = [f"auto's CUDA thresholds fitted to this run's {record['dtype']} cells (tuning.json; copy them into "
-             "`executors/gathered/tuning.py`'s CUDA tuning with `measured=True`):", ""]
+    if record.get("on_cuda", True):
+        lines = [f"auto's CUDA thresholds fitted to this run's {record['dtype']} cells (tuning.json; copy them into "
+                 "`executors/gathered/tuning.py`'s CUDA tuning with `measured=True`):", ""]
+    else:
+        lines = [f"auto's thresholds fitted to this run's {record['dtype']} cells, timed off CUDA (a dry run: not for "
+                 "the CUDA tuning; tuning.json says `measured: false`):", ""]
     for g, f in record["fits"].items():
         if f is None:
             lines.append(f"- {g} plans: no cell with both gathered and masked timed")

@@ -35,8 +35,17 @@ AUTO_PREFERENCE = ("gathered", "masked", "reference")
 _INSTANCES: dict[str, tuple[Any, Any]] = {}  # name -> (registered factory, its shared instance)
 
 
+def executor_key_error(value: object) -> str:
+    """The message for an executor given as something other than its registered name."""
+    return (f"executor must be a string key, got {value!r}; to use an executor object of your own (e.g. "
+            "GatheredExecutor with another tuning), register a class that builds it with "
+            "@condcomp.register_executor('name') and pass executor='name' (docs/extending.md)")
+
+
 def get_executor(name: str) -> Any:
     """The shared instance of a registered executor (executors are stateless)."""
+    if not isinstance(name, str):
+        raise TypeError(executor_key_error(name))
     key = name.lower()
     factory = EXECUTORS.get(key)
     cached = _INSTANCES.get(key)

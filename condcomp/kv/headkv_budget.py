@@ -101,6 +101,8 @@ def allocate_group_budgets(scores: Tensor, fraction: float, *, floor: float = 1 
     if least > fraction + 1e-12:
         raise ValueError(f"headkv: a budget of {fraction:g} of the dense cache cannot give every group its floor "
                          f"share {floor:g} ({least:.4f} of the bytes with positions): raise the budget or lower floor")
+    if fraction >= 1.0:  # the dense cache's bytes: every group whole, the zero-importance ones too
+        return GroupBudgets(torch.ones_like(s), 1.0)
     w = (s - (s.min() if score_floor is None else torch.tensor(score_floor, dtype=torch.float64))).clamp_min(0.0)
     w = torch.ones_like(s) / s.numel() if float(w.sum()) == 0.0 else w / w.sum()
 

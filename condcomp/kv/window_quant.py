@@ -64,8 +64,11 @@ class WindowCodec:
     def quantize(self, x: Tensor, like: QuantizedStates | None = None) -> QuantizedStates:
         """``x (B, gw, N, Dh)`` as codes; ``like``: the states stored before (fp8 keeps their frozen scale)."""
         if self.kind == "fp8":
-            scale = like.scale if like is not None else (
-                (x.abs().amax().float() / _FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny))
+            top = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+            if like is None or like.codes.numel() == 0:  # an empty store has no range: calibrate on the next
+                scale = (top / _FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+            else:
+                scale = like.scale
             codes = (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
             return QuantizedStates(codes, scale, None, x.shape[-1], x.dtype)
         *lead, Dh = x.shape

@@ -83,3 +83,12 @@ def test_infinite_thresholds_become_values_the_tuning_accepts(never: bool) -> No
     tuning = GatheredTuning(**fields)
     assert tuning.dense_work_sequence == 1.0
     assert tuning.prefers_dense(0.125, "sequence", 8 * 2048 * 2048) is never
+
+
+def test_cells_timed_off_cuda_are_not_proposed_as_measured_cuda_values() -> None:
+    # a --device cpu dry run wrote measured: true and told the reader to copy CPU-fitted values into the CUDA tuning
+    record = tuning_record(_records(lambda *a: True), on_cuda=False)
+    assert record["fields"]["measured"] is False and not GatheredTuning(**record["fields"]).measured
+    text = "\n".join(tuning_lines(record))
+    assert "not for the CUDA tuning" in text and "copy them" not in text
+    assert tuning_record(_records(lambda *a: True))["fields"]["measured"] is True  # a CUDA record stays as it was

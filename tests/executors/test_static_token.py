@@ -222,6 +222,16 @@ def test_explain_names_the_token_path() -> None:
     assert on_cuda["token.triton"] == ["tuning.pair_kernels is off"]
 
 
+def test_explain_names_the_capturable_strategy_that_runs() -> None:
+    # with the pair kernels on, token.triton ran while the sized strategies' reasons said "token.static runs it"
+    case = moh_case("padding", 2, 1, torch.float32)
+    executor = GatheredExecutor(tuning=PAIRS)
+    assert executor.prepare(case.weights, case.inputs, case.plan).strategy == "token.triton"
+    lines = dict(executor.explain(case.weights, case.inputs, case.plan))
+    assert "token.triton runs it" in lines["token.per_head"][0] and "token.static runs it" not in str(lines)
+    assert "only the pairs' rows" in lines["token.triton"][0]  # inference: the row kernel, not every query slot
+
+
 @pytest.mark.skipif(not INTERPRETER, reason="the weight gradients' kernel runs under TRITON_INTERPRET=1")
 def test_token_triton_weight_gradients_are_deterministic() -> None:
     case = moh_case("causal_padding", 1, 2, torch.float32)

@@ -127,6 +127,29 @@ def test_a_bias_masks_keys_and_a_row_with_every_key_masked_is_zero(split_n: int)
     assert torch.equal(y[2], torch.zeros_like(y[2])) and bool(torch.isfinite(y).all())
 
 
+@pytest.mark.parametrize("split_n", [16, 128])
+def test_a_nan_read_gives_nan_as_sdpa_and_a_nan_past_the_length_is_not_read(split_n: int) -> None:
+    # the kernels turned a NaN query into zeros (sum NaN is not > 0: the "no key" branch), where SDPA and the
+    # float64 rule give NaN; the fallback read a NaN value past the length (0 * NaN) where the kernels do not
+    B, G, S = 3, 2, 60
+    q, k, v = inputs(B, 4, G, S, 8)
+    lens = torch.tensor([[60, 60], [40, 60], [60, 20]], dtype=torch.int32)
+    q[0, 1, 0, 3] = math.nan  # query head 1 of request 0 (slot 0's second head)
+    k[1, 0, 7, 2] = math.nan  # read by request 1's slot 0 (length 40)
+    v[1, 1, 59, :] = math.nan  # read by request 1's slot 1 (length 60)
+    k[2, 1, 30, :] = math.nan  # past request 2's slot 1 length (20): never read
+    v[2, 1, 45, :] = math.nan
+    y = compact_decode_attention(q, k, v, lens, 0.25, block_n=16, split_n=split_n)  # (B, 4, 1, 8)
+    nan_rows = {(0, 1), (1, 0), (1, 1), (1, 2), (1, 3)}  # (request, output row): rows 2g, 2g + 1 read slot g
+    for b in range(B):
+        for r in range(4):
+            assert bool(y[b, r].isnan().all()) == ((b, r) in nan_rows), (b, r, y[b, r])
+    clean = [(b, r) for b in range(B) for r in range(4) if (b, r) not in nan_rows]
+    want = loop(q.nan_to_num(), k.nan_to_num(), v.nan_to_num(), lens, 0.25, None, 2, None)
+    for b, r in clean:
+        torch.testing.assert_close(y[b, r].double(), want[b, r], atol=ATOL, rtol=RTOL)
+
+
 def test_a_broadcast_bias_and_strided_pools_are_read_in_place() -> None:
     """A bias expanded over the batch (stride 0) and pools that are views of a larger storage (a static layer's)."""
     q, k_big, v_big = inputs(2, 4, 3, 48, 8)

@@ -104,3 +104,38 @@ def test_the_split_holds_what_the_allocation_says_counted_by_hand(quantized: boo
         assert abs(sum(cache_bytes(out.cache)) - budgets.stored * dense_bytes) <= 2 * 16 + 2 * 2 * 3 * Dh * 4
     follow = model(input_ids=ids[:, :2], cache=out.cache, use_cache=True)  # a question after the prompt
     assert follow.logits.isfinite().all()
+
+
+
+def test_a_group_keeping_no_prompt_token_runs_in_an_fp8_cache() -> None:
+    # the floor share of a 12-token prompt is 0 tokens: the layer's headkv state starts empty, and fp8 took the scale
+    # of an empty tensor (amax() of nothing: RuntimeError); the state must calibrate at its first real tokens
+    pytest.importorskip("transformers")
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    scores = torch.tensor([[0.9, 0.9, 0.9], [0.5, 0.6, 0.5]])
+    fp8 = {"cache_implementation": "quantized", "cache_config": {"backend": "fp8"}}
+    model = headkv_split(tiny_llama(), scores, 0.75, floor=1 / 16, sinks=0, observe=4, pool=3)
+    assert int(12 * 1 / 16) == 0
+    greedy = {"do_sample": False, "pad_token_id": 0, "max_new_tokens": 5, "return_dict_in_generate": True,
+              "output_logits": True}
+    got = model.generate(input_ids=ids, attention_mask=mask, **fp8, **greedy)
+    want = model.generate(input_ids=ids, attention_mask=mask, **greedy)  # the same split, unquantized
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):  # fp8 e4m3: a few % per entry
+        assert (a - b).abs().max() < 0.1 * b.abs().max(), f"logits of generated token {step}"
+
+
+def test_the_whole_budget_keeps_every_group_whole_and_decodes_as_dense() -> None:
+    # at fraction 1 the least important group (importance 0 above the smallest score) kept its floor share only:
+    # 1/32 of its prompt where the budget asked for the dense cache
+    got = allocate_group_budgets(SCORES, 1.0)
+    assert got.shares.tolist() == [[1.0] * 3] * 2 and got.stored == 1.0
+    ids = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    greedy = {"do_sample": False, "pad_token_id": 0, "max_new_tokens": 4, "return_dict_in_generate": True,
+              "output_logits": True}
+    want = tiny_llama().generate(input_ids=ids, **greedy)  # the unwrapped model
+    out = headkv_split(tiny_llama(), SCORES, 1.0).generate(input_ids=ids, **greedy)
+    assert torch.equal(out.sequences, want.sequences)
+    for a, b in zip(out.logits, want.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -117,3 +117,18 @@ def test_token_state_in_a_quantized_cache_follows_the_quantizers_rule(kind: str,
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     unrounded, _ = decode(lambda c: None)
     assert not torch.allclose(got, unrounded, rtol=0, atol=1e-6)  # the state's rounding is read
+
+
+def test_an_empty_first_store_does_not_freeze_the_fp8_scale() -> None:
+    # a state that holds no token at its first store (a group keeping 0 prompt tokens) has no range to calibrate on:
+    # the scale comes from the first store that holds tokens, by the rule (amax / 448), then stays frozen
+    from condcomp.kv.window_quant import WindowCodec
+
+    codec = WindowCodec("fp8")
+    empty = codec.quantize(torch.zeros(2, 1, 0, 8))
+    x = torch.randn(2, 1, 3, 8, generator=torch.Generator().manual_seed(0)) * 5
+    first = codec.quantize(x, empty)
+    scale = float(x.abs().max()) / FP8_MAX
+    torch.testing.assert_close(codec.dequantize(first).double(), fp8_rule(x, scale), atol=1e-6, rtol=0)
+    later = codec.quantize(x * 0.5, first)  # frozen: the first real store's scale
+    torch.testing.assert_close(codec.dequantize(later).double(), fp8_rule(x * 0.5, scale), atol=1e-6, rtol=0)

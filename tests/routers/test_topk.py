@@ -238,6 +238,21 @@ def test_stream_sinks_without_a_stream_window_is_refused_not_ignored() -> None:
         TopKRouter(num_heads=4, d_model=8, stream_sinks=2)
 
 
+@pytest.mark.parametrize("sinks", [4, 0])
+def test_stream_sinks_equal_to_its_default_without_a_window_is_refused_too(sinks: int) -> None:
+    # stream_sinks=4 (the value a window gets by default) without stream_window was accepted and did nothing
+    with pytest.raises(ValueError, match=f"topk router: stream_sinks={sinks} applies only with stream_window"):
+        condcomp.CondCompConfig(router=("topk", {"stream_sinks": sinks}))
+    with pytest.raises(ValueError, match=f"stream_sinks={sinks} applies only with stream_window"):
+        TopKRouter(num_heads=4, d_model=8, stream_sinks=sinks)
+
+
+def test_stream_sinks_default_is_four_with_a_window() -> None:
+    with pytest.warns(DeprecationWarning, match="'sinks': 4, 'window': 8"):
+        router = TopKRouter(num_heads=4, d_model=8, stream_window=8)
+    assert router.stream is not None and (router.stream.sinks, router.stream.window) == (4, 8)
+
+
 @pytest.mark.parametrize("option", ["stream_window", "stream_sinks"])
 @pytest.mark.parametrize("bad", [True, 2.5, "8", -1])
 def test_stream_options_refuse_what_is_not_a_token_count(option: str, bad: Any) -> None:

@@ -184,8 +184,9 @@ def static_note(plan: HeadPlan, why: str, tuning: GatheredTuning) -> str:
         routed = max(min(cap, H) - shared, 0)
         cost = (f"the {shared} shared heads (HeadPlan.shared_heads) as one dense block, the other {H - shared} as "
                 f"at most {routed} routed (token, head) pairs per token (HeadPlan.k_cap = {cap}); token.static "
-                "computes every head's query and output projections (dense cost), token.triton only the pairs'; "
-                "both attend with every routed head's query slots")
+                "computes every head's query and output projections and attention (dense cost); token.triton "
+                "projects only the pairs' and, without gradients or dropout, attends only the pairs' rows (with "
+                "them, every routed head's query slots)")
     elif plan.k_cap is not None and cap < H:
         cost = f"every example computes k_cap = {cap} of {H} heads (its selected heads padded with gate-0 heads)"
     else:

@@ -61,7 +61,8 @@ def rejections(call: GatheredCall, table: Table | None = None) -> list[tuple[str
 def reasons_against(strategy: Strategy, call: GatheredCall) -> list[str]:
     """Why ``strategy`` cannot run ``call``: its own reasons, or that it needs sizes this call did not read."""
     if strategy.needs_sizes and not call.sizes.read:
-        last = f"{call.plan.granularity}.static"
+        gran = call.plan.granularity
+        runs = next((s.name for s in STRATEGIES[gran] if not s.needs_sizes and not s.supports(call)), f"{gran}.static")
         return ["needs the call's sizes read back from the device, and this call reads nothing (under "
-                f"torch.compile, or tuning.static_{call.plan.granularity} on this device): {last} runs it"]
+                f"torch.compile, or tuning.static_{gran} on this device): {runs} runs it"]
     return strategy.supports(call)

@@ -32,5 +32,6 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: fl
     top = s.amax(-1, keepdim=True) if S else s.new_zeros(B, G, R, 1)
     p = torch.exp(s - torch.where(torch.isneginf(top), 0.0, top))  # a row of -inf: p = 0, not NaN
     total = p.sum(-1, keepdim=True)  # (B, G, R, 1)
-    out = torch.einsum("bgrs,bgsd->bgrd", p, v.to(wide)) / torch.where(total > 0, total, 1.0)
+    kept = v.to(wide).masked_fill(~valid.unsqueeze(-1), 0.0)  # unread positions: 0 * NaN would be NaN
+    out = torch.einsum("bgrs,bgsd->bgrd", p, kept) / torch.where(total > 0, total, 1.0)
     return out.reshape(B, G * R, 1, Dh).to(q.dtype)

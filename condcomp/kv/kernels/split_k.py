@@ -64,7 +64,7 @@ def partial(q_ptr, k_ptr, v_ptr, len_ptr, idx_ptr, bias_ptr, out_ptr, m_ptr, l_p
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m_i = m_new
     if SINGLE:
-        o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        o = tl.where(l_i[:, None] == 0, 0.0, acc / tl.where(l_i == 0, 1.0, l_i)[:, None])  # NaN stays NaN
         tl.store(out_ptr + b * sob + (g * R + offs_r)[:, None] * soh + offs_d[None, :] * sod,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
@@ -103,6 +103,6 @@ def reduce(len_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
         l_sum = l_sum * a + l_s * c
         acc = acc * a[:, None] + acc_s * c[:, None]
         m = m_new
-    o = tl.where(l_sum[:, None] > 0, acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None], 0.0)
+    o = tl.where(l_sum[:, None] == 0, 0.0, acc / tl.where(l_sum == 0, 1.0, l_sum)[:, None])  # NaN stays NaN
     tl.store(out_ptr + b * sob + (g * R + offs_r)[:, None] * soh + offs_d[None, :] * sod,
              o.to(out_ptr.dtype.element_ty), mask=(offs_r < R)[:, None] & (offs_d < Dh)[None, :])
