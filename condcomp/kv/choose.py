@@ -76,6 +76,9 @@ def kv_policy_of(routed: Any) -> KVPolicy:
             raise ValueError(f"the router's stream_window and kv={spec[0]!r} both say what unkept groups keep: "
                              "set kv=('window', {'sinks': s, 'window': n}) and drop the router's stream_window")
         policy = WindowKV(stream.sinks, stream.window)
+    layout = getattr(getattr(routed, "adapter", None), "layout", None)
+    if layout is not None:
+        policy.check_layout(layout.num_kv_heads)
     routed.__dict__[_ATTR] = policy
     return policy
 

@@ -86,6 +86,11 @@ class HeadKV(SnapKV):
     def recent(self) -> int:
         return self.observe if self.window is None else self.window
 
+    def check_layout(self, num_kv_groups: int) -> None:
+        if self.shares and len(self.shares) != num_kv_groups:
+            raise ValueError(f"headkv: shares gives {len(self.shares)} KV group(s) for a layer of {num_kv_groups}: "
+                             "pass one share per KV group of the layer (headkv_split does)")
+
     def _counts(self, seen: Tensor, slot_groups: Tensor | None, B: int, gw: int) -> Tensor:
         """``(B, gw)`` int64: prompt tokens each slot keeps, at most its row's ``seen (B,)``."""
         if not self.shares:

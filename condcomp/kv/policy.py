@@ -123,6 +123,10 @@ class KVPolicy:
         with ``holds_fixed_slots``)."""
         raise NotImplementedError(f"the KV policy {self.name!r} cannot hold its groups in preallocated slots")
 
+    def check_layout(self, num_kv_groups: int) -> None:
+        """Refuse settings that do not fit a layer of ``num_kv_groups`` key/value groups (called once per wrapped
+        layer, when its policy is built). Default: every policy fits every layer."""
+
     def stored(self, state: Any, codec: Any, before: Any) -> Any:
         """The state as a quantized cache layer should hold it (``codec``: the layer's
         :class:`~condcomp.kv.window_quant.WindowCodec`; ``before``: what it held). Default: as is."""

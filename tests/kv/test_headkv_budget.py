@@ -139,3 +139,15 @@ def test_the_whole_budget_keeps_every_group_whole_and_decodes_as_dense() -> None
     assert torch.equal(out.sequences, want.sequences)
     for a, b in zip(out.logits, want.logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shares", [[0.5] * 5, [0.5] * 2])
+def test_shares_for_another_number_of_groups_are_refused_at_the_first_call(shares: list[float]) -> None:
+    # 5 shares on a layer of 3 KV groups ran with the last 2 silently ignored; 2 shares failed only when a plan held
+    # group 2. Either is a split made for another model: refused whatever the plan keeps
+    model = tiny_llama()
+    config = condcomp.CondCompConfig(policy=("fixed", {"fraction": 1 / 3}), router=("topk", {"kv_groups": True}),
+                                     kv=("headkv", {"shares": shares}))
+    condcomp.apply_(model, config)
+    with pytest.raises(ValueError, match=rf"shares gives {len(shares)} KV group\(s\) for a layer of 3"):
+        model(input_ids=torch.randint(1, 64, (1, 8)), use_cache=True)
