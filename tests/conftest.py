@@ -7,6 +7,8 @@ given (CI runs ``pytest -q --full``), ``-m`` chooses otherwise, or a test is nam
 Tests marked ``@pytest.mark.needs_data`` need the project's staged corpora (``$CONDCOMP_DATA_DIR``, else
 ``../shared/data`` beside the checkout), which a clone does not have: without them they skip, saying so.
 ``CONDCOMP_DATA_DIR=none pytest -q --full`` runs the suite as a clone has it (CI does, then ``-m needs_data``).
+CI adds ``-n 2 --dist loadfile`` (pytest-xdist, in the dev extra): two worker processes, each test file whole on one
+of them, in file order (the docs gate's blocks of a page share a namespace).
 
 Builders (layouts, weights, plans) live in tests/core_helpers.py: import them from there, not from conftest,
 which is ambiguous when several conftest.py files exist (tests/integrations/ has one).
@@ -14,6 +16,7 @@ which is ambiguous when several conftest.py files exist (tests/integrations/ has
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +32,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n N``) each worker gets its share of torch's intra-op threads (N processes at torch's
+    default, one thread per core, would oversubscribe the machine N times)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -1,14 +1,16 @@
 """Every resumable command resumes to exactly the run it interrupted.
 
 Each test runs a small command three times in child processes (tests/resume_child.py, ``--threads 1``): once
-without interruption; once interrupted by a real SIGINT (a user's Ctrl-C) sent as soon as its first checkpoint
-exists, checked to have landed (KeyboardInterrupt, a checkpoint left, no result); then the same command again,
-which resumes. The resumed run's weights and records must equal the uninterrupted run's bit for bit (timings
-aside). The generators' capture and the refusal of other settings are tested on their own first.
+without interruption, in a process beside the other two; once interrupted by a real SIGINT (a user's Ctrl-C) sent
+as soon as its first checkpoint exists, checked to have landed (KeyboardInterrupt, a checkpoint left, no result);
+then the same command again, which resumes. The resumed run's weights and records must equal the uninterrupted
+run's bit for bit (timings aside). The generators' capture and the refusal of other settings are tested on their
+own first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -16,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +101,27 @@ def _start(setup: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
 
 
 def run_to_end(setup: str, args: list[str], log: Path) -> None:
-    proc = _start(setup, args, log)
+    finish(_start(setup, args, log), args, log)
+
+
+def finish(proc: subprocess.Popen[bytes], args: list[str], log: Path) -> None:
+    """Wait for a run started with ``_start``; it must have ended well."""
     if proc.wait(timeout=600) != 0:
         pytest.fail(f"condcomp {' '.join(args)} failed:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def beside(setup: str, args: list[str], log: Path) -> Iterator[None]:
+    """The uninterrupted run, in a process of its own while the block runs the interrupted one (two children at
+    ``--threads 1`` on two cores: the test waits for the longer of the two, not their sum); it must end well."""
+    proc = _start(setup, args, log)
+    try:
+        yield
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finish(proc, args, log)
 
 
 def interrupt(setup: str, args: list[str], checkpoint: Path, result: Path, log: Path) -> None:
@@ -127,10 +147,10 @@ def resumed_and_uninterrupted(tmp_path: Path, setup: str, args: Callable[[Path],
     reads the step a checkpoint holds: the interrupt must have landed mid-training (before ``steps``)."""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     whole.mkdir(), resumed.mkdir()
-    run_to_end(setup, args(whole), tmp_path / "whole.log")
-    interrupt(setup, args(resumed), checkpoint(resumed), result(resumed), tmp_path / "interrupted.log")
-    assert 0 < saved_step(checkpoint(resumed)) < steps, "the interrupt landed after training"
-    run_to_end(setup, args(resumed), tmp_path / "resumed.log")
+    with beside(setup, args(whole), tmp_path / "whole.log"):
+        interrupt(setup, args(resumed), checkpoint(resumed), result(resumed), tmp_path / "interrupted.log")
+        assert 0 < saved_step(checkpoint(resumed)) < steps, "the interrupt landed after training"
+        run_to_end(setup, args(resumed), tmp_path / "resumed.log")
     return resumed, whole
 
 
@@ -253,11 +273,11 @@ def test_train_resumes_exactly(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
     args = ["train", *CLASSIFIER, "--method", "budgetformer"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    run_to_end("none", [*args, "--out", str(whole)], tmp_path / "whole.log")
-    interrupt("none", [*args, "--out", str(resumed)], resumed / "checkpoint" / "condcomp.json",
-              resumed / "metrics.json", tmp_path / "interrupted.log")
-    assert 0 < checkpoint_step(resumed / "checkpoint" / "condcomp.json") < 60
-    run_to_end("none", [*args, "--out", str(resumed), "--resume"], tmp_path / "resumed.log")
+    with beside("none", [*args, "--out", str(whole)], tmp_path / "whole.log"):
+        interrupt("none", [*args, "--out", str(resumed)], resumed / "checkpoint" / "condcomp.json",
+                  resumed / "metrics.json", tmp_path / "interrupted.log")
+        assert 0 < checkpoint_step(resumed / "checkpoint" / "condcomp.json") < 60
+        run_to_end("none", [*args, "--out", str(resumed), "--resume"], tmp_path / "resumed.log")
     assert_same_run(resumed, whole)
 
 

@@ -14,21 +14,26 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW_TEST = "tests/test_determinism.py::test_eval_is_bit_identical_across_processes"  # marked slow
 
 
-def collected(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+def collected(*runs: list[str]) -> list[str]:
+    """What ``pytest --co -q ARGS`` lists, for each run's ARGS; the runs are separate processes started together."""
+    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *args],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in runs]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out + err
+        outs.append(out)
+    return outs
 
 
 @pytest.mark.slow  # four pytest processes: a minute and more on a busy machine
 def test_slow_tests_are_deselected_unless_full_or_named() -> None:
-    fast = collected("tests/test_determinism.py")
+    fast, full, named, marked = collected(["tests/test_determinism.py"], ["tests/test_determinism.py", "--full"],
+                                          [SLOW_TEST], ["tests/test_determinism.py", "-m", "slow"])
     assert SLOW_TEST not in fast and re.search(r"\b\d+ deselected\b", fast)
-    full = collected("tests/test_determinism.py", "--full")
     assert SLOW_TEST in full and "deselected" not in full
-    assert SLOW_TEST in collected(SLOW_TEST)  # named by its node id: it runs
-    assert SLOW_TEST in collected("tests/test_determinism.py", "-m", "slow")
+    assert SLOW_TEST in named  # named by its node id: it runs
+    assert SLOW_TEST in marked
 
 
 def test_the_readme_test_command_is_the_one_ci_runs() -> None:
@@ -39,5 +44,5 @@ def test_the_readme_test_command_is_the_one_ci_runs() -> None:
     # as a clone runs it: the staged corpora beside CI's checkout out of reach (CONDCOMP_DATA_DIR=none)
     assert ci[after + 1].strip() == blocks[1].strip().replace(".venv/bin/pytest", "CONDCOMP_DATA_DIR=none "
                                                               ".venv/bin/pytest")
-    assert blocks[1].strip().endswith("pytest -q --full")  # CI runs the whole suite
+    assert re.search(r"\.venv/bin/pytest -q --full( |$)", blocks[1].strip())  # CI runs the whole suite
     assert ".venv/bin/pytest -q -m needs_data" in [line.strip() for line in ci[after + 2:]]  # then those, in reach
