@@ -40,6 +40,10 @@ PAIRS = [  # (a, b, why the pair is asked)
     ("split-duo-1of6-w396+fp8", "quantized-hqq4", "the sixth-in-full split in fp8 against the 4-bit cache (0.156x)"),
     ("snapkv-0.50", "kvpress-snapkv-0.50", "condcomp's SnapKV policy against kvpress's SnapKV press"),
     ("adakv-0.50", "kvpress-adakv-snapkv-0.50", "condcomp's AdaKV policy (frees) against kvpress's (masks)"),
+    ("headkv-0.50", "dense", "half the bytes: the per-group budgets against the dense cache"),
+    ("headkv-0.50", "split-duo-1of3-w240", "at most half the bytes: per-group budgets or the best split"),
+    ("headkv-0.50", "split-duo-1of3", "the same gates: per-group budgets or a third in full, windows 252"),
+    ("headkv-0.50", "kvpress-streaming-0.50", "the per-group budgets against the best press that frees half"),
 ]
 
 
