@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_docs_numbers_frontier import AWARE, AWARE_SCREEN, _lower_bound, _mcnemar, _rows
+from test_docs_numbers_frontier import AWARE, _lower_bound, _mcnemar, _rows
 
 sps = pytest.importorskip("scipy.stats")
 np = pytest.importorskip("numpy")
@@ -69,11 +69,27 @@ def test_the_quarter_and_eighth_targets() -> None:
 
 def test_the_question_aware_target() -> None:
     bullet = _bullet("Question-aware, a quarter, within 5 points")
-    folder = AWARE if (AWARE / "dense@1024.json").is_file() else AWARE_SCREEN
-    hits, dense, _, short = _short(folder, "headkv-0.25", 5)
+    hits, dense, bound, short = _short(AWARE, "headkv-0.25", 5)
     a, b, p = _mcnemar(hits, dense)
+    pv = f"p = {p:.3f}" if p >= 0.001 else "p < 0.001"
     assert short > 0 and f"missed on {len(hits)} cases: `headkv-0.25` finds {sum(hits)} of {len(hits)}, dense " \
-                         f"{sum(dense)} ({a} / {b}, p = {p:.3f})" in bullet
+                         f"{sum(dense)} ({a} / {b}, {pv}), bound {bound:.1f} ({short:.1f} points short)" in bullet
+
+
+def test_the_question_aware_records_pair_with_the_study() -> None:
+    """Dense answers the same cases with the question seen (its records pair with the study's), and pairs.md is what
+    the folder's script writes from the records."""
+    import importlib.util
+
+    assert _record(AWARE, "dense")["retrieval_correct"] == _record(FACTS, "dense")["retrieval_correct"]
+    assert _record(AWARE, "dense")["settings"]["question_aware"] is True
+    spec = importlib.util.spec_from_file_location("aware_pairs", AWARE.parent / "pairs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = module.pairs_table(AWARE, module.PAIRS) + "\n\nAgainst the study's records on the same cases " \
+        "(`../kv_facts_1024`, the question after the context):\n\n" + module.across()
+    assert table in (AWARE.parent / "pairs.md").read_text()
 
 
 def test_the_second_domain_target() -> None:

@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "results" / "kv_facts_1024" / "records"
 SCREEN = ROOT / "results" / "kv_frontier_screen" / "records"
 AWARE = ROOT / "results" / "kv_facts_aware_1024" / "records"  # question-aware, 100 cases
-AWARE_SCREEN = ROOT / "results" / "kv_headkv_screen" / "aware" / "records"  # question-aware, the 20-case screen
 
 
 def _record(name: str, folder: Path = RECORDS) -> dict:
@@ -73,9 +72,7 @@ def _mcnemar(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
 def _folder(cells: list[str]) -> Path:
     """The records a target row reads: the question-aware mode's own (measured with the question seen), else the
     study's."""
-    if "question-aware" not in cells[0]:
-        return RECORDS
-    return AWARE if (AWARE / "dense@1024.json").is_file() else AWARE_SCREEN
+    return AWARE if "question-aware" in cells[0] else RECORDS
 
 
 def test_the_bound_reproduces_a_committed_summary_cell() -> None:

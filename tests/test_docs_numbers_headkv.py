@@ -1,5 +1,6 @@
-"""docs/kv-frontier.md's per-group budgets screen: every count and byte fraction it quotes equals the committed records of
-results/kv_headkv_screen, recomputed by that folder's table.py (which reads the records, not condcomp's code)."""
+"""docs/kv-frontier.md's per-group budgets screen: every count and byte fraction it quotes equals the committed
+records of results/kv_headkv_screen, recomputed by that folder's table.py (which reads the records, not condcomp's
+code)."""
 
 from __future__ import annotations
 
