@@ -90,6 +90,13 @@ def test_the_question_aware_records_pair_with_the_study() -> None:
     table = module.pairs_table(AWARE, module.PAIRS) + "\n\nAgainst the study's records on the same cases " \
         "(`../kv_facts_1024`, the question after the context):\n\n" + module.across()
     assert table in (AWARE.parent / "pairs.md").read_text()
+    aware, split = (_record(f, n)["retrieval_correct"] for f, n in ((AWARE, "headkv-0.25"),
+                                                                   (FACTS, "split-duo-1of6-w92")))
+    frontier = " ".join((ROOT / "docs" / "kv-frontier.md").read_text().split())
+    assert f"the per-group budgets find {sum(aware)} keys on the 100 cases" in frontier
+    assert f"dense {sum(_record(AWARE, 'dense')['retrieval_correct'])}, the same cases as without the question), " \
+           f"as many as the sixth-in-full split that does not see it ({sum(split)})" in frontier
+    assert _mcnemar(aware, split)[2] > 0.05  # "as many": no difference detected
 
 
 def test_the_second_domain_target() -> None:
