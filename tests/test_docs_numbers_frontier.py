@@ -25,6 +25,7 @@ sps = pytest.importorskip("scipy.stats")
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "results" / "kv_facts_1024" / "records"
 SCREEN = ROOT / "results" / "kv_frontier_screen" / "records"
+AWARE = ROOT / "results" / "kv_facts_aware_1024" / "records"  # question-aware, 100 cases
 
 
 def _record(name: str, folder: Path = RECORDS) -> dict:
@@ -68,6 +69,12 @@ def _mcnemar(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
     return only_a, only_b, float(sps.binomtest(only_a, only_a + only_b).pvalue) if only_a + only_b else 1.0
 
 
+def _folder(cells: list[str]) -> Path:
+    """The records a target row reads: the question-aware mode's own (measured with the question seen), else the
+    study's."""
+    return AWARE if "question-aware" in cells[0] else RECORDS
+
+
 def test_the_bound_reproduces_a_committed_summary_cell() -> None:
     """The rule above gives the bound kv_facts_1024's summary.md printed for the split (its own code's number)."""
     diff, lower = _lower_bound(_record("split-duo-1of3")["retrieval_correct"], _record("dense")["retrieval_correct"])
@@ -78,22 +85,28 @@ def test_each_target_row_is_its_record() -> None:
     """Row: | target | use (the variant in backticks) | bytes | found | vs dense | ppl | bound | verdict |. The
     target cell names its bytes (<= x) and margin (within m points); the verdict says met, or by how many points
     the bound misses the margin."""
-    dense = _record("dense")["retrieval_correct"]
     rows = _rows()
-    assert len(rows) == 3
-    assert f"Dense finds {sum(dense)} of 100." in " ".join(_section().split())
+    assert len(rows) == 4
+    assert f"Dense finds {sum(_record('dense')['retrieval_correct'])} of 100." in " ".join(_section().split())
     for cells in rows:
         variant = re.findall(r"`([^`]+)`", cells[1])[-1]
-        r = _record(variant)
+        folder = _folder(cells)
+        r, dense_record = _record(variant, folder), _record("dense", folder)
+        dense = dense_record["retrieval_correct"]
         limit = float(re.search(r"<= (\d\.\d+)x", cells[0]).group(1))  # type: ignore[union-attr]
         margin = float(re.search(r"within (\d+) points", cells[0]).group(1))  # type: ignore[union-attr]
         assert r["kv_frac"] <= limit and cells[2] == f"{r['kv_frac']:.3f}", variant
+        assert "quantization" not in cells[0] or ("with quantization" in cells[0]) == ("+" in variant), variant
         hits = r["retrieval_correct"]
         ci = sps.binomtest(sum(hits), len(hits)).proportion_ci(0.95, method="wilson")
-        assert cells[3] == f"{sum(hits)} [{ci.low * 100:.0f}, {ci.high * 100:.0f}]", variant
+        of = "" if len(hits) == 100 else f" of {len(hits)}"  # a screen's row says how many cases
+        assert cells[3] == f"{sum(hits)}{of} [{ci.low * 100:.0f}, {ci.high * 100:.0f}]", variant
+        assert (len(hits) < 100) == (f"({len(hits)} cases: a screen)" in cells[1]), variant
         a, b, p = _mcnemar(hits, dense)
         assert cells[4] == f"{a} / {b}, " + (f"p {p:.3f}" if p >= 0.001 else "p < 0.001"), variant
-        assert cells[5].startswith(f"{r['ppl'] / _record('dense')['ppl']:.3f} ["), variant
+        assert cells[5].startswith(f"{r['ppl'] / dense_record['ppl']:.3f} ["), variant
+        if (ppl_target := re.search(r"perplexity <= (\d\.\d+)x", cells[0])) is not None:  # met or not, as stated
+            assert ("perplexity met" in cells[7]) == (r["ppl"] / dense_record["ppl"] <= float(ppl_target[1])), variant
         diff, lower = _lower_bound(r["retrieval_correct"], dense)
         assert cells[6] == f"{diff * 100:+.1f} (>= {lower * 100:+.1f})", variant
         short = -margin - lower * 100

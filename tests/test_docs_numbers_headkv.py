@@ -1,5 +1,6 @@
-"""docs/kv.md's per-group budgets screen: every count and byte fraction it quotes equals the committed records of
-results/kv_headkv_screen, recomputed by that folder's table.py (which reads the records, not condcomp's code)."""
+"""docs/kv-frontier.md's per-group budgets screen: every count and byte fraction it quotes equals the committed
+records of results/kv_headkv_screen, recomputed by that folder's table.py (which reads the records, not condcomp's
+code)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def computed_rows() -> dict[tuple[str, str], tuple[str, int]]:
     return rows
 
 
-def test_the_screen_numbers_on_the_kv_page_are_the_records() -> None:
+def test_the_screen_numbers_on_the_frontier_page_are_the_records() -> None:
     rows = computed_rows()
-    text = " ".join((ROOT / "docs" / "kv.md").read_text().split())
+    text = " ".join((ROOT / "docs" / "kv-frontier.md").read_text().split())
     section = text[text.index("## Per-group budgets (HeadKV)"):]
     quoted = 0
     for label, start in (("after the context", "After the context: "), ("aware", "Question-aware: ")):

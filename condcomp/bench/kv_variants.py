@@ -106,6 +106,9 @@ for _frac in (0.5, 0.25):  # per-group budgets (HeadKV) from the DuoAttention ga
     VARIANTS[f"headkv-window-{_frac:.2f}"] = KVVariant(
         f"headkv-window-duo-{_frac:.2f}", note=f"as headkv-{_frac:.2f}, each group's tokens beyond its 4 sinks the "
         "most recent ones (kv='headkv', select='window'): per-group windows, no selection")
+VARIANTS["headkv-0.25-full1of6"] = KVVariant("headkv-duo-0.25-full1of6", note="as headkv-0.25, the sixth of the "
+                                             "(layer, KV group) pairs with the highest gates kept in full first, the "
+                                             "rest of the budget shared over the others by the same rule (full=1/6)")
 # DuoAttention gates trained at 1024 tokens on calibrate-kv --mix's rows (train split, other wordings), two seeds
 VARIANTS.update({
     "split-duo1024-1of3": KVVariant("duomix1024-1of3-w252", note="condcomp static split from DuoAttention gates "
@@ -337,13 +340,13 @@ def request_split(path: Path) -> Prepare:
     return prepare
 
 
-def group_budgets(path: Path, fraction: float, select: str = "snapkv") -> Prepare:
+def group_budgets(path: Path, fraction: float, select: str = "snapkv", full: float = 0.0) -> Prepare:
     """Per-group budgets from a gates file within ``fraction`` of the dense cache's bytes
     (:func:`condcomp.kv.headkv_budget.headkv_split`, observation window 64 as the ``snapkv-*`` variants)."""
     def prepare(dense: nn.Module, ctx: ModelContext) -> nn.Module:
         from condcomp.kv.headkv_budget import headkv_split
 
-        return headkv_split(copy.deepcopy(dense), path, fraction, observe=64, pool=5, select=select)
+        return headkv_split(copy.deepcopy(dense), path, fraction, observe=64, pool=5, select=select, full=full)
     return prepare
 
 
@@ -377,6 +380,7 @@ MODELS: dict[str, Prepare] = {
     **{f"{kv}-{f:.2f}": token_selection(kv, f) for kv in ("snapkv", "adakv") for f in (0.5, 0.25)},
     **{f"headkv-duo-{f:.2f}": group_budgets(DUO_GATES, f) for f in (0.5, 0.25)},
     **{f"headkv-window-duo-{f:.2f}": group_budgets(DUO_GATES, f, "window") for f in (0.5, 0.25)},
+    "headkv-duo-0.25-full1of6": group_budgets(DUO_GATES, 0.25, full=1 / 6),
 }
 
 

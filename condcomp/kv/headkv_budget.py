@@ -80,13 +80,16 @@ def check_scores(scores: Any, shape: tuple[int, int] | None = None, what: str = 
 
 
 def allocate_group_budgets(scores: Tensor, fraction: float, *, floor: float = 1 / 32, score_floor: float | None = None,
-                           entry_overhead: float = 0.0, empty_layer: float = 0.0) -> GroupBudgets:
+                           entry_overhead: float = 0.0, empty_layer: float = 0.0, full: float = 0.0) -> GroupBudgets:
     """Shares of the prompt per (layer, KV group) holding at most ``fraction`` of the dense cache's bytes, by the
     rule in this module's docstring. ``floor``: the share every group keeps (a small window); ``score_floor``: the
     score that counts as no importance (default: the smallest); ``entry_overhead``: a non-full group's bytes per
     kept token beyond its keys and values, relative to them (``headkv``: 8-byte positions,
     ``8 / (2 * head_dim * dtype bytes)``); ``empty_layer``: what a layer keeping no group in full adds, in one
     group's bytes (the compact cache's placeholder of one value per token for keys and values: ``1 / head_dim``).
+    ``full``: the share of all (layer, KV group) pairs kept in full first, those with the highest scores
+    (``round(full * L * G)`` of them, ties to the lower index); the rest of the budget is shared by the same rule
+    over the others (importance above the smallest of their scores). 0 (the default): HeadKV's rule alone.
 
     >>> b = allocate_group_budgets(torch.tensor([[0.5, 0.9, 0.6], [0.5, 0.55, 0.5]]), 0.5, floor=0.125)
     >>> b.shares.round(decimals=3).tolist(), round(b.stored, 3)
@@ -97,18 +100,29 @@ def allocate_group_budgets(scores: Tensor, fraction: float, *, floor: float = 1 
         raise ValueError(f"headkv: the byte budget must be a fraction of the dense cache in (0, 1], got {fraction!r}")
     if not 0.0 < floor <= 1.0:
         raise ValueError(f"headkv: floor (the share every group keeps) must be in (0, 1], got {floor!r}")
-    least = stored_fraction(torch.full_like(s, floor), entry_overhead, empty_layer)
+    if not (isinstance(full, (int, float)) and not isinstance(full, bool) and 0.0 <= full < 1.0):
+        raise ValueError(f"headkv: full (the share of the groups kept in full first) must be in [0, 1), got {full!r}")
+    n_full = round(full * s.numel())
+    if n_full >= s.numel():
+        raise ValueError(f"headkv: full={full:g} keeps all {s.numel()} groups in full: that is the dense cache")
+    forced = torch.zeros(s.shape, dtype=torch.bool)
+    forced.view(-1)[torch.sort(-s.flatten(), stable=True).indices[:n_full]] = True
+    least = stored_fraction(torch.full_like(s, floor).masked_fill(forced, 1.0), entry_overhead, empty_layer)
     if least > fraction + 1e-12:
-        raise ValueError(f"headkv: a budget of {fraction:g} of the dense cache cannot give every group its floor "
-                         f"share {floor:g} ({least:.4f} of the bytes with positions): raise the budget or lower floor")
+        what = f"keep {int(forced.sum())} groups in full (full={full:g}) and " if bool(forced.any()) else ""
+        raise ValueError(f"headkv: a budget of {fraction:g} of the dense cache cannot {what}give every group its "
+                         f"floor share {floor:g} ({least:.4f} of the bytes with positions): raise the budget or lower "
+                         f"floor{' or full' if what else ''}")
     if fraction >= 1.0:  # the dense cache's bytes: every group whole, the zero-importance ones too
         return GroupBudgets(torch.ones_like(s), 1.0)
-    w = (s - (s.min() if score_floor is None else torch.tensor(score_floor, dtype=torch.float64))).clamp_min(0.0)
-    w = torch.ones_like(s) / s.numel() if float(w.sum()) == 0.0 else w / w.sum()
+    rest = s[~forced]
+    s0 = rest.min() if score_floor is None else torch.tensor(score_floor, dtype=torch.float64)
+    w = (s - s0).clamp_min(0.0).masked_fill(forced, 0.0)
+    w = (~forced).double() / rest.numel() if float(w.sum()) == 0.0 else w / w.sum()
 
     def shares_at(pool: float) -> Tensor:
         raw = floor + pool * w
-        return torch.where(raw >= 1.0 - 1e-9, torch.ones_like(raw), raw)
+        return torch.where((raw >= 1.0 - 1e-9) | forced, torch.ones_like(raw), raw)
 
     def fits(pool: float) -> bool:
         return stored_fraction(shares_at(pool), entry_overhead, empty_layer) <= fraction
@@ -133,12 +147,13 @@ def allocate_group_budgets(scores: Tensor, fraction: float, *, floor: float = 1 
 
 def headkv_split(model: nn.Module, scores: Tensor | str | Path, fraction: float, *, floor: float = 1 / 32,
                  score_floor: float | None = None, sinks: int = 4, observe: int = 64, pool: int = 5,
-                 select: str = "snapkv") -> nn.Module:
+                 select: str = "snapkv", full: float = 0.0) -> nn.Module:
     """Apply per-group budgets in place: ``scores`` (a ``(L, G)`` tensor, or a gates file of ``condcomp
     calibrate-kv``) allocated over every (layer, KV group) within ``fraction`` of the dense cache's bytes
     (:func:`allocate_group_budgets`, positions counted at the model's dtype and head width); per layer a ``topk``
     router warm-started from the scores keeps the full groups, and ``kv=("headkv", {"shares": ...})`` holds the
-    others (``sinks``, ``observe``, ``pool``, ``select`` as :class:`~condcomp.kv.headkv.HeadKV`). Returns
+    others (``sinks``, ``observe``, ``pool``, ``select`` as :class:`~condcomp.kv.headkv.HeadKV`); ``full``: the
+    share of the groups kept in full before the budget is shared (the highest-scored first). Returns
     ``model`` in eval mode. The shares are of each request's prompt, so the bytes are the same fraction at any
     prompt length (but for whole-token rounding).
 
@@ -159,9 +174,9 @@ def headkv_split(model: nn.Module, scores: Tensor | str | Path, fraction: float,
     head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // H)
     itemsize = next(model.parameters()).element_size()
     budgets = allocate_group_budgets(table, fraction, floor=floor, score_floor=score_floor,
-                                     entry_overhead=8 / (2 * head_dim * itemsize), empty_layer=1 / head_dim)
-    full = budgets.full
-    for layer, init, kept, shares in zip(layers, warm_start_scores(table), full, budgets.shares, strict=True):
+                                     entry_overhead=8 / (2 * head_dim * itemsize), empty_layer=1 / head_dim, full=full)
+    kept_full = budgets.full
+    for layer, init, kept, shares in zip(layers, warm_start_scores(table), kept_full, budgets.shares, strict=True):
         apply_(model, CondCompConfig(
             policy=("fixed", {"fraction": int(kept.sum()) / G, "k_min": 0}),
             router=("topk", {"kv_groups": True, "init_scores": init}),

@@ -1,7 +1,9 @@
-"""Paired retrieval comparisons the KV page quotes, from this folder's records (scipy, not condcomp's code).
+"""Paired retrieval comparisons the KV pages quote, from this folder's records.
 
 Every variant answered the same 100 cases in the same order (`retrieval_correct`), so two variants are compared
-with the exact McNemar test: a two-sided binomial test on the cases only one of them found.
+with the exact McNemar test (scipy: a two-sided binomial test on the cases only one of them found) and the
+one-sided 95 % lower bound of the difference in keys found (Newcombe's paired interval):
+`condcomp.bench.kv_pairs`. The docs-number tests recompute what the pages quote with scipy alone.
 
     python results/kv_facts_1024/pairs.py            # prints the table
     python results/kv_facts_1024/pairs.py --write    # and writes pairs.md beside this script
@@ -9,11 +11,10 @@ with the exact McNemar test: a two-sided binomial test on the cases only one of 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from scipy.stats import binomtest
+from condcomp.bench.kv_pairs import pairs_table
 
 HERE = Path(__file__).resolve().parent
 PAIRS = [  # (a, b, why the pair is asked)
@@ -39,34 +40,21 @@ PAIRS = [  # (a, b, why the pair is asked)
     ("split-duo-1of6-w396+fp8", "quantized-hqq4", "the sixth-in-full split in fp8 against the 4-bit cache (0.156x)"),
     ("snapkv-0.50", "kvpress-snapkv-0.50", "condcomp's SnapKV policy against kvpress's SnapKV press"),
     ("adakv-0.50", "kvpress-adakv-snapkv-0.50", "condcomp's AdaKV policy (frees) against kvpress's (masks)"),
+    ("headkv-0.50", "dense", "half the bytes: the per-group budgets against the dense cache"),
+    ("headkv-0.50", "split-duo-1of3-w240", "at most half the bytes: per-group budgets or the best split"),
+    ("headkv-0.50", "split-duo-1of3", "the same gates: per-group budgets or a third in full, windows 252"),
+    ("headkv-0.50", "kvpress-streaming-0.50", "the per-group budgets against the best press that frees half"),
 ]
 
 
-def load(name: str) -> dict | None:
-    path = HERE / "records" / f"{name}@1024.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def main() -> None:
-    lines = ["| a | b | a found | b found | only a / only b | McNemar p | question |", "|---|---|---|---|---|---|---|"]
-    for a, b, why in PAIRS:
-        ra, rb = load(a), load(b)
-        if ra is None or rb is None:
-            continue
-        ca, cb = ra["retrieval_correct"], rb["retrieval_correct"]
-        if len(ca) != len(cb):
-            raise SystemExit(f"{a} and {b} answered different case lists ({len(ca)} and {len(cb)})")
-        only_a = sum(x and not y for x, y in zip(ca, cb))
-        only_b = sum(y and not x for x, y in zip(ca, cb))
-        p = binomtest(only_a, only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
-        lines.append(f"| {a} ({ra['kv_frac']:.3f}x) | {b} ({rb['kv_frac']:.3f}x) | {sum(ca)} | {sum(cb)} | "
-                     f"{only_a} / {only_b} | {p:.3g} | {why} |")
-    table = "\n".join(lines)
+    table = pairs_table(HERE / "records", PAIRS)
     print(table)
     if "--write" in sys.argv:
         (HERE / "pairs.md").write_text("# Paired retrieval comparisons (exact McNemar, 100 cases at 1024 tokens)\n\n"
                                        "Made by `python results/kv_facts_1024/pairs.py --write` from `records/`; "
-                                       "bytes (x dense) in brackets.\n\n" + table + "\n")
+                                       "bytes (x dense) in brackets; the bound is Newcombe's paired interval "
+                                       "(`condcomp.bench.kv_pairs`).\n\n" + table + "\n")
 
 
 if __name__ == "__main__":

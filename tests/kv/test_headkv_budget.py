@@ -151,3 +151,43 @@ def test_shares_for_another_number_of_groups_are_refused_at_the_first_call(share
     condcomp.apply_(model, config)
     with pytest.raises(ValueError, match=rf"shares gives {len(shares)} KV group\(s\) for a layer of 3"):
         model(input_ids=torch.randint(1, 64, (1, 8)), use_cache=True)
+
+
+def test_full_first_keeps_the_top_scored_groups_full_then_shares_the_rest_by_hand() -> None:
+    scores = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    # HeadKV alone: w = (3, 2, 1, 0) / 6, no group can turn full (1 + 3 x 0.75 > 2), so the largest share is the
+    # budget: 1/4 + p / 2 = 1/2, p = 1/2
+    alone = allocate_group_budgets(scores, 0.5, floor=0.25)
+    torch.testing.assert_close(alone.shares, torch.tensor([[0.5, 5 / 12, 1 / 3, 0.25]], dtype=torch.float64))
+    # a quarter of the groups in full first: (0, 0); the others' importance above their smallest, w = (2, 1, 0) / 3;
+    # (1 + 3 a) / 4 = 1/2 with a = 1/4 + p 2/3: p = 1/8
+    got = allocate_group_budgets(scores, 0.5, floor=0.25, full=0.25)
+    torch.testing.assert_close(got.shares, torch.tensor([[1.0, 1 / 3, 0.25 + 0.125 / 3, 0.25]], dtype=torch.float64))
+    assert got.full.tolist() == [[True, False, False, False]] and math.isclose(got.stored, 0.5)
+    # ties go to the lower index; the default is HeadKV's rule (the hand-solved case above, unchanged)
+    tied = allocate_group_budgets(torch.tensor([[1.0, 2.0, 2.0, 1.0]]), 0.5, floor=0.25, full=0.25)
+    assert tied.full.tolist() == [[False, True, False, False]]
+    torch.testing.assert_close(allocate_group_budgets(SCORES, 0.5, floor=0.125, full=0.0).shares,
+                               allocate_group_budgets(SCORES, 0.5, floor=0.125).shares, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("full, fraction, match", [
+    (1.0, 0.5, r"must be in \[0, 1\), got 1.0"),
+    (-0.1, 0.5, r"must be in \[0, 1\), got -0.1"),
+    (True, 0.5, r"must be in \[0, 1\), got True"),
+    (0.99, 0.5, "keeps all 4 groups in full: that is the dense cache"),
+    (0.25, 0.25, r"cannot keep 1 groups in full \(full=0.25\) and give every group its floor share"),
+])
+def test_a_bad_full_share_is_refused_by_name(full: float, fraction: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        allocate_group_budgets(torch.tensor([[4.0, 3.0, 2.0, 1.0]]), fraction, floor=0.25, full=full)
+
+
+def test_the_split_keeps_the_full_first_groups_in_full() -> None:
+    model = headkv_split(tiny_llama(), SCORES, 0.5, floor=0.125, observe=4, pool=3, full=1 / 3)
+    ids = torch.randint(1, 64, (1, 64), generator=torch.Generator().manual_seed(1))
+    with condcomp.plan_from_prompt(model, 64):
+        out = model(input_ids=ids, use_cache=True)
+    modes = [plan.group_modes()[0] for plan in condcomp.request_plans(model, out.cache).values()]
+    assert modes[0][1] == "full" and modes[0][2] == "full"  # the two highest scores, 0.9 and 0.6, of 6 groups
+    assert sum(m == "full" for layer in modes for m in layer) == 2  # no other group reaches the whole prompt
