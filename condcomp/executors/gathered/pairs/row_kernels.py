@@ -115,6 +115,22 @@ def _scores(q, kt, b, h, t, offs_s, valid, mask_ptr, S, scale, smb, smh, smt, sm
 
 
 @triton.jit
+def _row_block(seg, block_start_ptr, offsets_ptr, rows_ptr, T, R, E, FIRST, G, BM: tl.constexpr):
+    # this program's block of sorted rows in segment seg = b * E + routed head: (b, query head h, its KV head,
+    # valid (BM,), pair ids row (BM,), their tokens t (BM,))
+    b = seg // E
+    h = FIRST + seg % E
+    kvh = h // G
+    start = tl.load(block_start_ptr + tl.program_id(0))
+    end = tl.load(offsets_ptr + seg + 1)
+    offs_p = start + tl.arange(0, BM)
+    valid = offs_p < end
+    row = tl.load(rows_ptr + offs_p, mask=valid, other=0).to(tl.int64)
+    t = (row // R) % T
+    return b, h, kvh, valid, row, t
+
+
+@triton.jit
 def row_attention(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, block_seg_ptr, block_start_ptr, offsets_ptr, out_ptr,
                   lse_ptr, T, S, Dh, R, E, FIRST, G, NSEG, scale,
                   sqn, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smh, smt, sms, son, sod,
@@ -124,15 +140,7 @@ def row_attention(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, block_seg_ptr, block_
     # keys, values (B, Hkv, S, Dh); mask additive (B, H, T, S) as strides (0 where broadcast)
     seg = tl.load(block_seg_ptr + tl.program_id(0)).to(tl.int64)
     if seg < NSEG:
-        b = seg // E
-        h = FIRST + seg % E
-        kvh = h // G
-        start = tl.load(block_start_ptr + tl.program_id(0))
-        end = tl.load(offsets_ptr + seg + 1)
-        offs_p = start + tl.arange(0, BM)
-        valid = offs_p < end
-        row = tl.load(rows_ptr + offs_p, mask=valid, other=0).to(tl.int64)
-        t = (row // R) % T
+        b, h, kvh, valid, row, t = _row_block(seg, block_start_ptr, offsets_ptr, rows_ptr, T, R, E, FIRST, G, BM)
         offs_d = tl.arange(0, BD)
         q = tl.load(q_ptr + row[:, None] * sqn + offs_d[None, :] * sqd,
                     mask=valid[:, None] & (offs_d[None, :] < Dh), other=0.0)  # (BM, BD)
@@ -171,15 +179,7 @@ def row_attention_dq(q_ptr, k_ptr, v_ptr, mask_ptr, rows_ptr, block_seg_ptr, blo
     # exp(score - lse), dq = scale * sum over keys of p * (do . v - delta) * k
     seg = tl.load(block_seg_ptr + tl.program_id(0)).to(tl.int64)
     if seg < NSEG:
-        b = seg // E
-        h = FIRST + seg % E
-        kvh = h // G
-        start = tl.load(block_start_ptr + tl.program_id(0))
-        end = tl.load(offsets_ptr + seg + 1)
-        offs_p = start + tl.arange(0, BM)
-        valid = offs_p < end
-        row = tl.load(rows_ptr + offs_p, mask=valid, other=0).to(tl.int64)
-        t = (row // R) % T
+        b, h, kvh, valid, row, t = _row_block(seg, block_start_ptr, offsets_ptr, rows_ptr, T, R, E, FIRST, G, BM)
         offs_d = tl.arange(0, BD)
         rd_mask = valid[:, None] & (offs_d[None, :] < Dh)
         q = tl.load(q_ptr + row[:, None] * sqn + offs_d[None, :] * sqd, mask=rd_mask, other=0.0)  # (BM, BD)
