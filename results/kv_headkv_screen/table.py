@@ -19,7 +19,7 @@ from scipy.stats import binomtest
 HERE = Path(__file__).resolve().parent
 STUDY = HERE.parent / "kv_facts_1024" / "records"
 VARIANTS = ("dense", "split-duo-1of3", "split-duo-1of6-w92", "headkv-0.50", "headkv-0.25", "headkv-window-0.50",
-            "headkv-window-0.25")
+            "headkv-window-0.25", "headkv-0.25-full1of6")
 N = 20
 
 
