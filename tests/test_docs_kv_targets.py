@@ -62,6 +62,10 @@ def test_the_quarter_and_eighth_targets() -> None:
     _, _, p = _mcnemar(hits, press)
     assert short > 0 and f"missed. `split-duo-1of6-w92` finds {sum(hits)}, bound {bound:.1f} ({short:.1f} points " \
                          f"short), against the best press's {sum(press)} (p = {p:.2f})" in quarter
+    screen = _record(ROOT / "results" / "kv_headkv_screen" / "agnostic" / "records", "headkv-0.25-full1of6")
+    first = _record(FACTS, "split-duo-1of6-w92")["retrieval_correct"][:20]  # the screen's cases: the first 20
+    assert sum(screen["retrieval_correct"]) == sum(first) and len(screen["retrieval_correct"]) == 20
+    assert f"(`headkv-0.25-full1of6`) found {sum(first)} of 20 on a screen, as the split" in quarter
     eighth = _bullet("An eighth with quantization, within 10 points")
     _, _, bound, short = _short(FACTS, "split-duo-1of3+fp8", 10)
     assert short > 0 and f"missed by {short:.1f} points (`split-duo-1of3+fp8`, bound {bound:.1f})" in eighth
@@ -69,11 +73,13 @@ def test_the_quarter_and_eighth_targets() -> None:
 
 def test_the_question_aware_target() -> None:
     bullet = _bullet("Question-aware, a quarter, within 5 points")
-    hits, dense, bound, short = _short(AWARE, "headkv-0.25", 5)
+    hits, dense, bound, short = _short(AWARE, "headkv-0.25-full1of6", 5)
     a, b, p = _mcnemar(hits, dense)
     pv = f"p = {p:.3f}" if p >= 0.001 else "p < 0.001"
-    assert short > 0 and f"missed on {len(hits)} cases: `headkv-0.25` finds {sum(hits)} of {len(hits)}, dense " \
-                         f"{sum(dense)} ({a} / {b}, {pv}), bound {bound:.1f} ({short:.1f} points short)" in bullet
+    assert short > 0 and f"missed on {len(hits)} cases: `headkv-0.25-full1of6` finds {sum(hits)} of {len(hits)}, " \
+                         f"dense {sum(dense)} ({a} / {b}, {pv}), bound {bound:.1f} ({short:.1f} points short)" in bullet
+    plain = _record(AWARE, "headkv-0.25")["retrieval_correct"]
+    assert f"`headkv-0.25`, without the sixth kept full, found {sum(plain)}" in bullet
 
 
 def test_the_question_aware_records_pair_with_the_study() -> None:
@@ -97,6 +103,11 @@ def test_the_question_aware_records_pair_with_the_study() -> None:
     assert f"dense {sum(_record(AWARE, 'dense')['retrieval_correct'])}, the same cases as without the question), " \
            f"as many as the sixth-in-full split that does not see it ({sum(split)})" in frontier
     assert _mcnemar(aware, split)[2] > 0.05  # "as many": no difference detected
+    sharper = _record(AWARE, "headkv-0.25-full1of6")["retrieval_correct"]
+    a, b, p = _mcnemar(sharper, aware)
+    gap = sum(_record(AWARE, "dense")["retrieval_correct"]) - sum(sharper)
+    assert p < 0.001 and f"With the highest-gated sixth kept full first they find {sum(sharper)} ({a} / {b} cases " \
+                         f"against {sum(aware)}, p < 0.001), {gap} short of dense" in frontier
 
 
 def test_the_second_domain_target() -> None:

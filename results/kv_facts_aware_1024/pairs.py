@@ -21,11 +21,15 @@ HERE = Path(__file__).resolve().parent
 AGNOSTIC = HERE.parent / "kv_facts_1024" / "records"
 PAIRS = [  # (a, b, why the pair is asked), both question-aware
     ("headkv-0.25", "dense", "a quarter of the bytes, the question seen: the per-group budgets against dense"),
+    ("headkv-0.25-full1of6", "dense", "the same budget with the highest-gated sixth of the pairs kept full first"),
+    ("headkv-0.25-full1of6", "headkv-0.25", "what keeping the sixth full first changes"),
 ]
 ACROSS = [  # (question-aware record, record of the study: the question after the context), on the same cases
     ("dense", "dense"),
     ("headkv-0.25", "split-duo-1of6-w92"),  # the split's kept tokens do not depend on the question
     ("headkv-0.25", "kvpress-streaming-0.25"),  # nor do StreamingLLM's
+    ("headkv-0.25-full1of6", "split-duo-1of6-w92"),
+    ("headkv-0.25-full1of6", "kvpress-streaming-0.25"),
 ]
 
 
