@@ -1,11 +1,14 @@
 """SnapKV's token score written from scratch in float64, for the snapkv and adakv tests: how much the last
 ``observe`` real queries of a group's heads attend to each scored prompt token, summed over the heads and queries,
-then averaged over a window of ``pool`` neighbours."""
+then averaged over a window of ``pool`` neighbours; and the attention bias a policy keeping chosen prompt tokens
+implies."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from condcomp.types import AttentionWeights
@@ -32,3 +35,24 @@ def pooled_scores(w: AttentionWeights, x: Tensor, real: list[int], g: int, obser
                     score[j] += math.exp(v - top) / z
     half = pool // 2
     return {j: sum(score.get(j + d, 0.0) for d in range(-half, half + 1)) / pool for j in scored}
+
+
+def kept_prompt_bias(mask: Tensor, held: Tensor, kept: Callable[[int, int], set[int]], prompt: int, num_heads: int,
+                     group_size: int) -> Tensor:
+    """``(B, H, S, S)`` float64, written from the rule: causal over the real tokens (``mask (B, S)``); the heads of a
+    group ``held[b, g]`` by a token-selecting policy read, after the ``prompt``, only the prompt tokens
+    ``kept(b, g)`` returns (and every later token)."""
+    B, S = mask.shape
+    bias = torch.full((B, num_heads, S, S), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        chosen = {g: kept(b, g) for g in range(held.shape[1]) if held[b, g]}
+        for h in range(num_heads):
+            g = h // group_size
+            for i in range(S):
+                for j in range(i + 1):
+                    if not (mask[b, i] and mask[b, j]):
+                        continue
+                    if held[b, g] and i >= prompt and j < prompt and j not in chosen[g]:
+                        continue
+                    bias[b, h, i, j] = 0.0
+    return bias

@@ -52,19 +52,8 @@ def kept_by_rule(policy: HeadKV, w: AttentionWeights, x: Tensor, mask: Tensor, b
 def rule_bias(policy: HeadKV, w: AttentionWeights, x: Tensor, mask: Tensor, held: Tensor) -> Tensor:
     """``(B, H, S, S)`` float64: causal over real tokens; a held group's heads after the prompt read only its kept
     prompt tokens (and every later token)."""
-    S, r = mask.shape[1], w.layout.group_size
-    bias = torch.full((B, H, S, S), float("-inf"), dtype=torch.float64)
-    for b in range(B):
-        kept = {g: kept_by_rule(policy, w, x, mask, b, g) for g in range(w.layout.num_kv_heads) if held[b, g]}
-        for h in range(H):
-            for i in range(S):
-                for j in range(i + 1):
-                    if not (mask[b, i] and mask[b, j]):
-                        continue
-                    if held[b, h // r] and i >= P and j < P and j not in kept[h // r]:
-                        continue
-                    bias[b, h, i, j] = 0.0
-    return bias
+    return snapkv_rule.kept_prompt_bias(mask, held, lambda b, g: kept_by_rule(policy, w, x, mask, b, g), P, H,
+                                        w.layout.group_size)
 
 
 POLICIES = [HeadKV(shares=(0.5, 0.25, 1.0, 0.75), sinks=1, observe=2, pool=3),

@@ -45,19 +45,8 @@ def kept_by_rule(w: AttentionWeights, x: Tensor, mask: Tensor, b: int, g: int) -
 def rule_bias(w: AttentionWeights, x: Tensor, mask: Tensor, snap: Tensor) -> Tensor:
     """``(B, H, S, S)`` float64: causal over real tokens; a snapkv group's heads after the prompt also only over
     its kept prompt tokens."""
-    S, r = mask.shape[1], w.layout.group_size
-    bias = torch.full((B, H, S, S), float("-inf"), dtype=torch.float64)
-    for b in range(B):
-        kept = {g: kept_by_rule(w, x, mask, b, g) for g in range(w.layout.num_kv_heads) if snap[b, g]}
-        for h in range(H):
-            for i in range(S):
-                for j in range(i + 1):
-                    if not (mask[b, i] and mask[b, j]):
-                        continue
-                    if snap[b, h // r] and i >= P and j < P and j not in kept[h // r]:
-                        continue
-                    bias[b, h, i, j] = 0.0
-    return bias
+    return snapkv_rule.kept_prompt_bias(mask, snap, lambda b, g: kept_by_rule(w, x, mask, b, g), P, H,
+                                        w.layout.group_size)
 
 
 @pytest.mark.parametrize("Hkv", [4, 2])
