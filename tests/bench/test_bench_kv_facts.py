@@ -23,6 +23,18 @@ TEXTS = [" ".join(random.Random(i).choice(["alpha", "beta", "gamma", "delta", "o
 FACT_RE = re.compile(r"The pass key of ([A-Z][a-z]+ [A-Z][a-z]+) is (\d{4})\.")
 
 
+def greedy_without_cache(model: Any, ids: list[int], steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``ids``, each from a whole forward with no cache: the reference a cached
+    answer is checked against."""
+    seq, answer = torch.tensor([ids]), []
+    with torch.no_grad():
+        for _ in range(steps):
+            token = int(model(input_ids=seq, use_cache=False).logits[0, -1].argmax())
+            answer.append(token)
+            seq = torch.cat([seq, torch.tensor([[token]])], 1)
+    return answer
+
+
 def byte_encode(text: str) -> list[int]:
     return list(text.encode())
 
@@ -94,14 +106,7 @@ def test_the_question_after_the_context_reads_the_prefilled_cache() -> None:
     res = kv.measure_length(bench, ["dense"], [], cases, preset, ByteTokenizer().decode, _NoBar())
     reference = model.to(torch.float64)
     for case, sample in zip(cases, res["dense"]["samples"]):
-        ids = torch.tensor([case.ids + case.question])
-        answer = []
-        with torch.no_grad():
-            for _ in range(3):
-                token = int(reference(input_ids=ids, use_cache=False).logits[0, -1].argmax())
-                answer.append(token)
-                ids = torch.cat([ids, torch.tensor([[token]])], 1)
-        assert sample["answer"] == ByteTokenizer().decode(answer)
+        assert sample["answer"] == ByteTokenizer().decode(greedy_without_cache(reference, case.ids + case.question, 3))
 
 
 class _NoBar:
@@ -228,14 +233,7 @@ def test_completion_question_is_fed_through_the_cache_after_the_context(monkeypa
     assert all(bytes(c.question).decode().startswith("\n\nThe pass key of ") for c in cases)
     reference = model.to(torch.float64)
     for case, sample in zip(cases, res["dense"]["samples"]):
-        ids = torch.tensor([case.ids + case.question])
-        answer = []
-        with torch.no_grad():
-            for _ in range(3):
-                token = int(reference(input_ids=ids, use_cache=False).logits[0, -1].argmax())
-                answer.append(token)
-                ids = torch.cat([ids, torch.tensor([[token]])], 1)
-        assert sample["answer"] == ByteTokenizer().decode(answer)
+        assert sample["answer"] == ByteTokenizer().decode(greedy_without_cache(reference, case.ids + case.question, 3))
 
 
 def test_haystack_separator_is_a_blank_line_for_facts_and_eos_for_passkey() -> None:

@@ -15,7 +15,7 @@ from condcomp.bench.kv_cases import facts_cases
 from condcomp.bench.kv_presets import PRESETS, ByteTokenizer, refuse_other_task_options
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_bench_kv_facts import _NoBar, byte_encode, gqa_llama, stream  # noqa: E402
+from test_bench_kv_facts import _NoBar, byte_encode, gqa_llama, greedy_without_cache, stream  # noqa: E402
 
 
 @pytest.mark.parametrize("form", ["completion", "qa"])
@@ -85,11 +85,4 @@ def test_the_answer_reads_the_cache_after_the_question_was_compressed_with_the_c
     assert first_ids == [c.question for c in cases] and all(len(c.question) == 1 for c in cases)
     reference = model.to(torch.float64)
     for case, sample in zip(cases, res["dense"]["samples"]):
-        ids = torch.tensor([case.ids + case.question])
-        answer = []
-        with torch.no_grad():
-            for _ in range(3):
-                token = int(reference(input_ids=ids, use_cache=False).logits[0, -1].argmax())
-                answer.append(token)
-                ids = torch.cat([ids, torch.tensor([[token]])], 1)
-        assert sample["answer"] == ByteTokenizer().decode(answer)
+        assert sample["answer"] == ByteTokenizer().decode(greedy_without_cache(reference, case.ids + case.question, 3))
