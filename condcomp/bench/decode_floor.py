@@ -41,7 +41,7 @@ def floor_model(dense: nn.Module, fraction: float) -> nn.Module:
     for attention in attentions:
         for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
             setattr(attention, name, _rows(getattr(attention, name), rows))
-        attention.o_proj = _columns(attention.o_proj, q_rows)
+        attention.o_proj = _columns(getattr(attention, "o_proj"), q_rows)  # noqa: B009
         attention.config = config
     return floor
 
