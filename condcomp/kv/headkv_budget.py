@@ -20,9 +20,10 @@ where higher means the group needs more of its context) and a budget of ``fracti
 
 This is HeadKV's allocation (a base budget for every head plus a shared pool in proportion to its score) with two
 changes, both for the bytes to be the bytes held: a share is capped at the whole prompt (HeadKV's budgets may exceed
-it; here the excess goes to the other groups through a larger pool), and the padding of a layer's groups to the
-largest is paid from the same budget. Scores above ``s0`` only count: DuoAttention's gates start at 0.5 and the
-groups training left near there get the floor, a small window.
+it; here the excess goes to the other groups through a larger pool, and to the groups of no importance once the
+others are full), and the padding of a layer's groups to the largest is paid from the same budget. Scores above
+``s0`` only count: DuoAttention's gates start at 0.5 and the groups training left near there get the floor, a small
+window (more only where rule 4 applies).
 """
 
 from __future__ import annotations
