@@ -130,6 +130,27 @@ def test_bench_compile_refuses_an_unknown_executor_before_timing_dense(argv: lis
     assert not (tmp_path / "out").exists()
 
 
+def test_bench_compile_leaves_the_decoders_kv_cache_executor_out_and_refuses_it_by_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # its row timed, on an encoder stack without a cache, a cache-free path auto never runs
+    import condcomp
+    from condcomp.bench.compile import POLICIES, default_executors, variants
+
+    registered = condcomp.list_executors()
+    assert "kv_cache" in registered and default_executors() == [n for n in registered if n != "kv_cache"]
+    rows = variants()
+    assert rows[0] == ("dense", "fixed") and ("kv_cache", "fixed") not in rows
+    assert rows == [("dense", "fixed"), *((n, "fixed") for n in registered if n != "kv_cache"),
+                    *(("gathered", p) for p in POLICIES[1:])]
+    with pytest.raises(ValueError, match="reads a decoder's KV cache"):
+        variants(["masked", "kv_cache"])
+    _refuse_work(monkeypatch)
+    err = _one_line_error(["bench", "compile", "--quick", "--executors", "kv_cache", "--out", str(tmp_path / "o")],
+                          capsys)
+    assert "argument --executors" in err and "reads a decoder's KV cache" in err, err
+    assert "condcomp bench decode --compile" in err and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("argv, match", [
     (["bench", "decode", "--model", "tiny-llama", "--quick", "--compile", "--compile-backend", "nonsense"],
      "argument --compile-backend: unknown torch.compile backend 'nonsense'; pass one of"),

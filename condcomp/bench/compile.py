@@ -1,7 +1,9 @@
 """``condcomp bench compile``: eager vs ``torch.compile`` for a routed model, per executor.
 
 A residual stack of :class:`~condcomp.HeadAttention` layers is routed with ``condcomp.apply_`` (``fixed``
-budget s, ``topk`` router, eval mode) and run with every registered executor, plus the unrouted dense stack; the
+budget s, ``topk`` router, eval mode) and run with every registered executor but those that read a decoder's KV
+cache (``kv_cache``: this stack has no cache; ``condcomp bench decode --compile`` times it), plus the unrouted dense
+stack; the
 gathered executor also at BudgetFormer plans (``budgetformer``: untrained, no declared cap, so its capturable path
 computes every head; ``budgetformer_capped``: ``s_max = s`` with ``cap_at_s_max``, k_cap = floor(s * H)) and at MoH's
 token plans (``moh``: the ``full`` policy and the ``moh`` router with ``H // 4`` shared heads and top-``H // 4`` routed
@@ -130,6 +132,16 @@ def _median_times(fns: dict[str, Callable[[], Tensor]], reps: int,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def variants(executors: list[str] | None = None) -> list[tuple[str, str]]:
+    """``(executor, policy)`` rows in order: ``dense``, each of ``executors`` (None: :func:`default_executors`) at
+    ``fixed``, then ``gathered`` at the other :data:`POLICIES` when it is among them."""
+    for name in executors or ():
+        if (why := cache_only(name)) is not None:
+            raise ValueError(why)
+    names = ["dense", *(executors or default_executors())]
+    return [(name, "fixed") for name in names] + [("gathered", p) for p in POLICIES[1:] if "gathered" in names]
+
+
 def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
         executors: list[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
     """One record per executor (and ``dense``) at the fixed policy, and the gathered executor at BudgetFormer
@@ -147,10 +159,7 @@ def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
     mask[:, T - T // 4:] = torch.rand(B, 1, generator=gen) < 0.5  # half the examples end in padding
     x, mask = x.to(dev), mask.to(dev)
     records = []
-    names = ["dense", *(executors or condcomp.list_executors())]
-    runs = [(name, "fixed") for name in names]
-    runs += [("gathered", p) for p in POLICIES[1:] if "gathered" in names]
-    for name, policy in runs:
+    for name, policy in variants(executors):
         model = build(None if name == "dense" else name, D, H, layers, s, policy=policy).to(dev)
         record: dict[str, Any] = {"executor": name, "policy": "-" if name == "dense" else policy, "B": B, "T": T,
                                   "D": D, "H": H, "layers": layers, "s": s, "threads": threads, "reps": reps,
@@ -217,13 +226,33 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def cache_only(name: str) -> str | None:
+    """Why executor ``name`` has no row here, or None: one that reads a decoder's compact KV cache
+    (``capabilities.reads_kv_cache``) would time, on this encoder stack without a cache, a path ``auto`` never runs."""
+    from condcomp.executors.auto import get_executor
+
+    if not getattr(getattr(get_executor(name), "capabilities", None), "reads_kv_cache", False):
+        return None
+    return (f"executor {name!r} reads a decoder's KV cache and this benchmark's stack is an encoder block without one "
+            "(its row would time a cache-free path auto never runs); time it with condcomp bench decode --compile")
+
+
+def default_executors() -> list[str]:
+    """Every registered executor that has a row here (:func:`cache_only`)."""
+    import condcomp
+
+    return [name for name in condcomp.list_executors() if cache_only(name) is None]
+
+
 def executor_name(value: str) -> str:
-    """An argparse ``type``: a registered executor's name (checked before any model is built)."""
+    """An argparse ``type``: a registered executor's name with a row here (checked before any model is built)."""
     import condcomp
 
     names = condcomp.list_executors()
     if value not in names:
         raise argparse.ArgumentTypeError(f"unknown executor {value!r}; pass registered ones: {', '.join(names)}")
+    if (why := cache_only(value)) is not None:
+        raise argparse.ArgumentTypeError(why)
     return value
 
 
@@ -238,7 +267,8 @@ def add_bench_commands(bench_subparsers: Any) -> None:
     p.add_argument("--s", type=finite_float(above=0, at_most=1), default=0.25,
                    help="head budget fraction of the fixed policy")
     p.add_argument("--executors", nargs="+", type=executor_name, default=None,
-                   help="subset of executors (default: every registered)")
+                   help="subset of executors (default: every registered but kv_cache, a decoder's, which bench "
+                   "decode --compile times)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the models run (cuda: timings synchronised; an error without a CUDA device)")
     p.set_defaults(func=main)

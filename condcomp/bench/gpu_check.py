@@ -269,7 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=output_folder, required=True,
                         help="folder for checks.json, metrics.json and table.md")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cuda (default); cpu runs the same code, for a dry run (with --quick)")
+                        help="cuda (default); cpu runs the same code, for a dry run (needs --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes (checks and timings), s in {0.25, 1.0}, 2 repetitions: a smoke test")
     parser.add_argument("--budget-s", type=finite_float(above=0), default=DEFAULT_BUDGET_S,
@@ -294,6 +294,10 @@ def main(args: argparse.Namespace | None = None) -> int:
         parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
         add_arguments(parser)
         args = parser.parse_args()
+    if args.device == "cpu" and not args.quick:  # the GPU grid on a CPU takes hours and measures nothing useful
+        print("gpu_check: --device cpu without --quick would run the full GPU grid on a CPU (hours); add --quick "
+              "for the dry run on tiny shapes, or run it on a CUDA GPU (--device cuda)", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: torch.cuda.is_available() is False; run it on a machine with a CUDA GPU, or pass "
               "--device cpu (with --quick) for a dry run", file=sys.stderr)

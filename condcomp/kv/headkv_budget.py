@@ -13,13 +13,17 @@ where higher means the group needs more of its context) and a budget of ``fracti
    full), the bytes counted as they are stored: a full group costs 1 (its prompt); the layer's other groups are
    padded to the largest of their shares (``headkv``'s state is one tensor per layer), each entry
    ``1 + entry_overhead`` (its position, int64); a layer with no full group adds its token-counting placeholder
-   (``empty_layer``).
+   (``empty_layer``);
+4. once every group of some importance keeps the full cache, the pool cannot grow: the budget left is shared
+   equally by the groups of no importance (their share raised from the floor to one equal share, the largest whose
+   bytes fit), so the bytes held are the budget asked for, not the sum of full groups and floors.
 
 This is HeadKV's allocation (a base budget for every head plus a shared pool in proportion to its score) with two
 changes, both for the bytes to be the bytes held: a share is capped at the whole prompt (HeadKV's budgets may exceed
-it; here the excess goes to the other groups through a larger pool), and the padding of a layer's groups to the
-largest is paid from the same budget. Scores above ``s0`` only count: DuoAttention's gates start at 0.5 and the
-groups training left near there get the floor, a small window.
+it; here the excess goes to the other groups through a larger pool, and to the groups of no importance once the
+others are full), and the padding of a layer's groups to the largest is paid from the same budget. Scores above
+``s0`` only count: DuoAttention's gates start at 0.5 and the groups training left near there get the floor, a small
+window (more only where rule 4 applies).
 """
 
 from __future__ import annotations
@@ -142,18 +146,33 @@ def allocate_group_budgets(scores: Tensor, fraction: float, *, floor: float = 1 
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         break
     shares = shares_at(lo)
+    if bool((shares[w > 0] >= 1.0).all()):  # the pool cannot grow: the rest goes to the groups of no importance
+        shares = _share_the_rest_equally(shares, fraction, entry_overhead, empty_layer)
     return GroupBudgets(shares, stored_fraction(shares, entry_overhead, empty_layer))
+
+
+def _share_the_rest_equally(shares: Tensor, fraction: float, entry_overhead: float, empty_layer: float) -> Tensor:
+    """``shares`` with its non-full groups raised to one equal share, the largest whose bytes fit ``fraction``."""
+    rest = shares < 1.0
+    lo, hi = float(shares[rest].max()) if bool(rest.any()) else 1.0, 1.0
+    for _ in range(100 if hi > lo else 0):  # below 1 the bytes grow with the share; at 1 they are dense's, over budget
+        mid = (lo + hi) / 2
+        fit = stored_fraction(shares.masked_fill(rest, mid), entry_overhead, empty_layer) <= fraction
+        lo, hi = (mid, hi) if fit else (lo, mid)
+    return shares.masked_fill(rest, lo) if bool(rest.any()) else shares
 
 
 def headkv_split(model: nn.Module, scores: Tensor | str | Path, fraction: float, *, floor: float = 1 / 32,
                  score_floor: float | None = None, sinks: int = 4, observe: int = 64, pool: int = 5,
-                 select: str = "snapkv", full: float = 0.0) -> nn.Module:
+                 select: str = "snapkv", full: float = 0.0, decode_kernel: bool = False) -> nn.Module:
     """Apply per-group budgets in place: ``scores`` (a ``(L, G)`` tensor, or a gates file of ``condcomp
     calibrate-kv``) allocated over every (layer, KV group) within ``fraction`` of the dense cache's bytes
     (:func:`allocate_group_budgets`, positions counted at the model's dtype and head width); per layer a ``topk``
     router warm-started from the scores keeps the full groups, and ``kv=("headkv", {"shares": ...})`` holds the
     others (``sinks``, ``observe``, ``pool``, ``select`` as :class:`~condcomp.kv.headkv.HeadKV`); ``full``: the
-    share of the groups kept in full before the budget is shared (the highest-scored first). Returns
+    share of the groups kept in full before the budget is shared (the highest-scored first); ``decode_kernel``: as
+    :class:`~condcomp.CondCompConfig`'s (decode steps on a static cache attend the full groups with the split-K
+    kernel; the ``headkv`` groups keep their own attention). Returns
     ``model`` in eval mode. The shares are of each request's prompt, so the bytes are the same fraction at any
     prompt length (but for whole-token rounding).
 
@@ -182,5 +201,5 @@ def headkv_split(model: nn.Module, scores: Tensor | str | Path, fraction: float,
             router=("topk", {"kv_groups": True, "init_scores": init}),
             kv=("headkv", {"shares": [float(x) for x in shares], "sinks": sinks, "observe": observe, "pool": pool,
                            "select": select}),
-            target_modules=[layer]))
+            target_modules=[layer], decode_kernel=decode_kernel))
     return model.eval()

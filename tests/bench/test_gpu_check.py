@@ -56,6 +56,20 @@ def test_cuda_asked_for_on_a_machine_without_it_is_refused(tmp_path: Path, capsy
     assert "--device cpu" in capsys.readouterr().err and not list(tmp_path.iterdir())
 
 
+def test_the_full_grid_on_a_cpu_is_refused_and_names_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # --device cpu without --quick ran the GPU grid's checks and cells on the CPU: hours
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("gpu-check started the grid before refusing --device cpu without --quick")
+
+    monkeypatch.setattr(gpu_check, "checks", started)
+    monkeypatch.setattr(gpu_check, "run", started)
+    assert condcomp_main(["bench", "gpu-check", "--device", "cpu", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--device cpu without --quick" in err and "add --quick" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def _strategies(granularity: str) -> set[str]:
     return {s.name for s in STRATEGIES[granularity]}
 

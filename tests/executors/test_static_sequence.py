@@ -131,6 +131,16 @@ def test_explain_names_the_static_path_and_its_padding() -> None:
     assert choice.strategy != "sequence.static"  # CPU eager: the sized strategies
 
 
+def test_explain_says_when_a_sequence_plan_is_over_its_cap() -> None:
+    case, _ = capped("padding", 2)  # examples with 0, 1, 2 and 2 heads of 4
+    over = replace(case.plan, k_cap=1)
+    want = "an example chose 2 heads, more than its k_cap = 1"
+    lines = dict(GatheredExecutor(tuning=STATIC).explain(case.weights, case.inputs, over))
+    assert want in lines["sequence.static"][-1] and "refuses the call" in lines["sequence.static"][-1]
+    assert want in lines["sequence.triton"][-1] and want not in str(lines["sequence.buckets"])
+    assert "over its cap" not in str(GatheredExecutor(tuning=STATIC).explain(case.weights, case.inputs, case.plan))
+
+
 def test_auto_estimate_of_a_static_call_is_the_padded_share() -> None:
     case, _ = capped("padding", 2)
     tuning = replace(STATIC, min_skipped_work_sequence=0)

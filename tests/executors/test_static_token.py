@@ -189,6 +189,24 @@ def test_a_token_above_its_cap_is_an_error_not_a_dropped_head(strategy: str) -> 
         GatheredExecutor(tuning=PAIRS, strategy=strategy)(case.weights, case.inputs, plan)
 
 
+def test_explain_says_when_a_token_plan_is_over_the_capturable_strategies_cap() -> None:
+    # explain called token.static the strategy that runs (or could) while the call would fail on its cap
+    case = moh_case("padding", 1, 2, torch.float64)
+    active = case.plan.active.clone()
+    active[0, 1] = True  # 3 routed heads on one token, declared at most 2
+    plan = plan_from_active(active, None, k_cap=3, shared_heads=1)
+    want = "a token chose 3 routed heads, more than k_cap - shared_heads = 2 (HeadPlan.k_cap = 3, shared_heads = 1)"
+    for tuning in (STATIC, PAIRS, CPU):  # the static path runs it, through the pair ops, or the sized path does
+        lines = dict(GatheredExecutor(tuning=tuning).explain(case.weights, case.inputs, plan))
+        for name in ("token.static", "token.triton"):
+            assert want in lines[name][-1] and "refuses the call" in lines[name][-1], (tuning.static_token, lines)
+        assert not any(want in why for name, reasons in lines.items() if name not in ("token.static", "token.triton")
+                       for why in reasons)
+    assert want in str(condcomp.explain(case.weights, case.inputs, plan, executor="gathered"))
+    within = dict(GatheredExecutor(tuning=STATIC).explain(case.weights, case.inputs, case.plan))
+    assert "over its cap" not in str(within)
+
+
 def test_the_static_token_call_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
     case = moh_case("padding", 2, 1, torch.float64)
 

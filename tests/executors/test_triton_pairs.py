@@ -314,7 +314,7 @@ class Capped(type(get_strategy("sequence.triton"))):  # type: ignore[misc]
 
 def test_sequence_triton_with_a_cap_below_h() -> None:
     """Examples with 0, 1, 3 and 2 of 4 heads: a cap of 3 gives the reference's output; a cap of 2 fails on the
-    device check (an example chose more), never silently dropping a head; ``fullgraph=True`` captures the check."""
+    cap check (an example chose more), never silently dropping a head; ``fullgraph=True`` captures the check."""
     case = build_case("padding", torch.float32)
     w, inputs = case.weights, case.inputs
     plan, _ = leaf_plan(seq_active([0, 1, 3, 2], 4), torch.float32)
@@ -324,8 +324,30 @@ def test_sequence_triton_with_a_cap_below_h() -> None:
     torch._dynamo.reset()  # the device check traces too: no graph break
     torch.testing.assert_close(torch.compile(lambda: Capped(3).run(call), backend="eager", fullgraph=True)(), y_ref,
                                atol=2e-5, rtol=1e-4)
-    with pytest.raises(RuntimeError, match="more heads than the cap"):
+    with pytest.raises(ValueError, match=r"an example chose 3 heads, over the cap of 2 head slots .* Capped.cap\(\)"):
         Capped(2).run(call)
+
+
+def test_sequence_triton_over_its_cap_names_the_k_the_cap_its_source_and_what_to_do() -> None:
+    """A plan declaring k_cap = 2 whose examples chose 0, 1, 3 and 2 of 4 heads: the error names the k (3), the cap
+    and where it comes from, and the ways out; under compile (no host read) the device check says the same but k."""
+    from condcomp.types import HeadPlan
+
+    case = build_case("padding", torch.float32)
+    w, inputs = case.weights, case.inputs
+    built, _ = leaf_plan(seq_active([0, 1, 3, 2], 4), torch.float32)
+    plan = HeadPlan("sequence", built.gates, built.active, built.counts, built.order, {}, 2)
+    call = GatheredCall(w, inputs, plan, gather_sizes(w, inputs, plan, ON_CPU), ON_CPU)
+    strategy = get_strategy("sequence.triton")
+    with pytest.raises(ValueError) as got:
+        strategy.run(call)
+    msg = str(got.value)
+    assert "an example chose 3 heads, over the cap of 2 head slots" in msg
+    assert "the plan's k_cap = 2" in msg and "budget policy declared" in msg
+    assert "cap_at_s_max=True" in msg and 'strategy="sequence.buckets"' in msg
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=r"chose more heads, over the cap of 2 .* the plan's k_cap = 2"):
+        torch.compile(lambda: strategy.run(call), backend="eager", fullgraph=True)()
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and pairs.triton_available()), reason="needs CUDA and triton")

@@ -197,6 +197,27 @@ def test_wrong_inputs_are_named() -> None:
         compact_decode_attention(q, k, v, lens, 1.0, block_n=24, split_n=48)
 
 
+@pytest.mark.parametrize("bad", [4, -1])
+def test_a_kv_index_outside_the_models_groups_is_refused_by_name(bad: int) -> None:
+    """Hq = 8 query heads, group_size 2: the model has 4 groups; a slot naming group 4 (or -1) would be read by
+    another request's query heads in the kernel: refused on CPU (kernels under the interpreter, or the fallback),
+    eager and compiled, naming the value, where it is and the range."""
+    q, k, v = inputs(2, 8, 2, 20, 8)
+    lens = torch.full((2, 2), 20, dtype=torch.int32)
+    index = torch.tensor([[3, 0], [1, bad]])
+    match = rf"kv_index holds \[{bad}\] at \(request, slot\) \[\[1, 1\]\], outside the model's 4 key/value groups"
+    with pytest.raises(ValueError, match=match):
+        compact_decode_attention(q, k, v, lens, 1.0, kv_index=index, group_size=2)
+    torch._dynamo.reset()
+    step = torch.compile(lambda: compact_decode_attention(q, k, v, lens, 1.0, kv_index=index, group_size=2),
+                         backend="eager", fullgraph=True)
+    with pytest.raises(ValueError, match=match):
+        step()
+    index[1, 1] = 2  # in range: the float64 rule
+    torch.testing.assert_close(compact_decode_attention(q, k, v, lens, 1.0, kv_index=index, group_size=2).double(),
+                               loop(q, k, v, lens, 1.0, index, 2, None), atol=ATOL, rtol=RTOL)
+
+
 def _opcheck_args() -> list[tuple[object, ...]]:
     q, k, v = inputs(2, 4, 2, 40, 8)
     lens = torch.tensor([[40, 3], [0, 21]], dtype=torch.int32)

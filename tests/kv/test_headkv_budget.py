@@ -30,7 +30,29 @@ def test_a_layer_whose_padding_would_cost_more_than_its_full_group_is_still_foun
     # fits lies past that point, where the stored bytes drop
     got = allocate_group_budgets(torch.tensor([[0.5, 0.9, 0.5], [0.5, 0.6, 0.5]]), 0.5, floor=0.125)
     assert got.full.tolist() == [[False, True, False], [False, True, False]]
-    assert math.isclose(got.stored, (2 * (1 + 2 * 0.125)) / 6)  # the zero-importance groups keep their floor only
+    # the zero-importance groups then share the rest of the budget equally: (2 + 4 u) / 6 = 0.5, u = 1/4
+    torch.testing.assert_close(got.shares, torch.tensor([[0.25, 1.0, 0.25], [0.25, 1.0, 0.25]], dtype=torch.float64),
+                               atol=1e-9, rtol=0)
+    assert math.isclose(got.stored, 0.5, abs_tol=1e-9)
+
+
+def test_the_budget_left_once_every_important_group_is_full_goes_to_the_others_by_hand() -> None:
+    # w = (1, 0 | 0, 0): (0, 0) is full at pool 7/8, holding (1 + 3 x 1/8) / 4 = 0.34 of the bytes; the other three
+    # groups share the rest of 0.75 equally: (1 + u + 2 u) / 4 = 0.75, u = 2/3 (before: 0.34 held, silently)
+    scores = torch.tensor([[0.9, 0.5], [0.5, 0.5]])
+    got = allocate_group_budgets(scores, 0.75, floor=0.125)
+    torch.testing.assert_close(got.shares, torch.tensor([[1.0, 2 / 3], [2 / 3, 2 / 3]], dtype=torch.float64),
+                               atol=1e-9, rtol=0)
+    assert math.isclose(got.stored, 0.75, abs_tol=1e-9) and got.stored <= 0.75
+    # positions (1/4 per entry) and a placeholder of half a group for layer 1 (no full group) paid from it too:
+    # 1 + 1.25 u + 2 x 1.25 u + 0.5 = 3, u = 0.4
+    paid = allocate_group_budgets(scores, 0.75, floor=0.125, entry_overhead=0.25, empty_layer=0.5)
+    torch.testing.assert_close(paid.shares, torch.tensor([[1.0, 0.4], [0.4, 0.4]], dtype=torch.float64),
+                               atol=1e-9, rtol=0)
+    assert math.isclose(paid.stored, 0.75, abs_tol=1e-9) and paid.stored <= 0.75
+    # the groups kept in full first count as important: here the only one, so the rest is shared the same way
+    forced = allocate_group_budgets(scores, 0.75, floor=0.125, full=0.25)
+    torch.testing.assert_close(forced.shares, got.shares, atol=1e-9, rtol=0)
 
 
 def test_equal_scores_share_equally_and_the_overheads_are_paid_from_the_budget() -> None:
@@ -116,8 +138,10 @@ def test_a_group_keeping_no_prompt_token_runs_in_an_fp8_cache() -> None:
     mask[1, :3] = 0
     scores = torch.tensor([[0.9, 0.9, 0.9], [0.5, 0.6, 0.5]])
     fp8 = {"cache_implementation": "quantized", "cache_config": {"backend": "fp8"}}
-    model = headkv_split(tiny_llama(), scores, 0.75, floor=1 / 16, sinks=0, observe=4, pool=3)
-    assert int(12 * 1 / 16) == 0
+    # the budget just past layer 0 and (1, 1) in full: the rest, shared by (1, 0) and (1, 2), is under a token of 12
+    model = headkv_split(tiny_llama(), scores, 0.695, floor=1 / 16, sinks=0, observe=4, pool=3)
+    split = allocate_group_budgets(scores, 0.695, floor=1 / 16, entry_overhead=8 / (2 * 8 * 4), empty_layer=1 / 8)
+    assert split.full.tolist() == [[True, True, True], [False, True, False]] and int(12 * split.shares[1, 0]) == 0
     greedy = {"do_sample": False, "pad_token_id": 0, "max_new_tokens": 5, "return_dict_in_generate": True,
               "output_logits": True}
     got = model.generate(input_ids=ids, attention_mask=mask, **fp8, **greedy)

@@ -14,8 +14,10 @@ import torch
 from torch import Tensor
 
 from condcomp.executors.gathered.call import GatheredCall, Strategy
+from condcomp.executors.gathered.sequence_static import over_cap
 from condcomp.executors.gathered.sizing import GatherSizes, gather_sizes, head_set_keys, static_sizes
 from condcomp.executors.gathered.strategies import STRATEGIES, Table, choose, get_strategy, rejections, strategy_names
+from condcomp.executors.gathered.token_static import routed_over_cap
 from condcomp.executors.gathered.tuning import CPU, CUDA, GatheredTuning, tuning_for
 from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
@@ -136,15 +138,20 @@ class GatheredExecutor:
     def explain(self, weights: AttentionWeights, inputs: AttentionInputs,
                 plan: HeadPlan) -> list[tuple[str, list[str]]]:
         """Every strategy of the plan's granularity, in table order, with its reasons against this call; the
-        capturable strategy's line says why it ran and what its ``k_cap`` costs."""
+        capturable strategy's line says why it ran and what its ``k_cap`` costs, and the capturable strategies'
+        lines say when the plan selects more heads than its ``k_cap`` (they refuse such a call)."""
         tuning = self.tuning_of(inputs.x)
         call = GatheredCall(weights, inputs, plan, self.sizes(weights, inputs, plan), tuning)
         found = rejections(call, self.strategies)
         why = self.static(plan, tuning)
-        if why is None:
+        if why is not None:
+            first = next((name for name, reasons in found if not reasons), None)  # the strategy that runs
+            found = [(name, [static_note(plan, why, tuning)] if name == first else reasons) for name, reasons in found]
+        over = (routed_over_cap if plan.granularity == "token" else over_cap)(plan)  # one host read, explain only
+        if over is None:
             return found
-        first = next((name for name, reasons in found if not reasons), None)  # the strategy that runs
-        return [(name, [static_note(plan, why, tuning)] if name == first else reasons) for name, reasons in found]
+        capturable = {s.name for s in self.strategies.get(plan.granularity, ()) if not s.needs_sizes}
+        return [(name, [*reasons, over] if name in capturable else reasons) for name, reasons in found]
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         """Cost relative to dense attention: the share of the dense (query row, head) work the plan keeps, or

@@ -31,6 +31,19 @@ def check_cap(plan: HeadPlan) -> None:
                             "bound its budget policy declared); build the plan with a k_cap that bounds its counts")
 
 
+def over_cap(plan: HeadPlan) -> str | None:
+    """What is wrong when an example of ``plan`` selects more heads than its ``k_cap`` (a host read: for
+    ``explain``)."""
+    if plan.k_cap is None or plan.k_cap >= plan.num_heads or plan.counts.numel() == 0:
+        return None
+    most = int(plan.counts.max())
+    if most <= plan.k_cap:
+        return None
+    return (f"the plan is over its cap: an example chose {most} heads, more than its k_cap = {plan.k_cap} "
+            "(HeadPlan.k_cap: the bound its budget policy declared), so this strategy refuses the call; build the "
+            "plan with a k_cap that bounds its counts, or run a sized strategy (outside torch.compile)")
+
+
 def padded_plan(plan: HeadPlan, cap: int) -> HeadPlan:
     """The plan widened to exactly ``cap`` heads per example: its selected heads plus the first unselected ones
     (``order[:, :cap]``) are "active", and the added heads' gates are 0, so they change no output or gradient."""

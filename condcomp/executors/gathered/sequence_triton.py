@@ -73,8 +73,19 @@ class PairKernels(Strategy):
 
     def cap(self, call: GatheredCall) -> int:
         """``C``, the head slots per example: the plan's ``k_cap`` (the bound its budget policy declares; H without
-        one). An example that chose more heads fails on the device, never silently."""
+        one). An example that chose more heads is refused (on the device: an assert), never silently dropped."""
         return call.plan.head_cap
+
+    def over_cap(self, call: GatheredCall, C: int, k: str) -> str:
+        """What was wrong when an example chose ``k`` heads, more than the ``C`` slots, and what to do."""
+        plan = call.plan
+        where = (f"the plan's k_cap = {plan.k_cap} (HeadPlan.k_cap: the bound its budget policy declared, "
+                 "Budget.k_cap)" if plan.k_cap == C else f"{type(self).__name__}.cap()")
+        return (f"{self.name}: an example chose {k} heads, over the cap of {C} head slots per example from {where}; "
+                "a head past the cap would be dropped. Make the cap bound the plan's counts (a budget policy "
+                "declaring a k_cap at least the k it asks, e.g. budgetformer with cap_at_s_max=True, and a router "
+                "selecting at most the budget's k), or run a strategy that reads the counts "
+                "(GatheredExecutor(strategy=\"sequence.buckets\"), outside torch.compile)")
 
     @override
     def run(self, call: GatheredCall) -> Tensor:
@@ -90,8 +101,13 @@ class PairKernels(Strategy):
             raise ValueError(f"{self.name}: the cap must lie in [1, H = {H}], got {C}")
         heads = plan.order[:, :C].long()  # (B, C) selected heads first, ascending
         counts = plan.counts.long()  # (B,)
-        if C < H:  # checked on the device (no host read): a head past the cap would be dropped
-            torch._assert_async((counts <= C).all(), f"an example chose more heads than the cap C = {C}")
+        if C < H:  # a head past the cap would be dropped: a wrong answer, so refused
+            if x.device.type == "cpu" and not torch.compiler.is_compiling():  # a host read costs nothing here
+                k = int(counts.max())
+                if k > C:
+                    raise ValueError(self.over_cap(call, C, str(k)))
+            else:  # on the device, no host read: the message cannot name the k
+                torch._assert_async((counts <= C).all(), self.over_cap(call, C, "more"))
         gates = plan.gates.gather(1, heads)  # (B, C), zero past each count
         with torch.autocast(x.device.type, enabled=False):
             q_bias = None if w.q_bias is None else w.q_bias.view(H, Dh).to(dtype)

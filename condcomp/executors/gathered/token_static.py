@@ -55,6 +55,19 @@ def check_routed(plan: HeadPlan, S: int, R: int) -> None:
                             "bounds every token's heads")
 
 
+def routed_over_cap(plan: HeadPlan) -> str | None:
+    """What is wrong when a token of ``plan`` chose more routed heads than ``R`` (a host read: for ``explain``)."""
+    S, R = token_shape(plan)
+    if R >= plan.num_heads - S or plan.active.numel() == 0:
+        return None
+    most = int(plan.active[..., S:].sum(-1).max())
+    if most <= R:
+        return None
+    return (f"the plan is over its cap: a token chose {most} routed heads, more than k_cap - shared_heads = {R} "
+            f"(HeadPlan.k_cap = {plan.k_cap}, shared_heads = {S}), so this strategy refuses the call; build the plan "
+            "with a k_cap that bounds every token's heads, or run a sized strategy (outside torch.compile)")
+
+
 def _heads_from(t: Tensor | None, first: int, count: int) -> Tensor | None:
     """Dim 1 of a mask-like ``(B|1, H|1, ...)`` tensor restricted to heads ``first .. first + count - 1``."""
     return t if t is None or t.shape[1] == 1 else t[:, first:first + count]

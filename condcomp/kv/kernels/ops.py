@@ -4,9 +4,11 @@ with a fake implementation (shapes only: ``torch.compile`` and CUDA graphs captu
 
 The op runs the Triton kernels (split_k.py, launched by launch.py) where the gathered executor's pair kernels run
 (:func:`condcomp.executors.gathered.pairs.kernel_runs`: CUDA in float16/bfloat16/float32, CPU float32 under
-``TRITON_INTERPRET=1``), else the torch fallback (fallback.py), with the same semantics. Index values (``lengths``
-past ``S`` are clamped, ``kv_index`` must lie in the model's groups) are not checked on the device: that would
-read it back; the fallback raises on an index out of range.
+``TRITON_INTERPRET=1``), else the torch fallback (fallback.py), with the same semantics. Index values are not
+checked on the device (that would read them back, once per layer and step): ``lengths`` past ``S`` are clamped, and
+``kv_index`` outside the model's groups is refused by name where reading it costs no device sync (CPU tensors, the
+interpreter's included) and in the torch fallback. On CUDA the kernels trust it: the compact cache builds it in range
+once per request (:func:`condcomp.kv.selection.select_kv`).
 """
 
 from __future__ import annotations
@@ -80,12 +82,29 @@ def _check(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, kv_index: Tensor | 
                          f"and {split_n}")
 
 
+def _check_index_values(q: Tensor, kv_index: Tensor, group_size: int) -> None:
+    """Refuse ``kv_index`` values outside the model's groups ``[0, Hq / group_size)`` (reads the index back)."""
+    groups = q.shape[1] // group_size
+    bad = (kv_index < 0) | (kv_index >= groups)  # (B, G)
+    if bool(bad.any()):
+        where = bad.nonzero().tolist()[:8]
+        values = [int(kv_index[b, g]) for b, g in where]
+        raise ValueError(f"compact_decode_attention: kv_index holds {values} at (request, slot) {where}, outside the "
+                         f"model's {groups} key/value groups [0, {groups}) (q's {q.shape[1]} heads / group_size "
+                         f"{group_size}): such a slot would be read by another group's or request's query heads. Pass "
+                         "the key/value group each slot holds (KVSelection.kv_index from condcomp.kv.selection."
+                         "select_kv builds it)")
+
+
 @torch.library.custom_op("condcomp::compact_decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths: Tensor, scale: float,
                         kv_index: Tensor | None, group_size: int, bias: Tensor | None, block_n: int,
                         split_n: int) -> Tensor:
     _check(q, k_pool, v_pool, lengths, kv_index, group_size, bias, block_n, split_n)
-    return _impl(q).decode_attention(q, k_pool, v_pool, lengths, scale, kv_index, group_size, bias, block_n,
+    impl = _impl(q)
+    if kv_index is not None and (q.device.type == "cpu" or impl is fallback):  # no device sync to pay, or eager
+        _check_index_values(q, kv_index, group_size)
+    return impl.decode_attention(q, k_pool, v_pool, lengths, scale, kv_index, group_size, bias, block_n,
                                      split_n)
 
 
@@ -109,8 +128,9 @@ def compact_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths:
       rest never (a full group: the tokens held; a window ring: ``min(held, sinks + window)``; 0: a slot the
       request does not use). Values past ``S`` read ``S``.
     - ``kv_index (B, G)``: the model's key/value group each slot holds (:class:`~condcomp.kv.selection.KVSelection`'s
-      ``kv_index``); slot ``g`` is then read by the query heads ``kv_index[b, g] * group_size + j``, ``j <
-      group_size`` (``group_size = Hq / the model's key/value heads``, required with ``kv_index``). Without it
+      ``kv_index``), in ``[0, Hq / group_size)`` (refused outside it on CPU and in the fallback); slot ``g`` is
+      then read by the query heads ``kv_index[b, g] * group_size + j``, ``j < group_size`` (``group_size = Hq /
+      the model's key/value heads``, required with ``kv_index``). Without it
       ``q`` holds the slots' heads in order (``Hq = G * group_size``; ``group_size`` defaults to ``Hq / G``).
     - ``bias (B, S)``: an additive term per request and key (padding as ``-inf``), or None.
     - ``block_n``, ``split_n``: keys per block and per split (default :func:`tiling`); they change the launch, not

@@ -120,3 +120,33 @@ def test_a_window_split_with_the_kernel_equals_the_eager_compact_decode(launches
     for got, want in zip(out.logits, eager.logits, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert len(launches) == (NEW - 1) * 2  # the kept groups of both layers at every decode step
+
+
+def test_a_headkv_split_with_the_kernel_equals_its_eager_decode(launches: list[str]) -> None:
+    """``headkv_split(..., decode_kernel=True)``: the full groups through the kernel, the ``headkv`` groups through
+    the policy's own attention, in the same step; tokens and logits as the same split's eager decode on the default
+    cache (SDPA)."""
+    from condcomp.kv.headkv_budget import allocate_group_budgets, headkv_split
+
+    scores = torch.tensor([[0.9, 0.5, 0.7, 0.5], [0.5, 0.8, 0.5, 0.6]])  # (layers, KV groups)
+
+    def split(kernel: bool) -> Any:
+        return headkv_split(llama(kv_heads=4), scores, 0.6, floor=0.125, sinks=2, observe=4, pool=3,
+                            decode_kernel=kernel)
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 97, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    run = dict(attention_mask=mask, max_new_tokens=NEW, return_dict_in_generate=True, output_logits=True, **GREEDY)
+    eager = split(False).generate(input_ids=ids, **run)
+    assert launches == []
+    out = split(True).generate(input_ids=ids, cache_implementation="static", **run)
+    assert torch.equal(out.sequences, eager.sequences)
+    for step, (got, want) in enumerate(zip(out.logits, eager.logits, strict=True)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"logits of generated token {step}")
+    full = allocate_group_budgets(scores, 0.6, floor=0.125, entry_overhead=8 / (2 * 8 * 4), empty_layer=1 / 8).full
+    assert bool(full.any()) and not bool(full.all(-1).any())  # full groups and headkv groups in the split
+    assert len(launches) == (NEW - 1) * int(full.any(-1).sum())  # the layers with a full group, every decode step
+    expected = "kernel" if pairs.interpreting() and pairs.triton_available() else "fallback"
+    assert set(launches) == {expected}
