@@ -57,6 +57,8 @@ class KVSelection:
     - ``modes (B, Hkv)`` int8: each request's mode per group (``KV_NONE``, ``KV_WINDOW`` (the policy's own state),
       ``KV_FULL``).
     - ``policy``: the KV policy that holds the ``window_*`` slots (None when there are none).
+    - ``slots`` / ``window_slots``: ``g`` and ``gw``, counted when the selection is built (not constructor
+      arguments; a decode step reads them as data).
     """
 
     kv_index: Tensor
