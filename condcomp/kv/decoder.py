@@ -4,9 +4,10 @@ An adapter (``condcomp.integrations.hf`` for transformers) translates its librar
 :class:`CompactCall`: the queries' input, the library's attention mask as a tensor, the layer's weights and
 projections, where the call's queries start, and the cache layer (a :class:`StepLayer`: condcomp's
 :class:`~condcomp.kv.layer.CompactLayer`). :func:`attend_compact` then reads down and never back up: the mask parts
-and score terms (:func:`mask_parts`) -> the executor ``resolve_executor`` picks (``kv_cache``) -> the KV policy of
-the groups the plan does not keep -> the cache layer, whose ``store`` writes the kept groups' keys and values and
-hands back their history. Nothing here imports transformers or calls into an adapter.
+and score terms (:func:`mask_parts`) -> the executor ``resolve_executor`` picks at the request's first call
+(``kv_cache``, held by the cache layer for the later calls, each run and recorded in one call: ``attend``) -> the KV
+policy of the groups the plan does not keep -> the cache layer, whose ``store`` writes the kept groups' keys and
+values and hands back their history. Nothing here imports transformers or calls into an adapter.
 """
 
 from __future__ import annotations
