@@ -1,4 +1,4 @@
-"""The carriers passed between roles: Budget, HeadPlan, HeadUsage, AttentionWeights, AttentionInputs.
+"""The carriers passed between roles: Budget, HeadPlan, HeadUsage, AttentionWeights, AttentionInputs, Projections.
 
 Shape letters: B batch, T query tokens, S key tokens, D model width, H query heads, Hkv key/value heads,
 Dh head width, k active heads.
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from condcomp.rotary import apply_rotary
@@ -246,3 +247,41 @@ class AttentionInputs:
         if self.key_states is not None:
             return int(self.key_states.shape[2])
         return int(self.key_input.shape[1])
+
+
+Project = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Projections:
+    """The layer's projections as the call runs them: ``q``/``k``/``v`` map ``(B, T, D)`` to every head's
+    ``(B, T, H*Dh)`` / ``(B, T, Hkv*Dh)``, ``o`` maps ``(B, T, H*Dh)`` to ``(B, T, D)`` with its bias; per-head
+    norms over ``Dh`` (Qwen3) or None. A wrapped model passes its modules' own forwards (exact for LoRA); a layer
+    with one fused q/k/v projection (GPT-2's ``c_attn``) is built with :meth:`fused`, which runs it once."""
+
+    q: Project
+    k: Project
+    v: Project
+    o: Project
+    q_norm: Project | None = None
+    k_norm: Project | None = None
+    qkv: Callable[[Tensor], tuple[Tensor, ...]] | None = None  # the fused projection split, when the layer has one
+
+    def project(self, x: Tensor) -> tuple[Tensor, ...]:
+        """``(q, k, v)`` of every head for ``x (B, T, D)``: ``(B, T, H*Dh)``, ``(B, T, Hkv*Dh)`` twice."""
+        return self.qkv(x) if self.qkv is not None else (self.q(x), self.k(x), self.v(x))
+
+    @classmethod
+    def fused(cls, qkv: Project, o: Project, widths: tuple[int, int, int]) -> Projections:
+        """A layer whose ``qkv`` maps ``(B, T, D)`` to the queries, keys and values side by side (``widths``)."""
+        def split(x: Tensor) -> tuple[Tensor, ...]:
+            return tuple(qkv(x).split(list(widths), dim=-1))  # views
+
+        return cls(lambda x: split(x)[0], lambda x: split(x)[1], lambda x: split(x)[2], o, qkv=split)
+
+    @classmethod
+    def of_weights(cls, w: AttentionWeights) -> Projections:
+        """The projections of canonical weights."""
+        return cls(lambda x: F.linear(x, w.q_weight, w.q_bias), lambda x: F.linear(x, w.k_weight, w.k_bias),
+                   lambda x: F.linear(x, w.v_weight, w.v_bias), lambda y: F.linear(y, w.o_weight, w.o_bias),
+                   w.q_norm, w.k_norm)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from condcomp.dense import grouped_sdpa, project_kv
@@ -36,44 +35,7 @@ from condcomp.plans import kv_groups_used
 from condcomp.protocols import Capabilities, Estimate
 from condcomp.registry import register_executor
 from condcomp.rotary import apply_rotary
-from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
-
-Project = Callable[[Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class Projections:
-    """The layer's projections as the call runs them: ``q``/``k``/``v`` map ``(B, T, D)`` to every head's
-    ``(B, T, H*Dh)`` / ``(B, T, Hkv*Dh)``, ``o`` maps ``(B, T, H*Dh)`` to ``(B, T, D)`` with its bias; per-head
-    norms over ``Dh`` (Qwen3) or None. A wrapped model passes its modules' own forwards (exact for LoRA); a layer
-    with one fused q/k/v projection (GPT-2's ``c_attn``) is built with :meth:`fused`, which runs it once."""
-
-    q: Project
-    k: Project
-    v: Project
-    o: Project
-    q_norm: Project | None = None
-    k_norm: Project | None = None
-    qkv: Callable[[Tensor], tuple[Tensor, ...]] | None = None  # the fused projection split, when the layer has one
-
-    def project(self, x: Tensor) -> tuple[Tensor, ...]:
-        """``(q, k, v)`` of every head for ``x (B, T, D)``: ``(B, T, H*Dh)``, ``(B, T, Hkv*Dh)`` twice."""
-        return self.qkv(x) if self.qkv is not None else (self.q(x), self.k(x), self.v(x))
-
-    @classmethod
-    def fused(cls, qkv: Project, o: Project, widths: tuple[int, int, int]) -> Projections:
-        """A layer whose ``qkv`` maps ``(B, T, D)`` to the queries, keys and values side by side (``widths``)."""
-        def split(x: Tensor) -> tuple[Tensor, ...]:
-            return tuple(qkv(x).split(list(widths), dim=-1))  # views
-
-        return cls(lambda x: split(x)[0], lambda x: split(x)[1], lambda x: split(x)[2], o, qkv=split)
-
-    @classmethod
-    def of_weights(cls, w: AttentionWeights) -> Projections:
-        """The projections of canonical weights."""
-        return cls(lambda x: F.linear(x, w.q_weight, w.q_bias), lambda x: F.linear(x, w.k_weight, w.k_bias),
-                   lambda x: F.linear(x, w.v_weight, w.v_bias), lambda y: F.linear(y, w.o_weight, w.o_bias),
-                   w.q_norm, w.k_norm)
+from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan, Projections
 
 
 @dataclass(frozen=True)
@@ -241,7 +203,8 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
 @dataclass(frozen=True)
 class CachedRun:
     """The ``kv_cache`` executor bound to one cached call (what ``resolve_executor`` returns for it): calling it
-    runs the call; ``strategy`` says how the cache is read; :meth:`usage` is the call's record for ``head_usage``."""
+    runs the call; ``strategy`` says how the cache is read; :meth:`usage` is the call's record for ``head_usage``;
+    :meth:`attend` does both in one call."""
 
     executor: CachedExecutor
     selection: KVSelection
@@ -276,6 +239,11 @@ class CachedRun:
         window_keys = sel.window.capacity if sel.window is not None else (
             S if sel.policy is None else sel.policy.keys_read(self.policy_state, T, S))
         return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys, held_full)
+
+    def attend(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, record: LastForward,
+               holds_unkept: bool) -> tuple[Tensor, LastForward]:
+        """``(y (B, T, D), the call's usage record)`` in one call (:meth:`CachedExecutor.attend`)."""
+        return self.executor.attend(weights, inputs, plan, record, holds_unkept)
 
 
 @register_executor("kv_cache")
@@ -312,6 +280,19 @@ class CachedExecutor:
         """Bound to a cached call (:class:`CachedRun`: its strategy and usage record), or itself without a cache."""
         cache = inputs.kv_cache
         return self if cache is None else CachedRun(self, cache.selection, policy_state=cache.windows)
+
+    def attend(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, record: LastForward,
+               holds_unkept: bool) -> tuple[Tensor, LastForward]:
+        """``(y (B, T, D), the call's usage record)`` in one call: the call run on the compact cache it carries and
+        ``record`` (the caller's ``s``, plan, query mask, ``T`` and ``S``) completed as :meth:`CachedRun.usage`
+        does (``holds_unkept``: the KV policy computes the groups the plan does not keep). The decoder sequence
+        holds the executor a request's first call resolved and runs each later call through this alone."""
+        y = self(weights, inputs, plan)
+        cache = inputs.kv_cache
+        if cache is None:
+            return y, LastForward(record.s, plan, record.mask, record.T, record.S, self.name)
+        run = CachedRun(self, cache.selection, policy_state=cache.windows)
+        return y, run.usage(record.s, plan, record.mask, record.T, record.S, holds_unkept)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
         if inputs.kv_cache is not None:

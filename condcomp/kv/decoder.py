@@ -4,9 +4,10 @@ An adapter (``condcomp.integrations.hf`` for transformers) translates its librar
 :class:`CompactCall`: the queries' input, the library's attention mask as a tensor, the layer's weights and
 projections, where the call's queries start, and the cache layer (a :class:`StepLayer`: condcomp's
 :class:`~condcomp.kv.layer.CompactLayer`). :func:`attend_compact` then reads down and never back up: the mask parts
-and score terms (:func:`mask_parts`) -> the executor ``resolve_executor`` picks (``kv_cache``) -> the KV policy of
-the groups the plan does not keep -> the cache layer, whose ``store`` writes the kept groups' keys and values and
-hands back their history. Nothing here imports transformers or calls into an adapter.
+and score terms (:func:`mask_parts`) -> the executor ``resolve_executor`` picks at the request's first call
+(``kv_cache``, held by the cache layer for the later calls, each run and recorded in one call: ``attend``) -> the KV
+policy of the groups the plan does not keep -> the cache layer, whose ``store`` writes the kept groups' keys and
+values and hands back their history. Nothing here imports transformers or calls into an adapter.
 """
 
 from __future__ import annotations
@@ -19,21 +20,23 @@ import torch
 from torch import Tensor
 
 from condcomp.executors.auto import resolve_executor
-from condcomp.executors.cached import CompactKV, Projections
+from condcomp.executors.cached import CompactKV
 from condcomp.host import LastForward
 from condcomp.kv.choose import kv_policy_of
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection
 from condcomp.kv.static import query_rows, written_bias
 from condcomp.masks import additive_bias, attended_keys, check_mask_dtype
-from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan
+from condcomp.types import AttentionInputs, AttentionWeights, HeadPlan, Projections
 from condcomp.versions import tensor_version
 
 
 class StepLayer(Protocol):
     """What a call asks of the cache layer it writes (:class:`~condcomp.kv.layer.CompactLayer` has it all): the
     kept groups' writer, and the KV policy's state as data (read and kept by the policy,
-    :meth:`~condcomp.kv.policy.KVPolicy.state_in` / :meth:`~condcomp.kv.policy.KVPolicy.keep_in`)."""
+    :meth:`~condcomp.kv.policy.KVPolicy.state_in` / :meth:`~condcomp.kv.policy.KVPolicy.keep_in`). Optional:
+    ``hold_executor(executor)`` and ``condcomp_executor``, to hold the executor a request's first call resolved for
+    its later calls (a layer without them has the executor resolved at every call)."""
 
     condcomp_windows: Any  # the policy's state as the policy stores it here
     condcomp_preallocated: bool | None  # False: the storage grows (None: ask fixed_slot_room)
@@ -108,7 +111,8 @@ def attend_compact(host: Any, plan: HeadPlan, sel: KVSelection, call: CompactCal
 
     ``host``: the wrapped layer (its ``executor`` name, ``condcomp_notices``, ``training``; its ``last`` record is
     set to this call's usage, which ``head_usage`` reports); ``sel``: the plan's slots. The executor is the one
-    ``resolve_executor`` picks for a call that carries a compact cache (``kv_cache``)."""
+    ``resolve_executor`` picks for a call that carries a compact cache (``kv_cache``) at the request's first call,
+    held by the cache layer (:meth:`~condcomp.kv.layer.CompactLayer.hold_executor`) for its later calls."""
     x, mask, L = call.x, call.mask, call.weights.layout
     B, T, _ = x.shape
     store = call.store if call.store is not None else functools.partial(call.layer.store,
@@ -138,13 +142,27 @@ def attend_compact(host: Any, plan: HeadPlan, sel: KVSelection, call: CompactCal
                         call.placeholder_width, call.relative_bias, held_after)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if host.training else 0.0, kv_cache=compact)
-    run = resolve_executor(host.executor, call.weights, inputs, plan, notices=host.condcomp_notices)
-    y: Tensor = run(call.weights, inputs, plan)
+    # The executor is resolved at the request's first call and held by the cache layer, with the plan, for the later
+    # calls: a decode step enters it once, for the call and its usage record (``attend``). An executor without
+    # ``attend`` (the older protocol) is resolved, called and asked for its record at every call.
+    run = None if call.prefill else getattr(call.layer, "condcomp_executor", None)
+    if run is None:
+        run = resolve_executor(host.executor, call.weights, inputs, plan, notices=host.condcomp_notices)
+        hold = getattr(call.layer, "hold_executor", None)
+        if call.prefill and callable(hold):
+            executor = getattr(run, "executor", run)  # a prepared run's executor (kv_cache's CachedRun), or the run
+            hold(executor if callable(getattr(executor, "attend", None)) else None)
     # head_usage reports this call (a decode step's T and keys), not the prefill's
     last = host.last
     s = last.s if last is not None and tuple(last.s.shape) == (B,) else plan.counts.float() / plan.num_heads
+    holds_unkept = kv_policy_of(host).needs_cache
+    attend = getattr(run, "attend", None)
+    if callable(attend):
+        y, host.last = attend(call.weights, inputs, plan, LastForward(s, plan, query_mask, T, S), holds_unkept)
+        return y
+    y = run(call.weights, inputs, plan)
     usage = getattr(run, "usage", None)
-    host.last = (usage(s, plan, query_mask, T, S, kv_policy_of(host).needs_cache) if callable(usage) else
+    host.last = (usage(s, plan, query_mask, T, S, holds_unkept) if callable(usage) else
                  LastForward(s, plan, query_mask, T, S, getattr(run, "name", None), getattr(run, "strategy", None)))
     return y
 

@@ -61,6 +61,8 @@ class CompactLayer:
     # storage is preallocated (False: it grows, so a policy's state never moves into fixed slots; None: ask
     # fixed_slot_room)
     condcomp_placeholder: int = 1  # the width of the token-counting placeholder of a layer with no full group
+    # the executor the request's first call resolved, which runs its later calls (hold_executor)
+    condcomp_executor: Any = None
     condcomp_codec: Any = None
     condcomp_preallocated: bool | None = None
     inner: Any
@@ -110,6 +112,11 @@ class CompactLayer:
         """Hold ``stored`` (the policy's state as the policy stores it here) as this layer's own data."""
         self.__dict__["condcomp_windows"] = stored  # (a library wrapper's __setattr__ not called)
 
+    def hold_executor(self, executor: Any) -> None:
+        """Hold the executor the request's first call resolved (one that runs and records a call in one,
+        ``attend``), so its later calls enter it once; None: resolve the executor at every call."""
+        self.__dict__["condcomp_executor"] = executor
+
     # ---- the cache operations, on the plan and the policy's state too -------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> Any:
         held = self.condcomp_plan
@@ -127,6 +134,7 @@ class CompactLayer:
         self.inner.reset()
         self.condcomp_plan = None
         self.condcomp_windows = None
+        self.condcomp_executor = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative count, transformers' form), or keep the first
@@ -149,6 +157,7 @@ class CompactLayer:
         if self.held_tokens() == 0:  # nothing left: the next call is a new request
             self.condcomp_plan = None
             self.condcomp_windows = None
+            self.condcomp_executor = None
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         if self.held_position() is not None:  # preallocated storage: rows permuted in place, so its address (which

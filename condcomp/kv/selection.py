@@ -22,7 +22,8 @@ computed with a plan that saw the whole prompt).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -56,6 +57,8 @@ class KVSelection:
     - ``modes (B, Hkv)`` int8: each request's mode per group (``KV_NONE``, ``KV_WINDOW`` (the policy's own state),
       ``KV_FULL``).
     - ``policy``: the KV policy that holds the ``window_*`` slots (None when there are none).
+    - ``slots`` / ``window_slots``: ``g`` and ``gw``, counted when the selection is built (not constructor
+      arguments; a decode step reads them as data).
     """
 
     kv_index: Tensor
@@ -68,16 +71,17 @@ class KVSelection:
     window: StreamWindow | None = None
     modes: Tensor | None = None
     policy: KVPolicy | None = None
+    # resolved when the selection is built (a decode step reads them as data, calling nothing here)
+    slots: int = field(init=False)  # g: key/value heads cached in full per row
+    window_slots: int = field(init=False)  # gw: key/value heads cached as a streaming window per row
 
-    @property
-    def slots(self) -> int:
-        """``g``: key/value heads cached in full per row."""
-        return int(self.kv_index.shape[1])
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slots", int(self.kv_index.shape[1]))
+        object.__setattr__(self, "window_slots", 0 if self.window_index is None else int(self.window_index.shape[1]))
 
-    @property
-    def window_slots(self) -> int:
-        """``gw``: key/value heads cached as a streaming window per row."""
-        return 0 if self.window_index is None else int(self.window_index.shape[1])
+    def __setstate__(self, state: dict[str, Any]) -> None:  # one pickled before slots were data gets them
+        self.__dict__.update(state)
+        self.__post_init__()
 
     @property
     def window_valid(self) -> Tensor | None:

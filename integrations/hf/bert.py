@@ -16,9 +16,8 @@ from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
 from condcomp.dense import split_heads
-from condcomp.executors.cached import Projections
 from condcomp.projections import linear_parts
-from condcomp.types import AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout, Projections
 
 from .cache import open_step
 from .common import (

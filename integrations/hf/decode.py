@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from condcomp.dense import split_heads
-from condcomp.executors.cached import Projections
 from condcomp.kv.choose import kv_policy_of
 from condcomp.kv.decoder import CompactCall, attend_compact, score_terms
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection, pad_slots, select_kv
 from condcomp.kv.window import revertible_tail
-from condcomp.types import AttentionWeights, HeadPlan
+from condcomp.types import AttentionWeights, HeadPlan, Projections
 
 from .cache import RequestStep, cache_layer, compact_layer, offloaded_store, open_step, placeholder_width
 from .common import attend_call, cache_every_head, decoder_request_plan

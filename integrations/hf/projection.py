@@ -18,8 +18,7 @@ from torch import Tensor, nn
 from condcomp.adapters import register_adapter
 from condcomp.attention import linear_weights
 from condcomp.dense import split_heads
-from condcomp.executors.cached import Projections
-from condcomp.types import AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout, Projections
 
 from .common import (
     TransformersAdapter,

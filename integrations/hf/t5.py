@@ -22,10 +22,9 @@ from torch import Tensor, nn
 
 from condcomp.adapters import register_adapter
 from condcomp.dense import split_heads
-from condcomp.executors.cached import Projections
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.projections import linear_parts
-from condcomp.types import AttentionWeights, HeadLayout
+from condcomp.types import AttentionWeights, HeadLayout, Projections
 
 from .cache import open_step
 from .common import (

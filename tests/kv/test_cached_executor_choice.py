@@ -82,3 +82,58 @@ def test_a_wrapped_llama_decodes_through_kv_cache_and_records_it(executor: str, 
     usage = condcomp.head_usage(model)
     assert {u.executor for u in usage.values()} == {"kv_cache"}
     assert {u.strategy for u in usage.values()} <= {"compact", "full"}
+
+
+def wrapped_llama(executor: str = "auto") -> t.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = t.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=50)
+    model = t.LlamaForCausalLM(config).eval()
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), executor=executor,
+                                                   router=("topk", {"kv_groups": True})))
+    return model
+
+
+def test_a_request_holds_the_executor_its_first_call_resolved_until_its_cache_is_reset() -> None:
+    model, ids = wrapped_llama(), torch.randint(1, 50, (2, 5))
+    cache = t.DynamicCache(config=model.config)
+    model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0, past_key_values=cache)
+    kv_cache = condcomp.get_executor("kv_cache")
+    assert [layer.condcomp_executor for layer in cache.layers] == [kv_cache, kv_cache]
+    cache.reset()  # the next call is a new request's first: its executor is resolved again
+    assert [layer.condcomp_executor for layer in cache.layers] == [None, None]
+
+
+def test_a_cache_reader_without_attend_is_resolved_and_asked_for_its_record_at_every_call(
+        restore_registries: None) -> None:
+    """The executor protocol before ``attend``: a registered cache reader with only ``supports``, ``estimate`` and
+    ``__call__`` (cheaper than kv_cache, so auto picks it) runs every call of every layer (counted by hand: the
+    prefill and each decode step), with kv_cache's tokens (it computes with kv_cache's call), and is what
+    head_usage names."""
+    from condcomp.protocols import Capabilities, Estimate
+    from condcomp.registry import register_executor
+
+    ids = torch.randint(1, 50, (2, 5))
+    want = wrapped_llama().generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    calls = []
+
+    @register_executor("older_reader")
+    class OlderReader:
+        name = "older_reader"
+        capabilities = Capabilities(reads_kv_cache=True)
+
+        def supports(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            return None
+
+        def estimate(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            return Estimate(-1.0)
+
+        def __call__(self, weights, inputs, plan):  # noqa: ANN001, ANN201
+            calls.append(inputs.x.shape[1])
+            return condcomp.get_executor("kv_cache")(weights, inputs, plan)
+
+    model = wrapped_llama()
+    got = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    assert calls == [5, 5] + [1, 1] * 3  # 2 layers: the prefill, then 3 decode steps
+    assert {(u.executor, u.strategy) for u in condcomp.head_usage(model).values()} == {("older_reader", None)}

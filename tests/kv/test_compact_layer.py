@@ -35,3 +35,30 @@ def test_the_executor_writes_through_the_layer_and_equals_the_reference_and_rows
     assert layer.condcomp_plan is not None and torch.equal(layer.condcomp_plan.plan.active, active[[2, 0]])
     layer.reset()
     assert layer.condcomp_plan is None and layer.held_tokens() == 0
+
+
+def test_a_selections_slot_counts_are_data_that_follow_its_rows_padding_and_pickling() -> None:
+    """``slots`` / ``window_slots`` are resolved when a selection is built (a decode step reads them as data): they
+    count the index columns (by hand: 3 kept groups of 4, 1 streamed) through row selection, padding, a pickle
+    round trip, and a selection pickled before they were data."""
+    import pickle
+
+    from condcomp import plan_from_active
+    from condcomp.kv.selection import pad_slots, select_kv
+    from condcomp.kv.window import StreamWindow
+    from condcomp.types import HeadLayout
+
+    layout = HeadLayout(d_model=16, num_heads=8, num_kv_heads=4, head_dim=2, scale=0.5)
+    active = torch.tensor([[1, 1, 1, 0, 1, 1, 0, 0], [1, 0, 0, 0, 1, 0, 0, 0]], dtype=torch.bool)  # 3 and 2 groups
+    sel = select_kv(plan_from_active(active), layout, StreamWindow(1, 2))
+    assert (sel.slots, sel.window_slots) == (3, 2)  # row 1 streams groups 1 and 3
+    assert (sel.kv_index.shape[1], sel.window_index is not None and sel.window_index.shape[1]) == (3, 2)
+    assert (pad_slots(sel, 4).slots, pad_slots(sel, 4).window_slots) == (4, 2)
+    held = HeldPlan(plan_from_active(active), sel, 4).take_rows(torch.tensor([0]))
+    assert held.selection is not None and (held.selection.slots, held.selection.window_slots) == (3, 2)
+    again = pickle.loads(pickle.dumps(sel))
+    assert (again.slots, again.window_slots) == (3, 2) and torch.equal(again.kv_index, sel.kv_index)
+    older = {k: v for k, v in vars(sel).items() if k not in ("slots", "window_slots")}  # pickled before
+    revived = object.__new__(type(sel))
+    revived.__setstate__(older)
+    assert (revived.slots, revived.window_slots) == (3, 2)
