@@ -98,8 +98,8 @@ def test_a_request_holds_the_executor_its_first_call_resolved_until_its_cache_is
     model, ids = wrapped_llama(), torch.randint(1, 50, (2, 5))
     cache = t.DynamicCache(config=model.config)
     model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0, past_key_values=cache)
-    kv_cache = condcomp.get_executor("kv_cache")
-    assert [layer.condcomp_executor for layer in cache.layers] == [kv_cache, kv_cache]
+    # by name: another test's registration (restore_registries) may have replaced the shared instance since
+    assert [getattr(layer.condcomp_executor, "name", None) for layer in cache.layers] == ["kv_cache", "kv_cache"]
     cache.reset()  # the next call is a new request's first: its executor is resolved again
     assert [layer.condcomp_executor for layer in cache.layers] == [None, None]
 
