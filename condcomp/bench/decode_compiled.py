@@ -69,7 +69,9 @@ def faster_dense(runs: dict[str, list[dict[str, Any]]]) -> str:
     """``dense`` or ``dense+compiled``, whichever has the smaller median decode step over every repetition."""
     import statistics
 
-    names = [n for n in ("dense", "dense" + COMPILED) if n in runs]
+    names = [n for n in ("dense", "dense" + COMPILED) if any(r["step_s"] for r in runs.get(n, ()))]
+    if not names:  # a run stopped before dense decoded a step: nothing is paired with it
+        return "dense"
     return min(names, key=lambda n: statistics.median(s for r in runs[n] for s in r["step_s"]))
 
 
