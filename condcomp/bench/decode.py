@@ -225,13 +225,13 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor, new
         stopped = None
     return {name: {"prefill_s": st["prefill_s"], "step_s": st["step_s"], "tokens": torch.cat(st["tokens"], 1).cpu(),
                    "kv_bytes": _cache_bytes(st["cache"]), "peak": st["peak"], "compiles": st["compiles"],
-                   "stopped": stopped} for name, st in state.items()}
+                   "graph_skips": st["graph_skips"], "stopped": stopped} for name, st in state.items()}
 
 
 def _prefill_and_decode(models: dict[str, nn.Module], forwards: dict[str, Callable[..., Any]],
                         state: dict[str, dict[str, Any]], prompt: torch.Tensor, new_tokens: int, static: bool) -> None:
     """:func:`generate_interleaved`'s loops, filling ``state`` as they go (what ran is there if they are stopped)."""
-    from condcomp.bench.decode_compiled import COMPILED, graphs_compiled, static_cache
+    from condcomp.bench.decode_compiled import COMPILED, cudagraph_skips, graphs_compiled, static_cache
 
     device = prompt.device
     for name, forward in forwards.items():
@@ -243,17 +243,18 @@ def _prefill_and_decode(models: dict[str, nn.Module], forwards: dict[str, Callab
         prefill = device_clock(device) - t0
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
         state[name] = {"prefill_s": prefill, "step_s": [], "cache": out.cache, "tokens": [token],
-                       "peak": _peak(device), "forward": forward, "compiles": 0}
+                       "peak": _peak(device), "forward": forward, "compiles": 0, "graph_skips": 0}
     names = list(forwards)
     for i in range(new_tokens - 1):
         # the order rotates every step: a variant that always ran right after another measured 10-30 % slower
         for name in names[i % len(names):] + names[:i % len(names)]:
             st = state[name]
-            before = graphs_compiled()
+            before, skips = graphs_compiled(), cudagraph_skips()
             t0 = device_clock(device)
             out = st["forward"](input_ids=st["tokens"][-1], cache=st["cache"], use_cache=True)
             st["step_s"].append(device_clock(device) - t0)
             st["compiles"] += graphs_compiled() - before
+            st["graph_skips"] += cudagraph_skips() - skips
             st["cache"], token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             st["tokens"].append(token)
 
@@ -323,6 +324,7 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
             })
             if compiled is not None:
                 records[-1].update(compiled=name != variant, cache="static", compiles=sum(r["compiles"] for r in rs),
+                                   graph_skips=sum(r["graph_skips"] for r in rs),  # compiled without CUDA graphs
                                    faster_dense=faster_dense,  # against the faster of eager and compiled dense:
                                    decode_ratio_faster_dense=statistics.median(  # step-paired, as decode_ratio
                                        s / d for r, b in zip(rs, runs[faster_dense])

@@ -29,8 +29,14 @@ def write(out: Path, records: list[dict[str, Any]], stopped: str | None = None) 
     the records, which carry it for the cell it stopped in), said at the top of the JSON and under the table.
     Returns the table's text."""
     stopped = stopped or next((r["stopped"] for r in records if r.get("stopped")), None)
-    text = table(records) + (f"\n\nStopped ({stopped}): the last cell's rows are over the steps that ran, and its "
-                             "token comparisons over the tokens decoded." if stopped else "")
+    skipped = [f"{r['variant']} ({r['prompt']} x {r['batch']})" for r in records if r.get("graph_skips")]
+    text = table(records)
+    if skipped:
+        text += ("\n\nCompiled without CUDA graphs (inductor skipped them; TORCH_LOGS=cudagraphs says why): "
+                 f"{', '.join(skipped)}.")
+    if stopped:
+        text += (f"\n\nStopped ({stopped}): the last cell's rows are over the steps that ran (a compiled variant's "
+                 "first step includes compiling it), and its token comparisons over the tokens decoded.")
     (out / "metrics.json").write_text(json.dumps({"benchmark": "decode", "records": records,
                                                   **({"stopped": stopped} if stopped else {})}, indent=1))
     (out / "table.md").write_text(text + "\n")

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,3 +71,30 @@ def test_stop_on_sigterm_raises_stopped_inside_and_restores_the_handler() -> Non
         for _ in range(1000):  # the handler runs between bytecodes of the main thread
             pass
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+def test_compiled_steps_run_without_cuda_graphs_are_counted_per_variant(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``graph_skips``: the compiled steps inductor ran without the CUDA graphs ``reduce-overhead`` asked for (its
+    counter, bumped here by a stand-in for keep's compiled forward on each of its 3 decode steps)."""
+    from torch._dynamo.utils import counters
+
+    import condcomp.bench.decode_compiled as dc
+
+    def compiled_steps(models: dict[str, torch.nn.Module], backend: str, mode: str | None) -> dict[str, Any]:
+        def forward(name: str, model: torch.nn.Module) -> Any:
+            def step(**kwargs: Any) -> Any:
+                if name == "keep_0.25":
+                    counters["inductor"]["cudagraph_skips"] += 1  # what inductor does when it cannot graph a step
+                return model(**kwargs)
+            return step
+        return {name + dc.COMPILED: forward(name, model) for name, model in models.items()}
+
+    monkeypatch.setattr(dc, "compiled_steps", compiled_steps)
+    assert main([*ARGS, "--compile", "--compile-backend", "eager", "--out", str(tmp_path)]) == 0
+    by = {r["variant"]: r for r in json.loads((tmp_path / "metrics.json").read_text())["records"]}
+    assert {name: r["graph_skips"] for name, r in by.items()} == {
+        "dense": 0, "keep_0.25": 0, "dense+compiled": 0, "keep_0.25+compiled": 3}
+    assert "Compiled without CUDA graphs" in (tmp_path / "table.md").read_text()
+    assert "keep_0.25+compiled (16 x 2)" in (tmp_path / "table.md").read_text()
