@@ -11,7 +11,8 @@ A cell times, forward and forward+backward, with the variants interleaved repeti
 - ``gathered[NAME]``: each strategy of the dispatch table that can run the call (``GatheredExecutor(strategy=NAME)``;
   the others are recorded with their reasons);
 - ``gathered+compile``: the gathered executor under ``torch.compile(mode="reduce-overhead", fullgraph=True)``
-  (CUDA graphs on CUDA); a failure to compile is recorded as the reason it did not run;
+  (CUDA graphs on CUDA); a failure to compile is recorded as the reason it did not run, and the cell's
+  ``graph_skips`` counts its graphs inductor compiled without CUDA graphs (0 on CUDA: every call replays one);
 - ``router``: the router and budget policy alone (scores, top-k, the plan), timed apart: the executors run on the
   plan it made once, with its gates as a leaf so that their gradient is still computed.
 """
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from condcomp.bench.attention import Block, draw_ks, make_router, paired_ratio, time_group
+from condcomp.bench.decode_compiled import cudagraph_skips
 from condcomp.bench.gpu_profile import profile_variants
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor, GatheredTuning, tuning_for
@@ -229,7 +231,9 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
     router = make_router(cell.granularity, D, H, n, draw_ks(B, n, H, gen).to(device), device)
     fns, plan, facts = variants(dense, floor, x, router, compile_backend)
     leaves = [x, plan.gates, *dense.parameters(), *floor.parameters()]
+    skips = cudagraph_skips()
     failed, errors, first_calls = probe(fns, leaves)
+    skips = cudagraph_skips() - skips  # only the compiled variant compiles: its graphs inductor ran without CUDA graphs
     try:
         timed = time_group(fns, PASSES, reps, warmup, device, leaves)
     except Exception as e:  # the compiled path (CUDA graphs) failing after its first calls: time the rest without it
@@ -258,6 +262,8 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
                "s": cell.s, "k": n, "dtype": cell.dtype, "target_cell": cell.target, "compile": cell.compile,
                "auto_strategy": facts["auto_strategy"], "rejected": facts["rejected"], "not_run": failed,
                "seconds": round(time.monotonic() - t0, 2), "compile_s": round(first_calls.get(COMPILED, 0.0), 2)}
+    if compile_backend is not None:
+        summary["graph_skips"] = skips
     if on_timed is not None:
         on_timed(records, summary)
     if profile_dir is not None:

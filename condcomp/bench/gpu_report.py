@@ -46,6 +46,8 @@ def target_lines(records: list[dict[str, Any]], summaries: list[dict[str, Any]])
                                                 s["granularity"], s["s"], s["dtype"]) == key[:-1]), None)
         if summary and COMPILED in summary["not_run"]:
             parts.append(f"{COMPILED}: not run ({summary['not_run'][COMPILED][:80]})")
+        elif summary and summary.get("graph_skips"):
+            parts.append(f"{COMPILED}: {summary['graph_skips']} graph(s) compiled without CUDA graphs")
         lines.append(f"| {name} | <= {t.bound}x {t.versus} | {'; '.join(parts)} |")
     return lines
 

@@ -305,3 +305,29 @@ def test_a_process_killed_while_profiling_leaves_the_cell_written(tmp_path: Path
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["cells_done"] == 1 and [c["cell"] for c in metrics["cells"]] == [one[0].label]
     assert {"dense", "floor", "masked", "gathered"} <= {r["variant"] for r in metrics["records"]}
+
+
+def test_a_compiled_variant_run_without_cuda_graphs_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``graph_skips``: the graphs inductor compiled without the CUDA graphs ``reduce-overhead`` asked for (its
+    counter, bumped here once by a stand-in for the compiled path's first call)."""
+    from torch._dynamo.utils import counters
+
+    import condcomp.bench.gpu_cells as gpu_cells
+
+    def compiled(w: Any, x: torch.Tensor, plan: Any, backend: str) -> Any:
+        calls = []
+
+        def step() -> torch.Tensor:
+            if not calls:
+                counters["inductor"]["cudagraph_skips"] += 1  # what inductor does when it cannot graph a call
+            calls.append(1)
+            return x * 1.0
+
+        return step
+
+    monkeypatch.setattr(gpu_cells, "_compiled", compiled)
+    cell = cells(quick=True, compile_cells="targets")[0]
+    records, summary = gpu_cells.time_cell(cell, torch.device("cpu"), 1, 0, "eager", torch.Generator().manual_seed(0))
+    assert summary["graph_skips"] == 1 and COMPILED in {r["variant"] for r in records}
+    _, uncompiled = gpu_cells.time_cell(cell, torch.device("cpu"), 1, 0, None, torch.Generator().manual_seed(0))
+    assert "graph_skips" not in uncompiled
