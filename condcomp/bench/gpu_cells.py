@@ -231,9 +231,8 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
     router = make_router(cell.granularity, D, H, n, draw_ks(B, n, H, gen).to(device), device)
     fns, plan, facts = variants(dense, floor, x, router, compile_backend)
     leaves = [x, plan.gates, *dense.parameters(), *floor.parameters()]
-    skips = cudagraph_skips()
+    skips = cudagraph_skips()  # only the compiled variant compiles: its graphs inductor ran without CUDA graphs
     failed, errors, first_calls = probe(fns, leaves)
-    skips = cudagraph_skips() - skips  # only the compiled variant compiles: its graphs inductor ran without CUDA graphs
     try:
         timed = time_group(fns, PASSES, reps, warmup, device, leaves)
     except Exception as e:  # the compiled path (CUDA graphs) failing after its first calls: time the rest without it
@@ -244,6 +243,7 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
         for t in leaves:
             t.grad = None
         timed = time_group(fns, PASSES, reps, warmup, device, leaves)
+    skips = cudagraph_skips() - skips
     records = []
     for (variant, pas), (reps_ms, _) in timed.items():
         records.append({
