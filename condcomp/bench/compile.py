@@ -12,7 +12,7 @@ For each: whether ``fullgraph=True`` capture succeeds, the graphs and graph brea
 reports (with the first break reasons), the first-call compile time, the largest difference from eager, and
 the median forward time eager vs compiled (inductor), interleaved repetition by repetition because the
 machine may be shared. ``--device cuda`` runs it on the GPU (timings synchronised). Writes ``metrics.json`` and
-``table.md`` into ``--out``.
+``table.md`` into ``--out``, rewritten after every row.
 """
 
 from __future__ import annotations
@@ -143,9 +143,11 @@ def variants(executors: list[str] | None = None) -> list[tuple[str, str]]:
 
 
 def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
-        executors: list[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
+        executors: list[str] | None = None, device: str = "cpu",
+        on_record: Callable[[list[dict[str, Any]]], object] | None = None) -> list[dict[str, Any]]:
     """One record per executor (and ``dense``) at the fixed policy, and the gathered executor at BudgetFormer
-    and MoH plans; see the module docstring."""
+    and MoH plans; see the module docstring. ``on_record``: called with the records so far after each one (the
+    command rewrites its files there: a run stopped by a time limit keeps the rows it finished)."""
     import condcomp
 
     dev = torch.device(device)
@@ -186,6 +188,8 @@ def run(quick: bool = False, reps: int = 10, threads: int = 2, s: float = 0.25,
         record["eager_ms"], record["compiled_ms"] = med["eager"] * 1e3, med["compiled"] * 1e3
         record["speedup"] = med["eager"] / med["compiled"]
         records.append(record)
+        if on_record is not None:
+            on_record(records)
         print(f"  {name:10s} {record['policy']:19s} fullgraph={record['fullgraph']!s:5s} graphs={record['graphs']} "
               f"breaks={record['graph_breaks']} eager={record['eager_ms']:.2f} ms "
               f"compiled={record['compiled_ms']:.2f} ms x{record['speedup']:.2f}", flush=True)
@@ -215,12 +219,17 @@ def table(records: list[dict[str, Any]]) -> str:
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+
+    def write(records: list[dict[str, Any]]) -> str:  # after every row, so a run cut short keeps what it timed
+        (out / "metrics.json").write_text(json.dumps({"benchmark": "compile", "torch": torch.__version__,
+                                                       "records": records}, indent=1))
+        text = table(records)
+        (out / "table.md").write_text(text)
+        return text
+
     records = run(quick=args.quick, reps=args.reps, threads=args.threads, s=args.s, executors=args.executors,
-                  device=args.device)
-    (out / "metrics.json").write_text(json.dumps({"benchmark": "compile", "torch": torch.__version__,
-                                                   "records": records}, indent=1))
-    text = table(records)
-    (out / "table.md").write_text(text)
+                  device=args.device, on_record=write)
+    text = write(records)
     print(text)
     print(f"wrote {out / 'metrics.json'} and {out / 'table.md'}")
     return 0

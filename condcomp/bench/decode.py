@@ -6,7 +6,8 @@ by decode step, because these machines are shared. Recorded per variant: prefill
 decode ms per token (median over every step of every repetition), the KV cache's bytes after decoding, peak memory
 of the prefill (process RSS on Linux; the CUDA allocator's peak on a GPU), whether its greedy tokens equal the dense
 model's, and the ratios to dense (prefill: per repetition; decode: per step index, each variant's step against
-dense's step of the same index; then the median). Writes ``metrics.json`` and ``table.md`` into ``--out``.
+dense's step of the same index; then the median). Writes ``metrics.json`` and ``table.md`` into ``--out`` after
+every cell; SIGTERM (a time limit) stops the run, writes what ran, marked ``stopped``, and exits 124.
 
 ``--compile`` decodes every variant on a static cache, eagerly and compiled (:mod:`condcomp.bench.decode_compiled`);
 there a variant ``full+kernel`` / ``keep_<f>+kernel`` is that variant with ``CondCompConfig(decode_kernel=True)``: its
@@ -30,8 +31,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,8 @@ import torch
 from torch import nn
 
 from condcomp.bench.decode_floor import floor_model
+from condcomp.bench.decode_report import write
+from condcomp.bench.stopping import Stopped, stop_on_sigterm
 from condcomp.cli_args import COMPILE_MODES, compile_backend, integer, output_folder
 from condcomp.experiments.llm.variants import num_heads, parse_decode_variant
 from condcomp.experiments.progress import progress_bar
@@ -210,44 +213,62 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor, new
     ``compiled``: ``{"<name>+compiled": compiled forward}`` runs besides the models' own
     (:mod:`condcomp.bench.decode_compiled`); every run then holds a static cache, prefilled eagerly.
     """
-    from condcomp.bench.decode_compiled import COMPILED, graphs_compiled, static_cache
-
-    device = prompt.device
     forwards: dict[str, Callable[..., Any]] = {**models, **(compiled or {})}
     state: dict[str, dict[str, Any]] = {}
+    try:
+        _prefill_and_decode(models, forwards, state, prompt, new_tokens, compiled is not None)
+    except Stopped as e:  # a time limit (SIGTERM): the steps that ran are returned, marked
+        if not state:
+            raise
+        stopped: str | None = str(e)
+    else:
+        stopped = None
+    return {name: {"prefill_s": st["prefill_s"], "step_s": st["step_s"], "tokens": torch.cat(st["tokens"], 1).cpu(),
+                   "kv_bytes": _cache_bytes(st["cache"]), "peak": st["peak"], "compiles": st["compiles"],
+                   "graph_skips": st["graph_skips"], "stopped": stopped} for name, st in state.items()}
+
+
+def _prefill_and_decode(models: dict[str, nn.Module], forwards: dict[str, Callable[..., Any]],
+                        state: dict[str, dict[str, Any]], prompt: torch.Tensor, new_tokens: int, static: bool) -> None:
+    """:func:`generate_interleaved`'s loops, filling ``state`` as they go (what ran is there if they are stopped)."""
+    from condcomp.bench.decode_compiled import COMPILED, cudagraph_skips, graphs_compiled, static_cache
+
+    device = prompt.device
     for name, forward in forwards.items():
         model = models[name.removesuffix(COMPILED)]
-        cache = {"cache": static_cache(model, prompt.shape[1] + new_tokens)} if compiled is not None else {}
+        cache = {"cache": static_cache(model, prompt.shape[1] + new_tokens)} if static else {}
         _peak_reset(device)
         t0 = device_clock(device)
         out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache)  # as generate(): no prompt logits
         prefill = device_clock(device) - t0
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
         state[name] = {"prefill_s": prefill, "step_s": [], "cache": out.cache, "tokens": [token],
-                       "peak": _peak(device), "forward": forward, "compiles": 0}
+                       "peak": _peak(device), "forward": forward, "compiles": 0, "graph_skips": 0}
     names = list(forwards)
     for i in range(new_tokens - 1):
         # the order rotates every step: a variant that always ran right after another measured 10-30 % slower
         for name in names[i % len(names):] + names[:i % len(names)]:
             st = state[name]
-            before = graphs_compiled()
+            before, skips = graphs_compiled(), cudagraph_skips()
             t0 = device_clock(device)
             out = st["forward"](input_ids=st["tokens"][-1], cache=st["cache"], use_cache=True)
             st["step_s"].append(device_clock(device) - t0)
             st["compiles"] += graphs_compiled() - before
+            st["graph_skips"] += cudagraph_skips() - skips
             st["cache"], token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             st["tokens"].append(token)
-    return {name: {"prefill_s": st["prefill_s"], "step_s": st["step_s"], "tokens": torch.cat(st["tokens"], 1).cpu(),
-                   "kv_bytes": _cache_bytes(st["cache"]), "peak": st["peak"], "compiles": st["compiles"]}
-            for name, st in state.items()}
 
 
 def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), batches: tuple[int, ...] = (1, 8),
         new_tokens: int = 24, reps: int = 3, threads: int = 2, device: str = "cpu",
         names: list[str] | None = None, compile_backend: str | None = None,
-        compile_mode: str | None = None, dtype: str = "float32") -> list[dict[str, Any]]:
+        compile_mode: str | None = None, dtype: str = "float32",
+        on_cell: Callable[[list[dict[str, Any]]], object] | None = None) -> list[dict[str, Any]]:
     """The records of every (prompt, batch) cell; ``compile_backend``: also decode every variant compiled with it
-    (``--compile``: :mod:`condcomp.bench.decode_compiled`), every run on a static cache."""
+    (``--compile``: :mod:`condcomp.bench.decode_compiled`), every run on a static cache. ``on_cell``: called with
+    the records so far after every cell. SIGTERM (:mod:`condcomp.bench.stopping`) stops the run in its cell: the
+    variants that decoded a step are recorded from the steps that ran, with ``stopped``, handed to ``on_cell``, and
+    :class:`~condcomp.bench.stopping.Stopped` is raised."""
     from condcomp.bench import decode_compiled as dc
     from condcomp.experiments.llm.evaluation import usage_summary
 
@@ -272,16 +293,22 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
     for P, B in cells:
         prompt = torch.randint(0, vocab, (B, P), generator=torch.Generator().manual_seed(P * 31 + B)).to(dev)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*models, *(compiled or {})]}
+        stopped = None
         for _ in range(reps):
             for name, result in generate_interleaved(models, prompt, new_tokens, compiled).items():
                 runs[name].append(result)
+                stopped = stopped or result["stopped"]
             bar.update(1)
+            if stopped:
+                break
         faster_dense = dc.faster_dense(runs)
         for name, rs in runs.items():
             base = runs[dc.baseline(name)]  # compiled steps paired with compiled dense, eager with eager
             variant = name.removesuffix(dc.COMPILED)
             steps = [s for r in rs for s in r["step_s"]]
             paired = [s / d for r, b in zip(rs, base) for s, d in zip(r["step_s"], b["step_s"])]
+            if not paired:  # stopped before this variant (or its dense baseline) decoded a step
+                continue
             records.append({
                 "model": model_name, "variant": name, "prompt": P, "batch": B, "new_tokens": new_tokens,
                 "reps": reps, "threads": threads, "device": dev.type, "dtype": dtype,
@@ -297,30 +324,22 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
             })
             if compiled is not None:
                 records[-1].update(compiled=name != variant, cache="static", compiles=sum(r["compiles"] for r in rs),
+                                   graph_skips=sum(r["graph_skips"] for r in rs),  # compiled without CUDA graphs
                                    faster_dense=faster_dense,  # against the faster of eager and compiled dense:
                                    decode_ratio_faster_dense=statistics.median(  # step-paired, as decode_ratio
                                        s / d for r, b in zip(rs, runs[faster_dense])
                                        for s, d in zip(r["step_s"], b["step_s"])),
                                    tokens_equal_eager=all(torch.equal(r["tokens"], e["tokens"])
                                                           for r, e in zip(rs, runs[variant])))
+            if stopped:
+                records[-1]["stopped"] = stopped  # its ms are over the steps that ran; token checks are partial
+        if on_cell is not None:
+            on_cell(records)
+        if stopped:
+            bar.close()
+            raise Stopped(stopped)  # after the cell it was in is recorded (on_cell)
     bar.close()
     return records
-
-
-def table(records: list[dict[str, Any]]) -> str:
-    compiled = any("compiles" in r for r in records)  # --compile: the graphs each run compiled (1 = warm-up only)
-    lines = ["| prompt | batch | variant | heads/token | prefill ms | x dense | decode ms/token | x dense | KV MiB | "
-             "x dense | peak memory MiB | tokens = dense |" + (" compiles | x faster dense |" if compiled else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if compiled else "")]
-    for r in records:
-        rss = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r['peak_memory_bytes'] else "n/a"
-        heads = f"{r['k_frac']:.2f}" if r.get("k_frac") is not None else "-"
-        lines.append(f"| {r['prompt']} | {r['batch']} | {r['variant']} | {heads} | {r['prefill_ms']:.1f} | "
-                     f"{r['prefill_ratio']:.2f} | {r['decode_ms_per_token']:.2f} | {r['decode_ratio']:.2f} | "
-                     f"{r['kv_bytes'] / 2**20:.1f} | {r['kv_ratio']:.2f} | {rss} | {r['tokens_equal_dense']} |"
-                     + (f" {r['compiles'] if r.get('compiled') else '-'} | {r['decode_ratio_faster_dense']:.2f} |"
-                        if compiled else ""))
-    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -331,17 +350,24 @@ def main(args: argparse.Namespace) -> int:
                          + ("nothing is compiled without --compile: add it" if backend is None else
                             f"--compile-backend {backend} ignores it: drop --compile-mode or use the inductor backend"))
     out.mkdir(parents=True, exist_ok=True)
-    if args.quick:
-        records = run(args.model, prompts=(16,), batches=(2,), new_tokens=4, reps=1, threads=args.threads,
-                      device=args.device, names=args.variants, compile_backend=backend, compile_mode=args.compile_mode,
-                      dtype=args.dtype)
-    else:
-        records = run(args.model, tuple(args.prompts), tuple(args.batches), args.new_tokens, args.reps, args.threads,
-                      args.device, args.variants, backend, args.compile_mode, args.dtype)
-    text = table(records)
-    (out / "metrics.json").write_text(json.dumps({"benchmark": "decode", "records": records}, indent=1))
-    (out / "table.md").write_text(text + "\n")
-    print(text)
+    quick = dict(prompts=(16,), batches=(2,), new_tokens=4, reps=1) if args.quick else dict(
+        prompts=tuple(args.prompts), batches=tuple(args.batches), new_tokens=args.new_tokens, reps=args.reps)
+    done: list[dict[str, Any]] = []
+
+    def cell_done(records: list[dict[str, Any]]) -> None:  # written after every cell: a run cut short keeps them
+        done[:] = records
+        write(out, records)
+
+    with stop_on_sigterm():
+        try:
+            run(args.model, **quick, threads=args.threads, device=args.device,  # type: ignore[arg-type]
+                names=args.variants, compile_backend=backend, compile_mode=args.compile_mode, dtype=args.dtype,
+                on_cell=cell_done)
+        except Stopped as e:  # the records of what ran, marked stopped; exit 124 as timeout(1) does
+            print(write(out, done, str(e)))
+            print(f"bench decode: {e}; what ran is in {out}", file=sys.stderr)
+            return 124
+    print(write(out, done))
     return 0
 
 

@@ -8,9 +8,11 @@ interleaved step by step with the others: eagerly (the variant's own name) and t
 ``torch.compile(model, fullgraph=True)`` (``<name>+compiled``). Each compiled step is paired with the compiled dense
 step of the same index, each eager one with the eager dense one. Recorded besides :mod:`condcomp.bench.decode`'s
 fields: ``compiled``, ``compiles`` (graphs dynamo compiled for the variant over the whole run: 1 is the warm-up,
-more are recompilations), ``tokens_equal_eager`` (a compiled variant's greedy tokens against its own eager ones) and
-``decode_ratio_faster_dense`` (every step paired with the step of the same index of ``faster_dense``, the faster of
-eager and compiled dense by median: what a user who picks the faster way to decode dense would compare against).
+more are recompilations), ``graph_skips`` (of those, the graphs inductor compiled without the CUDA graphs
+``reduce-overhead`` asks for: 0 on CUDA means every compiled step replays a graph), ``tokens_equal_eager`` (a
+compiled variant's greedy tokens against its own eager ones) and ``decode_ratio_faster_dense`` (every step paired
+with the step of the same index of ``faster_dense``, the faster of eager and compiled dense by median: what a user
+who picks the faster way to decode dense would compare against).
 
 On a CPU compiling is the capture check (no graph break, no recompilation), not a speed path: transformers' own
 compiled static decode is slower than eager there (docs/llm-serving.md).
@@ -60,6 +62,13 @@ def graphs_compiled() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+def cudagraph_skips() -> int:
+    """Graphs inductor compiled without CUDA graphs in this process so far (``mode="reduce-overhead"`` asked for
+    them; a mutated input that is not a static address, a CPU tensor, ... makes it skip them, silently unless
+    ``TORCH_LOGS=cudagraphs``): read before and after a call, as :func:`graphs_compiled`."""
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+
+
 def baseline(name: str) -> str:
     """The dense run a variant's steps are paired with: compiled with compiled, eager with eager."""
     return "dense" + COMPILED if name.endswith(COMPILED) else "dense"
@@ -69,8 +78,11 @@ def faster_dense(runs: dict[str, list[dict[str, Any]]]) -> str:
     """``dense`` or ``dense+compiled``, whichever has the smaller median decode step over every repetition."""
     import statistics
 
-    names = [n for n in ("dense", "dense" + COMPILED) if n in runs]
+    names = [n for n in ("dense", "dense" + COMPILED) if any(r["step_s"] for r in runs.get(n, ()))]
+    if not names:  # a run stopped before dense decoded a step: nothing is paired with it
+        return "dense"
     return min(names, key=lambda n: statistics.median(s for r in runs[n] for s in r["step_s"]))
 
 
-__all__ = ["COMPILED", "baseline", "faster_dense", "compile_mode", "compiled_steps", "graphs_compiled", "static_cache"]
+__all__ = ["COMPILED", "baseline", "compile_mode", "compiled_steps", "cudagraph_skips", "faster_dense",
+           "graphs_compiled", "static_cache"]

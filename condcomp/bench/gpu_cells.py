@@ -11,7 +11,8 @@ A cell times, forward and forward+backward, with the variants interleaved repeti
 - ``gathered[NAME]``: each strategy of the dispatch table that can run the call (``GatheredExecutor(strategy=NAME)``;
   the others are recorded with their reasons);
 - ``gathered+compile``: the gathered executor under ``torch.compile(mode="reduce-overhead", fullgraph=True)``
-  (CUDA graphs on CUDA); a failure to compile is recorded as the reason it did not run;
+  (CUDA graphs on CUDA); a failure to compile is recorded as the reason it did not run, and the cell's
+  ``graph_skips`` counts its graphs inductor compiled without CUDA graphs (0 on CUDA: every call replays one);
 - ``router``: the router and budget policy alone (scores, top-k, the plan), timed apart: the executors run on the
   plan it made once, with its gates as a leaf so that their gradient is still computed.
 """
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from condcomp.bench.attention import Block, draw_ks, make_router, paired_ratio, time_group
+from condcomp.bench.decode_compiled import cudagraph_skips
 from condcomp.bench.gpu_profile import profile_variants
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor, GatheredTuning, tuning_for
@@ -208,11 +210,16 @@ def probe(fns: dict[str, Callable[[], Tensor]], leaves: list[Tensor]) -> tuple[d
 
 
 def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_backend: str | None,
-              gen: torch.Generator, profile_dir: Path | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+              gen: torch.Generator, profile_dir: Path | None = None,
+              on_timed: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
+              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Time one cell; returns its ``metrics.json`` records (one per variant and pass) and the cell's summary
     (``not_run``: each variant that did not run, with why). ``compile_backend``: None, or the ``torch.compile``
     backend of ``gathered+compile`` in this cell (``inductor``: with ``mode="reduce-overhead"``); ``profile_dir``:
-    profile the cell after timing it (``condcomp.bench.gpu_profile``) and write the operator tables there."""
+    profile the cell after timing it (``condcomp.bench.gpu_profile``) and write the operator tables there; a profile
+    that raises is recorded (``summary["profile"]["error"]``), never losing the timings. ``on_timed``: called with
+    the records and summary once timed, before profiling (gpu-check writes them: a profiler that crashes the
+    process, as CUPTI can with CUDA graphs, leaves them written)."""
     t0 = time.monotonic()
     B, T, D, H = cell.shape
     Dh, dtype = D // H, getattr(torch, cell.dtype)
@@ -224,6 +231,7 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
     router = make_router(cell.granularity, D, H, n, draw_ks(B, n, H, gen).to(device), device)
     fns, plan, facts = variants(dense, floor, x, router, compile_backend)
     leaves = [x, plan.gates, *dense.parameters(), *floor.parameters()]
+    skips = cudagraph_skips()  # only the compiled variant compiles: its graphs inductor ran without CUDA graphs
     failed, errors, first_calls = probe(fns, leaves)
     try:
         timed = time_group(fns, PASSES, reps, warmup, device, leaves)
@@ -235,6 +243,7 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
         for t in leaves:
             t.grad = None
         timed = time_group(fns, PASSES, reps, warmup, device, leaves)
+    skips = cudagraph_skips() - skips
     records = []
     for (variant, pas), (reps_ms, _) in timed.items():
         records.append({
@@ -247,21 +256,31 @@ def time_cell(cell: Cell, device: torch.device, reps: int, warmup: int, compile_
             "paired_to_dense": round(paired_ratio(reps_ms, timed[("dense", pas)][0]), 4),
             "paired_to_floor": round(paired_ratio(reps_ms, timed[("floor", pas)][0]), 4),
             "rel_err_vs_masked": errors.get(variant)})
-    profiled: dict[str, Any] = {}
-    if profile_dir is not None:
-        t1 = time.monotonic()
-        calls, text = profile_variants(fns, PASSES, device, leaves)
-        profile_dir.mkdir(parents=True, exist_ok=True)
-        path = profile_dir / (cell.label.replace(" ", "_").replace("=", "") + ".txt")
-        path.write_text(f"# {cell.label}\n\n{text}")
-        profiled = {"file": f"{profile_dir.name}/{path.name}", "calls": calls,
-                    "seconds": round(time.monotonic() - t1, 2)}
     if device.type == "cuda":
         torch.cuda.empty_cache()
     summary = {"cell": cell.label, "shape": {"B": B, "T": T, "D": D, "H": H}, "granularity": cell.granularity,
                "s": cell.s, "k": n, "dtype": cell.dtype, "target_cell": cell.target, "compile": cell.compile,
                "auto_strategy": facts["auto_strategy"], "rejected": facts["rejected"], "not_run": failed,
                "seconds": round(time.monotonic() - t0, 2), "compile_s": round(first_calls.get(COMPILED, 0.0), 2)}
-    if profiled:
-        summary["profile"] = profiled
+    if compile_backend is not None:
+        summary["graph_skips"] = skips
+    if on_timed is not None:
+        on_timed(records, summary)
+    if profile_dir is not None:
+        t1 = time.monotonic()
+        try:
+            calls, text = profile_variants(fns, PASSES, device, leaves)
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            path = profile_dir / (cell.label.replace(" ", "_").replace("=", "") + ".txt")
+            path.write_text(f"# {cell.label}\n\n{text}")
+            summary["profile"] = {"file": f"{profile_dir.name}/{path.name}", "calls": calls,
+                                  "seconds": round(time.monotonic() - t1, 2)}
+        except Exception as e:  # the profiler failing (CUPTI on a device): the cell stays timed, the error recorded
+            summary["profile"] = {"error": f"{type(e).__name__}: {str(e).strip()[:300]}",
+                                  "seconds": round(time.monotonic() - t1, 2)}
+            for t in leaves:
+                t.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        summary["seconds"] = round(time.monotonic() - t0, 2)
     return records, summary

@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -92,10 +93,14 @@ def _outputs(ex: Any, w: AttentionWeights, inputs: AttentionInputs, plan: HeadPl
     return [y, *torch.autograd.grad(y.float().square().sum(), leaves, retain_graph=True)]
 
 
-def checks(dev: torch.device, quick: bool = False) -> list[dict[str, Any]]:
+def checks(dev: torch.device, quick: bool = False,
+           progress: Callable[[list[dict[str, Any]]], object] | None = None) -> list[dict[str, Any]]:
     """Every strategy of the gathered dispatch table that can run each case against the reference executor: one
     record per (case, dtype, strategy, tensor) with its error and tolerance, and one per strategy that cannot run a
-    case with its reasons (``ok`` None). The per-set token strategy's size rule is lifted so it runs at these sizes."""
+    case with its reasons (``ok`` None). The per-set token strategy's size rule is lifted so it runs at these sizes.
+    A strategy (or the reference) that raises is one failed record (``ok`` False, ``tensor`` None, ``error``: the
+    exception), and the checks go on: the timings after them still run. ``progress``: called with the records so far
+    after every case (gpu-check rewrites ``checks.json`` with it, so a run cut short keeps the checks it made)."""
     results: list[dict[str, Any]] = []
     ref = get_executor("reference")
     tuning = every_strategy_tuning(dev)
@@ -103,13 +108,22 @@ def checks(dev: torch.device, quick: bool = False) -> list[dict[str, Any]]:
         for name in CASES:
             torch.manual_seed(0)
             w, inputs, plan, leaves = case(name, dtype, dev, quick)
-            expected = _outputs(ref, w, inputs, plan, leaves)
-            for strategy, reasons in GatheredExecutor(tuning=tuning).explain(w, inputs, plan):
+            try:
+                expected = _outputs(ref, w, inputs, plan, leaves)
+                found = GatheredExecutor(tuning=tuning).explain(w, inputs, plan)
+            except Exception as e:  # on the device only, e.g. a CUDA error: recorded, the next case runs
+                results.append(_raised({"case": name, "dtype": str(dtype), "strategy": "reference"}, e))
+                found = []
+            for strategy, reasons in found:
                 row = {"case": name, "dtype": str(dtype), "strategy": strategy}
                 if reasons:
                     results.append({**row, "tensor": None, "ok": None, "not_run": reasons})
                     continue
-                got = _outputs(GatheredExecutor(tuning=tuning, strategy=strategy), w, inputs, plan, leaves)
+                try:
+                    got = _outputs(GatheredExecutor(tuning=tuning, strategy=strategy), w, inputs, plan, leaves)
+                except Exception as e:  # a kernel that fails to compile or launch here: a failed check, not a crash
+                    results.append(_raised(row, e))
+                    continue
                 worst = 0.0
                 for label, a, b in zip(TENSORS, expected, got):
                     a, b = a.detach().float(), b.detach().float()
@@ -119,7 +133,24 @@ def checks(dev: torch.device, quick: bool = False) -> list[dict[str, Any]]:
                     worst = max(worst, err / tol)
                 print(f"{'ok ' if worst <= 1 else 'FAIL'} {name:14s} {str(dtype):15s} {strategy:24s} "
                       f"worst error / tolerance = {worst:.2e}", flush=True)
+            if progress is not None:
+                progress(results)
     return results
+
+
+def _raised(row: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """The record of a check whose executor raised (printed as it happens)."""
+    text = f"{type(error).__name__}: {str(error).strip()[:500]}"
+    print(f"FAIL {row['case']:14s} {row['dtype']:15s} {row['strategy']:24s} raised {text.splitlines()[0]}",
+          flush=True)
+    return {**row, "tensor": None, "ok": False, "error": text}
+
+
+def write_checks(out: Path, header: dict[str, Any], results: list[dict[str, Any]]) -> bool:
+    """Rewrite ``checks.json`` with the checks so far; returns whether none failed."""
+    all_ok = all(r["ok"] is not False for r in results)
+    (out / "checks.json").write_text(json.dumps({**header, "all_ok": all_ok, "checks": results}, indent=1))
+    return all_ok
 
 
 def _commit() -> str:
@@ -190,6 +221,11 @@ def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[
     summaries: list[dict[str, Any]] = []
     done: list[tuple[Cell, float, float]] = []
     gen = torch.Generator().manual_seed(0)
+
+    def timed(cell_records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+        """A cell's records, written once timed, before the profiler runs: a crash while profiling keeps them."""
+        write(out, header, records + cell_records, [*summaries, summary], time.monotonic() - start)
+
     for i, cell in enumerate(todo):
         left = args.budget_s - MARGIN_S - (time.monotonic() - start)
         if cell.compile and (needed := _estimate(cell, done, args.quick)) > left:
@@ -207,8 +243,9 @@ def run(args: argparse.Namespace, dev: torch.device, start: float, header: dict[
         t0 = time.monotonic()
         try:
             profile = args.profile == "all" or (args.profile == "targets" and cell.target)
-            cell_records, summary = time_cell(cell, dev, reps, warmup, args.compile_backend if cell.compile else None,
-                                              gen, out / "profiles" if profile else None)
+            cell_records, summary = time_cell(
+                cell, dev, reps, warmup, args.compile_backend if cell.compile else None, gen,
+                out / "profiles" if profile else None, on_timed=timed)
         except Exception as e:  # out of memory, a variant failing mid-timing: recorded, and the next cell runs
             cell_records, summary = [], failed_cell(cell, e, time.monotonic() - t0)
             if dev.type == "cuda":
@@ -307,9 +344,8 @@ def main(args: argparse.Namespace | None = None) -> int:
     dev = torch.device(args.device)
     header = run_header(args, dev)
     print(f"{header['device']}, torch {header['torch']}, commit {header['commit']}", flush=True)
-    results = checks(dev, args.quick)
-    all_ok = all(r["ok"] is not False for r in results)
-    (out / "checks.json").write_text(json.dumps({**header, "all_ok": all_ok, "checks": results}, indent=1))
+    results = checks(dev, args.quick, progress=lambda so_far: write_checks(out, header, so_far))
+    all_ok = write_checks(out, header, results)
     header["checks"] = (f"{sum(r['ok'] is True for r in results)} passed, {sum(r['ok'] is False for r in results)} "
                         f"failed, {sum(r['ok'] is None for r in results)} not run (a strategy that cannot run a case; "
                         "checks.json says why)")

@@ -46,6 +46,8 @@ def target_lines(records: list[dict[str, Any]], summaries: list[dict[str, Any]])
                                                 s["granularity"], s["s"], s["dtype"]) == key[:-1]), None)
         if summary and COMPILED in summary["not_run"]:
             parts.append(f"{COMPILED}: not run ({summary['not_run'][COMPILED][:80]})")
+        elif summary and summary.get("graph_skips"):
+            parts.append(f"{COMPILED}: {summary['graph_skips']} graph(s) compiled without CUDA graphs")
         lines.append(f"| {name} | <= {t.bound}x {t.versus} | {'; '.join(parts)} |")
     return lines
 
@@ -88,7 +90,7 @@ def table(header: dict[str, Any], records: list[dict[str, Any]], summaries: list
                              for g in _gathered_variants(v))
         lines.append(f"| B={B} T={T} D={D} H={H} | {gran} | {dtype} | {pas} | {s} | {d['k']} | {d['ms']:.3f} "
                      f"| {f['ms']:.3f} | {f['paired_to_dense']:.2f} | {router} | {masked} | {gathered} |")
-    profiled = [s for s in summaries if s.get("profile")]
+    profiled = [s for s in summaries if s.get("profile", {}).get("calls")]
     if profiled:
         lines += ["", "## Profiles (torch.profiler, per call; host: operators' CPU time, device: GPU busy time)", "",
                   "| cell | variant and pass | wall ms (profiled) | host ms | device ms | operators |",
@@ -104,6 +106,7 @@ def table(header: dict[str, Any], records: list[dict[str, Any]], summaries: list
     not_run = [(s["cell"], name, why) for s in summaries
                for name, why in {**s["not_run"], **{f"gathered[{k}]": "; ".join(r) for k, r in s["rejected"].items()}
                                  }.items()]
+    not_run += [(s["cell"], "profile", s["profile"]["error"]) for s in summaries if "error" in s.get("profile", {})]
     if not_run:
         lines += ["", "## Variants that did not run", "", "| cell | variant | why |", "|---|---|---|"]
         lines += [f"| {cell} | {name} | {why.replace('|', '/')} |" for cell, name, why in not_run]

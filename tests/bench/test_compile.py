@@ -4,6 +4,9 @@ capture + AOTAutograd, no C++ codegen) for every executor and inductor for the d
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,3 +108,29 @@ def test_the_benchmark_refuses_cuda_without_a_device(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no CUDA device"):
         run(quick=True, reps=1, threads=1, executors=["masked"], device="cuda")
+
+
+def test_the_benchmark_writes_each_row_as_it_finishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run killed during its second row (on a GPU: a time limit) has written its first row already."""
+    import condcomp.bench.compile as bench_compile
+    from condcomp.cli import main
+
+    class Killed(BaseException):
+        pass
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: model)  # no codegen: the rows' bookkeeping only
+    real, calls = bench_compile.explain, []
+
+    def explain(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor) -> dict[str, object]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+        return real(model, x, mask)
+
+    monkeypatch.setattr(bench_compile, "explain", explain)
+    with pytest.raises(Killed):
+        main(["bench", "compile", "--quick", "--reps", "1", "--threads", "1", "--executors", "masked",
+              "--out", str(tmp_path)])
+    records = json.loads((tmp_path / "metrics.json").read_text())["records"]
+    assert [r["executor"] for r in records] == ["dense"]
+    assert "| dense |" in (tmp_path / "table.md").read_text()

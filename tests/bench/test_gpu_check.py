@@ -138,7 +138,7 @@ def test_the_budget_skips_what_does_not_fit_and_keeps_what_was_timed(tmp_path: P
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Cells 1 and 3 ask to compile but the budget has no room for a compiled cell: they run uncompiled, saying why.
     Cell 2 would not fit: it is not started, the run goes on to cell 3, exits 0, and the records name cell 2."""
-    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick, **_: [])  # checked by the test above
     three = cells(quick=True, compile_cells="targets")[:3]
     assert [c.compile for c in three] == [True, False, True]
     monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: three)
@@ -160,15 +160,15 @@ def test_the_budget_skips_what_does_not_fit_and_keeps_what_was_timed(tmp_path: P
 
 @pytest.mark.slow
 def test_a_cell_that_raises_is_recorded_and_the_next_one_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick, **_: [])  # checked by the test above
     two = cells(quick=True, compile_cells="off")[:2]
     monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: two)
     real = gpu_check.time_cell
 
-    def time_cell(cell: Any, *args: Any) -> Any:
+    def time_cell(cell: Any, *args: Any, **kwargs: Any) -> Any:
         if cell == two[0]:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(cell, *args)
+        return real(cell, *args, **kwargs)
 
     monkeypatch.setattr(gpu_check, "time_cell", time_cell)
     assert condcomp_main([*QUICK, "--out", str(tmp_path)]) == 0
@@ -184,7 +184,7 @@ def test_a_timed_strategy_with_a_wrong_answer_fails_the_run(tmp_path: Path, monk
     is off by half is named in the record and the run exits 1."""
     import condcomp.bench.gpu_cells as gpu_cells
 
-    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick: [])  # checked by the test above
+    monkeypatch.setattr(gpu_check, "checks", lambda dev, quick, **_: [])  # checked by the test above
     one = cells(quick=True, compile_cells="off")[:1]
     monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: one)
 
@@ -223,3 +223,111 @@ def test_a_compiled_path_failing_while_timed_leaves_the_cell_timed(monkeypatch: 
     assert "replay failed (simulated)" in summary["not_run"][COMPILED]
     assert {r["variant"] for r in records} >= {"dense", "floor", "masked", "router", "gathered"}
     assert COMPILED not in {r["variant"] for r in records}
+
+
+def test_a_check_that_raises_is_a_failed_record_and_the_timings_still_run(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strategy raising in the checks (on a GPU: a kernel that fails to compile or launch) is one failed record
+    naming the error; the other strategies are still checked, checks.json is rewritten after every case, the timed
+    cells still run, and the run exits 1."""
+    monkeypatch.setattr(gpu_check, "CASES", ("seq",))
+    monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: [])
+
+    class Broken(gpu_check.GatheredExecutor):
+        def __call__(self, *args: Any) -> torch.Tensor:
+            if self.strategy == "sequence.static":
+                raise RuntimeError("triton compile failed (simulated)")
+            return super().__call__(*args)
+
+    monkeypatch.setattr(gpu_check, "GatheredExecutor", Broken)
+    seen: list[int] = []
+    real_write = gpu_check.write_checks
+
+    def write_checks(out: Path, header: dict[str, Any], results: list[dict[str, Any]]) -> bool:
+        seen.append(len(results))
+        return real_write(out, header, results)
+
+    monkeypatch.setattr(gpu_check, "write_checks", write_checks)
+    assert condcomp_main([*QUICK, "--out", str(tmp_path)]) == 1
+    checks = json.loads((tmp_path / "checks.json").read_text())
+    assert checks["all_ok"] is False
+    broken = [r for r in checks["checks"] if r["strategy"] == "sequence.static"]
+    assert len(broken) == 2 and all(r["ok"] is False and "compile failed (simulated)" in r["error"] for r in broken)
+    others = {r["strategy"] for r in checks["checks"] if r["ok"] is True}
+    assert others and "sequence.static" not in others  # the other strategies still compared with the reference
+    assert seen[:2] == sorted(seen[:2]) and 0 < seen[0] < seen[1] == seen[-1]  # per case (float32, bfloat16), then all
+    assert json.loads((tmp_path / "metrics.json").read_text())["cells_total"] == 0  # the timing part ran
+
+
+def test_a_profile_that_raises_keeps_the_cell_timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler failing (CUPTI on a GPU) is recorded as the cell's profile error; the cell's timings were handed
+    to ``on_timed`` before it ran (gpu-check writes them there) and are returned; the table names the error."""
+    import condcomp.bench.gpu_cells as gpu_cells
+    from condcomp.bench.gpu_report import table
+
+    timed: list[int] = []
+
+    def profile_variants(*args: Any, **kwargs: Any) -> Any:
+        assert timed, "the records were not handed over before profiling"
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED (simulated)")
+
+    monkeypatch.setattr(gpu_cells, "profile_variants", profile_variants)
+    cell = cells(quick=True, compile_cells="off")[0]
+    records, summary = gpu_cells.time_cell(cell, torch.device("cpu"), 1, 0, None, torch.Generator().manual_seed(0),
+                                           tmp_path / "profiles", on_timed=lambda r, s: timed.append(len(r)))
+    assert timed == [len(records)] and {"dense", "floor", "masked", "gathered"} <= {r["variant"] for r in records}
+    assert "CUPTI_ERROR_NOT_INITIALIZED (simulated)" in summary["profile"]["error"]
+    meta = {"command": "c", "commit": "x", "device": "cpu", "torch": torch.__version__, "started_utc": "-",
+            "cells_total": 1, "cells_done": 1, "cells_failed": 0, "complete": True, "stopped": None, "not_started": [],
+            "wrong_answers": [], "elapsed_s": 1.0, "budget_s": 10.0}
+    text = table(meta, records, [summary])
+    assert "| profile | RuntimeError: CUPTI_ERROR_NOT_INITIALIZED (simulated) |" in text
+
+
+def test_a_process_killed_while_profiling_leaves_the_cell_written(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu-check writes a cell's records before profiling it: a profiler that takes the process down (simulated by
+    an exception no handler catches) leaves metrics.json with that cell timed."""
+    import condcomp.bench.gpu_cells as gpu_cells
+
+    class Killed(BaseException):
+        pass
+
+    def profile_variants(*args: Any, **kwargs: Any) -> Any:
+        raise Killed
+
+    monkeypatch.setattr(gpu_check, "CASES", ("seq",))
+    one = cells(quick=True, compile_cells="off")[:1]
+    monkeypatch.setattr(gpu_check, "cells", lambda quick, compile_cells: one)
+    monkeypatch.setattr(gpu_cells, "profile_variants", profile_variants)
+    with pytest.raises(Killed):
+        condcomp_main([*QUICK, "--profile", "all", "--out", str(tmp_path)])
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["cells_done"] == 1 and [c["cell"] for c in metrics["cells"]] == [one[0].label]
+    assert {"dense", "floor", "masked", "gathered"} <= {r["variant"] for r in metrics["records"]}
+
+
+def test_a_compiled_variant_run_without_cuda_graphs_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``graph_skips``: the graphs inductor compiled without the CUDA graphs ``reduce-overhead`` asked for (its
+    counter, bumped here once by a stand-in for the compiled path's first call)."""
+    from torch._dynamo.utils import counters
+
+    import condcomp.bench.gpu_cells as gpu_cells
+
+    def compiled(w: Any, x: torch.Tensor, plan: Any, backend: str) -> Any:
+        calls = []
+
+        def step() -> torch.Tensor:
+            if not calls:
+                counters["inductor"]["cudagraph_skips"] += 1  # what inductor does when it cannot graph a call
+            calls.append(1)
+            return x * 1.0
+
+        return step
+
+    monkeypatch.setattr(gpu_cells, "_compiled", compiled)
+    cell = cells(quick=True, compile_cells="targets")[0]
+    records, summary = gpu_cells.time_cell(cell, torch.device("cpu"), 1, 0, "eager", torch.Generator().manual_seed(0))
+    assert summary["graph_skips"] == 1 and COMPILED in {r["variant"] for r in records}
+    _, uncompiled = gpu_cells.time_cell(cell, torch.device("cpu"), 1, 0, None, torch.Generator().manual_seed(0))
+    assert "graph_skips" not in uncompiled

@@ -48,7 +48,7 @@ else
   elif [ "$(kleft)" -lt 45 ]; then
     echo "skipped bench decode: $(kleft) s left of KERNEL_S" >> "$OUT/decode_kernel.log"
   else
-    timeout "$(kleft)" "$PY" -m condcomp.cli bench decode --model tiny-llama --device "$DEVICE" --compile \
+    timeout -k 15 "$(kleft)" "$PY" -m condcomp.cli bench decode --model tiny-llama --device "$DEVICE" --compile \
       --compile-backend "$backend" --variants keep_0.25 keep_0.25+kernel --prompts 1024 --batches 16 \
       --new-tokens 16 --reps 1 --threads 2 --out "$OUT/decode_kernel" $QUICK_FLAG >> "$OUT/decode_kernel.log" 2>&1
     echo "bench decode (kernel) exit $? at $(( $(date +%s) - start )) s" | tee -a "$OUT/decode_kernel.log"

@@ -8,7 +8,9 @@
 # keep_0.33+kernel (the same attending through the split-K kernel, one launch per layer), stream_0.33 (the DuoAttention
 # shape: a third of the groups full, the others a window of 4 sinks + 252 recent tokens).
 # Each model runs in its own process with its own time limit (SmolLM2's shape first); each writes
-# $OUT/decode_<model>/{metrics.json,table.md} and $OUT/decode_<model>.log. A dry run on CPU (a minute or two):
+# $OUT/decode_<model>/{metrics.json,table.md} and $OUT/decode_<model>.log. At its time limit `timeout` sends SIGTERM:
+# bench decode then writes the steps that ran, marked "stopped", and exits 124 (KILL follows 20 s later if it hangs).
+# A dry run on CPU (a few minutes):
 #
 #   OUT=/tmp/gpu_decode DEVICE=cpu QUICK=1 PYTHON=.venv/bin/python bash results/bench/device/run_gpu_decode.sh
 #
@@ -31,7 +33,7 @@ for model in $MODELS; do
   share=$(( ($(left) - 10) / (n - i + 1) ))  # the time left, shared by the models still to run
   [ $i -lt $n ] && share=$(( share * 5 / 4 ))  # the first (smaller) model gets a little more: it warms the caches
   if [ "$share" -lt 60 ]; then echo "skipped $model: $(left) s left of BUDGET=$BUDGET" > "$OUT/decode_$model.log"; continue; fi
-  timeout "$share" "$PY" -m condcomp.cli bench decode --model "$model" --device "$DEVICE" --dtype "${DTYPE:-bfloat16}" \
+  timeout -k 20 "$share" "$PY" -m condcomp.cli bench decode --model "$model" --device "$DEVICE" --dtype "${DTYPE:-bfloat16}" \
     --compile --compile-backend "$backend" --variants $VARIANTS --prompts "${PROMPT:-4096}" --batches "${BATCH:-32}" \
     --new-tokens "${NEW_TOKENS:-16}" --reps 1 --threads 4 --out "$OUT/decode_$model" $QUICK_FLAG \
     > "$OUT/decode_$model.log" 2>&1
