@@ -33,15 +33,14 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from condcomp.bench.decode_floor import floor_model
+from condcomp.bench.decode_memory import device_clock, held_cache_bytes, peak_bytes, peak_reset
 from condcomp.bench.decode_report import write
 from condcomp.bench.stopping import Stopped, stop_on_sigterm
 from condcomp.cli_args import COMPILE_MODES, compile_backend, integer, output_folder
@@ -161,47 +160,6 @@ def variants(dense: nn.Module, model_name: str = "tiny-llama", names: list[str] 
     return models
 
 
-def _peak_rss_reset() -> None:
-    try:  # Linux: "5" resets the peak resident set size of this process
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _peak_rss_bytes() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _cache_bytes(cache: Any) -> int:
-    # every tensor the cache holds: compact groups, streamed-group windows, quantized states with their scales
-    from condcomp.integrations.hf.cache import cache_bytes
-
-    return sum(cache_bytes(cache))
-
-
-def device_clock(device: torch.device) -> float:
-    """``time.perf_counter()`` once the device has run what was queued (CUDA kernels run asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # kernels are asynchronous: time what ran, not what was queued
-    return time.perf_counter()
-
-
-def _peak_reset(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    _peak_rss_reset()
-
-
-def _peak(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss_bytes()
-
-
 @torch.inference_mode()
 def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor, new_tokens: int,
                          compiled: dict[str, Callable[..., Any]] | None = None) -> dict[str, dict[str, Any]]:
@@ -224,7 +182,7 @@ def generate_interleaved(models: dict[str, nn.Module], prompt: torch.Tensor, new
     else:
         stopped = None
     return {name: {"prefill_s": st["prefill_s"], "step_s": st["step_s"], "tokens": torch.cat(st["tokens"], 1).cpu(),
-                   "kv_bytes": _cache_bytes(st["cache"]), "peak": st["peak"], "compiles": st["compiles"],
+                   "kv_bytes": held_cache_bytes(st["cache"]), "peak": st["peak"], "compiles": st["compiles"],
                    "graph_skips": st["graph_skips"], "stopped": stopped} for name, st in state.items()}
 
 
@@ -237,13 +195,13 @@ def _prefill_and_decode(models: dict[str, nn.Module], forwards: dict[str, Callab
     for name, forward in forwards.items():
         model = models[name.removesuffix(COMPILED)]
         cache = {"cache": static_cache(model, prompt.shape[1] + new_tokens)} if static else {}
-        _peak_reset(device)
+        peak_reset(device)
         t0 = device_clock(device)
         out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache)  # as generate(): no prompt logits
         prefill = device_clock(device) - t0
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
         state[name] = {"prefill_s": prefill, "step_s": [], "cache": out.cache, "tokens": [token],
-                       "peak": _peak(device), "forward": forward, "compiles": 0, "graph_skips": 0}
+                       "peak": peak_bytes(device), "forward": forward, "compiles": 0, "graph_skips": 0}
     names = list(forwards)
     for i in range(new_tokens - 1):
         # the order rotates every step: a variant that always ran right after another measured 10-30 % slower
