@@ -345,7 +345,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=integer(at_least=1), default=2)
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                         help="dense, full, keep_<f> (per-request plan keeping the fraction f of the KV groups), "
-                             "moh_<f> (MoH conversion keeping f of the heads per token); with --compile also "
+                             "stream_<f> (the others in a window of 4 + 252 tokens), moh_<f> (MoH conversion keeping "
+                             "f of the heads per token), floor_<f> (keep_<f>'s floor: a dense model built with only "
+                             "the kept groups); with --compile also "
                              "full+kernel, keep_<f>+kernel (decode attention through the split-K kernel); default: "
                              "dense, full and the model's keep_<f>; dense is always run")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (peak memory: RSS on CPU, allocator on CUDA)")
