@@ -67,12 +67,7 @@ def test_a_named_executor_that_cannot_read_the_cache_is_replaced_with_one_warnin
 @pytest.mark.parametrize("executor", ["auto", "gathered"])
 @pytest.mark.parametrize("model_number", [1, 2])  # the warning is the model's: a second model is told too
 def test_a_wrapped_llama_decodes_through_kv_cache_and_records_it(executor: str, model_number: int) -> None:
-    torch.manual_seed(0)
-    config = t.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=50)
-    model = t.LlamaForCausalLM(config).eval()
-    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), executor=executor,
-                                                   router=("topk", {"kv_groups": True})))
+    model = wrapped_llama(executor)
     ids = torch.randint(1, 50, (2, 5))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
