@@ -20,6 +20,7 @@ compiled static decode is slower than eager there (docs/llm-serving.md).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -76,8 +77,6 @@ def baseline(name: str) -> str:
 
 def faster_dense(runs: dict[str, list[dict[str, Any]]]) -> str:
     """``dense`` or ``dense+compiled``, whichever has the smaller median decode step over every repetition."""
-    import statistics
-
     names = [n for n in ("dense", "dense" + COMPILED) if any(r["step_s"] for r in runs.get(n, ()))]
     if not names:  # a run stopped before dense decoded a step: nothing is paired with it
         return "dense"

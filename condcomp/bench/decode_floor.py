@@ -25,6 +25,9 @@ def floor_model(dense: nn.Module, fraction: float) -> nn.Module:
     """A copy of the transformers Llama-family ``dense`` with only the first :func:`kept_groups` key/value groups
     (and the query heads reading them) in every layer; its config says so, so a cache built from it holds only those
     groups. Raises ValueError for a model whose attention has no ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``."""
+    if not hasattr(dense, "config"):
+        raise ValueError(f"floor_{fraction:g}: {type(dense).__name__} has no transformers config; the floor variant "
+                         "cuts a transformers Llama-family model")
     config: Any = copy.deepcopy(getattr(dense, "config"))  # noqa: B009
     heads, groups = int(config.num_attention_heads), int(config.num_key_value_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)

@@ -51,6 +51,11 @@ def test_the_floor_equals_dense_with_the_dropped_heads_writing_nothing(fraction:
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_a_module_without_a_transformers_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="no transformers config.*Llama-family"):
+        floor_model(nn.Linear(2, 2), 0.5)
+
+
 def test_a_model_without_projected_attention_is_refused() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     model.config = type("Config", (), {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 4})()
