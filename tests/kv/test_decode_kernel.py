@@ -218,6 +218,29 @@ def test_a_kv_index_outside_the_models_groups_is_refused_by_name(bad: int) -> No
                                loop(q, k, v, lens, 1.0, index, 2, None), atol=ATOL, rtol=RTOL)
 
 
+def test_off_the_host_a_bad_kv_index_trips_a_device_assert_and_the_compact_cache_skips_the_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where reading the index back would sync (a GPU), the check is ``torch._assert_async`` (captured by CUDA graphs):
+    run here on CPU tensors it raises at once with the same range and advice. The compact cache's own calls pass
+    ``check_index=False`` (its index is built in range): no check, so no extra launch per layer and step."""
+    from condcomp.kv.kernels import compact, ops
+
+    q, _, _ = inputs(2, 8, 2, 20, 8)
+    with pytest.raises(RuntimeError, match=r"kv_index holds a value outside the model's 4 key/value groups \[0, 4\)"):
+        ops._check_index_values(q, torch.tensor([[3, 0], [1, 4]]), 2, on_host=False)
+    ops._check_index_values(q, torch.tensor([[3, 0], [1, 2]]), 2, on_host=False)  # in range: nothing raised
+    checked: list[object] = []
+    monkeypatch.setattr(ops, "_check_index_values", lambda *a, **kw: checked.append(a))
+    q, k, v = inputs(2, 8, 2, 20, 8)
+    lens = torch.full((2, 2), 20, dtype=torch.int32)
+    compact_decode_attention(q, k, v, lens, 1.0, kv_index=torch.tensor([[3, 0], [1, 2]]), group_size=2)
+    assert len(checked) == 1  # a caller's index is checked
+    sel = type("Sel", (), {"kv_index": torch.tensor([[3, 0], [1, 2]]), "slot_gates": torch.ones(2, 4)})()
+    mask = type("Mask", (), {"mask": None})()
+    compact.compact_decode(q, k, v, mask, sel, torch.tensor(20), 2, 1.0)  # type: ignore[arg-type]
+    assert len(checked) == 1  # the compact cache's is not
+
+
 def _opcheck_args() -> list[tuple[object, ...]]:
     q, k, v = inputs(2, 4, 2, 40, 8)
     lens = torch.tensor([[40, 3], [0, 21]], dtype=torch.int32)

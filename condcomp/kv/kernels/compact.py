@@ -42,4 +42,5 @@ def compact_decode(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, selecti
     are the caller's, as there: their mask row is opened)."""
     B, _, S, _ = k.shape
     return compact_decode_attention(q, k, v, slot_lengths(selection, held), scale, kv_index=selection.kv_index,
-                                    group_size=group_size, bias=request_bias(mask, B, S))
+                                    group_size=group_size, bias=request_bias(mask, B, S),
+                                    check_index=False)  # select_kv builds it in range, once per request

@@ -5,10 +5,12 @@ with a fake implementation (shapes only: ``torch.compile`` and CUDA graphs captu
 The op runs the Triton kernels (split_k.py, launched by launch.py) where the gathered executor's pair kernels run
 (:func:`condcomp.executors.gathered.pairs.kernel_runs`: CUDA in float16/bfloat16/float32, CPU float32 under
 ``TRITON_INTERPRET=1``), else the torch fallback (fallback.py), with the same semantics. Index values are not
-checked on the device (that would read them back, once per layer and step): ``lengths`` past ``S`` are clamped, and
-``kv_index`` outside the model's groups is refused by name where reading it costs no device sync (CPU tensors, the
-interpreter's included) and in the torch fallback. On CUDA the kernels trust it: the compact cache builds it in range
-once per request (:func:`condcomp.kv.selection.select_kv`).
+read back to the host on a GPU (that would sync once per layer and step, and a CUDA graph cannot capture it):
+``lengths`` past ``S`` are clamped; ``kv_index`` outside the model's groups is refused by name on CPU tensors (the
+interpreter's included), where reading it costs no sync, and by a device-side assert elsewhere (``torch._assert_async``:
+no host read, captured by CUDA graphs; the error surfaces at the next synchronisation). The compact cache's own calls
+skip the check (``check_index=False``): it builds the index in range once per request
+(:func:`condcomp.kv.selection.select_kv`).
 """
 
 from __future__ import annotations
@@ -82,35 +84,42 @@ def _check(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, kv_index: Tensor | 
                          f"and {split_n}")
 
 
-def _check_index_values(q: Tensor, kv_index: Tensor, group_size: int) -> None:
-    """Refuse ``kv_index`` values outside the model's groups ``[0, Hq / group_size)`` (reads the index back)."""
+_INDEX_ADVICE = ("such a slot would be read by another group's or request's query heads. Pass the key/value group "
+                 "each slot holds (KVSelection.kv_index from condcomp.kv.selection.select_kv builds it)")
+
+
+def _check_index_values(q: Tensor, kv_index: Tensor, group_size: int, on_host: bool) -> None:
+    """Refuse ``kv_index`` values outside the model's groups ``[0, Hq / group_size)``: by name ``on_host`` (CPU tensors:
+    reading the index back is free), else by a device-side assert (no host read: a CUDA graph captures it)."""
     groups = q.shape[1] // group_size
     bad = (kv_index < 0) | (kv_index >= groups)  # (B, G)
+    if not on_host:
+        torch._assert_async(~bad.any(), f"compact_decode_attention: kv_index holds a value outside the model's "
+                            f"{groups} key/value groups [0, {groups}) (q's {q.shape[1]} heads / group_size "
+                            f"{group_size}): {_INDEX_ADVICE}")
+        return
     if bool(bad.any()):
         where = bad.nonzero().tolist()[:8]
         values = [int(kv_index[b, g]) for b, g in where]
         raise ValueError(f"compact_decode_attention: kv_index holds {values} at (request, slot) {where}, outside the "
                          f"model's {groups} key/value groups [0, {groups}) (q's {q.shape[1]} heads / group_size "
-                         f"{group_size}): such a slot would be read by another group's or request's query heads. Pass "
-                         "the key/value group each slot holds (KVSelection.kv_index from condcomp.kv.selection."
-                         "select_kv builds it)")
+                         f"{group_size}): {_INDEX_ADVICE}")
 
 
 @torch.library.custom_op("condcomp::compact_decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths: Tensor, scale: float,
                         kv_index: Tensor | None, group_size: int, bias: Tensor | None, block_n: int,
-                        split_n: int) -> Tensor:
+                        split_n: int, check_index: bool = True) -> Tensor:
     _check(q, k_pool, v_pool, lengths, kv_index, group_size, bias, block_n, split_n)
-    impl = _impl(q)
-    if kv_index is not None and (q.device.type == "cpu" or impl is fallback):  # no device sync to pay, or eager
-        _check_index_values(q, kv_index, group_size)
-    return impl.decode_attention(q, k_pool, v_pool, lengths, scale, kv_index, group_size, bias, block_n,
+    if kv_index is not None and check_index:
+        _check_index_values(q, kv_index, group_size, on_host=kv_index.device.type == "cpu")
+    return _impl(q).decode_attention(q, k_pool, v_pool, lengths, scale, kv_index, group_size, bias, block_n,
                                      split_n)
 
 
 @decode_attention_op.register_fake
 def _(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths: Tensor, scale: float, kv_index: Tensor | None,
-      group_size: int, bias: Tensor | None, block_n: int, split_n: int) -> Tensor:
+      group_size: int, bias: Tensor | None, block_n: int, split_n: int, check_index: bool = True) -> Tensor:
     _check(q, k_pool, v_pool, lengths, kv_index, group_size, bias, block_n, split_n)
     B, G, _, Dh = k_pool.shape
     return q.new_empty(B, G * group_size, 1, Dh)
@@ -119,7 +128,7 @@ def _(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths: Tensor, scale: float, 
 def compact_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths: Tensor, scale: float, *,
                              kv_index: Tensor | None = None, group_size: int | None = None,
                              bias: Tensor | None = None, block_n: int | None = None,
-                             split_n: int | None = None) -> Tensor:
+                             split_n: int | None = None, check_index: bool = True) -> Tensor:
     """One decode step's attention over a compact cache's pools, in one launch (two when the keys are split).
 
     - ``q (B, Hq, 1, Dh)``: one query token per request. ``k_pool``, ``v_pool (B, G, S, Dh)``: each request's
@@ -128,7 +137,8 @@ def compact_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths:
       rest never (a full group: the tokens held; a window ring: ``min(held, sinks + window)``; 0: a slot the
       request does not use). Values past ``S`` read ``S``.
     - ``kv_index (B, G)``: the model's key/value group each slot holds (:class:`~condcomp.kv.selection.KVSelection`'s
-      ``kv_index``), in ``[0, Hq / group_size)`` (refused outside it on CPU and in the fallback); slot ``g`` is
+      ``kv_index``), in ``[0, Hq / group_size)`` (refused outside it: by name on CPU, by a device-side assert
+      elsewhere; ``check_index=False`` skips that for an index known in range); slot ``g`` is
       then read by the query heads ``kv_index[b, g] * group_size + j``, ``j < group_size`` (``group_size = Hq /
       the model's key/value heads``, required with ``kv_index``). Without it
       ``q`` holds the slots' heads in order (``Hq = G * group_size``; ``group_size`` defaults to ``Hq / G``).
@@ -158,4 +168,5 @@ def compact_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths:
         block_n = auto_block if block_n is None else block_n
         split_n = (-(-auto_split // block_n) * block_n) if split_n is None else split_n
     return torch.ops.condcomp.compact_decode_attention(q, k_pool, v_pool, lengths, float(scale), kv_index,
-                                                      int(group_size), bias, int(block_n), int(split_n))
+                                                      int(group_size), bias, int(block_n), int(split_n),
+                                                      bool(check_index))
