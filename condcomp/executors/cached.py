@@ -193,7 +193,6 @@ def _compact_call(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV)
         q = _queries(_slots(q_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw*r, T, Dh)
         k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw, T, Dh)
         v = _slots(v_all, sel.window_index, False).transpose(1, 2)
-        keep = cache.keep_windows is not None
         joint: dict[str, Any] = {"slot_valid": sel.window_valid} if sel.policy.reads_slot_validity else {}
         if sel.policy.reads_slot_groups:  # per-group options (headkv's shares): which group each slot holds
             joint["slot_groups"] = sel.window_index
@@ -205,10 +204,12 @@ def _compact_call(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV)
             joint["position_bias"] = cache.position_bias.for_heads(_heads_of_slots(sel.window_index, r))
         if cache.state_layer is not None:  # the policy reads, attends over and keeps its state in the layer
             out, w_dead, before = sel.policy.attend_in(cache.state_layer, q, k, v, inputs.mask, layout.scale, **joint)
-        else:
-            out, w_dead, state = sel.policy.attend(q, k, v, before, inputs.mask, layout.scale, keep, **joint)
-            if cache.keep_windows is not None:
-                cache.keep_windows(state)
+        else:  # the caller holds the state: given before the call, kept through keep_windows
+            keep = cache.keep_windows
+            out, w_dead, state = sel.policy.attend(q, k, v, before, inputs.mask, layout.scale, keep is not None,
+                                                   **joint)
+            if keep is not None:
+                keep(state)
         parts.append((_gated(out, sel.window_gates, w_dead), sel.window_index))
         dead = w_dead.squeeze(1) if dead is None else dead
     if not parts:  # an empty batch
