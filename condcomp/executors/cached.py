@@ -48,6 +48,9 @@ class CompactKV:
     - ``visible``: keys the queries may see (a static cache's empty slots after them are dropped); None = all.
     - ``windows``: the state of the KV policy's groups before the call (None at prefill: a streaming window for
       ``window``); ``keep_windows`` stores the new one (the layer's ``keep_policy_state``).
+    - ``state_layer``: instead of ``windows`` / ``keep_windows``, the cache layer that holds the KV policy's state
+      (a held executor's decode calls): the policy reads, attends over and keeps it there in one call
+      (:meth:`~condcomp.kv.policy.KVPolicy.attend_in`); None: ``windows`` / ``keep_windows``.
     - ``projections``: how to project (None: the canonical weights).
     - ``placeholder_width``: when no group is kept in full, the full-length tensor holds a placeholder of this width
       that only counts the tokens (a quantized cache layer that quantizes in groups of ``n`` values needs ``n``).
@@ -68,6 +71,12 @@ class CompactKV:
     placeholder_width: int = 1
     position_bias: RelativeBias | None = None  # the model's relative position bias of every query head (T5)
     kernel_held: Tensor | None = None
+    state_layer: Any = None  # the cache layer holding the KV policy's state (its windows and keep_windows unset)
+
+    def policy_state(self) -> Any:
+        """The KV policy's state before the call, wherever it is held (what its ``keys_read`` counts from)."""
+        policy = self.selection.policy
+        return self.windows if self.state_layer is None or policy is None else policy.state_in(self.state_layer)
 
 
 def _heads_of_slots(index: Tensor, r: int) -> Tensor:
@@ -138,7 +147,14 @@ def _combine(parts: list[tuple[Tensor, Tensor]], layout: HeadLayout, identity: b
 def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV) -> Tensor:
     """One call under a held plan on a compact cache: ``inputs.x (B, T, D)`` -> ``(B, T, D)``. ``inputs``: the
     query input, padding (``mask``, ``key_mask``, ``attn_bias`` over the full slots' keys) and ``rotary``."""
+    return _compact_call(layout, inputs, cache)[0]
+
+
+def _compact_call(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV) -> tuple[Tensor, Any]:
+    """:func:`compact_attention`'s output and the KV policy's state before the call (``cache.windows`` or the one
+    its cache layer held)."""
     x, sel, proj = inputs.x, cache.selection, cache.projections
+    before = cache.windows
     assert proj is not None
     B, T, _ = x.shape
     Hkv, r, Dh, g = layout.num_kv_heads, layout.group_size, layout.head_dim, sel.slots
@@ -177,7 +193,6 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
         q = _queries(_slots(q_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw*r, T, Dh)
         k = _keys(_slots(k_all, sel.window_index, False), proj, inputs.rotary)  # (B, gw, T, Dh)
         v = _slots(v_all, sel.window_index, False).transpose(1, 2)
-        keep = cache.keep_windows is not None
         joint: dict[str, Any] = {"slot_valid": sel.window_valid} if sel.policy.reads_slot_validity else {}
         if sel.policy.reads_slot_groups:  # per-group options (headkv's shares): which group each slot holds
             joint["slot_groups"] = sel.window_index
@@ -187,17 +202,22 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
                                  "to its groups' scores (reads_position_bias): use kv='window', 'snapkv', 'adakv', "
                                  "'full' or 'drop' here")
             joint["position_bias"] = cache.position_bias.for_heads(_heads_of_slots(sel.window_index, r))
-        out, w_dead, state = sel.policy.attend(q, k, v, cache.windows, inputs.mask, layout.scale, keep, **joint)
-        if cache.keep_windows is not None:
-            cache.keep_windows(state)
+        if cache.state_layer is not None:  # the policy reads, attends over and keeps its state in the layer
+            out, w_dead, before = sel.policy.attend_in(cache.state_layer, q, k, v, inputs.mask, layout.scale, **joint)
+        else:  # the caller holds the state: given before the call, kept through keep_windows
+            keep = cache.keep_windows
+            out, w_dead, state = sel.policy.attend(q, k, v, before, inputs.mask, layout.scale, keep is not None,
+                                                   **joint)
+            if keep is not None:
+                keep(state)
         parts.append((_gated(out, sel.window_gates, w_dead), sel.window_index))
         dead = w_dead.squeeze(1) if dead is None else dead
     if not parts:  # an empty batch
-        return x.new_zeros(B, T, layout.d_model)
+        return x.new_zeros(B, T, layout.d_model), before
     y = proj.o(_combine(parts, layout, sel.identity and len(parts) == 1))
     if sel.row_active is not None:  # a row with no active head outputs exactly zero (no output bias)
         y = torch.where(sel.row_active[:, None, None], y, torch.zeros_like(y))
-    return y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)
+    return (y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)), before
 
 
 @dataclass(frozen=True)
@@ -217,7 +237,7 @@ class CachedRun:
         (groups held by the KV policy too / only)."""
         sel = self.selection
         if sel.window_index is not None:
-            name = sel.policy.name if sel.policy is not None else "window"
+            name = sel.policy_name or "window"
             return f"full+{name}" if sel.slots else name
         return "full" if sel.identity else "compact"
 
@@ -236,7 +256,7 @@ class CachedRun:
             per_head = plan.num_heads // sel.modes.shape[1]
             streamed = ((sel.modes == KV_WINDOW) & unkept).repeat_interleave(per_head, dim=1)
             held_full = ((sel.modes == KV_FULL) & unkept).repeat_interleave(per_head, dim=1)
-        window_keys = sel.window.capacity if sel.window is not None else (
+        window_keys = sel.window_keys if sel.window_keys is not None else (
             S if sel.policy is None else sel.policy.keys_read(self.policy_state, T, S))
         return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys, held_full)
 
@@ -279,7 +299,7 @@ class CachedExecutor:
     def prepare(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Any:
         """Bound to a cached call (:class:`CachedRun`: its strategy and usage record), or itself without a cache."""
         cache = inputs.kv_cache
-        return self if cache is None else CachedRun(self, cache.selection, policy_state=cache.windows)
+        return self if cache is None else CachedRun(self, cache.selection, policy_state=cache.policy_state())
 
     def attend(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, record: LastForward,
                holds_unkept: bool) -> tuple[Tensor, LastForward]:
@@ -287,11 +307,11 @@ class CachedExecutor:
         ``record`` (the caller's ``s``, plan, query mask, ``T`` and ``S``) completed as :meth:`CachedRun.usage`
         does (``holds_unkept``: the KV policy computes the groups the plan does not keep). The decoder sequence
         holds the executor a request's first call resolved and runs each later call through this alone."""
-        y = self(weights, inputs, plan)
+        y, before = self._run(weights, inputs, plan)
         cache = inputs.kv_cache
         if cache is None:
             return y, LastForward(record.s, plan, record.mask, record.T, record.S, self.name)
-        run = CachedRun(self, cache.selection, policy_state=cache.windows)
+        run = CachedRun(self, cache.selection, policy_state=before)
         return y, run.usage(record.s, plan, record.mask, record.T, record.S, holds_unkept)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
@@ -302,6 +322,11 @@ class CachedExecutor:
 
     def __call__(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
                  cache: CompactKV | None = None) -> Tensor:
+        return self._run(weights, inputs, plan, cache)[0]
+
+    def _run(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
+             cache: CompactKV | None = None) -> tuple[Tensor, Any]:
+        """The call's output and the KV policy's state before it (None without a cache)."""
         cache = cache if cache is not None else inputs.kv_cache
         reason = self.supports(weights, inputs, plan, cache)
         if reason is not None:
@@ -309,8 +334,8 @@ class CachedExecutor:
         if cache is not None:
             if cache.projections is None:
                 cache = dataclasses.replace(cache, projections=Projections.of_weights(weights))
-            return compact_attention(weights.layout, inputs, cache)
-        return keep_gates_in_graph(self._cache_free(weights, inputs, plan), plan)
+            return _compact_call(weights.layout, inputs, cache)
+        return keep_gates_in_graph(self._cache_free(weights, inputs, plan), plan), None
 
     def _cache_free(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         """The kept groups' attention from the call's own keys and values (every group projected, then gathered).

@@ -6,8 +6,12 @@ projections, where the call's queries start, and the cache layer (a :class:`Step
 :class:`~condcomp.kv.layer.CompactLayer`). :func:`attend_compact` then reads down and never back up: the mask parts
 and score terms (:func:`mask_parts`) -> the executor ``resolve_executor`` picks at the request's first call
 (``kv_cache``, held by the cache layer for the later calls, each run and recorded in one call: ``attend``) -> the KV
-policy of the groups the plan does not keep -> the cache layer, whose ``store`` writes the kept groups' keys and
-values and hands back their history. Nothing here imports transformers or calls into an adapter.
+policy of the groups the plan does not keep, which reads and keeps its state in the cache layer in the same call
+(:meth:`~condcomp.kv.policy.KVPolicy.attend_in`) -> the cache layer, whose ``store`` writes the kept groups' keys and
+values and hands back their history. What a call needs to know of the policy (whether it holds the unkept groups,
+its name, the keys a streamed head reads) is data of the request's :class:`~condcomp.kv.selection.KVSelection`,
+decided at its first call: nothing here asks the policy. Nothing here imports transformers or calls into an
+adapter.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from torch import Tensor
 from condcomp.executors.auto import resolve_executor
 from condcomp.executors.cached import CompactKV
 from condcomp.host import LastForward
-from condcomp.kv.choose import kv_policy_of
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection
 from condcomp.kv.static import query_rows, written_bias
@@ -34,11 +37,12 @@ from condcomp.versions import tensor_version
 class StepLayer(Protocol):
     """What a call asks of the cache layer it writes (:class:`~condcomp.kv.layer.CompactLayer` has it all): the
     kept groups' writer, and the KV policy's state as data (read and kept by the policy,
-    :meth:`~condcomp.kv.policy.KVPolicy.state_in` / :meth:`~condcomp.kv.policy.KVPolicy.keep_in`). Optional:
-    ``hold_executor(executor)`` and ``condcomp_executor``, to hold the executor a request's first call resolved for
-    its later calls (a layer without them has the executor resolved at every call)."""
+    :meth:`~condcomp.kv.policy.KVPolicy.attend_in`). Optional: ``hold_executor(executor)`` and
+    ``condcomp_executor``, to hold the executor a request's first call resolved for its later calls (a layer
+    without them has the executor resolved at every call)."""
 
     condcomp_windows: Any  # the policy's state as the policy stores it here
+    condcomp_codec: Any  # how the policy's state is stored here (a WindowCodec), or None: full precision
     condcomp_preallocated: bool | None  # False: the storage grows (None: ask fixed_slot_room)
 
     def store(self, k: Tensor, v: Tensor, cache_kwargs: Any = None) -> tuple[Tensor, Tensor]:
@@ -47,10 +51,6 @@ class StepLayer(Protocol):
 
     def hold_state(self, stored: Any) -> None:
         """Hold the policy's state (as stored)."""
-        ...
-
-    def state_codec(self) -> Any:
-        """How the policy's state is stored here (a ``WindowCodec``), or None."""
         ...
 
     def fixed_slot_room(self) -> int | None:
@@ -133,19 +133,22 @@ def attend_compact(host: Any, plan: HeadPlan, sel: KVSelection, call: CompactCal
     else:
         query_mask, key_mask, bias = mask_parts(mask, B, T, S, True, call.query_start)
         bias = score_terms(call, T, S, bias)
-    # the KV policy's state before the call, read and kept by the policy in the layer (none without its groups)
+    # The executor is resolved at the request's first call and held by the cache layer, with the plan, for the later
+    # calls: a decode step enters it once, for the call and its usage record (``attend``), and it hands the KV
+    # policy the cache layer, where the policy reads and keeps its state in the same call (``attend_in``). An
+    # executor resolved now (the first call; one without ``attend``, the older protocol, at every call) is given the
+    # policy's state before the call and how to keep the new one (``windows``, ``keep_windows``).
+    held = None if call.prefill else getattr(call.layer, "condcomp_executor", None)
     policy = sel.policy
-    windows = None if call.prefill or policy is None else policy.state_in(call.layer)
-    keep = None if policy is None else functools.partial(policy.keep_in, call.layer)
+    in_layer = held is not None and policy is not None
+    windows = None if call.prefill or policy is None or in_layer else policy.state_in(call.layer)
+    keep = None if policy is None or in_layer else functools.partial(policy.keep_in, call.layer)
     held_after = call.query_start + T if call.decode_kernel and isinstance(call.query_start, Tensor) else None
     compact = CompactKV(sel, store, S if mask is None and not on_device else None, windows, keep, call.projections,
-                        call.placeholder_width, call.relative_bias, held_after)
+                        call.placeholder_width, call.relative_bias, held_after, call.layer if in_layer else None)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if host.training else 0.0, kv_cache=compact)
-    # The executor is resolved at the request's first call and held by the cache layer, with the plan, for the later
-    # calls: a decode step enters it once, for the call and its usage record (``attend``). An executor without
-    # ``attend`` (the older protocol) is resolved, called and asked for its record at every call.
-    run = None if call.prefill else getattr(call.layer, "condcomp_executor", None)
+    run = held
     if run is None:
         run = resolve_executor(host.executor, call.weights, inputs, plan, notices=host.condcomp_notices)
         hold = getattr(call.layer, "hold_executor", None)
@@ -155,7 +158,7 @@ def attend_compact(host: Any, plan: HeadPlan, sel: KVSelection, call: CompactCal
     # head_usage reports this call (a decode step's T and keys), not the prefill's
     last = host.last
     s = last.s if last is not None and tuple(last.s.shape) == (B,) else plan.counts.float() / plan.num_heads
-    holds_unkept = kv_policy_of(host).needs_cache
+    holds_unkept = sel.holds_unkept
     attend = getattr(run, "attend", None)
     if callable(attend):
         y, host.last = attend(call.weights, inputs, plan, LastForward(s, plan, query_mask, T, S), holds_unkept)

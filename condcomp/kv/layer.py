@@ -7,9 +7,11 @@ The keys of the kept groups are stored by the layer it wraps (``inner``: transfo
 quantized layer, ...), which it hands them to through its own :meth:`update`.
 
 The ``kv_cache`` executor writes a request's compact cache through it: :meth:`store` appends the kept groups'
-keys and values, :meth:`policy_state` / :meth:`keep_policy_state` read and keep the KV policy's state, stored as
-the policy stores it in this layer (:meth:`state_codec`: quantized inside a quantized layer). The transformers
-class is ``condcomp.integrations.hf.kv_layer.PlanLayer``.
+keys and values; the KV policy reads and keeps its own state here in the same call
+(:meth:`~condcomp.kv.policy.KVPolicy.attend_in`: :meth:`hold_state` with the state as the policy stores it in this
+layer, ``condcomp_codec``: quantized inside a quantized layer); :meth:`policy_state` / :meth:`keep_policy_state` do
+the same for a caller that holds the state itself between calls. The transformers class is
+``condcomp.integrations.hf.kv_layer.PlanLayer``.
 """
 
 from __future__ import annotations
@@ -48,23 +50,23 @@ def held_policy(layer: Any) -> KVPolicy | None:
 class CompactLayer:
     """The plan, the KV policy's state and their row operations of one cache layer; the keys are ``inner``'s.
 
-    A subclass (the library's cache layer class) provides :meth:`held_tokens` and :meth:`state_codec` and holds the
-    wrapped layer as ``inner`` (with ``update``, ``reset``, ``crop``, ``reorder_cache``, ``batch_select_indices``,
-    ``batch_repeat_interleave``)."""
+    A subclass (the library's cache layer class) provides :meth:`held_tokens`, sets ``condcomp_codec`` and
+    ``condcomp_preallocated`` when it wraps a layer, and holds the wrapped layer as ``inner`` (with ``update``,
+    ``reset``, ``crop``, ``reorder_cache``, ``batch_select_indices``, ``batch_repeat_interleave``)."""
 
     condcomp_plan: HeldPlan | None = None
     # the state of the groups the plan's KV policy holds (a streaming window: trimmed keys/values), as the policy
-    # stores it in this layer (quantized in a quantized layer, see state_codec)
+    # stores it in this layer (quantized in a quantized layer, see condcomp_codec)
     condcomp_windows: Any = None
     # resolved once when the library's layer is wrapped (a decode step reads them as data, calling nothing back):
     # how the policy's state is stored in this layer (a WindowCodec, None: full precision), and whether its
     # storage is preallocated (False: it grows, so a policy's state never moves into fixed slots; None: ask
     # fixed_slot_room)
+    condcomp_codec: Any = None
+    condcomp_preallocated: bool | None = None
     condcomp_placeholder: int = 1  # the width of the token-counting placeholder of a layer with no full group
     # the executor the request's first call resolved, which runs its later calls (hold_executor)
     condcomp_executor: Any = None
-    condcomp_codec: Any = None
-    condcomp_preallocated: bool | None = None
     inner: Any
 
     def held_tokens(self) -> int:
@@ -82,7 +84,8 @@ class CompactLayer:
         return None
 
     def state_codec(self) -> Any:
-        """How the KV policy's state is stored in this layer (a ``WindowCodec``), or None: full precision."""
+        """How the KV policy's state is stored in this layer (a ``WindowCodec``), or None: full precision (its
+        ``condcomp_codec``, which the policy reads as data)."""
         return self.condcomp_codec
 
     # ---- how the kv_cache executor writes it --------------------------------------------------------------------

@@ -136,8 +136,21 @@ class KVPolicy:
         """The state an executor reads from what :meth:`stored` returned."""
         return stored
 
-    # ---- this policy's state in a cache layer (condcomp.kv.layer.CompactLayer): the decode step calls these, so
-    # it reads down (executor -> policy -> cache layer); the layer's policy_state / keep_policy_state do the same
+    # ---- this policy's state in a cache layer (condcomp.kv.layer.CompactLayer): the executor enters the policy
+    # once per call (attend_in), which reads, attends over and keeps the state there, so a decode step reads down
+    # (executor -> policy -> cache layer); the layer's policy_state / keep_policy_state read and keep it the same way
+    def attend_in(self, layer: Any, q: Tensor, k: Tensor, v: Tensor, query_mask: Tensor | None, scale: float,
+                  **options: Any) -> tuple[Tensor, Tensor, Any]:
+        """One call over its groups whose state the cache ``layer`` holds, in one entry: the state read
+        (:meth:`state_in`), attended with this call's keys (:meth:`attend`, given ``options``: its opt-in keywords
+        such as ``slot_valid``) and the new state kept in the layer (:meth:`keep_in`). Returns ``(out (B, gw*r, T,
+        Dh), dead (B, 1, T), the state before the call)`` (what :meth:`keys_read` counts from). The executor calls
+        it; a policy overrides :meth:`attend` (and :meth:`loaded`, :meth:`stored`, :meth:`fixed_slots`), not this."""
+        before = self.state_in(layer)
+        out, dead, state = self.attend(q, k, v, before, query_mask, scale, True, **options)
+        self.keep_in(layer, state)
+        return out, dead, before
+
     def state_in(self, layer: Any) -> Any:
         """The state ``layer`` holds for this policy before a call, as :meth:`attend` reads it (None: none yet)."""
         held = layer.condcomp_windows
@@ -145,8 +158,9 @@ class KVPolicy:
 
     def keep_in(self, layer: Any, state: Any) -> None:
         """Keep ``state`` in ``layer`` as this policy stores it there: quantized when the layer quantizes its keys
-        (:meth:`stored` with the layer's ``state_codec()``), moved into fixed slots in preallocated storage (the
-        prefill's, :meth:`fixed_slots`; later calls write those slots in place and keep them as they are)."""
+        (:meth:`stored` with the layer's ``condcomp_codec``, read as data), moved into fixed slots in preallocated
+        storage (the prefill's, :meth:`fixed_slots`; later calls write those slots in place and keep them as they
+        are)."""
         before = layer.condcomp_windows
         if state is not None and state is before:  # preallocated state, written in place
             return
@@ -154,7 +168,7 @@ class KVPolicy:
             room = None if layer.condcomp_preallocated is False else layer.fixed_slot_room()
             if room is not None:  # a static cache: the prefill's state moves into slots allocated once
                 state = self.fixed_slots(state, room)
-            state = self.stored(state, layer.state_codec(), before)
+            state = self.stored(state, layer.condcomp_codec, before)
         layer.hold_state(state)
 
 

@@ -57,8 +57,11 @@ class KVSelection:
     - ``modes (B, Hkv)`` int8: each request's mode per group (``KV_NONE``, ``KV_WINDOW`` (the policy's own state),
       ``KV_FULL``).
     - ``policy``: the KV policy that holds the ``window_*`` slots (None when there are none).
-    - ``slots`` / ``window_slots``: ``g`` and ``gw``, counted when the selection is built (not constructor
-      arguments; a decode step reads them as data).
+    - ``holds_unkept``: the layer's KV policy holds the groups the plan does not keep (in its own state or in full:
+      their heads are computed), decided with the selection so a decode step reads it as data.
+    - ``slots`` / ``window_slots``: ``g`` and ``gw``; ``policy_name``: ``policy``'s name; ``window_keys``: the most
+      keys a streamed head reads under ``window`` (its sinks + recent tokens). Resolved when the selection is built
+      (not constructor arguments; a decode step reads them as data, asking the policy nothing).
     """
 
     kv_index: Tensor
@@ -71,15 +74,22 @@ class KVSelection:
     window: StreamWindow | None = None
     modes: Tensor | None = None
     policy: KVPolicy | None = None
+    holds_unkept: bool = False
     # resolved when the selection is built (a decode step reads them as data, calling nothing here)
     slots: int = field(init=False)  # g: key/value heads cached in full per row
     window_slots: int = field(init=False)  # gw: key/value heads cached as a streaming window per row
+    policy_name: str | None = field(init=False)  # the name of the policy holding the window_* slots
+    window_keys: int | None = field(init=False)  # the most keys a streamed head reads under `window`
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slots", int(self.kv_index.shape[1]))
         object.__setattr__(self, "window_slots", 0 if self.window_index is None else int(self.window_index.shape[1]))
+        object.__setattr__(self, "policy_name", None if self.policy is None else self.policy.name)
+        object.__setattr__(self, "window_keys", None if self.window is None else self.window.capacity)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:  # one pickled before slots were data gets them
+    def __setstate__(self, state: dict[str, Any]) -> None:  # one pickled before these were data gets them
+        # (one pickled before holds_unkept: a policy holding its own slots holds the unkept groups)
+        state.setdefault("holds_unkept", state.get("policy") is not None)
         self.__dict__.update(state)
         self.__post_init__()
 
@@ -157,7 +167,7 @@ def select_kv(plan: HeadPlan, layout: HeadLayout, window: KVPolicy | StreamWindo
     spec = policy.window_spec if streams and isinstance(policy, WindowKV) else None
     return KVSelection(kv_index, slot_gates, None if bool(row_active.all()) else row_active, identity,
                        bool((slot_gates == 1).all()), window_index, window_gates, spec, modes,
-                       policy if streams else None)
+                       policy if streams else None, policy.needs_cache)
 
 
 def decision_mask(mask: Tensor | None, prompt_len: int | None, B: int, T: int, device: torch.device) -> Tensor | None:
@@ -175,7 +185,8 @@ def _take_rows(selection: KVSelection, index: Tensor) -> KVSelection:
 
     return KVSelection(selection.kv_index[index], selection.slot_gates[index], rows(selection.row_active),
                        selection.identity, selection.unit_gates, rows(selection.window_index),
-                       rows(selection.window_gates), selection.window, rows(selection.modes), selection.policy)
+                       rows(selection.window_gates), selection.window, rows(selection.modes), selection.policy,
+                       selection.holds_unkept)
 
 
 def pad_slots(selection: KVSelection, slots: int) -> KVSelection:

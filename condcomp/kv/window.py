@@ -4,7 +4,10 @@ A streamed group's keys and values live in one trimmed tensor per layer, ``(B, g
 ``N <= sinks + window``, beside the full-length cache of the fully kept groups; rows with different streamed
 groups share it as the compact cache does (:class:`~condcomp.kv.selection.KVSelection`). Each entry remembers the
 real-token position of its token (``-1``: empty), so the streaming rule (:func:`condcomp.masks.streaming_allowed`)
-reads the same at prefill and at every decode step. Keys are stored after rotary, at their own positions.
+reads the same at prefill and at every decode step. Keys are stored after rotary, at their own positions. A call
+attends over the held entries and its own keys and trims the cache after it in one function,
+:func:`attend_window` (the ``window`` policy's call on a growing cache; a static cache's ring is
+:class:`~condcomp.kv.fixed_slots.RingWindow`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from condcomp.dense import grouped_sdpa
 from condcomp.kv.position_bias import RelativeBias, biased_mask
 from condcomp.masks import streaming_allowed
 from condcomp.options import MAX_COUNT, Option, check_fields, count
@@ -269,3 +273,34 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: Strea
         outs.append(attend(q[:, :, start:end], keys, values,
                            biased_mask((allowed | dead).unsqueeze(1), scores, q.dtype)))
     return torch.cat(outs, 2)
+
+
+def attend_window(q: Tensor, k: Tensor, v: Tensor, state: WindowCache | None, query_mask: Tensor | None,
+                  scale: float, window: StreamWindow, keep: bool, bias: RelativeBias | None = None
+                  ) -> tuple[Tensor, Tensor, WindowCache | None]:
+    """One call of a streamed group's queries over its held entries and this call's keys, by the streaming rule
+    (:meth:`StreamWindow.allowed`): ``q (B, gw*r, T, Dh)``, ``k``/``v (B, gw, T, Dh)`` after rotary, ``state``
+    before the call (None at a request's first call), ``query_mask (B, T)`` real tokens or None, ``bias`` a
+    relative position bias of ``q``'s heads (T5). Returns ``(out (B, gw*r, T, Dh), dead (B, 1, T) queries that see
+    no key, the trimmed cache after the call or None if not keep)``."""
+    B, _, T, _ = q.shape
+    pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
+    keys, values, key_pos = extend(state, k, v, pos)
+    if state is None and band_applies(query_mask, T, window):  # a long prefill: block by block
+        dead = pos < 0  # (B, T): padding queries
+        out = banded_attention(q, keys, values, pos, window,
+                               lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale), bias)
+    else:
+        allowed = window.allowed(pos, key_pos)  # (B, T, N)
+        dead = ~allowed.any(-1)  # (B, T): padding queries
+        scores = None if bias is None else bias.at(pos, key_pos)  # (B, gw*r, T, N)
+        mask = biased_mask((allowed | dead.unsqueeze(-1)).unsqueeze(1), scores, q.dtype)
+        out = grouped_sdpa(q, keys, values, mask, False, scale)
+    if not keep:
+        return out, dead.unsqueeze(1), None
+    seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
+    # a later call of several tokens keeps them all until the next call: a verifier (assisted decoding) may crop them
+    # again; a prefill is trimmed to the window (its bytes are what the window promises) but for the candidates after
+    # the prompt it carries (assisted decoding's first call, see revertible_tail)
+    slack = T - 1 if state is not None else min(first_call_tail(), T - 1)
+    return out, dead.unsqueeze(1), trim(keys, values, key_pos, seen, window, slack=max(slack, 0))

@@ -15,21 +15,10 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from condcomp.dense import grouped_sdpa
 from condcomp.kv.fixed_slots import RingWindow, refuse_position_bias
 from condcomp.kv.policy import KVPolicy
-from condcomp.kv.position_bias import RelativeBias, biased_mask, check_contiguous
-from condcomp.kv.window import (
-    WINDOW_OPTIONS,
-    StreamWindow,
-    WindowCache,
-    band_applies,
-    banded_attention,
-    extend,
-    first_call_tail,
-    query_positions,
-    trim,
-)
+from condcomp.kv.position_bias import RelativeBias, check_contiguous
+from condcomp.kv.window import WINDOW_OPTIONS, StreamWindow, WindowCache, attend_window
 from condcomp.kv.window_quant import QuantizedWindowCache, WindowCodec
 from condcomp.options import Option
 from condcomp.registry import register_kv_policy
@@ -68,35 +57,14 @@ class WindowKV(KVPolicy):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, state: Any, query_mask: Tensor | None, scale: float,
                keep: bool, position_bias: RelativeBias | None = None) -> tuple[Tensor, Tensor, Any]:
-        window = self.window_spec
-        B, _, T, _ = q.shape
         if isinstance(state, RingWindow):  # a static cache: the ring is written in place
-            refuse_position_bias(position_bias, self.name)
-            out, dead = state.attend(q, k, v, query_mask, scale, window)
+            if position_bias is not None:
+                refuse_position_bias(position_bias, self.name)
+            out, dead = state.attend(q, k, v, query_mask, scale, self.window_spec)
             return out, dead, state
         if position_bias is not None:
             check_contiguous(self.name, query_mask, state is None)
-        pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)
-        keys, values, key_pos = extend(state, k, v, pos)
-        if state is None and band_applies(query_mask, T, window):  # a long prefill: block by block
-            dead = pos < 0  # (B, T): padding queries
-            out = banded_attention(q, keys, values, pos, window,
-                                   lambda qb, kb, vb, m: grouped_sdpa(qb, kb, vb, m, False, scale), position_bias)
-        else:
-            allowed = window.allowed(pos, key_pos)  # (B, T, N)
-            dead = ~allowed.any(-1)  # (B, T): padding queries
-            scores = None if position_bias is None else position_bias.at(pos, key_pos)  # (B, gw*r, T, N)
-            mask = biased_mask((allowed | dead.unsqueeze(-1)).unsqueeze(1), scores, q.dtype)
-            out = grouped_sdpa(q, keys, values, mask, False, scale)
-        new = None
-        if keep:
-            seen = (pos.amax(-1) + 1).clamp_min(0 if state is None else state.seen)  # (B,)
-            # a later call of several tokens keeps them all until the next call: a verifier (assisted decoding) may
-            # crop them again; a prefill is trimmed to the window (its bytes are what the window promises) but for
-            # the candidates after the prompt it carries (assisted decoding's first call, see revertible_tail)
-            slack = T - 1 if state is not None else min(first_call_tail(), T - 1)
-            new = trim(keys, values, key_pos, seen, window, slack=max(slack, 0))
-        return out, dead.unsqueeze(1), new
+        return attend_window(q, k, v, state, query_mask, scale, self.window_spec, keep, position_bias)
 
     def crop(self, state: Any, tokens: int) -> Any:
         return state.crop(tokens, self.window_spec)

@@ -7,20 +7,30 @@ Per step (4 layers), ``DynamicCache`` / ``StaticCache``: cross-file calls, calls
 entered again from another file (helpers left out):
 
 - ``keep_0.25``: main at 46b179a 256 / 256 calls, 48 / 48 climbs, 136 / 120 re-entries; main at c676988 128 / 144,
-  0 / 0, 16 / 16; now 104 / 120, 0 / 0, 0 / 0: every file is entered once per layer.
-- ``stream_0.25``: 46b179a 364 / 320, 68 / 52, 204 / 152; c676988 212 / 204, 0 / 0, 64 / 48; now 184 / 176, 0 / 0,
-  44 / 28.
+  0 / 0, 16 / 16; f90ff65 104 / 120, 0 / 0, 0 / 0; now 96 / 112, 0 / 0, 0 / 0: every file is entered once per
+  layer.
+- ``stream_0.25``: 46b179a 364 / 320, 68 / 52, 204 / 152; c676988 212 / 204, 0 / 0, 64 / 48; f90ff65 184 / 176,
+  0 / 0, 44 / 28; now 148 / 148, 0 / 0, 12 / 4.
 
 At c676988 each layer entered the executor file four times (``resolve_executor``'s ``supports`` and ``prepare``,
 the run, its usage record) and the KV selection twice (the held plan's check, its ``slots`` read by the executor;
 three times with a window: the strategy's). Now the executor a request's first call resolves is held by its cache
 layer and runs each later call with its usage record in one call (``CachedExecutor.attend``), and the selection's
-slot counts are data. What is still entered more than once is the window policy's own files (``policy.py``,
-``window_policy.py``, ``window.py``, ``fixed_slots.py``) calling each other and the cache layer that holds their
-state (:data:`REENTRIES`). The tiny GPT-2, Qwen3, Mixtral and Gemma of ``arch_models`` decode with no file entered
-twice either (c676988: the executor file 3 times more, 4 for GPT-2, whose adapter built its fused projections
-there, and the selection once more). Run ``python tests/integrations/hf/decode_trip.py keep_0.25 stream_0.25`` for
-the edges.
+slot counts are data. At f90ff65 a ``stream_0.25`` layer's call re-entered files 11 times (DynamicCache; 7 on a
+StaticCache): the base sequence read the KV policy's state (``state_in``) and asked whether the policy holds the
+unkept groups (``kv_policy_of(...).needs_cache``) before the executor; the executor entered the policy files four
+times (``attend``, ``keep_in``, the policy's ``name`` and the window's ``capacity`` for the usage record), and
+the window policy called ``window.py`` four times. Now what a call needs of the policy (``holds_unkept``,
+``policy_name``, ``window_keys``) is data of the selection, decided at the request's first call; the executor
+enters the policy once (``KVPolicy.attend_in``: the state read, attended, kept in the cache layer) and the window
+policy enters ``window.py`` once (``attend_window``). What is still re-entered (:data:`REENTRIES`) is inherent:
+``attend_in`` is a base-class method in ``policy.py`` running hooks a subclass defines in ``window_policy.py``
+(``loaded``, ``attend``, ``stored``: three entries; on a StaticCache the ring is written in place and nothing is
+stored again: two), and the cache layer has two writers, the executor (the kept groups, ``store``) and the policy
+(its state, ``hold_state``). The tiny GPT-2, Qwen3, Mixtral and Gemma of ``arch_models`` decode with no file
+entered twice, as ``keep_0.25`` does (c676988: the executor file 3 times more, 4 for GPT-2, whose adapter built its
+fused projections there, and the selection once more). Run ``python tests/integrations/hf/decode_trip.py keep_0.25
+stream_0.25`` for the edges.
 """
 
 from __future__ import annotations
@@ -32,15 +42,15 @@ pytest.importorskip("transformers")
 from decode_trip import decode_step_trips, family_step_trips, rank, tiny_llama  # noqa: E402
 
 # per layer call: the most cross-file calls, for a DynamicCache / a StaticCache
-CALLS = {("keep_0.25", False): 26, ("keep_0.25", True): 30, ("stream_0.25", False): 46, ("stream_0.25", True): 44}
+CALLS = {("keep_0.25", False): 24, ("keep_0.25", True): 28, ("stream_0.25", False): 37, ("stream_0.25", True): 37}
 # per layer call: the most times a file is entered again from another file (helpers left out; a file not named: 0)
 KV = "condcomp/kv/"
 REENTRIES: dict[tuple[str, bool], dict[str, int]] = {
     ("keep_0.25", False): {}, ("keep_0.25", True): {},
-    ("stream_0.25", False): {KV + "policy.py": 3, KV + "window_policy.py": 2, KV + "window.py": 4, KV + "layer.py": 2},
-    ("stream_0.25", True): {KV + "policy.py": 4, KV + "window_policy.py": 1, KV + "window.py": 1,
-                            KV + "fixed_slots.py": 1}}
+    ("stream_0.25", False): {KV + "window_policy.py": 2, KV + "layer.py": 1},
+    ("stream_0.25", True): {KV + "window_policy.py": 1}}
 EXECUTOR, SELECTION = "condcomp/executors/cached.py", "condcomp/kv/selection.py"
+POLICY = "condcomp/kv/policy.py"
 SEQUENCE, CACHE_LAYER = "condcomp/kv/decoder.py", "condcomp/kv/layer.py"
 
 
@@ -67,6 +77,12 @@ def test_a_decode_step_goes_down_one_way(variant: str) -> None:
             assert [(b, fn) for _, b, fn in trip.edges if b == EXECUTOR] == [(EXECUTOR, "attend")], (
                 f"{where}: the executor should be entered once, for its call and usage record")
             assert [b for _, b, _ in trip.edges].count(SELECTION) == 1, f"{where}: {trip.edges}"
+            # the base sequence asks the KV policy nothing; the executor enters it once per call (none without it)
+            asked = [(b, fn) for a, b, fn in trip.edges if a == SEQUENCE and rank(b) == rank(POLICY)]
+            assert asked == [], f"{where}: the base decoder sequence asks the KV policy files {asked}"
+            into_policy = [(b, fn) for a, b, fn in trip.edges if a == EXECUTOR and rank(b) == rank(POLICY)]
+            want = [(POLICY, "attend_in")] if variant.startswith("stream") else []
+            assert into_policy == want, f"{where}: the executor enters the KV policy files as {into_policy}"
             assert len(trip.edges) <= CALLS[(variant, static)], f"{where}: {len(trip.edges)} cross-file calls"
 
 
