@@ -88,8 +88,11 @@ class KVSelection:
         object.__setattr__(self, "window_keys", None if self.window is None else self.window.capacity)
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # one pickled before these were data gets them
-        # (one pickled before holds_unkept: a policy holding its own slots holds the unkept groups)
-        state.setdefault("holds_unkept", state.get("policy") is not None)
+        # (one pickled before holds_unkept: a policy holding its own slots holds the unkept groups, and so does one
+        # that leaves no group uncached, `full`)
+        modes = state.get("modes")
+        state.setdefault("holds_unkept", state.get("policy") is not None
+                         or (modes is not None and bool((modes != KV_NONE).all())))
         self.__dict__.update(state)
         self.__post_init__()
 

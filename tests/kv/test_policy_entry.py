@@ -181,3 +181,9 @@ def test_what_a_decode_step_reads_of_the_policy_is_data_of_the_selection() -> No
     again = sel.__class__.__new__(sel.__class__)
     again.__setstate__(old)
     assert (again.holds_unkept, again.policy_name, again.window_keys) == (True, "window", 7)
+    for policy, holds in ((condcomp.kv.FullKV(), True), (None, False)):  # `full` caches every group; `drop` does not
+        sel = select_kv(plan, layout, policy)
+        old = {k: v for k, v in sel.__dict__.items() if k not in ("holds_unkept", "policy_name", "window_keys")}
+        again = sel.__class__.__new__(sel.__class__)
+        again.__setstate__(old)
+        assert again.holds_unkept is holds
