@@ -302,7 +302,10 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
 
 def main(args: argparse.Namespace) -> int:
     out = output_folder(args.out)  # parsing checked it; a direct call is checked here, before the benchmark runs
-    backend = args.compile_backend if args.compile else None
+    if args.compile_backend is not None and not args.compile:  # it ran eagerly only, the backend unused
+        raise ValueError(f"--compile-backend {args.compile_backend} is the backend of the compiled runs, and nothing "
+                         "is compiled without --compile: add it (or drop --compile-backend)")
+    backend = (args.compile_backend or "inductor") if args.compile else None
     if args.compile_mode is not None and backend != "inductor":  # nothing else reads a mode
         raise ValueError(f"--compile-mode {args.compile_mode} is a mode of torch.compile's inductor backend, and "
                          + ("nothing is compiled without --compile: add it" if backend is None else
@@ -354,8 +357,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="every variant on a static cache, decoded eagerly and under torch.compile(fullgraph=True) "
                              "(<name>+compiled, paired with compiled dense); records the compilations per run")
-    parser.add_argument("--compile-backend", default="inductor", type=compile_backend,
-                        help="torch.compile backend with --compile (default inductor; eager: the capture alone)")
+    parser.add_argument("--compile-backend", default=None, type=compile_backend,
+                        help="torch.compile backend with --compile (default inductor; eager: the capture alone); "
+                             "refused without --compile")
     parser.add_argument("--compile-mode", default=None, choices=COMPILE_MODES,
                         help="torch.compile mode with --compile (default: reduce-overhead, i.e. CUDA graphs, on cuda; "
                              "torch's default elsewhere)")
