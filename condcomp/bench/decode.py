@@ -231,6 +231,9 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
     from condcomp.experiments.llm.evaluation import usage_summary
 
     parsed = [parse_variant(name, compile_backend is not None) for name in names or ()]  # fails before any load
+    if new_tokens < 2:  # the first token is the prefill's: no decode step would be timed, and no record written
+        raise ValueError(f"new_tokens={new_tokens}: the first token comes from the prefill, so at least 2 are needed "
+                         "for one decode step to time")
     if len(set(parsed)) < len(parsed):
         raise ValueError(f"--variants names one variant twice: {' '.join(names or ())}")
     torch.set_num_threads(threads)
@@ -342,8 +345,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json and table.md")
     parser.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=[256, 2048], help="prompt lengths")
     parser.add_argument("--batches", type=integer(at_least=1), nargs="+", default=[1, 8], help="batch sizes")
-    parser.add_argument("--new-tokens", type=integer(at_least=1), default=24,
-                        help="greedy tokens per run (the first by prefill)")
+    parser.add_argument("--new-tokens", type=integer(at_least=2), default=24,
+                        help="greedy tokens per run (the first by prefill, so at least 2: one decode step)")
     parser.add_argument("--reps", type=integer(at_least=1), default=3, help="interleaved repetitions")
     parser.add_argument("--threads", type=integer(at_least=1), default=2)
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
