@@ -169,6 +169,31 @@ def test_a_compile_backend_or_mode_torch_does_not_know_is_refused_when_parsed(
     assert match in err, err
 
 
+def test_bench_decode_refuses_new_tokens_that_leave_no_decode_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # --new-tokens 1 (the prefill's token only) timed no decode step and wrote an empty table with exit 0
+    from condcomp.bench.decode import run
+
+    _refuse_work(monkeypatch)
+    err = _one_line_error(["bench", "decode", "--model", "tiny-llama", "--new-tokens", "1", "--out",
+                           str(tmp_path / "out")], capsys)
+    assert "argument --new-tokens: 1 is out of range" in err and ">= 2" in err, err
+    with pytest.raises(ValueError, match="new_tokens=1: the first token comes from the prefill"):
+        run("tiny-llama", new_tokens=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_decode_refuses_a_compile_backend_without_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # without --compile every variant decoded eagerly, and the run said nothing of the backend it was given
+    _refuse_work(monkeypatch)
+    argv = ["bench", "decode", "--model", "tiny-llama", "--quick", "--compile-backend", "eager"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--compile-backend eager is the backend of the compiled runs" in err and "add it" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("extra, match", [
     (["--compile", "--compile-backend", "eager"], "--compile-backend eager ignores it"),
     ([], "nothing is compiled without --compile"),

@@ -231,6 +231,9 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
     from condcomp.experiments.llm.evaluation import usage_summary
 
     parsed = [parse_variant(name, compile_backend is not None) for name in names or ()]  # fails before any load
+    if new_tokens < 2:  # the first token is the prefill's: no decode step would be timed, and no record written
+        raise ValueError(f"new_tokens={new_tokens}: the first token comes from the prefill, so at least 2 are needed "
+                         "for one decode step to time")
     if len(set(parsed)) < len(parsed):
         raise ValueError(f"--variants names one variant twice: {' '.join(names or ())}")
     torch.set_num_threads(threads)
@@ -302,7 +305,10 @@ def run(model_name: str = "tiny-llama", prompts: tuple[int, ...] = (256, 2048), 
 
 def main(args: argparse.Namespace) -> int:
     out = output_folder(args.out)  # parsing checked it; a direct call is checked here, before the benchmark runs
-    backend = args.compile_backend if args.compile else None
+    if args.compile_backend is not None and not args.compile:  # it ran eagerly only, the backend unused
+        raise ValueError(f"--compile-backend {args.compile_backend} is the backend of the compiled runs, and nothing "
+                         "is compiled without --compile: add it (or drop --compile-backend)")
+    backend = (args.compile_backend or "inductor") if args.compile else None
     if args.compile_mode is not None and backend != "inductor":  # nothing else reads a mode
         raise ValueError(f"--compile-mode {args.compile_mode} is a mode of torch.compile's inductor backend, and "
                          + ("nothing is compiled without --compile: add it" if backend is None else
@@ -339,8 +345,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json and table.md")
     parser.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=[256, 2048], help="prompt lengths")
     parser.add_argument("--batches", type=integer(at_least=1), nargs="+", default=[1, 8], help="batch sizes")
-    parser.add_argument("--new-tokens", type=integer(at_least=1), default=24,
-                        help="greedy tokens per run (the first by prefill)")
+    parser.add_argument("--new-tokens", type=integer(at_least=2), default=24,
+                        help="greedy tokens per run (the first by prefill, so at least 2: one decode step)")
     parser.add_argument("--reps", type=integer(at_least=1), default=3, help="interleaved repetitions")
     parser.add_argument("--threads", type=integer(at_least=1), default=2)
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
@@ -354,8 +360,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="every variant on a static cache, decoded eagerly and under torch.compile(fullgraph=True) "
                              "(<name>+compiled, paired with compiled dense); records the compilations per run")
-    parser.add_argument("--compile-backend", default="inductor", type=compile_backend,
-                        help="torch.compile backend with --compile (default inductor; eager: the capture alone)")
+    parser.add_argument("--compile-backend", default=None, type=compile_backend,
+                        help="torch.compile backend with --compile (default inductor; eager: the capture alone); "
+                             "refused without --compile")
     parser.add_argument("--compile-mode", default=None, choices=COMPILE_MODES,
                         help="torch.compile mode with --compile (default: reduce-overhead, i.e. CUDA graphs, on cuda; "
                              "torch's default elsewhere)")

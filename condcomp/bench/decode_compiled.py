@@ -40,7 +40,9 @@ def compile_mode(mode: str | None, device: torch.device) -> str | None:
 
 def compiled_steps(models: dict[str, nn.Module], backend: str, mode: str | None) -> dict[str, Callable[..., Any]]:
     """``{"<name>+compiled": torch.compile(model, fullgraph=True)}`` for every variant (the decode steps' forward;
-    the prefill stays eager, as generate() runs it)."""
+    the prefill stays eager, as generate() runs it). Dynamo's caches are reset first: ``compiles`` counts this
+    run's graphs, and a graph an earlier run in the process compiled (another ``run``, a test) was reused, counted 0."""
+    torch._dynamo.reset()
     limit = max(8, 4 * len(models))  # one cache entry per model of the same forward code: no recompile-limit hit
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)

@@ -3,7 +3,8 @@
 ``keep_<f>`` keeps the fraction f of a layer's key/value groups per request and skips the query heads that read the
 others, so a decode step reads f of the cache and runs f of the attention projections. The fastest it could be is
 a plain dense model that never had the other groups: ``floor_<f>`` is that model (every layer's first
-``round(f * groups)`` groups and their query heads, the rest of the weights shared with dense), decoding on
+:func:`kept_groups` groups, as many as ``keep_<f>`` keeps, and their query heads, the rest of the weights shared
+with dense), decoding on
 transformers' own cache. It is a different model (its greedy tokens differ from dense's); it times, as the k-head
 floor does for the gathered executor, what the compact cache costs above the work it keeps.
 """
@@ -15,10 +16,23 @@ from typing import Any
 
 from torch import nn
 
+from condcomp.plans import budget_k_bound
 
-def kept_groups(num_kv_heads: int, fraction: float) -> int:
-    """The key/value groups ``keep_<fraction>`` keeps per layer (at least one)."""
-    return max(1, min(num_kv_heads, round(fraction * num_kv_heads)))
+
+def kept_groups(num_kv_heads: int, fraction: float, num_heads: int | None = None) -> int:
+    """The key/value groups ``keep_<fraction>`` keeps per layer: its budget rule, ``k = clamp(floor(fraction * H), 1,
+    H)`` query heads (:func:`condcomp.budget_k`), in whole groups of ``H / num_kv_heads`` heads (the ``topk``
+    router's ``kv_groups``: ``ceil(k / heads per group)``). ``num_heads``: the layer's query heads ``H`` (default
+    ``num_kv_heads``: one query head per group).
+
+    >>> kept_groups(8, 0.33), kept_groups(3, 0.5, num_heads=9)
+    (2, 2)
+    """
+    heads = num_kv_heads if num_heads is None else int(num_heads)
+    if num_kv_heads < 1 or heads % num_kv_heads:
+        raise ValueError(f"{heads} query heads do not split into {num_kv_heads} key/value groups")
+    per_group = heads // num_kv_heads
+    return max(1, min(num_kv_heads, -(-budget_k_bound(fraction, heads) // per_group)))
 
 
 def floor_model(dense: nn.Module, fraction: float) -> nn.Module:
@@ -31,7 +45,7 @@ def floor_model(dense: nn.Module, fraction: float) -> nn.Module:
     config: Any = copy.deepcopy(getattr(dense, "config"))  # noqa: B009
     heads, groups = int(config.num_attention_heads), int(config.num_key_value_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    kept = kept_groups(groups, fraction)
+    kept = kept_groups(groups, fraction, heads)
     per_group = heads // groups
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = kept * per_group, kept, head_dim
     floor = copy.deepcopy(dense)

@@ -23,10 +23,18 @@ class RelativeBias:
     table: Tensor
 
     @classmethod
-    def from_scores(cls, bias: Tensor, last_query: int) -> RelativeBias:
+    def from_scores(cls, bias: Tensor, last_query: int | Tensor) -> RelativeBias:
         """The table of a dense bias ``(B|1, H, T, S)`` that depends only on ``key index - query index`` (T5's
         ``compute_bias``), whose last query sits at cache index ``last_query``: its row over the keys before it,
-        read backwards, gives every distance ``0 .. last_query``."""
+        read backwards, gives every distance ``0 .. last_query``. ``last_query`` may be a device scalar (a static
+        cache's count): the table then has ``S`` entries, gathered on the device (no host read, a shape that does not
+        change from step to step, as a compiled decode step needs); entries past ``last_query`` repeat the bias of
+        distance ``last_query`` (no real key is farther)."""
+        if isinstance(last_query, Tensor):
+            if bias.dim() != 4:
+                raise ValueError(f"a relative position bias (B|1, H, T, S) is needed, got shape {tuple(bias.shape)}")
+            back = (last_query - torch.arange(bias.shape[-1], device=bias.device)).clamp_min(0)  # (S,)
+            return cls(bias[:, :, -1, :].index_select(-1, back))  # (B|1, H, S)
         if bias.dim() != 4 or bias.shape[-1] <= last_query:
             raise ValueError(f"a relative position bias (B|1, H, T, S) with S > {last_query} (the last query's "
                              f"index) is needed, got shape {tuple(bias.shape)}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from condcomp.host import detached
@@ -177,6 +178,14 @@ def open_step(routed: Any, cache: Any, layer_idx: int, B: int, T: int, cross: bo
                        layer if compact and held is not None else None)
 
 
+PREFILL_COMPILED = (
+    "condcomp: a request's first call on a KV cache (its prefill, or a chunked prefill's first chunk) decides its "
+    "plan and sizes its compact cache on the host, so it cannot run inside torch.compile. Prefill eagerly and compile "
+    "the decode steps: generate(..., compile_config=...) does so unless prefill_chunk_size is set (it compiles every "
+    "prefill chunk: drop prefill_chunk_size or the compile_config); calling a torch.compile'd model yourself, run "
+    "the prefill through the model itself")
+
+
 def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: Tensor | None, num_keys: int,
                  decoder: bool) -> HeadPlan:
     """The call's plan: the request's held plan, or one decided now (a sequence plan only on an empty cache).
@@ -186,6 +195,8 @@ def request_plan(routed: Any, step: RequestStep | None, x: Tensor, query_mask: T
     plan: HeadPlan = routed.route(x, query_mask, routed.weights(), num_keys)
     if step is not None and step.past != 0 and plan.granularity == "sequence":
         raise step.no_plan_error()
+    if step is not None and decoder and plan.granularity == "sequence" and torch.compiler.is_compiling():
+        raise ValueError(PREFILL_COMPILED)  # (torch.compile reports it as the exception it observed)
     B, T = x.shape[:2]  # the plan is decided from the call's real tokens (the prompt's, under plan_from_prompt)
     real = None if query_mask is None else decision_mask(query_mask, routed.prompt_len, B, T, x.device)
     if step is not None and plan.granularity == "sequence" and real is not None and real.shape[1] and (

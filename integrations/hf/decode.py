@@ -31,6 +31,7 @@ from torch import Tensor
 from condcomp.dense import split_heads
 from condcomp.kv.choose import kv_policy_of
 from condcomp.kv.decoder import CompactCall, attend_compact, score_terms
+from condcomp.kv.fixed_slots import refuse_position_bias
 from condcomp.kv.policy import KVPolicy
 from condcomp.kv.position_bias import RelativeBias
 from condcomp.kv.selection import KVSelection, pad_slots, select_kv
@@ -151,7 +152,7 @@ def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep
     layer = cache_layer(step.cache, step.layer_idx)
     static = is_static_cache(step.cache, layer)
     if selection.window_index is not None and static:
-        refuse_on_static(policy)
+        refuse_on_static(policy, bool(getattr(routed.adapter, "adds_position_bias", False)))
     slots = getattr(layer, "num_heads", None) if layer_initialized(layer) else None
     if isinstance(slots, int) and hasattr(layer, "max_cache_len"):  # static: (B, slots, max_len, Dh) allocated
         if selection.slots <= slots:
@@ -160,9 +161,13 @@ def compact_selection(routed: RoutedAttention, plan: HeadPlan, step: RequestStep
     return selection
 
 
-def refuse_on_static(policy: KVPolicy) -> None:
+def refuse_on_static(policy: KVPolicy, position_bias: bool = False) -> None:
     """Refuse, by name, a KV policy whose groups a static cache cannot hold: one whose state does not stay a fixed
-    number of slots after the prefill (``holds_fixed_slots``), or a window inside the model's own sliding window."""
+    number of slots after the prefill (``holds_fixed_slots``), a window inside the model's own sliding window, or
+    slots on a model that adds a relative position bias to its scores (``position_bias``: T5). Refused at the
+    request's prefill, which runs eagerly: a compiled decode step would meet the refusal inside the graph."""
+    if position_bias:
+        refuse_position_bias(True, policy.name)
     if not policy.holds_fixed_slots:
         raise ValueError(f"the KV policy {policy.name!r} keeps the groups a plan does not keep in a state of its own "
                          "that does not hold a fixed number of slots after the prefill, which a static cache cannot "

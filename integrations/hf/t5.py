@@ -117,8 +117,10 @@ class T5AttentionAdapter(TransformersAdapter):
             proj = Projections(m["q"], m["k"], m["v"], m["o"])
             call = DecoderCall(x, cache, self.layer_idx, mask, extra, proj, weights=self.weights(routed))
             if position_bias is None:
-                position_bias = self._position_bias(routed, T, call.num_keys(int(past)), x, past)
-            relative = RelativeBias.from_scores(position_bias, int(past) + T - 1)  # its last query's distances
+                position_bias = self._position_bias(routed, T, call.num_keys(past), x, past)
+            # its last query's distances; a static cache's count stays on the device (a compiled step reads no host
+            # count, and the table's shape does not change from step to step)
+            relative = RelativeBias.from_scores(position_bias, past + T - 1)
             call = dataclasses.replace(call, score_bias=position_bias,  # (1, H, T, S), added to the mask's
                                        relative_bias=relative)
             return decoder_attention(routed, call), position_bias, None

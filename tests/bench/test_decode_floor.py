@@ -27,9 +27,37 @@ def _gqa_llama() -> nn.Module:
     return LlamaForCausalLM(config).double().eval()
 
 
-def test_kept_groups_round_the_fraction_and_keep_at_least_one() -> None:
+def test_kept_groups_follow_the_budget_rule_and_keep_at_least_one() -> None:
     assert [kept_groups(3, f) for f in (1 / 3, 0.34, 2 / 3, 1.0, 0.01)] == [1, 1, 2, 3, 1]
-    assert [kept_groups(8, f) for f in (0.25, 0.5, 0.125)] == [2, 4, 1]
+    assert [kept_groups(8, f) for f in (0.25, 0.5, 0.125, 0.33, 0.6)] == [2, 4, 1, 2, 4]  # floor(8 f), not round
+    # GQA: floor(f H) query heads in whole groups: 0.3 of 32 heads is 9 heads, 3 groups of 4 (round(0.3 * 8) = 2)
+    assert [kept_groups(8, f, num_heads=32) for f in (0.3, 0.33, 0.01)] == [3, 3, 1]
+
+
+def _llama(heads: int, kv_heads: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=8 * heads, intermediate_size=32, num_hidden_layers=1, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, vocab_size=50, max_position_embeddings=32)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 4), (32, 8), (9, 3)])
+@pytest.mark.parametrize("fraction", ["0.33", "0.3", "0.6", "0.01", "1"])
+def test_the_floor_keeps_as_many_groups_as_keep_f_holds_in_its_cache(heads: int, kv_heads: int,
+                                                                      fraction: str) -> None:
+    import condcomp
+    from condcomp.bench.decode import variants
+
+    models = variants(_llama(heads, kv_heads), names=[f"keep_{fraction}", f"floor_{fraction}"])
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = models[f"keep_{fraction}"](input_ids=ids, use_cache=True).past_key_values
+    (plan,) = condcomp.request_plans(models[f"keep_{fraction}"], cache).values()
+    held = {len(groups) for groups in plan.kept_kv_groups()}  # each row's kept groups (a fixed budget: one count)
+    assert held == {models[f"floor_{fraction}"].config.num_key_value_heads}
 
 
 @pytest.mark.parametrize("fraction", [1 / 3, 2 / 3])

@@ -53,3 +53,35 @@ def test_compiled_static_generate_equals_the_eager_compact_decode(fraction: floa
     compact = fraction < 1 and kv == "drop"  # kv="full" holds the groups the plan does not keep too
     assert all(k < 8 for k in kept) if compact else all(k == 8 for k in kept)
     assert [int(layer.keys.shape[1]) for layer in out.past_key_values.layers] == kept  # what the cache holds
+
+
+PREFILL_REFUSED = r"first call on a KV cache .* cannot run inside torch\.compile.*prefill_chunk_size"
+
+
+def test_a_chunked_prefill_compiled_with_fullgraph_is_refused_by_name() -> None:
+    # generate() compiles every prefill chunk when a compile config is set: the first chunk decides the plan on the
+    # host (it met a data-dependent guard deep inside the plan's slots, with no word of what to do)
+    model = _wrapped(1 / 3)
+    ids, mask = prompts()
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match=PREFILL_REFUSED):  # torch.compile's error, quoting condcomp's
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, prefill_chunk_size=4,
+                       cache_implementation="static", compile_config=_compile_config("eager"), **GREEDY)
+
+
+@pytest.mark.parametrize("fullgraph", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: graph breaks
+def test_a_prefill_through_a_compiled_model_is_refused_with_fullgraph_and_runs_eager_without(fullgraph: bool) -> None:
+    model = _wrapped(1 / 3)
+    ids, mask = prompts()
+    with torch.no_grad():
+        eager = model(input_ids=ids, attention_mask=mask, cache=t.StaticCache(config=model.config, max_cache_len=12),
+                      use_cache=True).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=fullgraph, backend="eager")
+        run = lambda: compiled(input_ids=ids, attention_mask=mask,  # noqa: E731
+                               cache=t.StaticCache(config=model.config, max_cache_len=12), use_cache=True).logits
+        if fullgraph:
+            with pytest.raises(RuntimeError, match=PREFILL_REFUSED):
+                run()
+        else:  # a graph break: the prefill runs eagerly, as the wrapped model decides it
+            torch.testing.assert_close(run(), eager, rtol=0, atol=0)

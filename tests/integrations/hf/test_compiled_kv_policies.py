@@ -1,5 +1,5 @@
-"""KV policies that hold a fixed number of slots after the prefill (``window``, ``snapkv``, ``adakv``, the
-DuoAttention split, a per-request split) on a static cache under ``torch.compile``: captured whole, compiled once
+"""KV policies that hold a fixed number of slots after the prefill (``window``, ``snapkv``, ``adakv``, ``headkv``,
+the DuoAttention split, a per-request split) on a static cache under ``torch.compile``: captured whole, compiled once
 for a generation, token-identical to the eager compact decode on the default cache, their logits equal to the
 float64 rule's reference (the per-head reference executor without a cache, masked entry by entry), their bytes
 counted by hand, and cache operations (beam reordering, crop, a second turn) between compiled steps.
@@ -32,6 +32,7 @@ POLICIES: dict[str, Any] = {
     "window": WINDOW_KV,
     "snapkv": ("snapkv", {"budget": 2, "observe": 1, "pool": 1}),
     "adakv": ("adakv", {"budget": 2, "observe": 1, "pool": 1}),
+    "headkv": ("headkv", {"shares": (0.5, 0.25, 1.0, 0.75), "sinks": 1, "observe": 1, "pool": 1}),  # per group
 }
 
 
@@ -97,7 +98,7 @@ def _states(cache: Any) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["window", "snapkv", "adakv", "duo-split", "request-split"])
+@pytest.mark.parametrize("variant", ["window", "snapkv", "adakv", "headkv", "duo-split", "request-split"])
 def test_compiled_static_generate_equals_the_eager_compact_decode(variant: str, tmp_path: Path) -> None:
     model = _model(variant, tmp_path)
     ids, mask = prompts()
@@ -110,7 +111,7 @@ def test_compiled_static_generate_equals_the_eager_compact_decode(variant: str, 
     for got, want in zip(out.logits, eager.logits, strict=True):
         torch.testing.assert_close(got, want, **TOL)
     assert counting.graphs == 1, f"the decode forward compiled {counting.graphs} times over {NEW - 1} steps"
-    fixed = {"snapkv": "SlotRegion", "adakv": "SlotRegion"}.get(variant, "RingWindow")
+    fixed = {"snapkv": "SlotRegion", "adakv": "SlotRegion", "headkv": "SlotRegion"}.get(variant, "RingWindow")
     assert set(_states(out.past_key_values)) == {fixed}  # the policy's state was preallocated, not grown
     if variant == "request-split":  # rows keep different full groups (the others stream)
         plans = condcomp.request_plans(model, out.past_key_values).values()

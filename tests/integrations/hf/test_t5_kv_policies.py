@@ -206,3 +206,66 @@ def test_policies_that_keep_everything_generate_what_the_full_cache_does_past_t5
         tokens, scores = generate(model(kv))
         assert torch.equal(tokens, want_tokens), kv
         torch.testing.assert_close(scores, want_scores, **TOL, msg=str(kv))
+
+
+def _compile_config(backend: Any) -> Any:
+    config = t.CompileConfig(fullgraph=True, backend=backend)
+    config._compile_all_devices = True  # transformers compiles off CUDA only when told to ("for testing")
+    return config
+
+
+def _t5_generate(model: nn.Module, **extra: Any) -> Any:
+    start, start_mask = t5_prompt(True)
+    return model.generate(**encoder_inputs(), decoder_input_ids=start, decoder_attention_mask=start_mask,
+                          max_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                          output_logits=True, **extra)
+
+
+@pytest.mark.parametrize("kv", ["drop", "full"])
+def test_t5_decodes_compiled_on_a_static_cache_as_the_eager_compact_decode(kv: str) -> None:
+    # T5's position bias on a static cache: the table of distances is read at the layer's device count of tokens
+    # (a host read there was a data-dependent guard that torch.compile refused)
+    model = wrapped("t5", kv)
+    eager = _t5_generate(model)  # the default cache, no compile
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any, **options: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = _t5_generate(model, cache_implementation="static", compile_config=_compile_config(counting))
+    assert torch.equal(out.sequences, eager.sequences)
+    for got, want in zip(out.logits, eager.logits, strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    assert len(graphs) == 1, f"the decode forward compiled {len(graphs)} times over {NEW - 1} steps"
+    if kv == "drop":  # rows keep different groups (a row mix-up would show)
+        assert rows_differ(condcomp.request_plans(model, out.past_key_values))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("name", ["window", "snapkv"])
+def test_a_policy_with_slots_on_t5s_static_cache_is_refused_by_name_at_the_prefill(name: str, compiled: bool) -> None:
+    # refused at the prefill (eager): met inside a compiled decode step it was torch.compile's error, not this one
+    model = wrapped("t5", POLICIES[name])
+    extra = {"compile_config": _compile_config("eager")} if compiled else {}
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=rf"KV policy '{name}' on a static cache cannot add a relative position "
+                                         r"bias \(T5\).*default DynamicCache"):
+        _t5_generate(model, cache_implementation="static", **extra)
+
+
+def test_the_distance_table_read_at_a_device_count_equals_the_host_one() -> None:
+    from condcomp.kv.position_bias import RelativeBias
+
+    H, T, S, last = 3, 2, 9, 6  # two queries at cache indices 5 and 6 of a 9-slot static cache
+    by_distance = torch.randn(1, H, S)  # the bias of a key d tokens back
+    i, j = torch.arange(last - T + 1, last + 1)[:, None], torch.arange(S)[None, :]
+    bias = by_distance[:, :, (i - j).clamp_min(0)]  # (1, H, T, S), as T5's compute_bias (keys after: masked)
+    host, device = RelativeBias.from_scores(bias, last), RelativeBias.from_scores(bias, torch.tensor(last))
+    assert device.table.shape == (1, H, S)  # the static cache's width, whatever the count
+    torch.testing.assert_close(device.table[..., :last + 1], host.table, rtol=0, atol=0)
+    query, key = torch.tensor([[5, 6]]), torch.tensor([[0, 2, 4, 5, 6]])  # real-token positions, keys <= queries
+    heads = torch.arange(H)[None]
+    torch.testing.assert_close(device.for_heads(heads).at(query, key), host.for_heads(heads).at(query, key),
+                               rtol=0, atol=0)
