@@ -183,6 +183,22 @@ def test_bench_decode_refuses_new_tokens_that_leave_no_decode_step(tmp_path: Pat
     assert not (tmp_path / "out").exists()
 
 
+def test_bench_decode_says_which_sizes_quick_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # --quick replaced --prompts 512 with prompt 16 and said nothing
+    import condcomp.bench.decode
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(condcomp.bench.decode, "run", lambda *a, **kw: calls.append(kw) or [])
+    argv = ["bench", "decode", "--model", "tiny-llama", "--quick", "--prompts", "512", "--reps", "2"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "--quick runs prompt 16, batch 2, 4 tokens, 1 repetition: --prompts --reps ignored" in err, err
+    assert calls[-1]["prompts"] == (16,) and calls[-1]["reps"] == 1
+    assert main(["bench", "decode", "--model", "tiny-llama", "--quick", "--out", str(tmp_path / "b")]) == 0
+    assert "ignored" not in capsys.readouterr().err  # --quick alone: nothing replaced
+
+
 def test_bench_decode_refuses_a_compile_backend_without_compile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     # without --compile every variant decoded eagerly, and the run said nothing of the backend it was given

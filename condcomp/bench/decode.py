@@ -316,6 +316,11 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     quick = dict(prompts=(16,), batches=(2,), new_tokens=4, reps=1) if args.quick else dict(
         prompts=tuple(args.prompts), batches=tuple(args.batches), new_tokens=args.new_tokens, reps=args.reps)
+    overridden = [f"--{name.replace('_', '-')}" for name, default in RUN_DEFAULTS.items()
+                  if args.quick and getattr(args, name, default) != default]
+    if overridden:  # said, not silently replaced (the device scripts' dry runs pass both on purpose)
+        print(f"bench decode: --quick runs prompt 16, batch 2, 4 tokens, 1 repetition: {' '.join(overridden)} "
+              "ignored (drop --quick to run them)", file=sys.stderr)
     done: list[dict[str, Any]] = []
 
     def cell_done(records: list[dict[str, Any]]) -> None:  # written after every cell: a run cut short keeps them
@@ -335,6 +340,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+# the run's sizes without --quick (which replaces them: a smoke run)
+RUN_DEFAULTS: dict[str, Any] = {"prompts": [256, 2048], "batches": [1, 8], "new_tokens": 24, "reps": 3}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", choices=MODELS,
                         help="smollm2 (default; needs the llm extra, see docs/llm.md), tiny-llama (a random "
@@ -343,11 +352,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
                         help="the models' dtype (default float32)")
     parser.add_argument("--out", type=output_folder, required=True, help="folder for metrics.json and table.md")
-    parser.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=[256, 2048], help="prompt lengths")
-    parser.add_argument("--batches", type=integer(at_least=1), nargs="+", default=[1, 8], help="batch sizes")
-    parser.add_argument("--new-tokens", type=integer(at_least=2), default=24,
+    parser.add_argument("--prompts", type=integer(at_least=1), nargs="+", default=RUN_DEFAULTS["prompts"],
+                        help="prompt lengths")
+    parser.add_argument("--batches", type=integer(at_least=1), nargs="+", default=RUN_DEFAULTS["batches"],
+                        help="batch sizes")
+    parser.add_argument("--new-tokens", type=integer(at_least=2), default=RUN_DEFAULTS["new_tokens"],
                         help="greedy tokens per run (the first by prefill, so at least 2: one decode step)")
-    parser.add_argument("--reps", type=integer(at_least=1), default=3, help="interleaved repetitions")
+    parser.add_argument("--reps", type=integer(at_least=1), default=RUN_DEFAULTS["reps"],
+                        help="interleaved repetitions")
     parser.add_argument("--threads", type=integer(at_least=1), default=2)
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                         help="dense, full, keep_<f> (per-request plan keeping the fraction f of the KV groups), "
@@ -367,7 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile mode with --compile (default: reduce-overhead, i.e. CUDA graphs, on cuda; "
                              "torch's default elsewhere)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run (prompt 16, batch 2, 4 tokens; seconds with --model tiny-llama)")
+                        help="a smoke run (prompt 16, batch 2, 4 tokens, 1 repetition, replacing --prompts, "
+                             "--batches, --new-tokens and --reps; seconds with --model tiny-llama)")
 
 
 def add_bench_commands(bench_subparsers: Any) -> None:
