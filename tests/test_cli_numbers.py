@@ -59,7 +59,7 @@ REFUSED = [
     (["dit", "--guidance", "inf"], "--guidance", "not a finite number"),
     (["dit", "--lr", "nan"], "--lr", "not a finite number"),
     (["bench", "kv", "--decode-batch", "0"], "--decode-batch", "pass a whole number >= 1"),
-    (["bench", "decode", "--new-tokens", "0"], "--new-tokens", "pass a whole number >= 1"),
+    (["bench", "decode", "--new-tokens", "0"], "--new-tokens", "pass a whole number >= 2"),
     (["bench", "compile", "--s", "nan"], "--s", "not a finite number"),
 ]
 
