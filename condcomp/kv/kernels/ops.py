@@ -114,7 +114,7 @@ def decode_attention_op(q: Tensor, k_pool: Tensor, v_pool: Tensor, lengths: Tens
     if kv_index is not None and check_index:
         _check_index_values(q, kv_index, group_size, on_host=kv_index.device.type == "cpu")
     return _impl(q).decode_attention(q, k_pool, v_pool, lengths, scale, kv_index, group_size, bias, block_n,
-                                     split_n)
+                                      split_n)
 
 
 @decode_attention_op.register_fake
