@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared call on a lent GPU machine for both GPU rows at once (the gathered executor's gpu-check and the compact
-# cache's compiled decode), for a session that gets one call and wants a first number on each rather than the whole of
-# one: run_gpu.sh with the first FIRST_S seconds (gpu-check: its checks, then its target cells first), then
+# cache's compiled decode), when the one call should give a first number on each rather than the whole of one:
+# run_gpu.sh with the first FIRST_S seconds (gpu-check: its checks, then its target cells first), then
 # run_gpu_decode.sh with the rest on SmolLM2's shape alone (variants keep_0.33, stream_0.33 and full beside dense).
 # Each writes under its own folder: $OUT/gpu (as run_gpu.sh writes $OUT) and $OUT/decode (as run_gpu_decode.sh).
 # A dry run on CPU:
