@@ -314,13 +314,13 @@ def main(args: argparse.Namespace) -> int:
                          + ("nothing is compiled without --compile: add it" if backend is None else
                             f"--compile-backend {backend} ignores it: drop --compile-mode or use the inductor backend"))
     out.mkdir(parents=True, exist_ok=True)
-    quick = dict(prompts=(16,), batches=(2,), new_tokens=4, reps=1) if args.quick else dict(
+    quick = QUICK_SIZES if args.quick else dict(
         prompts=tuple(args.prompts), batches=tuple(args.batches), new_tokens=args.new_tokens, reps=args.reps)
     overridden = [f"--{name.replace('_', '-')}" for name, default in RUN_DEFAULTS.items()
                   if args.quick and getattr(args, name, default) != default]
     if overridden:  # said, not silently replaced (the device scripts' dry runs pass both on purpose)
-        print(f"bench decode: --quick runs prompt 16, batch 2, 4 tokens, 1 repetition: {' '.join(overridden)} "
-              "ignored (drop --quick to run them)", file=sys.stderr)
+        print(f"bench decode: --quick runs {QUICK_WORDS}: {' '.join(overridden)} ignored (drop --quick to run them)",
+              file=sys.stderr)
     done: list[dict[str, Any]] = []
 
     def cell_done(records: list[dict[str, Any]]) -> None:  # written after every cell: a run cut short keeps them
@@ -340,8 +340,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-# the run's sizes without --quick (which replaces them: a smoke run)
+# the run's sizes without --quick, and those --quick replaces them with (a smoke run)
 RUN_DEFAULTS: dict[str, Any] = {"prompts": [256, 2048], "batches": [1, 8], "new_tokens": 24, "reps": 3}
+QUICK_SIZES: dict[str, Any] = {"prompts": (16,), "batches": (2,), "new_tokens": 4, "reps": 1}
+QUICK_WORDS = "prompt {prompts[0]}, batch {batches[0]}, {new_tokens} tokens, {reps} repetition".format(**QUICK_SIZES)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -379,8 +381,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile mode with --compile (default: reduce-overhead, i.e. CUDA graphs, on cuda; "
                              "torch's default elsewhere)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run (prompt 16, batch 2, 4 tokens, 1 repetition, replacing --prompts, "
-                             "--batches, --new-tokens and --reps; seconds with --model tiny-llama)")
+                        help=f"a smoke run ({QUICK_WORDS}, replacing --prompts, --batches, --new-tokens and "
+                             "--reps; seconds with --model tiny-llama)")
 
 
 def add_bench_commands(bench_subparsers: Any) -> None:
