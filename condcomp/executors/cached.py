@@ -50,7 +50,8 @@ class CompactKV:
       ``window``); ``keep_windows`` stores the new one (the layer's ``keep_policy_state``).
     - ``state_layer``: instead of ``windows`` / ``keep_windows``, the cache layer that holds the KV policy's state
       (a held executor's decode calls): the policy reads, attends over and keeps it there in one call
-      (:meth:`~condcomp.kv.policy.KVPolicy.attend_in`); None: ``windows`` / ``keep_windows``.
+      (:meth:`~condcomp.kv.policy.KVPolicy.attend_in`), and counts the keys its heads read from ``num_keys``, the
+      call's ``S``; None: ``windows`` / ``keep_windows``.
     - ``projections``: how to project (None: the canonical weights).
     - ``placeholder_width``: when no group is kept in full, the full-length tensor holds a placeholder of this width
       that only counts the tokens (a quantized cache layer that quantizes in groups of ``n`` values needs ``n``).
@@ -72,6 +73,7 @@ class CompactKV:
     position_bias: RelativeBias | None = None  # the model's relative position bias of every query head (T5)
     kernel_held: Tensor | None = None
     state_layer: Any = None  # the cache layer holding the KV policy's state (its windows and keep_windows unset)
+    num_keys: int | None = None  # the call's S, given with state_layer (what the policy's keys_read counts from)
 
     def policy_state(self) -> Any:
         """The KV policy's state before the call, wherever it is held (what its ``keys_read`` counts from)."""
@@ -150,11 +152,12 @@ def compact_attention(layout: HeadLayout, inputs: AttentionInputs, cache: Compac
     return _compact_call(layout, inputs, cache)[0]
 
 
-def _compact_call(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV) -> tuple[Tensor, Any]:
-    """:func:`compact_attention`'s output and the KV policy's state before the call (``cache.windows`` or the one
-    its cache layer held)."""
+def _compact_call(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV) -> tuple[Tensor, Any, int | None]:
+    """:func:`compact_attention`'s output, the KV policy's state before the call as given (``cache.windows``) and
+    the keys its heads read, counted by the policy in the call that holds its state in the cache layer
+    (``cache.state_layer``; None otherwise: :meth:`CachedRun.usage` asks the policy from the state)."""
     x, sel, proj = inputs.x, cache.selection, cache.projections
-    before = cache.windows
+    before, read = cache.windows, None
     assert proj is not None
     B, T, _ = x.shape
     Hkv, r, Dh, g = layout.num_kv_heads, layout.group_size, layout.head_dim, sel.slots
@@ -203,7 +206,11 @@ def _compact_call(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV)
                                  "'full' or 'drop' here")
             joint["position_bias"] = cache.position_bias.for_heads(_heads_of_slots(sel.window_index, r))
         if cache.state_layer is not None:  # the policy reads, attends over and keeps its state in the layer
-            out, w_dead, before = sel.policy.attend_in(cache.state_layer, q, k, v, inputs.mask, layout.scale, **joint)
+            if cache.num_keys is None:
+                raise ValueError("CompactKV.state_layer is set without num_keys: give the call's number of keys "
+                                 "(the KV policy counts the keys its heads read from it)")
+            out, w_dead, read = sel.policy.attend_in(cache.state_layer, q, k, v, inputs.mask, layout.scale,
+                                                     cache.num_keys, **joint)
         else:  # the caller holds the state: given before the call, kept through keep_windows
             keep = cache.keep_windows
             out, w_dead, state = sel.policy.attend(q, k, v, before, inputs.mask, layout.scale, keep is not None,
@@ -213,11 +220,11 @@ def _compact_call(layout: HeadLayout, inputs: AttentionInputs, cache: CompactKV)
         parts.append((_gated(out, sel.window_gates, w_dead), sel.window_index))
         dead = w_dead.squeeze(1) if dead is None else dead
     if not parts:  # an empty batch
-        return x.new_zeros(B, T, layout.d_model), before
+        return x.new_zeros(B, T, layout.d_model), before, read
     y = proj.o(_combine(parts, layout, sel.identity and len(parts) == 1))
     if sel.row_active is not None:  # a row with no active head outputs exactly zero (no output bias)
         y = torch.where(sel.row_active[:, None, None], y, torch.zeros_like(y))
-    return (y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)), before
+    return (y if dead is None else y.masked_fill(dead.unsqueeze(-1), 0.0)), before, read
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,7 @@ class CachedRun:
     selection: KVSelection
     name: str = "kv_cache"
     policy_state: Any = None  # the KV policy's state before the call (how many keys its heads read)
+    keys_read: int | None = None  # the keys its heads read, when the policy counted them in the call
 
     @property
     def strategy(self) -> str:
@@ -257,7 +265,8 @@ class CachedRun:
             streamed = ((sel.modes == KV_WINDOW) & unkept).repeat_interleave(per_head, dim=1)
             held_full = ((sel.modes == KV_FULL) & unkept).repeat_interleave(per_head, dim=1)
         window_keys = sel.window_keys if sel.window_keys is not None else (
-            S if sel.policy is None else sel.policy.keys_read(self.policy_state, T, S))
+            S if sel.policy is None else self.keys_read if self.keys_read is not None else
+            sel.policy.keys_read(self.policy_state, T, S))
         return LastForward(s, plan, query_mask, T, S, self.name, self.strategy, streamed, window_keys, held_full)
 
     def attend(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan, record: LastForward,
@@ -307,11 +316,11 @@ class CachedExecutor:
         ``record`` (the caller's ``s``, plan, query mask, ``T`` and ``S``) completed as :meth:`CachedRun.usage`
         does (``holds_unkept``: the KV policy computes the groups the plan does not keep). The decoder sequence
         holds the executor a request's first call resolved and runs each later call through this alone."""
-        y, before = self._run(weights, inputs, plan)
+        y, before, read = self._run(weights, inputs, plan)
         cache = inputs.kv_cache
         if cache is None:
             return y, LastForward(record.s, plan, record.mask, record.T, record.S, self.name)
-        run = CachedRun(self, cache.selection, policy_state=before)
+        run = CachedRun(self, cache.selection, policy_state=before, keys_read=read)
         return y, run.usage(record.s, plan, record.mask, record.T, record.S, holds_unkept)
 
     def estimate(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Estimate:
@@ -325,8 +334,9 @@ class CachedExecutor:
         return self._run(weights, inputs, plan, cache)[0]
 
     def _run(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan,
-             cache: CompactKV | None = None) -> tuple[Tensor, Any]:
-        """The call's output and the KV policy's state before it (None without a cache)."""
+             cache: CompactKV | None = None) -> tuple[Tensor, Any, int | None]:
+        """The call's output, the KV policy's state before it as given and the keys its heads read as the policy
+        counted them in the call (:func:`_compact_call`; both None without a cache)."""
         cache = cache if cache is not None else inputs.kv_cache
         reason = self.supports(weights, inputs, plan, cache)
         if reason is not None:
@@ -335,7 +345,7 @@ class CachedExecutor:
             if cache.projections is None:
                 cache = dataclasses.replace(cache, projections=Projections.of_weights(weights))
             return _compact_call(weights.layout, inputs, cache)
-        return keep_gates_in_graph(self._cache_free(weights, inputs, plan), plan), None
+        return keep_gates_in_graph(self._cache_free(weights, inputs, plan), plan), None, None
 
     def _cache_free(self, weights: AttentionWeights, inputs: AttentionInputs, plan: HeadPlan) -> Tensor:
         """The kept groups' attention from the call's own keys and values (every group projected, then gathered).

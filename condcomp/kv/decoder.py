@@ -145,7 +145,8 @@ def attend_compact(host: Any, plan: HeadPlan, sel: KVSelection, call: CompactCal
     keep = None if policy is None or in_layer else functools.partial(policy.keep_in, call.layer)
     held_after = call.query_start + T if call.decode_kernel and isinstance(call.query_start, Tensor) else None
     compact = CompactKV(sel, store, S if mask is None and not on_device else None, windows, keep, call.projections,
-                        call.placeholder_width, call.relative_bias, held_after, call.layer if in_layer else None)
+                        call.placeholder_width, call.relative_bias, held_after, call.layer if in_layer else None,
+                        S if in_layer else None)
     inputs = AttentionInputs(x=x, mask=query_mask, key_mask=key_mask, attn_bias=bias, rotary=call.rotary,
                              dropout_p=L.dropout_p if host.training else 0.0, kv_cache=compact)
     run = held

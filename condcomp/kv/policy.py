@@ -140,16 +140,18 @@ class KVPolicy:
     # once per call (attend_in), which reads, attends over and keeps the state there, so a decode step reads down
     # (executor -> policy -> cache layer); the layer's policy_state / keep_policy_state read and keep it the same way
     def attend_in(self, layer: Any, q: Tensor, k: Tensor, v: Tensor, query_mask: Tensor | None, scale: float,
-                  **options: Any) -> tuple[Tensor, Tensor, Any]:
+                  keys: int, **options: Any) -> tuple[Tensor, Tensor, int]:
         """One call over its groups whose state the cache ``layer`` holds, in one entry: the state read
         (:meth:`state_in`), attended with this call's keys (:meth:`attend`, given ``options``: its opt-in keywords
-        such as ``slot_valid``) and the new state kept in the layer (:meth:`keep_in`). Returns ``(out (B, gw*r, T,
-        Dh), dead (B, 1, T), the state before the call)`` (what :meth:`keys_read` counts from). The executor calls
-        it; a policy overrides :meth:`attend` (and :meth:`loaded`, :meth:`stored`, :meth:`fixed_slots`), not this."""
+        such as ``slot_valid``), the new state kept in the layer (:meth:`keep_in`) and the keys its heads read
+        counted (:meth:`keys_read` of the state before the call; ``keys``: the call's ``S``, what a head reading
+        every key reads). Returns ``(out (B, gw*r, T, Dh), dead (B, 1, T), keys read)``. The executor calls it; a
+        policy overrides :meth:`attend` (and :meth:`loaded`, :meth:`stored`, :meth:`fixed_slots`,
+        :meth:`keys_read`), not this."""
         before = self.state_in(layer)
         out, dead, state = self.attend(q, k, v, before, query_mask, scale, True, **options)
         self.keep_in(layer, state)
-        return out, dead, before
+        return out, dead, self.keys_read(before, q.shape[2], keys)
 
     def state_in(self, layer: Any) -> Any:
         """The state ``layer`` holds for this policy before a call, as :meth:`attend` reads it (None: none yet)."""

@@ -60,7 +60,9 @@ class KVSelection:
     - ``holds_unkept``: the layer's KV policy holds the groups the plan does not keep (in its own state or in full:
       their heads are computed), decided with the selection so a decode step reads it as data.
     - ``slots`` / ``window_slots``: ``g`` and ``gw``; ``policy_name``: ``policy``'s name; ``window_keys``: the most
-      keys a streamed head reads under ``window`` (its sinks + recent tokens). Resolved when the selection is built
+      keys a streamed head reads under ``window`` (its sinks + recent tokens); ``window_valid (B, gw)`` bool: the
+      ``window_index`` slots that hold a group of the row the policy holds (the spare ones after them repeat the
+      row's first such group at gate 0), None when no row has such a group. Resolved when the selection is built
       (not constructor arguments; a decode step reads them as data, asking the policy nothing).
     """
 
@@ -80,12 +82,14 @@ class KVSelection:
     window_slots: int = field(init=False)  # gw: key/value heads cached as a streaming window per row
     policy_name: str | None = field(init=False)  # the name of the policy holding the window_* slots
     window_keys: int | None = field(init=False)  # the most keys a streamed head reads under `window`
+    window_valid: Tensor | None = field(init=False)  # (B, gw) bool: window slots holding a group of their row
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slots", int(self.kv_index.shape[1]))
         object.__setattr__(self, "window_slots", 0 if self.window_index is None else int(self.window_index.shape[1]))
         object.__setattr__(self, "policy_name", None if self.policy is None else self.policy.name)
         object.__setattr__(self, "window_keys", None if self.window is None else self.window.capacity)
+        object.__setattr__(self, "window_valid", _held_slots(self.window_index, self.window_gates))
 
     def __setstate__(self, state: dict[str, Any]) -> None:  # one pickled before these were data gets them
         # (one pickled before holds_unkept: a policy holding its own slots holds the unkept groups, and so does one
@@ -96,14 +100,14 @@ class KVSelection:
         self.__dict__.update(state)
         self.__post_init__()
 
-    @property
-    def window_valid(self) -> Tensor | None:
-        """``(B, gw)`` bool: the ``window_index`` slots that hold a group of the row the policy holds (the spare
-        ones after them repeat the row's first such group at gate 0); None when no row has such a group."""
-        if self.window_index is None or self.window_gates is None:
-            return None
-        B, gw = self.window_index.shape
-        return self.window_gates.view(B, gw, -1).amax(-1) > 0  # held groups' heads are at gate 1, spare slots 0
+
+def _held_slots(index: Tensor | None, gates: Tensor | None) -> Tensor | None:
+    """``(B, g)`` bool: the slots ``index (B, g)`` that hold a group of their row, from their heads' ``gates (B,
+    g*r)`` (a held group's heads are at gate 1, a spare slot's at 0); None without slots."""
+    if index is None or gates is None:
+        return None
+    B, g = index.shape
+    return gates.view(B, g, -1).amax(-1) > 0
 
 
 def _slots_of(chosen: Tensor, gates: Tensor, r: int, at_least_one: bool) -> tuple[Tensor, Tensor]:

@@ -120,9 +120,18 @@ def trace(call: Any) -> tuple[list[LayerTrip], Any]:
 
 def tiny_llama(variant: str = "keep_0.25") -> Any:
     """The trip's model: the bench's tiny Llama as ``variant`` (``keep_0.25``: keeping 1/4 of its KV groups, the
-    others dropped; ``stream_0.25``: the others in a streaming window)."""
+    others dropped; ``stream_0.25``: the others in a streaming window; ``snapkv_0.25``: the others under
+    ``kv="snapkv"``, the prompt's tokens each group's heads attend most)."""
+    import condcomp
     from condcomp.bench.decode import load_model, variants
 
+    if variant.startswith("snapkv_"):
+        model = load_model("tiny-llama")
+        torch.manual_seed(0)  # the router's initial weights
+        config = condcomp.CondCompConfig(policy=("fixed", {"fraction": float(variant.removeprefix("snapkv_"))}),
+                                         router=("topk", {"kv_groups": True}), executor="auto", kv="snapkv")
+        condcomp.apply_(model, config)
+        return model.eval()
     return variants(load_model("tiny-llama"), "tiny-llama", [variant])[variant]
 
 
