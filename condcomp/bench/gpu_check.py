@@ -43,6 +43,7 @@ from condcomp.bench.gpu_tuning import tuning_lines, tuning_record
 from condcomp.cli_args import compile_backend, finite_float, integer, output_folder
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor
+from condcomp.executors.gathered.pairs import tf32_matmul
 from condcomp.plans import plan_from_active, top_k_mask
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
 
@@ -186,7 +187,7 @@ def run_header(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     return {"command": command_line(args), "commit": _commit(),
             "device": torch.cuda.get_device_name(dev) if cuda else f"CPU ({os.cpu_count()} cores)",
             "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None, "triton": _version("triton"),
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32 if cuda else None,
+            "tf32_matmul": tf32_matmul() if cuda else None,
             "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "budget_s": args.budget_s, "threads": torch.get_num_threads()}
 
