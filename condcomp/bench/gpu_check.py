@@ -15,7 +15,8 @@ against the reference executor, then dense / the k-head floor / masked / gathere
 ``--budget-s`` bounds the whole run: a cell that would not finish in the time left is not started (a later, smaller
 one may be), and the records (rewritten after every cell) name the cells not started. Writes ``checks.json``,
 ``metrics.json``, ``tuning.json`` (``auto``'s CUDA thresholds fitted to the bfloat16 cells:
-``condcomp.bench.gpu_tuning``) and ``table.md`` into ``--out``, each with the command, commit and device. Exits 1 if
+``condcomp.bench.gpu_tuning``) and ``table.md`` into ``--out``, each with the command, commit and device (strict
+JSON: a non-finite number, such as a fitted "never" threshold, is the string ``"inf"``). Exits 1 if
 a check fails or a timed gathered variant's output differs from the masked executor's on the same plan by more than
 the checks' tolerance.
 """
@@ -26,6 +27,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -147,10 +149,28 @@ def _raised(row: dict[str, Any], error: Exception) -> dict[str, Any]:
     return {**row, "tensor": None, "ok": False, "error": text}
 
 
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or ``"nan"``: json.dumps writes
+    ``Infinity``/``NaN``, which strict JSON readers (jq, JavaScript, most other languages) refuse, and a fit whose
+    path is "never gathered" holds ``inf`` (``tuning.json``). Python reads the strings back with ``float()``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write one of the run's records as strict JSON (:func:`_strict`)."""
+    path.write_text(json.dumps(_strict(value), indent=1, allow_nan=False))
+
+
 def write_checks(out: Path, header: dict[str, Any], results: list[dict[str, Any]]) -> bool:
     """Rewrite ``checks.json`` with the checks so far; returns whether none failed."""
     all_ok = all(r["ok"] is not False for r in results)
-    (out / "checks.json").write_text(json.dumps({**header, "all_ok": all_ok, "checks": results}, indent=1))
+    write_json(out / "checks.json", {**header, "all_ok": all_ok, "checks": results})
     return all_ok
 
 
@@ -296,9 +316,9 @@ def write(out: Path, header: dict[str, Any], records: list[dict[str, Any]], summ
     meta = {**header, "elapsed_s": round(elapsed, 1), "cells_done": len(summaries),
             "cells_failed": sum("cell" in c["not_run"] for c in summaries), "wrong_answers": wrong_answers(records)}
     meta["complete"] = meta["cells_done"] == header["cells_total"] and not meta["cells_failed"]
-    (out / "metrics.json").write_text(json.dumps({**meta, "cells": summaries, "records": records}, indent=1))
+    write_json(out / "metrics.json", {**meta, "cells": summaries, "records": records})
     tuning = tuning_record(records, on_cuda=header.get("cuda") is not None)
-    (out / "tuning.json").write_text(json.dumps({**header, **tuning}, indent=1))
+    write_json(out / "tuning.json", {**header, **tuning})
     (out / "table.md").write_text(table(meta, records, summaries) + "\n\n" + "\n".join(tuning_lines(tuning)) + "\n")
     return meta
 

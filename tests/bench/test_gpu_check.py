@@ -70,6 +70,37 @@ def test_the_full_grid_on_a_cpu_is_refused_and_names_quick(tmp_path: Path, capsy
     assert not (tmp_path / "out").exists()
 
 
+def _strict_load(path: Path) -> Any:
+    """``json.loads`` as strict readers (jq, JavaScript) parse: ``Infinity`` and ``NaN`` are errors."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{path.name} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_the_records_are_strict_json_when_gathered_never_wins(tmp_path: Path) -> None:
+    """Cells where gathered is always slower than masked fit the threshold "never gathered" (``inf``): tuning.json
+    wrote it as ``Infinity``, which strict JSON readers refuse. It is written as the string ``"inf"`` now, and the
+    CUDA fields a person copies stay finite numbers."""
+    records = []
+    for s, pas in [(s, p) for s in (0.25, 1.0) for p in ("fwd", "fwd+bwd")]:
+        for variant, ratio in (("dense", 1.0), ("floor", s), ("masked", 1.1), ("gathered", 2.0)):
+            records.append({"shape": {"B": 2, "T": 16, "D": 64, "H": 8}, "granularity": "sequence", "s": s, "k": 2,
+                            "dtype": "bfloat16", "variant": variant, "pass": pas, "target_cell": False,
+                            "strategy": "sequence.static" if variant == "gathered" else None, "ms": ratio,
+                            "paired_to_dense": ratio, "paired_to_floor": ratio / s, "rel_err_vs_masked": None})
+    header = {"command": "condcomp bench gpu-check", "commit": "abc", "device": "GPU", "torch": torch.__version__,
+              "cuda": "12", "started_utc": "now", "cells_total": 2, "not_started": [], "stopped": None,
+              "nan_field": float("nan")}
+    gpu_check.write(tmp_path, header, records, [], 1.0)
+    tuning = _strict_load(tmp_path / "tuning.json")
+    assert tuning["fits"]["sequence"]["min_skipped_work"] == "inf"  # never gathered: float("inf") reads it back
+    assert tuning["fields"]["min_skipped_work_sequence"] == 2**40 and tuning["fields"]["measured"] is True
+    assert _strict_load(tmp_path / "metrics.json")["nan_field"] == "nan"
+    gpu_check.write_checks(tmp_path, header, [{"case": "seq", "rel_err": float("inf"), "ok": False}])
+    assert _strict_load(tmp_path / "checks.json")["checks"][0]["rel_err"] == "inf"
+
+
 def _strategies(granularity: str) -> set[str]:
     return {s.name for s in STRATEGIES[granularity]}
 
