@@ -3,6 +3,7 @@ against the reference executor, then dense / the k-head floor / masked / gathere
 
     condcomp bench gpu-check --out results/bench/gpu_check/h100                 # on a CUDA GPU, within 480 s
     condcomp bench gpu-check --device cpu --quick --out /tmp/gpu_check         # end to end on CPU, tiny shapes
+    TRITON_INTERPRET=1 condcomp bench gpu-check --device cpu --quick --out /tmp/gpu_check  # + the Triton strategies
 
 1. Checks: each strategy of the gathered dispatch table that can run a case (``GatheredExecutor(strategy=NAME)``
    under ``every_strategy_tuning``: the opt-in Triton kernels included; the others with their reasons) against the

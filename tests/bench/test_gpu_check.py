@@ -101,6 +101,26 @@ def test_the_records_are_strict_json_when_gathered_never_wins(tmp_path: Path) ->
     assert _strict_load(tmp_path / "checks.json")["checks"][0]["rel_err"] == "inf"
 
 
+def test_a_cpu_dry_run_under_the_interpreter_checks_the_triton_strategies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TRITON_INTERPRET=1 condcomp bench gpu-check --device cpu --quick`` listed sequence.triton and token.triton
+    as "CUDA only": the dry run never checked the strategies the GPU run checks first. Under the interpreter they run
+    (float32 through the kernels); without it they still say why not."""
+    from condcomp.bench.gpu_cells import every_strategy_tuning
+    from condcomp.executors.gathered import GatheredExecutor, pairs
+
+    cpu = torch.device("cpu")
+    for name, strategy in (("seq", "sequence.triton"), ("token", "token.triton")):
+        w, inputs, plan, _ = gpu_check.case(name, torch.float32, cpu, quick=True)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        why = dict(GatheredExecutor(tuning=every_strategy_tuning(cpu)).explain(w, inputs, plan))[strategy]
+        assert why and "CUDA only" in why[0]
+        if pairs.triton_available():
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+            assert every_strategy_tuning(cpu).pair_kernels_on_cpu
+            assert dict(GatheredExecutor(tuning=every_strategy_tuning(cpu)).explain(w, inputs, plan))[strategy] == []
+    assert not every_strategy_tuning(torch.device("cuda")).pair_kernels_on_cpu  # CUDA runs them anyway
+
+
 def _strategies(granularity: str) -> set[str]:
     return {s.name for s in STRATEGIES[granularity]}
 
