@@ -54,7 +54,9 @@ TOL = {torch.float32: 2e-3, torch.bfloat16: 5e-2}  # max abs error relative to t
 GRAD_TOL = 4  # gradients: this many times the output's tolerance
 CASES = ("seq", "seq_causal", "seq_gqa", "seq_same", "token", "token_per_head", "token_causal", "token_gqa")
 TENSORS = ("y", "x", "q_weight", "k_weight", "o_weight", "o_bias", "gates")
-CHECK_SIZES = {False: (6, 64, 256, 8, 32), True: (6, 16, 64, 8, 8)}  # quick: (B, T, D, H, Dh)
+# (B, T, D, H, Dh); the GPU run's sizes leave partial tiles: T = 80 is not a multiple of the kernels' 64-row tiles
+# and Dh = 40 not a power of two (partial output and reduction tiles), where a masked load or store would go wrong
+CHECK_SIZES = {False: (6, 80, 320, 8, 40), True: (6, 16, 64, 8, 8)}  # True: --quick
 DEFAULT_BUDGET_S = 480.0  # one device command runs at most 10 minutes: the rest is start-up and margin
 MARGIN_S = 10.0  # kept for writing the records after the last cell
 

@@ -121,6 +121,20 @@ def test_a_cpu_dry_run_under_the_interpreter_checks_the_triton_strategies(monkey
     assert not every_strategy_tuning(torch.device("cuda")).pair_kernels_on_cpu  # CUDA runs them anyway
 
 
+def test_the_gpu_runs_checks_leave_partial_kernel_tiles() -> None:
+    """The checks are the only run of the Triton kernels on a GPU before their timings: at T = 64 and Dh = 32 every
+    tile of the pair kernels was full, so no masked edge of a compiled kernel was ever checked there. Their sizes
+    now leave partial row tiles (T not a multiple of 64), a head width that is not a power of two (partial output
+    and reduction tiles) and partial blocks of keys."""
+    pytest.importorskip("triton")
+    from condcomp.executors.gathered.pairs.launch import COLS, REDUCE, ROWS
+
+    B, T, D, H, Dh = gpu_check.CHECK_SIZES[False]
+    assert T % ROWS and T > ROWS and Dh & (Dh - 1) and Dh % COLS and Dh % REDUCE and D == H * Dh
+    w, inputs, plan, _ = gpu_check.case("seq", torch.float32, torch.device("cpu"))
+    assert inputs.x.shape == (B, T, D) and w.layout.head_dim == Dh
+
+
 def _strategies(granularity: str) -> set[str]:
     return {s.name for s in STRATEGIES[granularity]}
 
