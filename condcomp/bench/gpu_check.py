@@ -334,8 +334,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes (checks and timings), s in {0.25, 1.0}, 2 repetitions: a smoke test")
     parser.add_argument("--budget-s", type=finite_float(above=0), default=DEFAULT_BUDGET_S,
-                        help=f"wall-clock seconds for the whole run (default {DEFAULT_BUDGET_S:g}): no cell is started "
-                        "that would not finish in time; what was timed is written")
+                        help=f"wall-clock seconds for the whole run (default {DEFAULT_BUDGET_S:g}): the checks always "
+                        "run first (they count against it), then no cell is started that would not finish in time; "
+                        "what was timed is written")
     parser.add_argument("--reps", type=integer(at_least=1), default=None,
                         help="timed repetitions per variant and pass (default 11; 2 with --quick)")
     parser.add_argument("--compile", choices=("auto", "targets", "all", "off"), default="auto",
