@@ -229,7 +229,8 @@ _BLOCKS_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def _hosts_set(model: nn.Module, attr: str, value: object, caller: str) -> Iterator[None]:
-    """Set ``attr`` on every routing host of ``model`` for the block, then restore each host's own value.
+    """Set ``attr`` on every routing host of ``model`` for the block (to ``value``, or ``value(host)`` where it is
+    callable: a per-layer value), then restore each host's own value.
 
     The setting is the model's, seen by every thread that calls it. Blocks nest within one thread and close in the
     reverse order they opened. A block entered while another thread is inside one on the same model is refused; a
@@ -252,7 +253,7 @@ def _hosts_set(model: nn.Module, attr: str, value: object, caller: str) -> Itera
             block = _Block(attr, getattr(h, attr))
             _BLOCKS.setdefault(h, (me, []))[1].append(block)
             opened.append(block)
-            setattr(h, attr, value)
+            setattr(h, attr, value(h) if callable(value) else value)
     try:
         yield
     finally:
@@ -365,7 +366,8 @@ def budget(model: nn.Module, fraction: float) -> Iterator[nn.Module]:
     0.5
     """
     check_budget_fraction(routing_hosts(model), fraction)
-    with _hosts_set(model, "budget_fraction", float(fraction), "condcomp.budget"):
+    with _hosts_set(model, "budget_fraction", float(fraction), "condcomp.budget"), \
+            _hosts_set(model, "budget_cap", lambda host: host.budget_cap_of(float(fraction)), "condcomp.budget"):
         yield model
 
 

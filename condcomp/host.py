@@ -95,6 +95,7 @@ class RoutingHost(nn.Module):
         self.condcomp_disabled = False  # set by condcomp.disabled(model): run the original module instead
         self.prompt_len: int | None = None  # set by condcomp.plan_from_prompt: sequence plans see the prompt only
         self.budget_fraction: float | None = None  # set by condcomp.budget: every row keeps this fraction
+        self.budget_cap: int | None = None  # ... and its k_cap (budget_cap_of), a host int: compile specialises it
         self._keep_routing_float32()
 
     @property
@@ -112,6 +113,7 @@ class RoutingHost(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("prompt_len", None)
         self.__dict__.setdefault("budget_fraction", None)
+        self.__dict__.setdefault("budget_cap", None)
         self.__dict__.setdefault("condcomp_notices", Notices())
 
     # --------------------------------------------------------------------------------------------- progress
@@ -221,15 +223,22 @@ class RoutingHost(nn.Module):
             return self.condcomp_policy(x, mask, condition=condition)  # type: ignore[no-any-return]
         return self.condcomp_policy(x, mask)  # type: ignore[no-any-return]
 
+    def _budget_rule(self) -> tuple[int, int, Any]:
+        policy = self.condcomp_policy
+        return self.layout.num_heads, int(getattr(policy, "k_min", 1)), getattr(policy, "rounding", "floor")
+
+    def budget_cap_of(self, fraction: float) -> int:
+        """The ``k_cap`` :func:`condcomp.budget` declares at ``fraction`` for this layer (its policy's rounding and
+        ``k_min``): computed on the host when the block opens, so that ``torch.compile`` specialises an int (a
+        changed fraction recompiles) instead of tracing the fraction as a symbol that host rounding cannot take."""
+        return budget_k_bound(fraction, *self._budget_rule())
+
     def _fixed_budget(self, budget: Budget, fraction: float) -> Budget:
         # condcomp.budget: the policy's budget shape and rounding rule, every row at the given fraction, no
         # auxiliary losses (the policy did not choose it)
-        policy = self.condcomp_policy
         s = torch.full_like(budget.s, fraction)
-        H, k_min = self.layout.num_heads, int(getattr(policy, "k_min", 1))
-        rounding: Any = getattr(policy, "rounding", "floor")
-        k = budget_k(s, H, k_min, rounding)
-        bound = budget_k_bound(fraction, H, k_min, rounding)
+        k = budget_k(s, *self._budget_rule())
+        bound = self.budget_cap if self.budget_cap is not None else self.budget_cap_of(fraction)
         return Budget(s=s, k=k, imposed=True, k_cap=bound, k_floor=bound)
 
     def aux_losses(self) -> dict[str, Tensor]:

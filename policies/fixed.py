@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +40,24 @@ class FixedPolicy(nn.Module):
         self.num_heads, self.fraction, self.k_min, self.rounding = num_heads, fraction, k_min, rounding
         self.per_token = per_token
 
+    _CAP_FIELDS: ClassVar[tuple[str, ...]] = ("num_heads", "fraction", "k_min", "rounding")
+    _cap: int
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting ``fraction``, ``k_min`` or ``rounding`` on a built policy (a budget sweep) checks the value and
+        recomputes the declared cap as a host int: ``torch.compile`` recompiles on a changed int attribute, while
+        it traces a changed float as a symbol that the host rounding of :func:`budget_k_bound` cannot take (a
+        ``fullgraph=True`` model failed with "torch.* op returned non-Tensor" after ``policy.fraction = 0.25``)."""
+        if name in self._CAP_FIELDS[1:] and all(f in self.__dict__ for f in self._CAP_FIELDS):
+            options = {f: getattr(self, f) for f in self._CAP_FIELDS[1:]} | {name: value}
+            self.validate_options(**options)  # type: ignore[arg-type]
+            if int(options["k_min"]) > self.num_heads:  # type: ignore[call-overload]
+                raise ValueError(f"fixed policy: k_min={options['k_min']} exceeds the layer's {self.num_heads} heads")
+        super().__setattr__(name, value)
+        if name in self._CAP_FIELDS and all(f in self.__dict__ for f in self._CAP_FIELDS):
+            super().__setattr__("_cap", budget_k_bound(float(self.fraction), self.num_heads, self.k_min,
+                                                       self.rounding))  # type: ignore[arg-type]
+
     @staticmethod
     def validate_options(fraction: float = 0.5, k_min: int = 1, rounding: str = "floor", **_: object) -> None:
         check_options("fixed policy", FixedPolicy.options, {"fraction": fraction, "k_min": k_min})
@@ -50,5 +68,5 @@ class FixedPolicy(nn.Module):
         shape = x.shape[:2] if self.per_token else x.shape[:1]
         s = torch.full(shape, float(self.fraction), device=x.device)
         k = budget_k(s, self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
-        cap = budget_k_bound(float(self.fraction), self.num_heads, self.k_min, self.rounding)  # type: ignore[arg-type]
+        cap = self._cap  # budget_k_bound of the options, kept by __setattr__: a host int, specialised by compile
         return Budget(s=s, k=k, k_cap=cap, k_floor=cap)  # every row's k is this one number

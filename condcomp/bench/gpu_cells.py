@@ -33,7 +33,7 @@ from condcomp.bench.attention import Block, draw_ks, make_router, paired_ratio, 
 from condcomp.bench.decode_compiled import cudagraph_skips
 from condcomp.bench.gpu_profile import profile_variants
 from condcomp.executors.auto import get_executor
-from condcomp.executors.gathered import GatheredExecutor, GatheredTuning, tuning_for
+from condcomp.executors.gathered import GatheredExecutor, GatheredTuning, pairs, tuning_for
 from condcomp.types import AttentionInputs, HeadPlan
 
 SHAPES = ((8, 2048, 2048, 32), (64, 512, 768, 12))  # (B, T, D, H)
@@ -124,8 +124,12 @@ def _leaf_gates(plan: HeadPlan) -> HeadPlan:
 
 def every_strategy_tuning(device: torch.device) -> GatheredTuning:
     """The device's tuning with every strategy allowed: calls sized (so the sized strategies are listed too) and the
-    opt-in Triton pair kernels on; each strategy is then forced by name (an unsized one runs unsized)."""
-    return replace(tuning_for(device), static_sequence=False, static_token=False, pair_kernels=True, min_set_work=0)
+    opt-in Triton pair kernels on; each strategy is then forced by name (an unsized one runs unsized). On CPU under
+    Triton's interpreter (``TRITON_INTERPRET=1``) the kernels run there too (float32; bfloat16 through the ops' torch
+    fallback), so that a CPU dry run checks the Triton strategies the GPU run will."""
+    on_cpu = device.type == "cpu" and pairs.interpreting() and pairs.triton_available()
+    return replace(tuning_for(device), static_sequence=False, static_token=False, pair_kernels=True, min_set_work=0,
+                   pair_kernels_on_cpu=on_cpu)
 
 
 def _compiled(w: Any, x: Tensor, plan: HeadPlan, backend: str) -> Callable[[], Tensor]:

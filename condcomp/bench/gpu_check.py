@@ -3,6 +3,7 @@ against the reference executor, then dense / the k-head floor / masked / gathere
 
     condcomp bench gpu-check --out results/bench/gpu_check/h100                 # on a CUDA GPU, within 480 s
     condcomp bench gpu-check --device cpu --quick --out /tmp/gpu_check         # end to end on CPU, tiny shapes
+    TRITON_INTERPRET=1 condcomp bench gpu-check --device cpu --quick --out /tmp/gpu_check  # + the Triton strategies
 
 1. Checks: each strategy of the gathered dispatch table that can run a case (``GatheredExecutor(strategy=NAME)``
    under ``every_strategy_tuning``: the opt-in Triton kernels included; the others with their reasons) against the
@@ -15,7 +16,8 @@ against the reference executor, then dense / the k-head floor / masked / gathere
 ``--budget-s`` bounds the whole run: a cell that would not finish in the time left is not started (a later, smaller
 one may be), and the records (rewritten after every cell) name the cells not started. Writes ``checks.json``,
 ``metrics.json``, ``tuning.json`` (``auto``'s CUDA thresholds fitted to the bfloat16 cells:
-``condcomp.bench.gpu_tuning``) and ``table.md`` into ``--out``, each with the command, commit and device. Exits 1 if
+``condcomp.bench.gpu_tuning``) and ``table.md`` into ``--out``, each with the command, commit and device (strict
+JSON: a non-finite number, such as a fitted "never" threshold, is the string ``"inf"``). Exits 1 if
 a check fails or a timed gathered variant's output differs from the masked executor's on the same plan by more than
 the checks' tolerance.
 """
@@ -26,6 +28,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,6 +46,7 @@ from condcomp.bench.gpu_tuning import tuning_lines, tuning_record
 from condcomp.cli_args import compile_backend, finite_float, integer, output_folder
 from condcomp.executors.auto import get_executor
 from condcomp.executors.gathered import GatheredExecutor
+from condcomp.executors.gathered.pairs import tf32_matmul
 from condcomp.plans import plan_from_active, top_k_mask
 from condcomp.types import AttentionInputs, AttentionWeights, HeadLayout, HeadPlan
 
@@ -50,7 +54,9 @@ TOL = {torch.float32: 2e-3, torch.bfloat16: 5e-2}  # max abs error relative to t
 GRAD_TOL = 4  # gradients: this many times the output's tolerance
 CASES = ("seq", "seq_causal", "seq_gqa", "seq_same", "token", "token_per_head", "token_causal", "token_gqa")
 TENSORS = ("y", "x", "q_weight", "k_weight", "o_weight", "o_bias", "gates")
-CHECK_SIZES = {False: (6, 64, 256, 8, 32), True: (6, 16, 64, 8, 8)}  # quick: (B, T, D, H, Dh)
+# (B, T, D, H, Dh); the GPU run's sizes leave partial tiles: T = 80 is not a multiple of the kernels' 64-row tiles
+# and Dh = 40 not a power of two (partial output and reduction tiles), where a masked load or store would go wrong
+CHECK_SIZES = {False: (6, 80, 320, 8, 40), True: (6, 16, 64, 8, 8)}  # True: --quick
 DEFAULT_BUDGET_S = 480.0  # one device command runs at most 10 minutes: the rest is start-up and margin
 MARGIN_S = 10.0  # kept for writing the records after the last cell
 
@@ -146,10 +152,28 @@ def _raised(row: dict[str, Any], error: Exception) -> dict[str, Any]:
     return {**row, "tensor": None, "ok": False, "error": text}
 
 
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float as the string ``"inf"``, ``"-inf"`` or ``"nan"``: json.dumps writes
+    ``Infinity``/``NaN``, which strict JSON readers (jq, JavaScript, most other languages) refuse, and a fit whose
+    path is "never gathered" holds ``inf`` (``tuning.json``). Python reads the strings back with ``float()``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write one of the run's records as strict JSON (:func:`_strict`)."""
+    path.write_text(json.dumps(_strict(value), indent=1, allow_nan=False))
+
+
 def write_checks(out: Path, header: dict[str, Any], results: list[dict[str, Any]]) -> bool:
     """Rewrite ``checks.json`` with the checks so far; returns whether none failed."""
     all_ok = all(r["ok"] is not False for r in results)
-    (out / "checks.json").write_text(json.dumps({**header, "all_ok": all_ok, "checks": results}, indent=1))
+    write_json(out / "checks.json", {**header, "all_ok": all_ok, "checks": results})
     return all_ok
 
 
@@ -186,7 +210,7 @@ def run_header(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     return {"command": command_line(args), "commit": _commit(),
             "device": torch.cuda.get_device_name(dev) if cuda else f"CPU ({os.cpu_count()} cores)",
             "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None, "triton": _version("triton"),
-            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32 if cuda else None,
+            "tf32_matmul": tf32_matmul() if cuda else None,
             "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "budget_s": args.budget_s, "threads": torch.get_num_threads()}
 
@@ -295,9 +319,9 @@ def write(out: Path, header: dict[str, Any], records: list[dict[str, Any]], summ
     meta = {**header, "elapsed_s": round(elapsed, 1), "cells_done": len(summaries),
             "cells_failed": sum("cell" in c["not_run"] for c in summaries), "wrong_answers": wrong_answers(records)}
     meta["complete"] = meta["cells_done"] == header["cells_total"] and not meta["cells_failed"]
-    (out / "metrics.json").write_text(json.dumps({**meta, "cells": summaries, "records": records}, indent=1))
+    write_json(out / "metrics.json", {**meta, "cells": summaries, "records": records})
     tuning = tuning_record(records, on_cuda=header.get("cuda") is not None)
-    (out / "tuning.json").write_text(json.dumps({**header, **tuning}, indent=1))
+    write_json(out / "tuning.json", {**header, **tuning})
     (out / "table.md").write_text(table(meta, records, summaries) + "\n\n" + "\n".join(tuning_lines(tuning)) + "\n")
     return meta
 
@@ -310,8 +334,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes (checks and timings), s in {0.25, 1.0}, 2 repetitions: a smoke test")
     parser.add_argument("--budget-s", type=finite_float(above=0), default=DEFAULT_BUDGET_S,
-                        help=f"wall-clock seconds for the whole run (default {DEFAULT_BUDGET_S:g}): no cell is started "
-                        "that would not finish in time; what was timed is written")
+                        help=f"wall-clock seconds for the whole run (default {DEFAULT_BUDGET_S:g}): the checks always "
+                        "run first (they count against it), then no cell is started that would not finish in time; "
+                        "what was timed is written")
     parser.add_argument("--reps", type=integer(at_least=1), default=None,
                         help="timed repetitions per variant and pass (default 11; 2 with --quick)")
     parser.add_argument("--compile", choices=("auto", "targets", "all", "off"), default="auto",

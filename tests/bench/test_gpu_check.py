@@ -70,6 +70,71 @@ def test_the_full_grid_on_a_cpu_is_refused_and_names_quick(tmp_path: Path, capsy
     assert not (tmp_path / "out").exists()
 
 
+def _strict_load(path: Path) -> Any:
+    """``json.loads`` as strict readers (jq, JavaScript) parse: ``Infinity`` and ``NaN`` are errors."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{path.name} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_the_records_are_strict_json_when_gathered_never_wins(tmp_path: Path) -> None:
+    """Cells where gathered is always slower than masked fit the threshold "never gathered" (``inf``): tuning.json
+    wrote it as ``Infinity``, which strict JSON readers refuse. It is written as the string ``"inf"`` now, and the
+    CUDA fields a person copies stay finite numbers."""
+    records = []
+    for s, pas in [(s, p) for s in (0.25, 1.0) for p in ("fwd", "fwd+bwd")]:
+        for variant, ratio in (("dense", 1.0), ("floor", s), ("masked", 1.1), ("gathered", 2.0)):
+            records.append({"shape": {"B": 2, "T": 16, "D": 64, "H": 8}, "granularity": "sequence", "s": s, "k": 2,
+                            "dtype": "bfloat16", "variant": variant, "pass": pas, "target_cell": False,
+                            "strategy": "sequence.static" if variant == "gathered" else None, "ms": ratio,
+                            "paired_to_dense": ratio, "paired_to_floor": ratio / s, "rel_err_vs_masked": None})
+    header = {"command": "condcomp bench gpu-check", "commit": "abc", "device": "GPU", "torch": torch.__version__,
+              "cuda": "12", "started_utc": "now", "cells_total": 2, "not_started": [], "stopped": None,
+              "nan_field": float("nan")}
+    gpu_check.write(tmp_path, header, records, [], 1.0)
+    tuning = _strict_load(tmp_path / "tuning.json")
+    assert tuning["fits"]["sequence"]["min_skipped_work"] == "inf"  # never gathered: float("inf") reads it back
+    assert tuning["fields"]["min_skipped_work_sequence"] == 2**40 and tuning["fields"]["measured"] is True
+    assert _strict_load(tmp_path / "metrics.json")["nan_field"] == "nan"
+    gpu_check.write_checks(tmp_path, header, [{"case": "seq", "rel_err": float("inf"), "ok": False}])
+    assert _strict_load(tmp_path / "checks.json")["checks"][0]["rel_err"] == "inf"
+
+
+def test_a_cpu_dry_run_under_the_interpreter_checks_the_triton_strategies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TRITON_INTERPRET=1 condcomp bench gpu-check --device cpu --quick`` listed sequence.triton and token.triton
+    as "CUDA only": the dry run never checked the strategies the GPU run checks first. Under the interpreter they run
+    (float32 through the kernels); without it they still say why not."""
+    from condcomp.bench.gpu_cells import every_strategy_tuning
+    from condcomp.executors.gathered import GatheredExecutor, pairs
+
+    cpu = torch.device("cpu")
+    for name, strategy in (("seq", "sequence.triton"), ("token", "token.triton")):
+        w, inputs, plan, _ = gpu_check.case(name, torch.float32, cpu, quick=True)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        why = dict(GatheredExecutor(tuning=every_strategy_tuning(cpu)).explain(w, inputs, plan))[strategy]
+        assert why and "CUDA only" in why[0]
+        if pairs.triton_available():
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+            assert every_strategy_tuning(cpu).pair_kernels_on_cpu
+            assert dict(GatheredExecutor(tuning=every_strategy_tuning(cpu)).explain(w, inputs, plan))[strategy] == []
+    assert not every_strategy_tuning(torch.device("cuda")).pair_kernels_on_cpu  # CUDA runs them anyway
+
+
+def test_the_gpu_runs_checks_leave_partial_kernel_tiles() -> None:
+    """The checks are the only run of the Triton kernels on a GPU before their timings: at T = 64 and Dh = 32 every
+    tile of the pair kernels was full, so no masked edge of a compiled kernel was ever checked there. Their sizes
+    now leave partial row tiles (T not a multiple of 64), a head width that is not a power of two (partial output
+    and reduction tiles) and partial blocks of keys."""
+    pytest.importorskip("triton")
+    from condcomp.executors.gathered.pairs.launch import COLS, REDUCE, ROWS
+
+    B, T, D, H, Dh = gpu_check.CHECK_SIZES[False]
+    assert T % ROWS and T > ROWS and Dh & (Dh - 1) and Dh % COLS and Dh % REDUCE and D == H * Dh
+    w, inputs, plan, _ = gpu_check.case("seq", torch.float32, torch.device("cpu"))
+    assert inputs.x.shape == (B, T, D) and w.layout.head_dim == Dh
+
+
 def _strategies(granularity: str) -> set[str]:
     return {s.name for s in STRATEGIES[granularity]}
 

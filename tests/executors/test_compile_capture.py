@@ -139,6 +139,31 @@ def test_a_capped_plan_computes_the_cap_under_compile() -> None:
     assert {u.strategy for u in condcomp.head_usage(model).values()} == {"sequence.static"}
 
 
+@pytest.mark.slow  # about 7 s: three compiles
+def test_a_changed_fixed_fraction_recompiles_with_its_own_cap() -> None:
+    """A budget sweep on one compiled model: ``policy.fraction`` set to 0.25, then 1.0 after a first call at 0.5.
+    The recompiled graph failed under ``fullgraph=True`` (the changed float traced as a symbol that the cap's host
+    rounding cannot take); it now recompiles with each fraction's cap and equals the reference executor, and a
+    fraction out of range is refused when set."""
+    model = build("stack", "fixed", "gathered", False)
+    reference = with_executor(model, "reference")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for fraction, k in ((0.5, 2), (0.25, 1), (1.0, 4)):
+        for m in (model, reference):
+            for policy in m.modules():
+                if hasattr(policy, "fraction"):
+                    policy.fraction = fraction
+        y = compiled(*inputs("stack"))
+        torch.testing.assert_close(y, reference(*inputs("stack")), atol=1e-5, rtol=1e-5)
+        plans = [m.last.plan for m in model.modules() if isinstance(m, condcomp.RoutedAttention)]
+        assert [p.k_cap for p in plans] == [k, k] and all(p.counts.tolist() == [k] * 3 for p in plans)
+    policy = next(p for p in model.modules() if hasattr(p, "fraction"))
+    with pytest.raises(ValueError, match="fraction"):
+        policy.fraction = 1.5
+    assert policy.fraction == 1.0
+
+
 @pytest.mark.parametrize("policy", ["fixed", "budgetformer"])
 def test_auto_is_captured_too(policy: str) -> None:
     model = build("stack", policy, "auto", False)

@@ -201,3 +201,29 @@ def test_condcomp_budget_declares_its_fraction_as_the_cap() -> None:
     with condcomp.budget(model, 0.25):
         model(torch.randn(2, 5, 16))
     assert model[0].last is not None and model[0].last.plan.k_cap == 2
+
+
+def test_a_budget_sweep_recompiles_with_each_fractions_cap() -> None:
+    """``condcomp.budget`` at 0.5, 0.25 and 1.0 around one ``torch.compile(fullgraph=True)`` model: the second
+    fraction failed ("torch.* op returned non-Tensor": the changed fraction traced as a symbol that the cap's host
+    rounding cannot take). Each block now declares its cap as a host int, recompiles with it, and equals the reference
+    executor at the same budget; after the blocks the policy's own budget is back."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(condcomp.HeadAttention(16, 8)).eval()
+    condcomp.apply_(model, condcomp.CondCompConfig(policy="full", router="topk", executor="gathered"))
+    reference = copy.deepcopy(model)
+    reference[0].executor = "reference"
+    x = torch.randn(3, 5, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for fraction, k in ((0.5, 4), (0.25, 2), (1.0, 8)):
+        with condcomp.budget(model, fraction), condcomp.budget(reference, fraction):
+            y, want = compiled(x), reference(x)
+        torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+        plan = model[0].last.plan
+        assert plan.k_cap == k and plan.counts.tolist() == [k] * 3
+    assert model[0].budget_fraction is None and model[0].budget_cap is None
+    compiled(x)
+    assert model[0].last.plan.counts.tolist() == [8] * 3

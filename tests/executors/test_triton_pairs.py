@@ -213,6 +213,35 @@ def test_wrong_inputs_are_named() -> None:
         ops.pair_output(torch.randn(B, E, T, Dh), torch.randn(D, E * Dh), torch.rand(B, 2), heads, cnt, None)
 
 
+@pytest.fixture
+def fp32_precision() -> Iterator[object]:
+    """torch's float32 matmul precision, set through the new API (torch 2.9+) and put back after the test."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        before = matmul.fp32_precision
+    except AttributeError:
+        pytest.skip("this torch has no torch.backends.cuda.matmul.fp32_precision (before 2.9)")
+    yield matmul
+    matmul.fp32_precision = before
+
+
+def test_tf32_set_through_the_new_api_is_read_not_raised(fp32_precision: object) -> None:
+    """``fp32_precision = "tf32"`` (torch's recommended API) makes reading the legacy ``allow_tf32`` raise: the
+    kernels' precision follows it instead (TF32 products where torch's matmul uses them), and a float32 call runs."""
+    pytest.importorskip("triton")
+    from condcomp.executors.gathered.pairs import tiles
+
+    fp32_precision.fp32_precision = "tf32"  # type: ignore[attr-defined]
+    assert pairs.tf32_matmul() and tiles.precision(torch.float32) is None
+    assert tiles.precision(torch.bfloat16) is None
+    heads, cnt = plan([1, 2, 3], E)
+    x, w = torch.randn(B, T, D), torch.randn(E, Dh, D)
+    torch.testing.assert_close(ops.pair_project(x, w, None, heads, cnt), project_loop(x, w, None, heads, cnt),
+                               atol=1e-2, rtol=1e-2)  # TF32 tolerance (the interpreter multiplies in IEEE anyway)
+    fp32_precision.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    assert not pairs.tf32_matmul() and tiles.precision(torch.float32) == "ieee"
+
+
 def opcheck_args() -> list[tuple[object, tuple]]:
     heads, cnt = plan([0, 2, E], E)
     project = (leaf(B, T, D), leaf(E, Dh, D), leaf(E, Dh), heads, cnt)

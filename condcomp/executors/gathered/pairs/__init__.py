@@ -47,6 +47,17 @@ def kernel_runs(t: Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and interpreting()
 
 
+def tf32_matmul() -> bool:
+    """Whether torch allows TF32 for float32 CUDA matmuls (the pair kernels then multiply float32 as TF32, as torch's
+    matmul does). Read through ``torch.backends.cuda.matmul.fp32_precision`` where torch has it (2.9+): reading the
+    legacy ``allow_tf32`` raises once the new API set the precision (``fp32_precision = "tf32"``)."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.fp32_precision == "tf32")
+    except AttributeError:  # torch before 2.9: the legacy flag only
+        return bool(matmul.allow_tf32)
+
+
 def call_rejections(call: GatheredCall) -> list[str]:
     """Why a call cannot run the Triton pair kernels (empty: it can), for the strategies that use them
     (``sequence.triton``, ``token.triton``): CUDA only unless ``tuning.pair_kernels_on_cpu``, triton installed, a

@@ -5,7 +5,8 @@ row per pair (``T == 1``: token plans) go to row_launch.py (sorted blocks of pai
 One configuration per kernel, no autotuning (the interpreter runs none, and a fixed launch is what CUDA graphs
 replay): 64-wide tiles along rows and outputs, 32 along the reduction, each shrunk to the next power of two of a
 small dimension (at least 16, what ``tl.dot`` needs). float32 inputs multiply in IEEE float32 unless torch allows
-TF32 matmuls (``torch.backends.cuda.matmul.allow_tf32``), as torch's own matmul does.
+TF32 matmuls (``torch.backends.cuda.matmul.fp32_precision = "tf32"``, or the legacy ``allow_tf32``), as torch's own
+matmul does.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import torch
 import triton
 from torch import Tensor
 
+from condcomp.executors.gathered.pairs import tf32_matmul
 from condcomp.executors.gathered.pairs.fallback import active_pairs
 
 ROWS, COLS, REDUCE = 64, 64, 32
@@ -18,7 +19,7 @@ def block(n: int, most: int) -> int:
 
 def precision(dtype: torch.dtype) -> str | None:
     """IEEE float32 products unless torch allows TF32; None (the target's default) for half-precision inputs."""
-    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else None
+    return "ieee" if dtype == torch.float32 and not tf32_matmul() else None
 
 
 def optional(t: Tensor | None, like: Tensor, dims: int) -> tuple[Tensor, tuple[int, ...]]:
