@@ -55,8 +55,15 @@ class FixedPolicy(nn.Module):
                 raise ValueError(f"fixed policy: k_min={options['k_min']} exceeds the layer's {self.num_heads} heads")
         super().__setattr__(name, value)
         if name in self._CAP_FIELDS and all(f in self.__dict__ for f in self._CAP_FIELDS):
-            super().__setattr__("_cap", budget_k_bound(float(self.fraction), self.num_heads, self.k_min,
-                                                       self.rounding))  # type: ignore[arg-type]
+            self._keep_cap()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # one pickled before the cap was kept gets it
+        super().__setstate__(state)
+        self._keep_cap()
+
+    def _keep_cap(self) -> None:
+        super().__setattr__("_cap", budget_k_bound(float(self.fraction), self.num_heads, self.k_min,
+                                                   self.rounding))  # type: ignore[arg-type]
 
     @staticmethod
     def validate_options(fraction: float = 0.5, k_min: int = 1, rounding: str = "floor", **_: object) -> None:

@@ -52,3 +52,31 @@ def test_an_executor_override_takes_effect_after_the_old_one_ran(restore_registr
     condcomp.register_executor("reference", override=True)(Counting)
     torch.testing.assert_close(model(x), want)
     assert calls == ["new"]
+
+
+def test_a_subclass_registered_under_its_own_key_reports_that_key(restore_registries: None) -> None:
+    """docs/gpu-kernels.md's way to run another tuning: a ``GatheredExecutor`` subclass registered as
+    ``gathered_triton``. ``head_usage`` names the registered key, not the parent's ``gathered``; a
+    class that sets its own name keeps it."""
+    from dataclasses import replace
+
+    from condcomp.executors.gathered import CPU, GatheredExecutor
+
+    @condcomp.register_executor("test_gathered_tuned")
+    class Tuned(GatheredExecutor):
+        def __init__(self) -> None:
+            super().__init__(tuning=replace(CPU, static_sequence=True))
+
+    @condcomp.register_executor("test_reference_named")
+    class Named(ReferenceExecutor):
+        name = "my_reference"
+
+    model = nn.Sequential(condcomp.HeadAttention(16, 4))
+    condcomp.apply_(model, condcomp.CondCompConfig(policy=("fixed", {"fraction": 0.5}), router="topk",
+                                                   executor="test_gathered_tuned"))
+    model(torch.randn(2, 3, 16))
+    assert {u.executor for u in condcomp.head_usage(model).values()} == {"test_gathered_tuned"}
+    model = nn.Sequential(condcomp.HeadAttention(16, 4))
+    condcomp.apply_(model, condcomp.CondCompConfig(policy="full", router="random", executor="test_reference_named"))
+    model(torch.randn(2, 3, 16))
+    assert {u.executor for u in condcomp.head_usage(model).values()} == {"my_reference"}

@@ -50,8 +50,21 @@ def get_executor(name: str) -> Any:
     factory = EXECUTORS.get(key)
     cached = _INSTANCES.get(key)
     if cached is None or cached[0] is not factory:  # a name registered again (override=True) takes effect at once
-        cached = _INSTANCES[key] = (factory, factory())
+        cached = _INSTANCES[key] = (factory, _named(factory(), key))
     return cached[1]
+
+
+def _named(executor: Any, key: str) -> Any:
+    """``executor`` reporting ``key`` as its name (what ``head_usage`` and ``explain`` say ran) when its class
+    inherits the name of the executor it derives from (a ``GatheredExecutor`` subclass with another tuning,
+    registered under its own key); a name the class sets itself is kept."""
+    inherited = "name" not in vars(type(executor)) and "name" not in getattr(executor, "__dict__", {})
+    if inherited and getattr(executor, "name", key) != key:
+        try:
+            executor.name = key
+        except (AttributeError, TypeError):  # a read-only name (a property, slots): left as it is
+            pass
+    return executor
 
 
 CACHE_EXECUTOR = "kv_cache"  # the executor that runs calls on a compact KV cache when the named one cannot

@@ -11,6 +11,7 @@ load-balance loss in the gradients) at the ``full`` and ``fixed`` budgets, run b
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any
 
 import pytest
@@ -162,6 +163,23 @@ def test_a_changed_fixed_fraction_recompiles_with_its_own_cap() -> None:
     with pytest.raises(ValueError, match="fraction"):
         policy.fraction = 1.5
     assert policy.fraction == 1.0
+
+
+def test_a_fixed_policy_pickled_before_its_cap_was_kept_loads_with_it() -> None:
+    """A wrapped model saved whole (``torch.save(model)``) before the fixed policy kept its cap as an attribute loads
+    and runs: the cap is recomputed from its options (k = floor(0.25 * 8) = 2 by hand), and the outputs equal those
+    of the model it was saved from."""
+    from condcomp.policies.fixed import FixedPolicy
+
+    policy = FixedPolicy(8, fraction=0.25)
+    old = {k: v for k, v in policy.__dict__.items() if k != "_cap"}  # what such a pickle holds
+    loaded = FixedPolicy.__new__(FixedPolicy)
+    loaded.__setstate__(old)
+    x = torch.randn(2, 5, 16)
+    assert loaded(x, None).k_cap == 2 and loaded(x, None).k.tolist() == [2, 2]
+    model = build("stack", "fixed", "gathered", False)
+    again = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(again(*inputs("stack")), model(*inputs("stack")))
 
 
 @pytest.mark.parametrize("policy", ["fixed", "budgetformer"])
