@@ -34,9 +34,7 @@ class FixedPolicy(nn.Module):
     def __init__(self, num_heads: int, fraction: float = 0.5, k_min: int = 1, rounding: Rounding = "floor",
                  per_token: bool = False) -> None:
         super().__init__()
-        self.validate_options(fraction=fraction, k_min=k_min, rounding=rounding)
-        if k_min > num_heads:
-            raise ValueError(f"fixed policy: k_min={k_min} exceeds the layer's {num_heads} heads")
+        self._check(num_heads, fraction, k_min, rounding)
         self.num_heads, self.fraction, self.k_min, self.rounding = num_heads, fraction, k_min, rounding
         self.per_token = per_token
 
@@ -49,10 +47,7 @@ class FixedPolicy(nn.Module):
         it traces a changed float as a symbol that the host rounding of :func:`budget_k_bound` cannot take (a
         ``fullgraph=True`` model failed with "torch.* op returned non-Tensor" after ``policy.fraction = 0.25``)."""
         if name in self._CAP_FIELDS[1:] and all(f in self.__dict__ for f in self._CAP_FIELDS):
-            options = {f: getattr(self, f) for f in self._CAP_FIELDS[1:]} | {name: value}
-            self.validate_options(**options)  # type: ignore[arg-type]
-            if int(options["k_min"]) > self.num_heads:  # type: ignore[call-overload]
-                raise ValueError(f"fixed policy: k_min={options['k_min']} exceeds the layer's {self.num_heads} heads")
+            self._check(**({f: getattr(self, f) for f in self._CAP_FIELDS} | {name: value}))
         super().__setattr__(name, value)
         if name in self._CAP_FIELDS and all(f in self.__dict__ for f in self._CAP_FIELDS):
             self._keep_cap()
@@ -64,6 +59,13 @@ class FixedPolicy(nn.Module):
     def _keep_cap(self) -> None:
         super().__setattr__("_cap", budget_k_bound(float(self.fraction), self.num_heads, self.k_min,
                                                    self.rounding))  # type: ignore[arg-type]
+
+    @classmethod
+    def _check(cls, num_heads: int, fraction: float, k_min: int, rounding: Rounding) -> None:
+        """Refuse options a layer of ``num_heads`` heads cannot take (at construction, and when one is set)."""
+        cls.validate_options(fraction=fraction, k_min=k_min, rounding=rounding)
+        if k_min > num_heads:
+            raise ValueError(f"fixed policy: k_min={k_min} exceeds the layer's {num_heads} heads")
 
     @staticmethod
     def validate_options(fraction: float = 0.5, k_min: int = 1, rounding: str = "floor", **_: object) -> None:

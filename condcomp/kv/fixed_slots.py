@@ -40,11 +40,11 @@ def _static(*tensors: Tensor) -> None:
         torch._dynamo.mark_static_address(t)
 
 
-def refuse_position_bias(position_bias: object, name: str) -> None:
-    """Refuse a relative position bias (T5) on a policy's preallocated slots, naming the policy ``name``."""
-    if position_bias is not None:
-        raise ValueError(f"the KV policy {name!r} on a static cache cannot add a relative position bias (T5) to its "
-                         "slots: generate with the default DynamicCache on such a model")
+def refuse_position_bias(name: str) -> None:
+    """Refuse a relative position bias (T5) on the preallocated slots of the KV policy ``name`` (the caller has
+    one: a call without a bias enters nothing here)."""
+    raise ValueError(f"the KV policy {name!r} on a static cache cannot add a relative position bias (T5) to its "
+                     "slots: generate with the default DynamicCache on such a model")
 
 
 def _attend_pool(q: Tensor, keys: Tensor, values: Tensor, length: Tensor, scale: float) -> Tensor:

@@ -203,7 +203,7 @@ class SnapKV(KVPolicy):
                              "padded prompt width; a wider one says the prompt goes on, as a chunked prefill's does)")
         if isinstance(state, SlotRegion):  # a static cache: every token appended in place
             if position_bias is not None:
-                refuse_position_bias(position_bias, self.name)
+                refuse_position_bias(self.name)
             out, dead = state.attend(q, k, v, query_mask, scale)
             return out, dead, state
         pos = query_positions(None if state is None else state.seen, query_mask, B, T, q.device)  # (B, T)

@@ -59,7 +59,7 @@ class WindowKV(KVPolicy):
                keep: bool, position_bias: RelativeBias | None = None) -> tuple[Tensor, Tensor, Any]:
         if isinstance(state, RingWindow):  # a static cache: the ring is written in place
             if position_bias is not None:
-                refuse_position_bias(position_bias, self.name)
+                refuse_position_bias(self.name)
             out, dead = state.attend(q, k, v, query_mask, scale, self.window_spec)
             return out, dead, state
         if position_bias is not None:

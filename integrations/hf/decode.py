@@ -167,7 +167,7 @@ def refuse_on_static(policy: KVPolicy, position_bias: bool = False) -> None:
     slots on a model that adds a relative position bias to its scores (``position_bias``: T5). Refused at the
     request's prefill, which runs eagerly: a compiled decode step would meet the refusal inside the graph."""
     if position_bias:
-        refuse_position_bias(True, policy.name)
+        refuse_position_bias(policy.name)
     if not policy.holds_fixed_slots:
         raise ValueError(f"the KV policy {policy.name!r} keeps the groups a plan does not keep in a state of its own "
                          "that does not hold a fixed number of slots after the prefill, which a static cache cannot "
